@@ -1,0 +1,42 @@
+// Input checks for op boundaries. Each failure names the op, the argument and what was
+// expected, and raises ValueError in Python (TORCH_CHECK_VALUE -> c10::ValueError).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace v4 {
+
+// A training activation or weight: float32, bfloat16 or float16.
+inline void check_floating(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is undefined");
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op, ": ",
+                    name, " must be float32, bfloat16 or float16, got ", dtype);
+}
+
+inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must have ", dim, " dimension(s), got shape ",
+                    t.sizes());
+}
+
+inline void check_min_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
+  TORCH_CHECK_VALUE(t.dim() >= dim, op, ": ", name, " must have at least ", dim,
+                    " dimension(s), got shape ", t.sizes());
+}
+
+inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+                       int64_t expected, const char* what) {
+  TORCH_CHECK_VALUE(t.size(dim) == expected, op, ": ", name, ".size(", dim, ") must be ", what,
+                    " = ", expected, ", got shape ", t.sizes());
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
+                              const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ",
+                    ref_name, " is on ", ref.device());
+}
+
+}  // namespace v4

@@ -1,0 +1,69 @@
+#include "cc/ops/rms_norm.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cmath>
+
+#include "cc/common/checks.h"
+
+// Named (not anonymous) so that autograd shows the node as CppNode<v4::RmsNorm>.
+namespace v4 {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor scale_of(const at::Tensor& weight, bool zero_centered) {
+  const at::Tensor w = weight.to(at::kFloat);
+  return zero_centered ? w + 1.0 : w;
+}
+
+struct RmsNorm : public torch::autograd::Function<RmsNorm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            double eps, bool zero_centered) {
+    const at::Tensor xf = x.to(at::kFloat);
+    const at::Tensor rstd = at::rsqrt(xf.square().mean(-1, /*keepdim=*/true) + eps);
+    ctx->save_for_backward({x, weight, rstd});
+    ctx->saved_data["zero_centered"] = zero_centered;
+    return (xf * rstd * scale_of(weight, zero_centered)).to(x.scalar_type());
+  }
+
+  // With xhat = x * rstd and s the scale (w or 1 + w), y = xhat * s, so
+  //   dx = rstd * (g*s - xhat * mean(g*s*xhat))      dw = sum over rows of g*xhat
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& rstd = saved[2];
+    const bool zero_centered = ctx->saved_data["zero_centered"].toBool();
+    const at::Tensor g = grads[0].to(at::kFloat);
+    const at::Tensor xhat = x.to(at::kFloat) * rstd;
+
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) {
+      const at::Tensor gs = g * scale_of(weight, zero_centered);
+      dx = (rstd * (gs - xhat * (gs * xhat).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
+    }
+    if (ctx->needs_input_grad(1)) {
+      dw = (g * xhat).reshape({-1, x.size(-1)}).sum(0).to(weight.scalar_type());
+    }
+    return {dx, dw, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace v4
+
+at::Tensor v4_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                       bool zero_centered) {
+  constexpr const char* op = "v4_rms_norm";
+  v4::check_floating(op, "x", x);
+  v4::check_min_dim(op, "x", x, 1);
+  v4::check_floating(op, "weight", weight);
+  v4::check_dim(op, "weight", weight, 1);
+  v4::check_size(op, "weight", weight, 0, x.size(-1), "x.size(-1)");
+  v4::check_same_device(op, "weight", weight, "x", x);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0, op, ": eps must be a finite number > 0, got ",
+                    eps);
+  TORCH_CHECK_VALUE(x.size(-1) > 0, op, ": x.size(-1) must be > 0, got shape ", x.sizes());
+  return v4::RmsNorm::apply(x, weight, eps, zero_centered);
+}

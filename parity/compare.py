@@ -1,0 +1,83 @@
+"""The one comparison helper of the parity suite, and the one tolerance table.
+
+An element passes when |actual - expected| <= atol + rtol * |expected| (torch.testing's rule,
+with its default tolerances per dtype). Given `truth` (the reference evaluated in float64), an
+element that misses also passes when actual is no further from the truth than expected is, plus
+that same allowance: where the reference's own rounding is large (a result near zero obtained by
+cancellation, a long fp32 sum) the C++ op must be as accurate as the reference, not equal to its
+rounding. A failure names the tensor, counts the bad elements, and reports the worst one (index,
+values, error and allowance) and the error norm relative to the expected tensor. It never warns:
+it fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+
+# Keyed by the dtype of the tensors compared. Never loosen an entry to get a test green: a
+# mismatch is a bug to find.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(rtol=1.3e-6, atol=1e-5),
+    torch.bfloat16: Tolerance(rtol=1.6e-2, atol=1e-5),
+    torch.float16: Tolerance(rtol=1e-3, atol=1e-5),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    max_abs_error: float
+    rel_error_norm: float  # ||actual - expected|| / ||expected||
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str,
+                 truth: torch.Tensor | None = None) -> Report:
+    """Fails with a full report unless `actual` matches `expected` within TOLERANCES."""
+    if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        raise AssertionError(f"{name}: expected two tensors, got {type(actual).__name__} and {type(expected).__name__}")
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"{name}: dtype {actual.dtype} != expected {expected.dtype}")
+    if actual.device != expected.device:
+        raise AssertionError(f"{name}: device {actual.device} != expected {expected.device}")
+    tol = TOLERANCES[expected.dtype]
+    a = actual.detach().double().cpu()
+    e = expected.detach().double().cpu()
+    err = (a - e).abs()
+    allowed = tol.atol + tol.rtol * e.abs()
+    # NaN in either is a failure unless both are NaN at the same place; so is inf vs finite.
+    same_nonfinite = (a.isnan() & e.isnan()) | (a.isinf() & e.isinf() & (a.sign() == e.sign()))
+    bad = ~same_nonfinite & ~(err <= allowed)
+    if truth is not None:
+        if truth.shape != expected.shape:
+            raise AssertionError(f"{name}: truth shape {tuple(truth.shape)} != {tuple(expected.shape)}")
+        t = truth.detach().double().cpu()
+        bad &= ~((a - t).abs() <= (e - t).abs() + allowed)
+    finite = ~same_nonfinite
+    diff = (a - e)[finite]
+    ref_norm = e[finite].norm().item()
+    rel = diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()
+    max_abs = err[finite].max().item() if finite.any() else 0.0
+    if bad.any():
+        excess = torch.where(bad, (err - allowed).nan_to_num(nan=float("inf")), torch.full_like(err, -1.0))
+        flat = int(excess.argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), e.shape)) if e.dim() else ()
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {e.numel()} elements outside rtol={tol.rtol:g}, atol={tol.atol:g} "
+            f"({expected.dtype}); worst at {idx}: actual={a.reshape(-1)[flat].item():.9g} "
+            f"expected={e.reshape(-1)[flat].item():.9g} |diff|={err.reshape(-1)[flat].item():.3g} "
+            f"allowed={allowed.reshape(-1)[flat].item():.3g}"
+            + (f" truth={truth.reshape(-1)[flat].item():.9g}" if truth is not None else "")
+            + f"; relative error norm {rel:.3g}; "
+            f"shape {tuple(e.shape)}"
+        )
+    return Report(max_abs_error=max_abs, rel_error_norm=rel)

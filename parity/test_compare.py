@@ -1,0 +1,61 @@
+"""The comparison helper itself: it must fail on real mismatches and say where."""
+
+import pytest
+import torch
+
+from parity.compare import TOLERANCES, assert_close
+
+
+def test_equal_tensors_pass_with_zero_error():
+    x = torch.randn(4, 5)
+    report = assert_close(x, x.clone(), "x")
+    assert report.max_abs_error == 0 and report.rel_error_norm == 0
+
+
+def test_reports_worst_element_and_norm():
+    expected = torch.zeros(3, 4)
+    actual = expected.clone()
+    actual[1, 2] = 0.5
+    actual[2, 3] = 0.01
+    with pytest.raises(AssertionError) as info:
+        assert_close(actual, expected, "out")
+    msg = str(info.value)
+    assert msg.startswith("out: 2 of 12 elements outside")
+    assert "worst at (1, 2)" in msg and "actual=0.5" in msg
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCES, key=str))
+def test_within_tolerance_passes_and_just_outside_fails(dtype):
+    tol = TOLERANCES[dtype]
+    expected = torch.tensor([1.0], dtype=torch.float64)
+    inside = expected * (1 + 0.5 * tol.rtol)
+    outside = expected + 4 * (tol.atol + tol.rtol)
+    assert_close(inside.to(dtype).to(dtype), inside.to(dtype), "inside")
+    with pytest.raises(AssertionError):
+        assert_close(outside.to(dtype), expected.to(dtype), "outside")
+
+
+def test_truth_accepts_what_is_as_accurate_as_the_reference():
+    truth = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    expected = torch.tensor([1.001, 1.0])  # the reference's own rounding: 1e-3 off the truth
+    as_accurate = torch.tensor([0.9991, 1.0])  # 1.9e-3 from expected, 0.9e-3 from the truth
+    with pytest.raises(AssertionError):
+        assert_close(as_accurate, expected, "without truth")
+    assert_close(as_accurate, expected, "with truth", truth=truth)
+    worse = torch.tensor([0.99, 1.0])  # 1e-2 from the truth: a bug, truth or not
+    with pytest.raises(AssertionError, match="worst at \\(0,\\).*truth=1"):
+        assert_close(worse, expected, "worse", truth=truth)
+
+
+def test_nan_fails_unless_both_nan():
+    nan = torch.tensor([float("nan"), 1.0])
+    assert_close(nan, nan.clone(), "both")
+    with pytest.raises(AssertionError, match="1 of 2"):
+        assert_close(nan, torch.tensor([0.0, 1.0]), "one")
+
+
+def test_shape_and_dtype_mismatch_fail():
+    with pytest.raises(AssertionError, match="shape"):
+        assert_close(torch.zeros(2), torch.zeros(3), "s")
+    with pytest.raises(AssertionError, match="dtype"):
+        assert_close(torch.zeros(2), torch.zeros(2, dtype=torch.float64).to(torch.bfloat16), "d")

@@ -1,0 +1,94 @@
+"""v4_rms_norm beyond the generic parity: hand-computed values, dtypes, edge cases, errors."""
+
+import math
+
+import pytest
+import torch
+
+from parity.compare import assert_close
+from parity.strategies import devices
+from v4train.ops import OPS
+
+OP = OPS["v4_rms_norm"]
+IMPLS = {"reference": OP.reference, "cpp": OP.cpp()}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("device", devices())
+def test_hand_computed_values(impl, device):
+    # Row [3, 4]: mean of squares 12.5. Row [1, -1]: 1.
+    x = torch.tensor([[3.0, 4.0], [1.0, -1.0]], device=device)
+    w = torch.tensor([2.0, 0.5], device=device)
+    eps = 1e-6
+    r0, r1 = 1 / math.sqrt(12.5 + eps), 1 / math.sqrt(1 + eps)
+    plain = torch.tensor([[3 * r0 * 2, 4 * r0 * 0.5], [r1 * 2, -r1 * 0.5]], device=device)
+    centred = torch.tensor([[3 * r0 * 3, 4 * r0 * 1.5], [r1 * 3, -r1 * 1.5]], device=device)
+    assert_close(IMPLS[impl](x, w, eps, False), plain, "plain")
+    assert_close(IMPLS[impl](x, w, eps, True), centred, "zero_centered")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_against_float64_autograd(impl):
+    # Independent of both implementations: autograd of the formula in float64.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 37, generator=gen)
+    w = torch.randn(37, generator=gen)
+    g = torch.randn(5, 37, generator=gen)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    (x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-5) * (1 + w64)).backward(g.double())
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    IMPLS[impl](xs, ws, 1e-5, True).backward(g)
+    assert_close(xs.grad, x64.grad.float(), "grad x")
+    assert_close(ws.grad, w64.grad.float(), "grad weight")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mixed_precision_dtypes(impl):
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(16, dtype=torch.float32, requires_grad=True)
+    y = IMPLS[impl](x, w, 1e-6, False)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+
+
+def test_zero_centered_is_plain_with_weight_plus_one():
+    x = torch.randn(3, 8)
+    w = torch.randn(8)
+    cpp = IMPLS["cpp"]
+    assert torch.equal(cpp(x, w, 1e-6, True), cpp(x, w + 1, 1e-6, False))
+
+
+def test_no_rows():
+    x = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    y = IMPLS["cpp"](x, w, 1e-6, False)
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros(8))
+
+
+@pytest.mark.parametrize(
+    "x,w,eps,message",
+    [
+        (torch.zeros(2, 8, dtype=torch.int64), torch.ones(8), 1e-6, "x must be float32, bfloat16 or float16, got Long"),
+        (torch.zeros(2, 8), torch.ones(8, dtype=torch.int32), 1e-6, "weight must be float32, bfloat16 or float16"),
+        (torch.zeros(2, 8), torch.ones(2, 8), 1e-6, "weight must have 1 dimension(s), got shape [2, 8]"),
+        (torch.zeros(2, 8), torch.ones(7), 1e-6, "weight.size(0) must be x.size(-1) = 8, got shape [7]"),
+        (torch.zeros(()), torch.ones(1), 1e-6, "x must have at least 1 dimension(s)"),
+        (torch.zeros(2, 8), torch.ones(8), 0.0, "eps must be a finite number > 0, got 0"),
+        (torch.zeros(2, 8), torch.ones(8), float("nan"), "eps must be a finite number > 0"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(x, w, eps, message):
+    with pytest.raises(ValueError) as info:
+        IMPLS["cpp"](x, w, eps, False)
+    assert message in str(info.value)
+    assert str(info.value).startswith("v4_rms_norm: ")
+    assert "Exception raised from" not in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch():
+    with pytest.raises(ValueError, match="weight is on cpu but x is on cuda"):
+        IMPLS["cpp"](torch.zeros(2, 8, device="cuda"), torch.ones(8), 1e-6, False)

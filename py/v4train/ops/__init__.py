@@ -1,0 +1,19 @@
+"""One Python face per op: each picks C++ or the reference by the run's --cpp_ops selection.
+
+OPS lists every op; it is written out here (no registration by import side effect).
+"""
+
+from v4train.ops import rms_norm
+from v4train.ops.registry import CppOpUnavailable, OpInfo, parse_cpp_ops
+from v4train.ops.registry import select_cpp_ops as _select
+from v4train.ops.rms_norm import v4_rms_norm
+
+OPS: dict[str, OpInfo] = {op.name: op for op in (rms_norm.OP,)}
+
+
+def select_cpp_ops(spec: str) -> set[str]:
+    """Applies a --cpp_ops value ('all', 'none' or a comma list); returns the ops now in C++."""
+    return _select(spec, OPS)
+
+
+__all__ = ["OPS", "CppOpUnavailable", "OpInfo", "parse_cpp_ops", "select_cpp_ops", "v4_rms_norm"]

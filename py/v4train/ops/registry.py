@@ -1,0 +1,72 @@
+"""The op registry: each op's reference, its C++ entry, its dtypes and known limits.
+
+The parity suite loops over it, and the trainer reads it to switch each op between C++ and
+the reference (`select_cpp_ops`, driven by the --cpp_ops flag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+import torch
+
+
+class CppOpUnavailable(ImportError):
+    """The extension module of a C++ op could not be imported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    name: str  # v4_<op>: the C++ function, its nanobind module and the reference function.
+    reference: Callable
+    dtypes: tuple[torch.dtype, ...]
+    limits: str = ""  # What the op does not support yet, in words.
+
+    def cpp(self) -> Callable:
+        """The C++ entry: function `name` of the nanobind module `name`."""
+        try:
+            module = importlib.import_module(self.name)
+        except ImportError as e:
+            raise CppOpUnavailable(
+                f"the C++ op {self.name} is not built or not importable ({e}). Run through "
+                f"`tools/bazel run|test`, or build it without Bazel with `python tools/build_ext.py` "
+                f"and put build/ext on PYTHONPATH; or keep it on the reference path (--cpp_ops=none)."
+            ) from e
+        return getattr(module, self.name)
+
+
+_CPP_SELECTED: set[str] = set()
+
+
+def dispatch(op: OpInfo) -> Callable:
+    """The implementation the run selected for `op`: C++ when selected, else the reference."""
+    return op.cpp() if op.name in _CPP_SELECTED else op.reference
+
+
+def parse_cpp_ops(spec: str, known: dict[str, OpInfo]) -> set[str]:
+    """`all`, `none` or a comma list of op names (with or without the v4_ prefix)."""
+    spec = spec.strip()
+    if spec == "all":
+        return set(known)
+    if spec in ("none", ""):
+        return set()
+    names = {n if n.startswith("v4_") else "v4_" + n for n in (p.strip() for p in spec.split(",")) if n}
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise ValueError(
+            f"--cpp_ops: unknown op(s) {', '.join(unknown)}; expected 'all', 'none' or a comma list of "
+            f"{', '.join(sorted(known))}"
+        )
+    return names
+
+
+def select_cpp_ops(spec: str, known: dict[str, OpInfo]) -> set[str]:
+    """Turns on the C++ path for the ops `spec` names; fails now if one of them is not built."""
+    names = parse_cpp_ops(spec, known)
+    for name in sorted(names):
+        known[name].cpp()
+    _CPP_SELECTED.clear()
+    _CPP_SELECTED.update(names)
+    return names

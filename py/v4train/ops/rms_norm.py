@@ -1,0 +1,11 @@
+import torch
+
+from v4train.ops.registry import OpInfo, dispatch
+from v4train.reference.rms_norm import v4_rms_norm as reference
+
+OP = OpInfo(name="v4_rms_norm", reference=reference, dtypes=(torch.float32, torch.bfloat16))
+
+
+def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim (see v4train.reference.rms_norm)."""
+    return dispatch(OP)(x, weight, eps, zero_centered)
