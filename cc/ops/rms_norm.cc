@@ -18,14 +18,21 @@ at::Tensor scale_of(const at::Tensor& weight, bool zero_centered) {
   return zero_centered ? w + 1.0 : w;
 }
 
+// A float32 copy that in-place ops may overwrite (x.to(kFloat) would alias a float32 x).
+at::Tensor float_copy(const at::Tensor& t) {
+  return t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+}
+
+// Every [rows, H] float32 temporary is as large as four bf16 activations, so the ops below work
+// in place on the few they need.
 struct RmsNorm : public torch::autograd::Function<RmsNorm> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps, bool zero_centered) {
-    const at::Tensor xf = x.to(at::kFloat);
-    const at::Tensor rstd = at::rsqrt(xf.square().mean(-1, /*keepdim=*/true) + eps);
+    at::Tensor y = float_copy(x);
+    const at::Tensor rstd = at::rsqrt(y.square().mean(-1, /*keepdim=*/true) + eps);
     ctx->save_for_backward({x, weight, rstd});
     ctx->saved_data["zero_centered"] = zero_centered;
-    return (xf * rstd * scale_of(weight, zero_centered)).to(x.scalar_type());
+    return y.mul_(rstd).mul_(scale_of(weight, zero_centered)).to(x.scalar_type());
   }
 
   // With xhat = x * rstd and s the scale (w or 1 + w), y = xhat * s, so
@@ -36,16 +43,17 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
     const at::Tensor& weight = saved[1];
     const at::Tensor& rstd = saved[2];
     const bool zero_centered = ctx->saved_data["zero_centered"].toBool();
-    const at::Tensor g = grads[0].to(at::kFloat);
-    const at::Tensor xhat = x.to(at::kFloat) * rstd;
+    at::Tensor g = float_copy(grads[0]);
+    at::Tensor xhat = float_copy(x).mul_(rstd);
 
     at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) {
-      const at::Tensor gs = g * scale_of(weight, zero_centered);
-      dx = (rstd * (gs - xhat * (gs * xhat).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
-    }
     if (ctx->needs_input_grad(1)) {
       dw = (g * xhat).reshape({-1, x.size(-1)}).sum(0).to(weight.scalar_type());
+    }
+    if (ctx->needs_input_grad(0)) {
+      at::Tensor& gs = g.mul_(scale_of(weight, zero_centered));
+      const at::Tensor dot = (gs * xhat).mean(-1, /*keepdim=*/true);
+      dx = gs.sub_(xhat.mul_(dot)).mul_(rstd).to(x.scalar_type());
     }
     return {dx, dw, at::Tensor(), at::Tensor()};
   }

@@ -1,0 +1,87 @@
+"""Times each op's C++ entry against its reference: forward, forward+backward, peak memory.
+
+    PYTHONPATH=py:build/ext:. python3 tools/benchmark.py [--device cuda] [--dtype bfloat16]
+
+Shapes are those of the models' hot paths (GLM-5: 4096 tokens x hidden 6144). Prints one
+markdown table row per op and implementation; docs/benchmarks.md records what it printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from v4train.ops import OPS
+
+
+def rms_norm_case(device, dtype):
+    x = torch.randn(4096, 6144, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(6144, device=device, dtype=dtype, requires_grad=True)
+    return "x [4096, 6144], weight [6144]", (x, w, 1e-6, False)
+
+
+CASES = {"v4_rms_norm": rms_norm_case}
+
+
+def timed(fn, device, reps):
+    """Median milliseconds of fn() over reps calls, after warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, dtype {args.dtype}, median of {args.reps}")
+    print("| op | shape | impl | forward ms | fwd+bwd ms | peak MiB (fwd+bwd) |")
+    print("|---|---|---|---|---|---|")
+    for op_name, case in CASES.items():
+        op = OPS[op_name]
+        shape, op_args = case(args.device, dtype)
+        for impl, fn in (("reference", op.reference), ("cpp", op.cpp())):
+            grad = torch.randn_like(fn(*op_args))
+
+            def fwd():
+                with torch.no_grad():
+                    fn(*op_args)
+
+            def fwd_bwd():
+                fn(*op_args).backward(grad)
+
+            fwd_ms = timed(fwd, args.device, args.reps)
+            peak = ""
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fwd_bwd()
+                torch.cuda.synchronize()
+                peak = f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.0f}"
+            fb_ms = timed(fwd_bwd, args.device, args.reps)
+            print(f"| {op_name} | {shape} | {impl} | {fwd_ms:.3f} | {fb_ms:.3f} | {peak} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""tools/bazel's plain errors and tools/build_ext.py's module list."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import build_ext  # noqa: E402
+from v4train.ops import OPS  # noqa: E402
+
+
+def test_build_ext_reads_the_module_list_of_the_bazel_build():
+    modules = build_ext.read_modules()
+    assert set(OPS) <= set(modules), "every registry op is a module of cc/ops.bzl"
+    assert "v4_bridge_test" in modules
+    for spec in modules.values():
+        for src in [spec["bind"], *spec["srcs"]]:
+            assert os.path.exists(os.path.join(ROOT, "cc", src)), src
+
+
+def _tools_bazel(tmp_path, base_python):
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "V4TRAIN_HOME": str(tmp_path / "home"),
+           "V4TRAIN_BASE_PYTHON": base_python}
+    return subprocess.run([os.path.join(ROOT, "tools", "bazel"), "version"], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _fake_python(tmp_path, body):
+    path = tmp_path / "python"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+@pytest.mark.skipif(subprocess.run(["sh", "-c", "command -v bazel-4 || command -v bazel"],
+                                   capture_output=True).returncode != 0, reason="needs Bazel installed")
+@pytest.mark.parametrize(
+    "make_python,message",
+    [
+        (lambda tmp: str(tmp / "missing"), "no Python interpreter"),
+        (lambda tmp: _fake_python(tmp, 'case "$2" in *platform*) echo 3.8.10;; *) exit 1;; esac'),
+         "is Python 3.8.10; v4train needs Python >= 3.10."),
+        (lambda tmp: _fake_python(tmp, 'case "$2" in *torch*) exit 1;; *) exit 0;; esac'),
+         "cannot import torch; point it at a Python that has torch."),
+    ],
+)
+def test_tools_bazel_says_what_is_missing_in_one_line(tmp_path, make_python, message):
+    result = _tools_bazel(tmp_path, make_python(tmp_path))
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert result.stderr.startswith("tools/bazel: ")
+    assert not (tmp_path / "home").exists(), "nothing is created before the checks pass"
