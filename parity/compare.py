@@ -32,6 +32,14 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 
+# Whole-model comparisons (a model's logits, loss and gradient norms against transformers'):
+# ||actual - expected|| / ||expected|| may not exceed this. Summation order differs across a
+# whole network (attention, experts), so this is a norm bound, not an element-wise one.
+MODEL_REL_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-5,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
     max_abs_error: float
@@ -81,3 +89,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str,
             f"shape {tuple(e.shape)}"
         )
     return Report(max_abs_error=max_abs, rel_error_norm=rel)
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> float:
+    """Whole-model check: the relative error norm within MODEL_REL_TOLERANCE; returns it."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    rel = ((a - e).norm() / e.norm()).item() if e.norm() > 0 else (a - e).norm().item()
+    limit = MODEL_REL_TOLERANCE[expected.dtype if expected.dtype in MODEL_REL_TOLERANCE else torch.float32]
+    if not rel <= limit:
+        flat = int((a - e).abs().argmax())
+        raise AssertionError(f"{name}: relative error norm {rel:.3g} > {limit:g}; worst element {flat}: "
+                             f"actual {a.reshape(-1)[flat].item():.9g}, expected {e.reshape(-1)[flat].item():.9g}")
+    return rel

@@ -10,11 +10,12 @@ from parity.samples import SAMPLES
 from parity.strategies import devices, seeds
 from v4train.ops import OPS
 
-CASES = [(name, dtype, device) for name, op in OPS.items() for dtype in op.dtypes for device in devices()]
+CPP_OPS = {name: op for name, op in OPS.items() if op.has_cpp}
+CASES = [(name, dtype, device) for name, op in CPP_OPS.items() for dtype in op.dtypes for device in devices()]
 
 
-def test_every_op_has_samples():
-    assert sorted(SAMPLES) == sorted(OPS)
+def test_every_cpp_op_has_samples():
+    assert sorted(SAMPLES) == sorted(CPP_OPS)
 
 
 @pytest.mark.parametrize("name,dtype,device", CASES, ids=[f"{n}-{str(d).removeprefix('torch.')}-{v}" for n, d, v in CASES])

@@ -35,5 +35,11 @@ def test_none_goes_back_to_the_reference():
 
 
 def test_unknown_op_names_the_flag_and_the_choices():
-    with pytest.raises(ValueError, match=r"--cpp_ops: unknown op\(s\) v4_nope; expected 'all', 'none' or a comma list of v4_rms_norm"):
+    with pytest.raises(ValueError, match=r"--cpp_ops: unknown op\(s\) v4_nope; expected 'all', 'none' or a comma list of v4_cross_entropy_loss, v4_embedding, "):
         ops.select_cpp_ops("rms_norm,nope")
+
+
+def test_ops_without_cpp_are_refused_by_name_and_skipped_by_all():
+    with pytest.raises(ValueError, match=r"--cpp_ops: v4_embedding has no C\+\+ implementation yet"):
+        ops.select_cpp_ops("embedding")
+    assert ops.select_cpp_ops("all") == {"v4_rms_norm"}

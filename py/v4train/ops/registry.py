@@ -22,10 +22,13 @@ class OpInfo:
     name: str  # v4_<op>: the C++ function, its nanobind module and the reference function.
     reference: Callable
     dtypes: tuple[torch.dtype, ...]
+    has_cpp: bool = True  # False while only the reference exists.
     limits: str = ""  # What the op does not support yet, in words.
 
     def cpp(self) -> Callable:
         """The C++ entry: function `name` of the nanobind module `name`."""
+        if not self.has_cpp:
+            raise CppOpUnavailable(f"{self.name} has no C++ implementation yet; it runs on the reference path")
         try:
             module = importlib.import_module(self.name)
         except ImportError as e:
@@ -49,7 +52,7 @@ def parse_cpp_ops(spec: str, known: dict[str, OpInfo]) -> set[str]:
     """`all`, `none` or a comma list of op names (with or without the v4_ prefix)."""
     spec = spec.strip()
     if spec == "all":
-        return set(known)
+        return {name for name, op in known.items() if op.has_cpp}
     if spec in ("none", ""):
         return set()
     names = {n if n.startswith("v4_") else "v4_" + n for n in (p.strip() for p in spec.split(",")) if n}
@@ -59,6 +62,10 @@ def parse_cpp_ops(spec: str, known: dict[str, OpInfo]) -> set[str]:
             f"--cpp_ops: unknown op(s) {', '.join(unknown)}; expected 'all', 'none' or a comma list of "
             f"{', '.join(sorted(known))}"
         )
+    no_cpp = sorted(n for n in names if not known[n].has_cpp)
+    if no_cpp:
+        raise ValueError(f"--cpp_ops: {', '.join(no_cpp)} has no C++ implementation yet (ops with one: "
+                         f"{', '.join(sorted(n for n, op in known.items() if op.has_cpp))})")
     return names
 
 

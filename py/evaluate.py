@@ -1,0 +1,95 @@
+"""//py:evaluate: the mean token loss of a Hugging Face checkpoint on a JSONL dataset.
+
+    tools/bazel run //py:evaluate -- --model_dir=DIR --data=FILE.jsonl [--dtype=float32] [--cpp_ops=none]
+
+The loss is the mean next-token cross-entropy over all target tokens of all records (what
+transformers computes with labels = input_ids, or with the record's labels). Each record is its
+own document; records are packed into batches of up to --max_batch_tokens tokens, which changes
+nothing in the result. The last line printed is one JSON object with at least `loss` and
+`tokens` (the number of target tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from absl import app, flags
+
+from v4train import hf_checkpoint, ops
+from v4train.data import DataError, read_tokenized
+from v4train.models.causal_lm import Packed
+from v4train.models.config import ConfigError
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model_dir", None, "Hugging Face checkpoint directory (config.json + safetensors).")
+flags.DEFINE_string("data", None, "JSONL file of records with 'input_ids' and optional 'labels' (-100 = no loss).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the weights and activations.")
+flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where to run; auto picks CUDA when available.")
+flags.DEFINE_string("cpp_ops", "none", "Ops to run in C++: 'all', 'none' or a comma list (see v4train.ops.OPS).")
+flags.DEFINE_integer("max_batch_tokens", 8192, "Most tokens per forward pass (whole records are never split).",
+                     lower_bound=1)
+
+
+def user_path(path: str) -> str:
+    """Relative paths resolve from where the user ran `bazel run` (not Bazel's runfiles folder)."""
+    return os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd()), os.path.expanduser(path))
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device=cuda: this torch build or machine has no CUDA device")
+    return name
+
+
+def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_batch_tokens: int) -> dict:
+    model, report = hf_checkpoint.load(model_dir, dtype, device)
+    records = read_tokenized(data, model.cfg.vocab_size)
+    total, targets, start = torch.zeros((), dtype=torch.float64), 0, time.time()
+    batch_docs: list = []
+
+    def flush():
+        nonlocal total, targets
+        batch = Packed.from_documents([r.input_ids for r in batch_docs], [r.labels for r in batch_docs], device)
+        with torch.no_grad():
+            total += model.loss_sum(batch).double().cpu()
+        targets += batch.num_targets
+        batch_docs.clear()
+
+    for record in records:
+        if batch_docs and sum(len(r.input_ids) for r in batch_docs) + len(record.input_ids) > max_batch_tokens:
+            flush()
+        batch_docs.append(record)
+    flush()
+    if targets == 0:
+        raise DataError(f"{data}: no target tokens (every label is -100 or every record has one token)")
+    return {"loss": (total / targets).item(), "tokens": targets, "records": len(records),
+            "model_type": model.cfg.model_type, "dtype": str(dtype).removeprefix("torch."), "device": device,
+            "skipped_tensors": report["skipped"], "seconds": round(time.time() - start, 3)}
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    for name in ("model_dir", "data"):
+        if not getattr(FLAGS, name):
+            raise app.UsageError(f"--{name} is required")
+    try:
+        cpp = ops.select_cpp_ops(FLAGS.cpp_ops)
+        result = evaluate(user_path(FLAGS.model_dir), user_path(FLAGS.data), getattr(torch, FLAGS.dtype),
+                          pick_device(FLAGS.device), FLAGS.max_batch_tokens)
+    except (ValueError, ops.CppOpUnavailable) as e:  # ConfigError, CheckpointError, DataError are ValueErrors
+        print(f"evaluate: {e}", file=sys.stderr)
+        return 2
+    result["cpp_ops"] = sorted(cpp)
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,40 @@
+"""The golden checkpoints of testdata/models (written by tools/make_goldens.py) and how to
+run v4train on them."""
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from v4train import hf_checkpoint
+from v4train.models.causal_lm import Packed
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "testdata", "models")
+CASES = sorted(d for d in os.listdir(ROOT) if os.path.exists(os.path.join(ROOT, d, "golden.json")))
+
+
+def golden(case: str):
+    d = os.path.join(ROOT, case)
+    with open(os.path.join(d, "golden.json")) as f:
+        meta = json.load(f)
+    tensors = load_file(os.path.join(d, "golden.safetensors"))
+    # The VL wrapper's parameters are named model.language_model.*; v4train's, model.*.
+    meta["grad_norms"] = {hf_checkpoint.canonical_key(k): v for k, v in meta["grad_norms"].items()}
+    return d, tensors, meta
+
+
+def trainable(name: str) -> bool:
+    """Parameters in transformers (e_score_correction_bias is a buffer there)."""
+    return not name.endswith("e_score_correction_bias")
+
+
+def run(model, input_ids: torch.Tensor):
+    """Logits [B, S, V] and the mean loss with labels = input_ids, gradients accumulated."""
+    batch = Packed.from_rows(input_ids)
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable(name))
+    hidden_logits = model.logits(batch)
+    loss = model.loss_sum(batch) / batch.num_targets
+    loss.backward()
+    return hidden_logits.reshape(*input_ids.shape, -1), loss

@@ -1,0 +1,68 @@
+"""//py:evaluate: the loss transformers computes, a JSON last line, clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from golden_cases import golden
+from parity.compare import assert_rel_close
+
+EVALUATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evaluate.py")
+
+
+def _run(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, EVALUATE, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def _write_rows(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps({"input_ids": r}) + "\n")
+
+
+@pytest.mark.parametrize("case", ["glm5", "qwen3_5_moe"])
+def test_loss_equals_transformers_forward(case, tmp_path):
+    model_dir, tensors, meta = golden(case)
+    data = tmp_path / "data.jsonl"
+    _write_rows(data, tensors["input_ids"].tolist())
+    result = _run(f"--model_dir={model_dir}", f"--data={data}", "--max_batch_tokens=50")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    rows, seq = tensors["input_ids"].shape
+    assert out["tokens"] == rows * (seq - 1)
+    assert_rel_close(torch.tensor(out["loss"]), torch.tensor(meta["loss"]), f"{case} evaluate loss")
+
+
+def test_labels_are_used_as_given(tmp_path):
+    model_dir, _, _ = golden("qwen3_5")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}) + "\n")
+    out = json.loads(_run(f"--model_dir={model_dir}", f"--data={data}").stdout.splitlines()[-1])
+    assert out["tokens"] == 2
+
+
+def test_malformed_lines_are_reported_with_file_and_line(tmp_path):
+    model_dir, _, _ = golden("qwen3_5")
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"input_ids": [1, 2]}\n{oops\n{"input_ids": [1, 99999]}\n{"text": "hi"}\n')
+    result = _run(f"--model_dir={model_dir}", f"--data={data}")
+    assert result.returncode == 2
+    assert f"{data}:2: not valid JSON" in result.stderr
+    assert f"{data}:3: input_ids must lie in [0, 160)" in result.stderr
+    assert f"{data}:4: 'text' records need a tokenizer" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_flags_name_the_flag(tmp_path):
+    model_dir, _, _ = golden("qwen3_5")
+    result = _run(f"--model_dir={model_dir}", "--data=x.jsonl", "--cpp_ops=nope")
+    assert result.returncode == 2 and "--cpp_ops: unknown op(s) v4_nope" in result.stderr
+    result = _run(f"--model_dir={model_dir}", "--data=x.jsonl", "--dtype=float16")
+    assert result.returncode != 0 and "--dtype" in result.stderr
+    result = _run(f"--model_dir={model_dir}")
+    assert result.returncode != 0 and "--data is required" in result.stderr

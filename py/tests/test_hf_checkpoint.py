@@ -1,0 +1,135 @@
+"""Reading and writing Hugging Face checkpoints: round trips through transformers, errors."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from golden_cases import golden
+from parity.compare import assert_rel_close
+from v4train import hf_checkpoint
+from v4train.models.causal_lm import CausalLM, Packed
+from v4train.models.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("case", ["glm5", "qwen3_5_moe_vl", "qwen3_5"])
+def test_saved_checkpoint_loads_in_transformers_with_the_same_logits(case, tmp_path):
+    import transformers
+
+    model_dir, tensors, _ = golden(case)
+    model, _ = hf_checkpoint.load(model_dir)
+    with torch.no_grad():  # train it a little, so that the saved weights are v4train's own
+        for name, w in model.named_parameters():
+            w.add_(torch.randn_like(w) * 0.01)
+    out = tmp_path / "saved"
+    hf_checkpoint.save(model, str(out))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, attn_implementation="eager")
+    ids = tensors["input_ids"]
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+        ours = model.logits(Packed.from_rows(ids)).reshape(theirs.shape)
+    assert_rel_close(ours, theirs, f"{case}: transformers on v4train's checkpoint")
+
+
+def test_sharded_save_writes_an_index_and_reads_back_identically(tmp_path):
+    model, _ = hf_checkpoint.load(golden("glm5")[0])
+    hf_checkpoint.save(model, str(tmp_path / "out"), max_shard_bytes=200_000)
+    out = tmp_path / "out"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    for shard in shards:
+        tensors = load_file(str(out / shard))
+        assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 200_000
+        assert all(index["weight_map"][k] == shard for k in tensors)
+    again, _ = hf_checkpoint.load(str(tmp_path / "out"))
+    assert all(torch.equal(again.weights[k], v) for k, v in model.weights.items())
+
+
+def test_save_is_atomic_and_replaces_the_old_checkpoint(tmp_path, monkeypatch):
+    model, _ = hf_checkpoint.load(golden("qwen3_5")[0])
+    out = tmp_path / "ckpt"
+    hf_checkpoint.save(model, str(out))
+    before = load_file(str(out / "model.safetensors"))
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_checkpoint, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        hf_checkpoint.save(model, str(out))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"], "no temporary folder is left behind"
+    after = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_empty_model_is_on_the_meta_device():
+    model_dir, _, _ = golden("glm5")
+    cfg = load_config(model_dir)
+    model = CausalLM.empty(cfg, {})
+    assert all(w.device.type == "meta" for w in model.parameters())
+
+
+def _copy(case, tmp_path):
+    dst = tmp_path / case
+    shutil.copytree(golden(case)[0], dst)
+    return dst
+
+
+def _edit(path, fn):
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path))
+
+
+def test_missing_unexpected_and_misshaped_tensors_are_all_listed(tmp_path):
+    d = _copy("glm5", tmp_path)
+
+    def damage(t):
+        del t["model.layers.0.self_attn.o_proj.weight"]
+        del t["model.layers.2.mlp.experts.5.up_proj.weight"]
+        t["model.layers.1.surprise.weight"] = torch.zeros(2)
+        t["model.norm.weight"] = torch.zeros(3)
+
+    _edit(d / "model.safetensors", damage)
+    with pytest.raises(hf_checkpoint.CheckpointError) as info:
+        hf_checkpoint.load(str(d))
+    msg = str(info.value)
+    assert "missing tensor model.layers.0.self_attn.o_proj.weight [64, 64]" in msg
+    assert "missing tensor model.layers.2.mlp.experts.5.up_proj.weight" in msg
+    assert "unexpected tensor model.layers.1.surprise.weight" in msg
+    assert "model.norm.weight: shape [3], expected [64]" in msg
+
+
+def test_truncated_file_is_named(tmp_path):
+    d = _copy("qwen3_5_moe_sharded", tmp_path)
+    shard = d / "model-00003-of-00022.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(hf_checkpoint.CheckpointError, match="model-00003-of-00022.safetensors.*truncated"):
+        hf_checkpoint.load(str(d))
+
+
+def test_unknown_model_type_and_missing_files(tmp_path):
+    d = _copy("qwen3_5", tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
+    with pytest.raises(ConfigError, match="model_type='llama' is not supported"):
+        hf_checkpoint.load(str(d))
+    (d / "config.json").write_text(json.dumps(config))
+    os.remove(d / "model.safetensors")
+    with pytest.raises(hf_checkpoint.CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
+        hf_checkpoint.load(str(d))
+    with pytest.raises(ConfigError, match="config.json: not found"):
+        hf_checkpoint.load(str(tmp_path / "nowhere"))
+
+
+def test_fp8_weights_are_dequantised_per_block(tmp_path):
+    w = torch.randn(200, 300)
+    q = (w / 2).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]])
+    out = hf_checkpoint._dequant_fp8(q, scale)
+    assert torch.equal(out[:128, :128], q[:128, :128].float() * 2)
+    assert torch.equal(out[128:, 256:], q[128:, 256:].float() * 7)

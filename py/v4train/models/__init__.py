@@ -1,0 +1,1 @@
+"""The two model families: configs from HF config.json, weight tables, layer functions."""

@@ -1,0 +1,32 @@
+"""The model-level ops, one C++ call each once they have C++: embedding, one decoder layer per
+family, the LM-head loss. Each face dispatches like every op (see registry.dispatch)."""
+
+import torch
+
+from v4train.ops.registry import OpInfo, dispatch
+from v4train.reference.cross_entropy import v4_cross_entropy_loss as _ce
+from v4train.reference.embedding import v4_embedding as _embedding
+from v4train.reference.glm5_layer import v4_glm5_layer_forward as _glm5
+from v4train.reference.qwen3_5_layer import v4_qwen3_5_layer_forward as _qwen3_5
+
+_DTYPES = (torch.float32, torch.bfloat16)
+EMBEDDING = OpInfo("v4_embedding", _embedding, _DTYPES, has_cpp=False)
+GLM5_LAYER = OpInfo("v4_glm5_layer_forward", _glm5, _DTYPES, has_cpp=False)
+QWEN3_5_LAYER = OpInfo("v4_qwen3_5_layer_forward", _qwen3_5, _DTYPES, has_cpp=False)
+CROSS_ENTROPY = OpInfo("v4_cross_entropy_loss", _ce, _DTYPES, has_cpp=False)
+
+
+def v4_embedding(input_ids, weight):
+    return dispatch(EMBEDDING)(input_ids, weight)
+
+
+def v4_glm5_layer_forward(hidden, weights, cfg, layer, positions, cu_seqlens, prev_topk=None):
+    return dispatch(GLM5_LAYER)(hidden, weights, cfg, layer, positions, cu_seqlens, prev_topk)
+
+
+def v4_qwen3_5_layer_forward(hidden, weights, cfg, layer, positions, cu_seqlens):
+    return dispatch(QWEN3_5_LAYER)(hidden, weights, cfg, layer, positions, cu_seqlens)
+
+
+def v4_cross_entropy_loss(hidden, weight, targets):
+    return dispatch(CROSS_ENTROPY)(hidden, weight, targets)

@@ -1,0 +1,74 @@
+"""The gated delta rule of Gated DeltaNet, two ways (cf. flash-linear-attention's naive.py).
+
+`recurrent` is the ground truth, one token at a time; `chunked` is the chunk-parallel form
+(chunk 64, a UT transform inside each chunk, a scan across chunks) that the C++ op will mirror.
+Both match transformers' torch_recurrent_gated_delta_rule / torch_chunk_gated_delta_rule.
+
+Shapes: q, k [B, L, Hk, Dk]; v [B, L, Hv, Dv]; g (log decay, <= 0), beta [B, L, Hv]; Hv a
+multiple of Hk (key head h serves value heads h*r .. h*r + r - 1). Everything runs in fp32;
+q and k are L2-normalised (eps 1e-6) and q is scaled by Dk^-0.5. For each head:
+    S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t
+Returns (o [B, L, Hv, Dv] in q's dtype, final state [B, Hv, Dk, Dv] fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _prepare(q, k, v, g, beta):
+    rep = v.shape[2] // k.shape[2]
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q, k, v, beta, g = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (q, k, v, beta, g)]
+    q = q * torch.rsqrt((q * q).sum(dim=-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(dim=-1, keepdim=True) + 1e-6)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent(q, k, v, g, beta, initial_state=None):
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    B, H, L, Dk = k.shape
+    state = torch.zeros(B, H, Dk, v.shape[-1]).to(v) if initial_state is None else initial_state.to(v)
+    outs = []
+    for t in range(L):
+        state = state * g[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(dim=-2)) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        outs.append((state * q[:, :, t, :, None]).sum(dim=-2))
+    o = torch.stack(outs, dim=2) if outs else v.new_zeros(B, H, 0, v.shape[-1])
+    return o.transpose(1, 2).contiguous().to(out_dtype), state
+
+
+def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    B, H, L, Dk = k.shape
+    Dv = v.shape[-1]
+    pad = (chunk_size - L % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    n = (L + pad) // chunk_size
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    q, k, k_beta, v_beta = (x.reshape(B, H, n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    g = g.reshape(B, H, n, chunk_size).cumsum(dim=-1)  # cumulative log decay inside each chunk
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [.., i, j]
+    # UT transform: (I + tril(diag(beta) K K^T, -1)) solved once per chunk for the values and keys.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * g.exp()[..., None], upper=False, unitriangular=True)
+    state = torch.zeros(B, H, Dk, Dv).to(v) if initial_state is None else initial_state.to(v)
+    q = q * g.exp()[..., None]
+    k = k * (g[..., -1:] - g).exp()[..., None]
+    chunk_decay = g[..., -1].exp()[..., None, None]
+    outs = []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(B, H, -1, Dv)[:, :, :L] if outs else v.new_zeros(B, H, 0, Dv)
+    return o.transpose(1, 2).contiguous().to(out_dtype), state

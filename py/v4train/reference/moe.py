@@ -1,0 +1,74 @@
+"""MoE routing (GLM-5 sigmoid/grouped, Qwen3.5 softmax) and the routed experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_sigmoid_grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+                          n_group: int, topk_group: int, norm_topk_prob: bool,
+                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-5 / DeepSeek-V3 router (transformers' GlmMoeDsaTopkRouter).
+
+    fp32 logits x W^T, scores = sigmoid; the correction bias is added for the choice only:
+    groups are ranked by the sum of their two best biased scores, the best topk_group groups
+    kept, then the top_k experts among them. Weights are the unbiased scores of the chosen
+    experts, normalised by their sum (+1e-20) when norm_topk_prob, times `scaling`.
+    x [T, H] -> (weights [T, top_k] fp32, indices [T, top_k] int64).
+    """
+    logits = F.linear(x.float(), weight.float())
+    scores = logits.sigmoid()
+    choice = scores + bias.float()
+    n_exp = choice.shape[-1]
+    group_scores = choice.view(-1, n_group, n_exp // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, n_exp // n_group).reshape(-1, n_exp)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    idx = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, idx)
+    if norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scaling, idx
+
+
+def route_softmax(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5-MoE router: softmax over x W^T (fp32), top_k, renormalised, in x's dtype."""
+    logits = F.linear(x, weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    w, idx = torch.topk(probs, top_k, dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(logits.dtype), idx
+
+
+def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = idx[t, k].
+
+    gate_up [E, 2I, H] (gate rows first, then up: transformers' fused layout), down [E, H, I].
+    Tokens are grouped by expert (a stable sort), one matmul pair per expert that got tokens.
+    x [T, H] -> [T, H] in x's dtype.
+    """
+    T, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    token = order // k
+    weight = w.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok, wt = token[start:start + n], weight[start:start + n]
+        start += n
+        gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * wt[:, None]
+        out = out.index_add(0, tok, y.to(x.dtype))
+    return out
+
+
+def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)): the dense MLP and the shared expert."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
