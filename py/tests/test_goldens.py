@@ -6,6 +6,7 @@ import torch
 from parity.compare import assert_rel_close
 from golden_cases import CASES, golden, run
 from v4train import hf_checkpoint
+from v4train.models.causal_lm import Packed
 
 
 def test_every_required_case_is_there():
@@ -32,3 +33,22 @@ def test_vl_checkpoint_reports_the_skipped_vision_tower():
     model_dir, _, _ = golden("qwen3_5_moe_vl")
     _, report = hf_checkpoint.load(model_dir)
     assert report["skipped"] == {"vision tower": 21}
+
+
+def _logits_rel_error(case, **cfg_changes):
+    import dataclasses
+
+    model_dir, tensors, _ = golden(case)
+    model, _ = hf_checkpoint.load(model_dir)
+    model.cfg = dataclasses.replace(model.cfg, **cfg_changes)
+    with torch.no_grad():
+        logits = model.logits(Packed.from_rows(tensors["input_ids"])).reshape(tensors["logits"].shape)
+    return ((logits - tensors["logits"]).norm() / tensors["logits"].norm()).item()
+
+
+def test_the_goldens_would_catch_a_broken_sparse_selection_or_rope():
+    # With index_topk above the sequence length the DSA selection is all keys: the golden must differ.
+    assert _logits_rel_error("glm5", index_topk=10_000) > 1e-3
+    from v4train.models.config import Rope
+
+    assert _logits_rel_error("glm5_yarn_fp8", rope=Rope(theta=10000.0, dim=16)) > 1e-3
