@@ -20,7 +20,7 @@ import torch
 from absl import app, flags
 
 from v4train import hf_checkpoint, ops
-from v4train.data import DataError, read_tokenized
+from v4train.data import DataError, read_records
 from v4train.models.causal_lm import Packed
 from v4train.models.config import ConfigError
 
@@ -49,7 +49,7 @@ def pick_device(name: str) -> str:
 
 def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_batch_tokens: int) -> dict:
     model, report = hf_checkpoint.load(model_dir, dtype, device)
-    records = read_tokenized(data, model.cfg.vocab_size)
+    records = read_records(data, None, model.cfg.vocab_size)
     total, targets, start = torch.zeros((), dtype=torch.float64), 0, time.time()
     batch_docs: list = []
 
@@ -57,7 +57,7 @@ def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_bat
         nonlocal total, targets
         batch = Packed.from_documents([r.input_ids for r in batch_docs], [r.labels for r in batch_docs], device)
         with torch.no_grad():
-            total += model.loss_sum(batch).double().cpu()
+            total += model.loss(batch).double().cpu()
         targets += batch.num_targets
         batch_docs.clear()
 

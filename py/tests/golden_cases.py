@@ -35,6 +35,6 @@ def run(model, input_ids: torch.Tensor):
     for name, p in model.named_parameters():
         p.requires_grad_(trainable(name))
     hidden_logits = model.logits(batch)
-    loss = model.loss_sum(batch) / batch.num_targets
+    loss = model.loss(batch, batch.num_targets)
     loss.backward()
     return hidden_logits.reshape(*input_ids.shape, -1), loss

@@ -1,14 +1,22 @@
-"""Datasets: JSONL records, checked line by line with file:line in every error.
+"""Datasets: JSONL records -> token ids and labels -> packed micro-batches.
 
-Record forms (the trainer issue adds the ones that need a tokenizer's chat template):
-  {"input_ids": [...], "labels": [...]?}   pre-tokenized, used exactly as given; labels
-                                           default to input_ids, -100 = no loss.
+Record forms (one per line):
+  {"messages": [{"role": ..., "content": ...}, ...]}   chat: the tokenizer's chat template is
+                                                       applied; loss on assistant tokens only
+  {"prompt": "...", "completion": "..."}               loss on the completion (+ eos) only
+  {"text": "..."}                                      loss on every token (+ eos)
+  {"input_ids": [...], "labels": [...]?}               pre-tokenized, used exactly as given;
+                                                       labels default to input_ids, -100 = no loss
+Every malformed line is reported with file:line, all of them in one error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
+
+IGNORE = -100
 
 
 class DataError(ValueError):
@@ -21,13 +29,54 @@ class Record:
     labels: list[int]
     where: str  # file:line
 
+    @property
+    def num_targets(self) -> int:
+        """Tokens that are predicted: label t + 1 is the target of position t."""
+        return sum(1 for t in self.labels[1:] if t != IGNORE)
 
-TOKENIZED_FORMS = ("input_ids",)
-TEXT_FORMS = ("messages", "prompt", "text")
+
+def _ints(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def read_tokenized(path: str, vocab_size: int | None = None) -> list[Record]:
-    """Pre-tokenized records of a JSONL file; every malformed line is reported with its number."""
+def _parse(obj, tokenizer) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one record; raises ValueError with what is wrong."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    if "input_ids" in obj:
+        ids, labels = obj["input_ids"], obj.get("labels", obj["input_ids"])
+        if not (_ints(ids) and ids):
+            raise ValueError("input_ids must be a non-empty list of integers")
+        if not (_ints(labels) and len(labels) == len(ids)):
+            raise ValueError(f"labels must be a list of integers as long as input_ids ({len(ids)})")
+        return ids, labels
+    form = next((k for k in ("messages", "prompt", "text") if k in obj), None)
+    if form is None:
+        raise ValueError(f"expected one of messages, prompt/completion, text, input_ids; got keys {sorted(obj)}")
+    if tokenizer is None:
+        raise ValueError(f"'{form}' records need a tokenizer; give pre-tokenized 'input_ids'")
+    eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
+    if form == "messages":
+        msgs = obj["messages"]
+        if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                         and isinstance(m.get("content"), str) for m in msgs)):
+            raise ValueError("messages must be a non-empty list of {role: str, content: str}")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise ValueError("messages has no assistant message (nothing to learn)")
+        ids, mask = tokenizer.encode_chat(msgs)
+        return ids, [t if m else IGNORE for t, m in zip(ids, mask)]
+    if form == "prompt":
+        if not (isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str)):
+            raise ValueError("prompt and completion must both be strings")
+        p, c = tokenizer.encode(obj["prompt"]), tokenizer.encode(obj["completion"]) + eos
+        return p + c, [IGNORE] * len(p) + c
+    if not isinstance(obj["text"], str) or not obj["text"]:
+        raise ValueError("text must be a non-empty string")
+    ids = tokenizer.encode(obj["text"]) + eos
+    return ids, list(ids)
+
+
+def read_records(path: str, tokenizer=None, vocab_size: int | None = None) -> list[Record]:
     records, problems = [], []
     try:
         f = open(path)
@@ -35,35 +84,21 @@ def read_tokenized(path: str, vocab_size: int | None = None) -> list[Record]:
         raise DataError(f"{path}: cannot open ({e.strerror})") from None
     with f:
         for n, line in enumerate(f, 1):
-            where = f"{path}:{n}"
             if not line.strip():
                 continue
+            where = f"{path}:{n}"
             try:
-                obj = json.loads(line)
+                ids, labels = _parse(json.loads(line), tokenizer)
+                if vocab_size is not None:
+                    if not all(0 <= t < vocab_size for t in ids):
+                        raise ValueError(f"input_ids must lie in [0, {vocab_size}) (the model's vocab_size)")
+                    if not all(t == IGNORE or 0 <= t < vocab_size for t in labels):
+                        raise ValueError(f"labels must be -100 or lie in [0, {vocab_size})")
             except json.JSONDecodeError as e:
                 problems.append(f"{where}: not valid JSON ({e.msg})")
                 continue
-            if not isinstance(obj, dict):
-                problems.append(f"{where}: expected a JSON object, got {type(obj).__name__}")
-                continue
-            if "input_ids" not in obj:
-                form = next((k for k in TEXT_FORMS if k in obj), None)
-                problems.append(f"{where}: " + (f"'{form}' records need a tokenizer, which this entry point does not "
-                                                f"take yet; give pre-tokenized 'input_ids'" if form else
-                                                f"no 'input_ids' (keys: {sorted(obj)})"))
-                continue
-            ids, labels = obj["input_ids"], obj.get("labels", obj["input_ids"])
-            if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-                problems.append(f"{where}: input_ids must be a non-empty list of integers")
-                continue
-            if not (isinstance(labels, list) and len(labels) == len(ids) and all(isinstance(t, int) for t in labels)):
-                problems.append(f"{where}: labels must be a list of integers as long as input_ids ({len(ids)})")
-                continue
-            if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
-                problems.append(f"{where}: input_ids must lie in [0, {vocab_size}) (the model's vocab_size)")
-                continue
-            if vocab_size is not None and not all(t == -100 or 0 <= t < vocab_size for t in labels):
-                problems.append(f"{where}: labels must be -100 or lie in [0, {vocab_size})")
+            except ValueError as e:
+                problems.append(f"{where}: {e}")
                 continue
             records.append(Record(ids, labels, where))
     if problems:
@@ -72,3 +107,87 @@ def read_tokenized(path: str, vocab_size: int | None = None) -> list[Record]:
     if not records:
         raise DataError(f"{path}: no records")
     return records
+
+
+@dataclasses.dataclass
+class Prepared:
+    examples: list[Record]
+    truncated: int
+    dropped: int
+
+    @property
+    def num_targets(self) -> int:
+        return sum(r.num_targets for r in self.examples)
+
+
+def fit_to_length(records: list[Record], seq_len: int, overlong: str) -> Prepared:
+    """Truncates (keeps the first seq_len tokens) or drops records longer than seq_len."""
+    out, truncated, dropped = [], 0, 0
+    for r in records:
+        if len(r.input_ids) <= seq_len:
+            out.append(r)
+        elif overlong == "truncate":
+            out.append(Record(r.input_ids[:seq_len], r.labels[:seq_len], r.where))
+            truncated += 1
+        else:
+            dropped += 1
+    prepared = Prepared(out, truncated, dropped)
+    if prepared.num_targets == 0:
+        raise DataError("the dataset has no trainable token (every label is -100 after "
+                        f"{'truncation' if overlong == 'truncate' else 'dropping'} to --seq_len={seq_len})")
+    return prepared
+
+
+def rows(examples: list[Record], seq_len: int, packing: bool) -> list[list[Record]]:
+    """Rows of the epoch: with packing, consecutive examples fill rows of up to seq_len tokens;
+    without, one example per row."""
+    if not packing:
+        return [[r] for r in examples]
+    out, row, used = [], [], 0
+    for r in examples:
+        if row and used + len(r.input_ids) > seq_len:
+            out.append(row)
+            row, used = [], 0
+        row.append(r)
+        used += len(r.input_ids)
+    if row:
+        out.append(row)
+    return out
+
+
+class Loader:
+    """Micro-batches of `batch_rows` rows, reshuffled every epoch from (seed, epoch).
+
+    Its position (epoch, next row) is part of every checkpoint, so a resumed run sees exactly
+    the batches the uninterrupted run would have.
+    """
+
+    def __init__(self, examples: list[Record], seq_len: int, packing: bool, batch_rows: int, seed: int):
+        self.examples, self.seq_len, self.packing, self.batch_rows, self.seed = examples, seq_len, packing, batch_rows, seed
+        self.epoch, self.cursor = 0, 0
+        self._rows = self._epoch_rows()
+
+    def _epoch_rows(self):
+        order = list(range(len(self.examples)))
+        random.Random(self.seed * 1000003 + self.epoch).shuffle(order)
+        return rows([self.examples[i] for i in order], self.seq_len, self.packing)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-len(self._rows) // self.batch_rows)
+
+    def next(self) -> list[Record]:
+        """The documents of the next micro-batch (rows concatenated)."""
+        if self.cursor >= len(self._rows):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._rows = self._epoch_rows()
+        batch = self._rows[self.cursor:self.cursor + self.batch_rows]
+        self.cursor += self.batch_rows
+        return [doc for row in batch for doc in row]
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._rows = self._epoch_rows()

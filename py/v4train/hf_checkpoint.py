@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from v4train.atomic import atomic_dir
 from v4train.models.causal_lm import CausalLM, all_specs
 from v4train.models.config import config_from_dict, load_config
 
@@ -182,10 +181,9 @@ def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def save(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> None:
-    """Writes config.json and safetensors shards (+ index when more than one) atomically."""
-    tensors = {k: (v.to(dtype) if dtype is not None and v.dtype != torch.float32 else v).contiguous().cpu()
-               for k, v in to_hf_tensors(model).items()}
+def write(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Writes config.json and safetensors shards (+ index when more than one) into out_dir."""
+    tensors = {k: v.contiguous().cpu() for k, v in to_hf_tensors(model).items()}
     shards, current, size = [], {}, 0
     for key in sorted(tensors):
         n = tensors[key].numel() * tensors[key].element_size()
@@ -195,36 +193,26 @@ def save(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30, dtype:
         current[key] = tensors[key]
         size += n
     shards.append(current)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
-    try:
-        config = _hf_config_for_save(model)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-        meta = {"format": "pt"}
-        if len(shards) == 1:
-            save_file(shards[0], os.path.join(tmp, SINGLE), metadata=meta)
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, os.path.join(tmp, name), metadata=meta)
-                weight_map.update({k: name for k in shard})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            with open(os.path.join(tmp, INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-        if os.path.exists(out_dir):
-            old = out_dir.rstrip("/") + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(_hf_config_for_save(model), f, indent=2, sort_keys=True)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, SINGLE), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, name), metadata=meta)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+def save(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """`write`, atomically: out_dir is complete or untouched."""
+    with atomic_dir(out_dir) as tmp:
+        write(model, tmp, max_shard_bytes)
 
 
 def _hf_config_for_save(model: CausalLM) -> dict:

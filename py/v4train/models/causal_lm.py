@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from v4train import ops
 from v4train.models import glm5, qwen3_5
@@ -90,6 +91,7 @@ class CausalLM:
         if set(weights) != expected:
             missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
             raise ValueError(f"CausalLM: weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+        self.checkpointing = False  # recompute each layer in the backward pass (gradient checkpointing)
         self.layers = [
             {s.name: weights[f"model.layers.{i}.{s.name}"] for s in family(cfg).layer_specs(cfg, i)}
             for i in range(cfg.num_hidden_layers)
@@ -122,18 +124,23 @@ class CausalLM:
         """The final-norm hidden states [T, H]."""
         cfg = self.cfg
         x = ops.v4_embedding(batch.input_ids, self.weights["model.embed_tokens.weight"])
+        recompute = self.checkpointing and torch.is_grad_enabled()
         if isinstance(cfg, Glm5Config):
             topk = None
             for i, w in enumerate(self.layers):
-                x, topk = ops.v4_glm5_layer_forward(x, w, cfg, i, batch.positions, batch.cu_seqlens, topk)
+                args = (x, w, cfg, i, batch.positions, batch.cu_seqlens, topk)
+                x, topk = checkpoint(ops.v4_glm5_layer_forward, *args, use_reentrant=False) if recompute \
+                    else ops.v4_glm5_layer_forward(*args)
         else:
             for i, w in enumerate(self.layers):
-                x = ops.v4_qwen3_5_layer_forward(x, w, cfg, i, batch.positions, batch.cu_seqlens)
+                args = (x, w, cfg, i, batch.positions, batch.cu_seqlens)
+                x = checkpoint(ops.v4_qwen3_5_layer_forward, *args, use_reentrant=False) if recompute \
+                    else ops.v4_qwen3_5_layer_forward(*args)
         return ops.v4_rms_norm(x, self.weights["model.norm.weight"], cfg.rms_norm_eps, not isinstance(cfg, Glm5Config))
 
     def logits(self, batch: Packed) -> torch.Tensor:
         return torch.nn.functional.linear(self.hidden_states(batch), self.lm_head)
 
-    def loss_sum(self, batch: Packed) -> torch.Tensor:
-        """Summed next-token cross-entropy over the batch's targets (fp32 scalar)."""
-        return ops.v4_cross_entropy_loss(self.hidden_states(batch), self.lm_head, batch.targets)
+    def loss(self, batch: Packed, normalizer: float = 1.0) -> torch.Tensor:
+        """Next-token cross-entropy summed over the batch's targets, / normalizer (fp32 scalar)."""
+        return ops.v4_cross_entropy_loss(self.hidden_states(batch), self.lm_head, batch.targets, normalizer)

@@ -28,5 +28,19 @@ def v4_qwen3_5_layer_forward(hidden, weights, cfg, layer, positions, cu_seqlens)
     return dispatch(QWEN3_5_LAYER)(hidden, weights, cfg, layer, positions, cu_seqlens)
 
 
-def v4_cross_entropy_loss(hidden, weight, targets):
-    return dispatch(CROSS_ENTROPY)(hidden, weight, targets)
+def v4_cross_entropy_loss(hidden, weight, targets, normalizer=1.0):
+    return dispatch(CROSS_ENTROPY)(hidden, weight, targets, normalizer)
+
+from v4train.reference.optim import v4_adam_step as _adam  # noqa: E402
+from v4train.reference.optim import v4_clip_grad_norm as _clip  # noqa: E402
+
+ADAM_STEP = OpInfo("v4_adam_step", _adam, (torch.float32, torch.bfloat16), has_cpp=False)
+CLIP_GRAD_NORM = OpInfo("v4_clip_grad_norm", _clip, (torch.float32, torch.bfloat16), has_cpp=False)
+
+
+def v4_adam_step(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay):
+    return dispatch(ADAM_STEP)(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay)
+
+
+def v4_clip_grad_norm(grads, max_norm):
+    return dispatch(CLIP_GRAD_NORM)(grads, max_norm)

@@ -24,6 +24,9 @@ class OpInfo:
     dtypes: tuple[torch.dtype, ...]
     has_cpp: bool = True  # False while only the reference exists.
     limits: str = ""  # What the op does not support yet, in words.
+    # (dtype, device) -> a small argument tuple for the trainer's self-check; floating tensors
+    # among them get gradients.
+    example: Callable | None = None
 
     def cpp(self) -> Callable:
         """The C++ entry: function `name` of the nanobind module `name`."""
@@ -77,3 +80,28 @@ def select_cpp_ops(spec: str, known: dict[str, OpInfo]) -> set[str]:
     _CPP_SELECTED.clear()
     _CPP_SELECTED.update(names)
     return names
+
+
+def self_check(op: OpInfo, dtype: torch.dtype, device) -> None:
+    """One forward and backward of the C++ entry against the reference on op.example's inputs;
+    raises naming the op when an output or a gradient differs beyond the dtype's tolerance."""
+    from v4train.ops.tolerances import TOLERANCES
+
+    if op.example is None:
+        raise ValueError(f"{op.name}: no example inputs for the self-check")
+    args = op.example(dtype, device)
+    results = []
+    for fn in (op.reference, op.cpp()):
+        leaves = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                  else a for a in args]
+        out = fn(*leaves)
+        gen = torch.Generator().manual_seed(0)
+        out.backward(torch.randn(out.shape, generator=gen).to(out.dtype).to(out.device))
+        results.append([out] + [a.grad for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad])
+    tol = TOLERANCES[dtype]
+    for i, (ref, cpp) in enumerate(zip(*results)):
+        what = "output" if i == 0 else f"gradient of argument {i - 1}"
+        if not torch.allclose(cpp.float(), ref.float(), rtol=tol.rtol, atol=tol.atol):
+            err = (cpp.float() - ref.float()).abs().max().item()
+            raise ValueError(f"self-check: the C++ op {op.name} differs from its reference ({what}, max |diff| "
+                             f"{err:.3g}, {dtype} on {device}); run the parity suite, or leave it out of --cpp_ops")

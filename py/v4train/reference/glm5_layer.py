@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from v4train.reference import rope as rope_ref
 from v4train.reference.attention import causal_attention
+from v4train.reference.lora import linear
 from v4train.reference.moe import experts, route_sigmoid_grouped, swiglu_mlp
 from v4train.reference.rms_norm import v4_rms_norm
 
@@ -52,14 +53,14 @@ def _attention(h, w, cfg, layer, positions, docs, prev_topk):
     """MLA with DSA (transformers' GlmMoeDsaAttention). Returns (output [T, H], topk)."""
     T = h.shape[0]
     nh, nope, r, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    q_resid = v4_rms_norm(F.linear(h, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], _LATENT_EPS)
-    q = F.linear(q_resid, w["self_attn.q_b_proj.weight"]).view(T, nh, nope + r)
-    kv_a = F.linear(h, w["self_attn.kv_a_proj_with_mqa.weight"])
+    q_resid = v4_rms_norm(linear(h, w, "self_attn.q_a_proj.weight"), w["self_attn.q_a_layernorm.weight"], _LATENT_EPS)
+    q = linear(q_resid, w, "self_attn.q_b_proj.weight").view(T, nh, nope + r)
+    kv_a = linear(h, w, "self_attn.kv_a_proj_with_mqa.weight")
     k_pass = v4_rms_norm(kv_a[:, : cfg.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], _LATENT_EPS)
     cos, sin = rope_ref.cos_sin(cfg.rope, positions, h.dtype)
     q = torch.cat([q[..., :nope], rope_ref.apply_interleaved(q[..., nope:], cos, sin)], dim=-1)
     k_rot = rope_ref.apply_interleaved(kv_a[:, None, cfg.kv_lora_rank:], cos, sin)  # [T, 1, r]
-    kv = F.linear(k_pass, w["self_attn.kv_b_proj.weight"]).view(T, nh, nope + dv)
+    kv = linear(k_pass, w, "self_attn.kv_b_proj.weight").view(T, nh, nope + dv)
     k = torch.cat([kv[..., :nope], k_rot.expand(T, nh, r)], dim=-1)
     v = kv[..., nope:]
 
@@ -80,7 +81,7 @@ def _attention(h, w, cfg, layer, positions, docs, prev_topk):
         allowed.scatter_(1, torch.where(sel >= 0, sel, L), True)  # -1 padding lands in the spare column
         outs.append(causal_attention(q[start:end], k[start:end], v[start:end], scale, allowed[:, :L]))
     attn = torch.cat(outs, dim=0).reshape(T, nh * dv)
-    return F.linear(attn, w["self_attn.o_proj.weight"]), topk
+    return linear(attn, w, "self_attn.o_proj.weight"), topk
 
 
 def v4_glm5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int,
@@ -105,12 +106,10 @@ def v4_glm5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor]
     hidden = hidden + attn
     h = v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps)
     if cfg.mlp_layer_types[layer] == "dense":
-        mlp = swiglu_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        mlp = swiglu_mlp(h, w, "mlp.")
     else:
         rw, idx = route_sigmoid_grouped(h, w["mlp.gate.weight"], w["mlp.gate.e_score_correction_bias"],
                                         cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
                                         cfg.routed_scaling_factor)
-        mlp = experts(h, idx, rw, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
-        mlp = mlp + swiglu_mlp(h, w["mlp.shared_experts.gate_proj.weight"], w["mlp.shared_experts.up_proj.weight"],
-                               w["mlp.shared_experts.down_proj.weight"])
+        mlp = experts(h, idx, rw, w) + swiglu_mlp(h, w, "mlp.shared_experts.")
     return hidden + mlp, topk

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from v4train.reference.lora import expert_linear, linear
+
 
 def route_sigmoid_grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
                           n_group: int, topk_group: int, norm_topk_prob: bool,
@@ -42,20 +44,21 @@ def route_softmax(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> tuple[to
     return w.to(logits.dtype), idx
 
 
-def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = idx[t, k].
+def experts(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w: dict, prefix: str = "mlp.experts.") -> torch.Tensor:
+    """sum_k rw[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = idx[t, k].
 
-    gate_up [E, 2I, H] (gate rows first, then up: transformers' fused layout), down [E, H, I].
+    w[prefix + "gate_up_proj"] [E, 2I, H] (gate rows first, then up: transformers' fused
+    layout), w[prefix + "down_proj"] [E, H, I], each with its optional per-expert LoRA.
     Tokens are grouped by expert (a stable sort), one matmul pair per expert that got tokens.
     x [T, H] -> [T, H] in x's dtype.
     """
     T, k = idx.shape
+    gate_up, down = prefix + "gate_up_proj", prefix + "down_proj"
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=w[gate_up].shape[0]).tolist()
     token = order // k
-    weight = w.reshape(-1)[order]
+    weight = rw.reshape(-1)[order]
     out = torch.zeros_like(x)
     start = 0
     for e, n in enumerate(counts):
@@ -63,12 +66,14 @@ def experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.
             continue
         tok, wt = token[start:start + n], weight[start:start + n]
         start += n
-        gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[e]) * wt[:, None]
+        gate, up = expert_linear(x[tok], w, gate_up, e).chunk(2, dim=-1)
+        y = expert_linear(F.silu(gate) * up, w, down, e) * wt[:, None]
         out = out.index_add(0, tok, y.to(x.dtype))
     return out
 
 
-def swiglu_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)): the dense MLP and the shared expert."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu_mlp(x: torch.Tensor, w: dict, prefix: str) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with w[prefix + "{gate,up,down}_proj.weight"]: the dense MLP
+    and the shared expert."""
+    h = F.silu(linear(x, w, prefix + "gate_proj.weight")) * linear(x, w, prefix + "up_proj.weight")
+    return linear(h, w, prefix + "down_proj.weight")

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from v4train.reference import gated_delta_rule
 from v4train.reference import rope as rope_ref
 from v4train.reference.attention import causal_attention
+from v4train.reference.lora import linear
 from v4train.reference.glm5_layer import documents
 from v4train.reference.moe import experts, route_softmax, swiglu_mlp
 from v4train.reference.rms_norm import v4_rms_norm
@@ -24,10 +25,10 @@ def _gated_deltanet(h, w, cfg, docs):
     """Gated DeltaNet (transformers' Qwen3_5MoeGatedDeltaNet), conv and state reset per document."""
     T = h.shape[0]
     nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv = F.linear(h, w["linear_attn.in_proj_qkv.weight"])  # [T, 2*nk*dk + nv*dv]: [Q_all | K_all | V_all]
-    z = F.linear(h, w["linear_attn.in_proj_z.weight"]).view(T, nv, dv)
-    beta = F.linear(h, w["linear_attn.in_proj_b.weight"]).sigmoid()
-    g = -w["linear_attn.A_log"].float().exp() * F.softplus(F.linear(h, w["linear_attn.in_proj_a.weight"]).float()
+    qkv = linear(h, w, "linear_attn.in_proj_qkv.weight")  # [T, 2*nk*dk + nv*dv]: [Q_all | K_all | V_all]
+    z = linear(h, w, "linear_attn.in_proj_z.weight").view(T, nv, dv)
+    beta = linear(h, w, "linear_attn.in_proj_b.weight").sigmoid()
+    g = -w["linear_attn.A_log"].float().exp() * F.softplus(linear(h, w, "linear_attn.in_proj_a.weight").float()
                                                             + w["linear_attn.dt_bias"])
     conv_w = w["linear_attn.conv1d.weight"]  # [C, 1, K]: depthwise, causal
     outs = []
@@ -41,22 +42,22 @@ def _gated_deltanet(h, w, cfg, docs):
         outs.append(o[0])
     core = torch.cat(outs, dim=0)  # [T, nv, dv]
     core = _gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), w["linear_attn.norm.weight"], cfg.rms_norm_eps)
-    return F.linear(core.reshape(T, nv * dv), w["linear_attn.out_proj.weight"])
+    return linear(core.reshape(T, nv * dv), w, "linear_attn.out_proj.weight")
 
 
 def _gated_attention(h, w, cfg, positions, docs):
     """Gated full attention (transformers' Qwen3_5MoeAttention): q/gate per head, q/k norm, partial RoPE."""
     T, nh, nkv, hd = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q, gate = F.linear(h, w["self_attn.q_proj.weight"]).view(T, nh, 2 * hd).chunk(2, dim=-1)
+    q, gate = linear(h, w, "self_attn.q_proj.weight").view(T, nh, 2 * hd).chunk(2, dim=-1)
     q = v4_rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps, True)
-    k = v4_rms_norm(F.linear(h, w["self_attn.k_proj.weight"]).view(T, nkv, hd), w["self_attn.k_norm.weight"],
+    k = v4_rms_norm(linear(h, w, "self_attn.k_proj.weight").view(T, nkv, hd), w["self_attn.k_norm.weight"],
                     cfg.rms_norm_eps, True)
-    v = F.linear(h, w["self_attn.v_proj.weight"]).view(T, nkv, hd)
+    v = linear(h, w, "self_attn.v_proj.weight").view(T, nkv, hd)
     cos, sin = rope_ref.cos_sin(cfg.rope, positions, h.dtype)
     q, k = rope_ref.apply_half(q, cos, sin), rope_ref.apply_half(k, cos, sin)
     attn = torch.cat([causal_attention(q[s:e], k[s:e], v[s:e], hd**-0.5) for s, e in docs], dim=0)
     attn = attn.reshape(T, nh * hd) * torch.sigmoid(gate.reshape(T, nh * hd))
-    return F.linear(attn, w["self_attn.o_proj.weight"])
+    return linear(attn, w, "self_attn.o_proj.weight")
 
 
 def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int,
@@ -78,10 +79,9 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
     h = v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps, True)
     if cfg.is_moe:
         rw, idx = route_softmax(h, w["mlp.gate.weight"], cfg.num_experts_per_tok)
-        mlp = experts(h, idx, rw, w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"])
-        shared = swiglu_mlp(h, w["mlp.shared_expert.gate_proj.weight"], w["mlp.shared_expert.up_proj.weight"],
-                            w["mlp.shared_expert.down_proj.weight"])
+        mlp = experts(h, idx, rw, w)
+        shared = swiglu_mlp(h, w, "mlp.shared_expert.")
         mlp = mlp + torch.sigmoid(F.linear(h, w["mlp.shared_expert_gate.weight"])) * shared
     else:
-        mlp = swiglu_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        mlp = swiglu_mlp(h, w, "mlp.")
     return hidden + mlp

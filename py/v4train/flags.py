@@ -1,0 +1,97 @@
+"""Every flag of //py:train, with its help text (the documentation), and their validation.
+
+Bad values stop the run before any work, with a message naming the flag.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+FLAGS = flags.FLAGS
+
+# Model and data.
+flags.DEFINE_string("model_dir", None, "Hugging Face checkpoint directory to fine-tune (config.json + safetensors; "
+                    "its tokenizer files are used unless --tokenizer_dir says otherwise).")
+flags.DEFINE_string("model_config", None, "A config.json to start from random weights instead of --model_dir.")
+flags.DEFINE_string("tokenizer_dir", None, "Directory with tokenizer.json (+ tokenizer_config.json for the chat "
+                    "template). Default: --model_dir, or the folder of --model_config.")
+flags.DEFINE_string("data", None, "Training data: JSONL of messages, prompt/completion, text or input_ids records.")
+flags.DEFINE_string("eval_data", None, "Evaluation data, same format; its mean loss is logged as eval_loss.")
+flags.DEFINE_integer("eval_interval", 0, "Evaluate every this many optimizer steps (0: only at the end).", lower_bound=0)
+flags.DEFINE_integer("seq_len", 1024, "Tokens per row: the packing length and the longest example.", lower_bound=2)
+flags.DEFINE_enum("overlong", "truncate", ["truncate", "drop"], "What to do with examples longer than --seq_len.")
+flags.DEFINE_boolean("packing", True, "Pack several examples into each row (document boundaries are kept).")
+
+# Compute.
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Dtype of weights and activations.")
+flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where to train; auto picks CUDA when available.")
+flags.DEFINE_string("cpp_ops", "all", "Ops on the C++ path: 'all' (every op with a C++ implementation), 'none', "
+                    "or a comma list of op names. The others run their PyTorch reference.")
+flags.DEFINE_boolean("self_check", True, "Before training, compare each C++ op with its reference on small random "
+                     "inputs of the run's dtype and device; stop on a mismatch.")
+flags.DEFINE_boolean("gradient_checkpointing", False, "Recompute each layer's activations in the backward pass.")
+
+# Batch and schedule.
+flags.DEFINE_integer("micro_batch_size", 4, "Rows per forward/backward pass.", lower_bound=1)
+flags.DEFINE_integer("grad_accum", 1, "Micro-batches per optimizer step.", lower_bound=1)
+flags.DEFINE_integer("max_steps", 0, "Optimizer steps to run (0: run --epochs).", lower_bound=0)
+flags.DEFINE_float("epochs", 1.0, "Passes over the data when --max_steps is 0.", lower_bound=0.0)
+flags.DEFINE_float("lr", 2e-4, "Peak learning rate.", lower_bound=0.0)
+flags.DEFINE_float("min_lr", 0.0, "Learning rate at the end of the decay.", lower_bound=0.0)
+flags.DEFINE_integer("warmup_steps", 0, "Linear warmup steps.", lower_bound=0)
+flags.DEFINE_enum("lr_schedule", "cosine", ["cosine", "linear", "constant"], "Decay after warmup.")
+flags.DEFINE_float("weight_decay", 0.0, "AdamW decoupled weight decay.", lower_bound=0.0)
+flags.DEFINE_float("adam_beta1", 0.9, "AdamW beta1.", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_float("adam_beta2", 0.999, "AdamW beta2.", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_float("adam_eps", 1e-8, "AdamW epsilon.", lower_bound=0.0)
+flags.DEFINE_float("max_grad_norm", 1.0, "Clip the global gradient norm to this (0: no clipping).", lower_bound=0.0)
+flags.DEFINE_integer("seed", 0, "Seed of weight init, LoRA init, data order and dropout.")
+
+# Fine-tuning mode.
+flags.DEFINE_enum("finetune", "lora", ["lora", "full"], "LoRA adapters or all weights.")
+flags.DEFINE_integer("lora_r", 16, "LoRA rank.", lower_bound=1)
+flags.DEFINE_float("lora_alpha", 32.0, "LoRA alpha (the update is scaled by alpha / r).", lower_bound=0.0)
+flags.DEFINE_float("lora_dropout", 0.0, "Dropout on the LoRA input.", lower_bound=0.0, upper_bound=1.0)
+flags.DEFINE_list("lora_target_modules", ["attention"], "Modules to adapt, PEFT-style names (q_a_proj, o_proj, "
+                  "mlp.gate_proj, shared_experts.up_proj, ...), or 'attention' for every attention projection of "
+                  "the model's family.")
+flags.DEFINE_boolean("lora_experts", True, "Adapt every routed expert (PEFT target_parameters "
+                     "mlp.experts.gate_up_proj and mlp.experts.down_proj).")
+
+# Output.
+flags.DEFINE_string("output_dir", None, "Where checkpoints, metrics.jsonl and loss.png go.")
+flags.DEFINE_integer("save_interval", 0, "Save a checkpoint every this many steps (0: only at the end).", lower_bound=0)
+flags.DEFINE_integer("save_total_limit", 2, "Checkpoints to keep (the oldest are deleted).", lower_bound=1)
+flags.DEFINE_string("resume_from", None, "'latest' (the newest checkpoint in --output_dir) or a checkpoint directory.")
+flags.DEFINE_integer("log_interval", 1, "Log every this many steps.", lower_bound=1)
+
+ATTENTION = {
+    "glm5": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+    "qwen3_5": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"),
+}
+
+
+class FlagError(ValueError):
+    pass
+
+
+def validate(f=FLAGS) -> None:
+    """Contradictions between flags (ranges are checked by absl as the flags are parsed)."""
+    if bool(f.model_dir) == bool(f.model_config):
+        raise FlagError("give exactly one of --model_dir (fine-tune a checkpoint) and --model_config (random weights)")
+    if not f.data:
+        raise FlagError("--data is required")
+    if not f.output_dir:
+        raise FlagError("--output_dir is required")
+    if f.max_steps == 0 and f.epochs == 0:
+        raise FlagError("--max_steps=0 and --epochs=0: nothing to train")
+    if f.min_lr > f.lr:
+        raise FlagError(f"--min_lr={f.min_lr} is above --lr={f.lr}")
+    if f.max_steps and f.warmup_steps > f.max_steps:
+        raise FlagError(f"--warmup_steps={f.warmup_steps} is more than --max_steps={f.max_steps}")
+    if f.finetune == "full" and (f["lora_target_modules"].present or f["lora_r"].present or f["lora_experts"].present):
+        raise FlagError("--lora_* flags contradict --finetune=full")
+    if f.finetune == "lora" and not f.lora_target_modules and not f.lora_experts:
+        raise FlagError("--lora_target_modules is empty and --nolora_experts: nothing to adapt")
+    if f.eval_interval and not f.eval_data:
+        raise FlagError("--eval_interval needs --eval_data")

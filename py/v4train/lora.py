@@ -1,0 +1,196 @@
+"""LoRA adapters: added to a model's layer weight dicts, saved and loaded in PEFT's format.
+
+Targets are module names matched as PEFT does (a target t matches module m when m == t or m
+ends with "." + t); `experts` adds an adapter to each routed expert of the fused expert
+tensors (PEFT's `target_parameters` mlp.experts.gate_up_proj / mlp.experts.down_proj). The
+router, the DSA indexer and the norms are never adapted.
+
+PEFT layout (peft 0.21, transformers 5.x models), per adapted module m:
+  base_model.model.<m>.lora_A.weight [r, in], .lora_B.weight [out, r]
+and for the fused experts of a layer (E experts, rank r each, packed along the rank axis):
+  base_model.model.<layer>.mlp.experts.base_layer.lora_A.weight [E*r, H]   (gate_up_proj; row e*r + k)
+  base_model.model.<layer>.mlp.experts.base_layer.lora_B.weight [2I, E*r]  (column k*E + e)
+  base_model.model.<layer>.mlp.experts.lora_A.weight [E*r, I]              (down_proj)
+  base_model.model.<layer>.mlp.experts.lora_B.weight [H, E*r]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from v4train.models.causal_lm import CausalLM, family
+from v4train.reference.lora import adapter_names
+
+# Never adapted, whatever the targets say.
+_EXCLUDED = ("mlp.gate.", "indexer.", "layernorm", "norm.", "shared_expert_gate", "conv1d", "A_log", "dt_bias")
+EXPERT_TENSORS = ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")  # PEFT's order: down_proj outermost
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+    experts: bool
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+def _matches(module: str, targets) -> bool:
+    return any(module == t or module.endswith("." + t) for t in targets)
+
+
+def targeted(model: CausalLM, lcfg: LoraConfig, layer: int) -> list:
+    """The layer's weight specs that get an adapter."""
+    out = []
+    for spec in family(model.cfg).layer_specs(model.cfg, layer):
+        if spec.experts:
+            if lcfg.experts:
+                out.append(spec)
+        elif spec.name.endswith(".weight") and len(spec.shape) == 2 and not any(x in spec.name for x in _EXCLUDED):
+            if _matches(f"model.layers.{layer}.{spec.name.removesuffix('.weight')}", lcfg.target_modules):
+                out.append(spec)
+    return out
+
+
+def adapter_shapes(model: CausalLM, lcfg: LoraConfig) -> dict[str, tuple[tuple[int, ...], int]]:
+    """{full adapter name: (shape, fan_in)} of every adapter the config asks for."""
+    out = {}
+    for i in range(len(model.layers)):
+        for spec in targeted(model, lcfg, i):
+            if spec.experts:
+                E, out_f, in_f = spec.shape
+                names, shapes = (spec.name + ".lora_A", spec.name + ".lora_B"), ((E, lcfg.r, in_f), (E, out_f, lcfg.r))
+            else:
+                out_f, in_f = spec.shape
+                names, shapes = adapter_names(spec.name), ((lcfg.r, in_f), (out_f, lcfg.r))
+            for name, shape in zip(names, shapes):
+                out[f"model.layers.{i}.{name}"] = (shape, in_f)
+    if not out:
+        candidates = sorted({s.name.removesuffix(".weight") for i in range(len(model.layers))
+                             for s in family(model.cfg).layer_specs(model.cfg, i)
+                             if len(s.shape) == 2 and not any(x in s.name for x in _EXCLUDED)})
+        raise ValueError(f"--lora_target_modules={','.join(lcfg.target_modules)} matches no module of "
+                         f"{model.cfg.model_type}; modules: {', '.join(candidates)}")
+    return out
+
+
+def add_adapters(model: CausalLM, lcfg: LoraConfig, dtype: torch.dtype, device, seed: int) -> dict[str, torch.Tensor]:
+    """Creates the adapters (A: PEFT's kaiming-uniform, B: zeros) in the model's layer dicts.
+
+    Returns them by full name (model.layers.{i}.<module>.lora_A|B). Fails when the targets
+    match nothing, naming what could have been targeted.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    adapters = {}
+    for name, (shape, fan_in) in adapter_shapes(model, lcfg).items():
+        if name.endswith("lora_A"):
+            bound = 1 / math.sqrt(fan_in)
+            t = torch.empty(shape).uniform_(-bound, bound, generator=gen).to(device=device, dtype=dtype)
+        else:
+            t = torch.zeros(shape, device=device, dtype=dtype)
+        layer = int(name.split(".")[2])
+        model.layers[layer][name.split(".", 3)[3]] = adapters[name] = t
+    for layer in model.layers:
+        layer["lora_scaling"] = lcfg.scaling
+        layer["lora_dropout"] = lcfg.dropout
+    return adapters
+
+
+def set_dropout(model: CausalLM, p: float) -> None:
+    for layer in model.layers:
+        if "lora_scaling" in layer:
+            layer["lora_dropout"] = p
+
+
+def _peft_tensors(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in adapters.items():
+        t = t.detach().float().cpu()
+        base, _, which = name.rpartition(".")  # which: lora_A | lora_B
+        if base.endswith(EXPERT_TENSORS):
+            layer_prefix = base[: base.rindex("mlp.experts.")] + "mlp.experts."
+            module = layer_prefix + ("base_layer." if base.endswith("gate_up_proj") else "")
+            E, _, _ = t.shape
+            if which == "lora_A":  # [E, r, in] -> [E*r, in], row e*r + k
+                t = t.reshape(E * t.shape[1], t.shape[2])
+            else:  # [E, out, r] -> [out, r*E], column k*E + e
+                t = t.permute(1, 2, 0).reshape(t.shape[1], -1)
+            out[f"base_model.model.{module.rstrip('.')}.{which}.weight"] = t.contiguous()
+        else:
+            out[f"base_model.model.{base}.{which}.weight"] = t.contiguous()
+    return out
+
+
+def save_peft(model: CausalLM, adapters: dict[str, torch.Tensor], lcfg: LoraConfig, out_dir: str,
+              base_model_dir: str) -> None:
+    """adapter_config.json + adapter_model.safetensors in out_dir (which must exist)."""
+    has_modules = any(not n.rsplit(".", 1)[0].endswith(EXPERT_TENSORS) for n in adapters)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "peft_version": "0.21.2",
+        "base_model_name_or_path": os.path.abspath(base_model_dir),
+        "r": lcfg.r, "lora_alpha": lcfg.alpha, "lora_dropout": lcfg.dropout, "bias": "none",
+        "target_modules": sorted(set(lcfg.target_modules)) if has_modules else [],
+        "target_parameters": list(EXPERT_TENSORS) if lcfg.experts else [],
+        "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
+    }
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file(_peft_tensors(adapters), os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def read_peft(model: CausalLM, adapter_dir: str) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter (as save_peft writes it): its config and tensors by v4train name."""
+    path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    try:
+        config = json.load(open(path))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: not found (expected a PEFT adapter directory)") from None
+    if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise ValueError(f"{path}: only plain LoRA adapters (no DoRA, no rank/alpha patterns) are supported")
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        raise ValueError(f"{path}: target_modules as a regex is not supported; list module names")
+    lcfg = LoraConfig(r=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=float(config.get("lora_dropout", 0.0)),
+                      target_modules=tuple(targets), experts=bool(config.get("target_parameters")))
+    shapes = adapter_shapes(model, lcfg)
+    stored = load_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS))
+    keys = {name: next(iter(_peft_tensors({name: torch.empty(shape)}))) for name, (shape, _) in shapes.items()}
+    problems = [f"missing {keys[n]}" for n in shapes if keys[n] not in stored]
+    problems += [f"unexpected {k}" for k in sorted(set(stored) - set(keys.values()))]
+    out = {}
+    for name, (shape, _) in shapes.items():
+        if keys[name] not in stored:
+            continue
+        v = stored[keys[name]]
+        if name.rsplit(".", 1)[0].endswith(EXPERT_TENSORS):
+            E = shape[0]
+            v = v.reshape(E, -1, v.shape[1]) if name.endswith("lora_A") else v.reshape(v.shape[0], -1, E).permute(2, 0, 1)
+        if tuple(v.shape) != shape:
+            problems.append(f"{keys[name]}: shape {list(stored[keys[name]].shape)} does not fit {list(shape)}")
+        out[name] = v
+    if problems:
+        raise ValueError(f"{adapter_dir}: the adapter does not fit {model.cfg.model_type}:\n  " + "\n  ".join(problems[:20]))
+    return lcfg, out
+
+
+def load_peft(model: CausalLM, adapter_dir: str, dtype: torch.dtype, device) -> tuple[LoraConfig, dict]:
+    """Adds the adapter of adapter_dir to the model; returns its config and tensors."""
+    lcfg, stored = read_peft(model, adapter_dir)
+    adapters = add_adapters(model, lcfg, dtype, device, seed=0)
+    with torch.no_grad():
+        for name, t in adapters.items():
+            t.copy_(stored[name])
+    return lcfg, adapters

@@ -1,0 +1,83 @@
+"""Progress, metrics.jsonl and the loss curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """A one-line progress bar on a terminal; plain log lines otherwise."""
+
+    def __init__(self, total_steps: int, start_step: int, stream=sys.stderr):
+        self.total, self.start_step, self.stream = total_steps, start_step, stream
+        self.tty = stream.isatty()
+        self.t0 = time.time()
+
+    def update(self, step: int, loss: float, lr: float, tokens_per_s: float, extra: str = "") -> None:
+        done = step - self.start_step
+        eta = (time.time() - self.t0) / max(done, 1) * (self.total - step)
+        text = (f"step {step}/{self.total} loss {loss:.4f} lr {lr:.3g} tok/s {tokens_per_s:,.0f} "
+                f"ETA {_duration(eta)}{extra}")
+        if self.tty:
+            width = 24
+            filled = int(width * step / max(self.total, 1))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\033[K")
+            if step == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+
+class MetricsLog:
+    """OUTPUT_DIR/metrics.jsonl: one JSON object per logged step (appended, so a resumed run
+    continues it; lines past the resume step are dropped first)."""
+
+    def __init__(self, output_dir: str, resume_step: int):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.rows = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                self.rows = [r for r in (json.loads(line) for line in f if line.strip()) if r["step"] <= resume_step]
+        with open(self.path, "w") as f:
+            for r in self.rows:
+                f.write(json.dumps(r) + "\n")
+
+    def write(self, row: dict) -> None:
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def plot(self, path: str) -> None:
+        import logging
+
+        import matplotlib
+
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in self.rows if "loss" in r], [r["loss"] for r in self.rows if "loss" in r], label="train loss")
+        evals = [r for r in self.rows if "eval_loss" in r]
+        if evals:
+            ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)

@@ -1,0 +1,63 @@
+"""AdamW over a list of named tensors, its LR schedule, and gradient clipping, through the ops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from v4train import ops
+
+
+def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, schedule: str) -> float:
+    """The learning rate of step (1-based): linear warmup from base_lr / warmup to base_lr over
+    `warmup` steps, then `schedule` (cosine, linear or constant) down to min_lr at `total`."""
+    if warmup and step <= warmup:
+        return base_lr * step / warmup
+    if schedule == "constant" or total <= warmup:
+        return base_lr
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    if schedule == "linear":
+        return base_lr - (base_lr - min_lr) * progress
+    return min_lr + (base_lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class AdamW:
+    def __init__(self, named: dict[str, torch.Tensor], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        self.names = list(named)
+        self.params = [named[n] for n in self.names]
+        self.exp_avgs = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.exp_avg_sqs = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.step_count = 0
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients that exist (a weight no loss reached this step has none, and is not updated)."""
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def step(self, lr: float) -> None:
+        self.step_count += 1
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        pick = lambda xs: [xs[i] for i in live]  # noqa: E731
+        ops.v4_adam_step(pick(self.params), self.grads(), pick(self.exp_avgs), pick(self.exp_avg_sqs), self.step_count,
+                         lr, self.betas[0], self.betas[1], self.eps, self.weight_decay)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, m, v in zip(self.names, self.exp_avgs, self.exp_avg_sqs):
+            out[n + ".exp_avg"], out[n + ".exp_avg_sq"] = m, v
+        return out
+
+    def load_state(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
+        missing = [n for n in self.names if n + ".exp_avg" not in tensors]
+        if missing:
+            raise ValueError(f"optimizer state lacks {missing[:3]} (was the checkpoint made with other trainable weights?)")
+        with torch.no_grad():
+            for n, m, v in zip(self.names, self.exp_avgs, self.exp_avg_sqs):
+                m.copy_(tensors[n + ".exp_avg"])
+                v.copy_(tensors[n + ".exp_avg_sq"])
+        self.step_count = step_count

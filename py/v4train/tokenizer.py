@@ -1,0 +1,85 @@
+"""The model's tokenizer: tokenizer.json (the `tokenizers` library) and tokenizer_config.json's
+chat template (Jinja2, rendered in a sandbox like transformers' apply_chat_template)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, directory: str):
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.exists(path):
+            raise TokenizerError(f"{path}: not found (the tokenizer directory needs tokenizer.json)")
+        try:
+            self._tok = _HFTokenizer.from_file(path)
+        except Exception as e:
+            raise TokenizerError(f"{path}: cannot load ({e})") from None
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        self.config = json.load(open(config_path)) if os.path.exists(config_path) else {}
+        self.directory = directory
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template = env.from_string(template) if template else None
+        self.eos_token = self._special("eos_token")
+        self.bos_token = self._special("bos_token")
+
+    def _special(self, key):
+        value = self.config.get(key)
+        return value.get("content") if isinstance(value, dict) else value
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if self._template is None:
+            raise TokenizerError(f"{self.directory}/tokenizer_config.json has no chat_template")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        """Token ids of the rendered conversation and, per token, whether it is assistant output.
+
+        Each message's span is the text its rendering adds to the conversation so far; before an
+        assistant message, the generation prompt (e.g. '<|assistant|>\\n') belongs to the prompt.
+        Spans are tokenized one by one, so a boundary never merges two spans' tokens.
+        """
+        ids, mask, done = [], [], ""
+        for i, message in enumerate(messages):
+            is_assistant = message.get("role") == "assistant"
+            if is_assistant:
+                prompt = self.render(messages[:i], add_generation_prompt=True)
+                self._append(prompt, done, ids, mask, False)
+                done = prompt
+            text = self.render(messages[: i + 1])
+            self._append(text, done, ids, mask, is_assistant)
+            done = text
+        return ids, mask
+
+    def _append(self, text, done, ids, mask, flag):
+        if not text.startswith(done):
+            raise TokenizerError("the chat template does not render conversations as prefixes of each other; "
+                                 "cannot tell which tokens are the assistant's")
+        new = self.encode(text[len(done):])
+        ids += new
+        mask += [flag] * len(new)
