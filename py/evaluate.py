@@ -1,6 +1,6 @@
 """//py:evaluate: the mean token loss of a Hugging Face checkpoint on a JSONL dataset.
 
-    tools/bazel run //py:evaluate -- --model_dir=DIR --data=FILE.jsonl [--dtype=float32] [--cpp_ops=none]
+    tools/bazel run //py:evaluate -- --model_dir=DIR --data=FILE.jsonl [--adapter_dir=DIR] [--dtype=float32]
 
 The loss is the mean next-token cross-entropy over all target tokens of all records (what
 transformers computes with labels = input_ids, or with the record's labels). Each record is its
@@ -19,10 +19,10 @@ import time
 import torch
 from absl import app, flags
 
-from v4train import hf_checkpoint, ops
+from v4train import hf_checkpoint, lora, ops
 from v4train.data import DataError, read_records
 from v4train.models.causal_lm import Packed
-from v4train.models.config import ConfigError
+from v4train.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model_dir", None, "Hugging Face checkpoint directory (config.json + safetensors).")
@@ -30,6 +30,8 @@ flags.DEFINE_string("data", None, "JSONL file of records with 'input_ids' and op
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the weights and activations.")
 flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where to run; auto picks CUDA when available.")
 flags.DEFINE_string("cpp_ops", "none", "Ops to run in C++: 'all', 'none' or a comma list (see v4train.ops.OPS).")
+flags.DEFINE_string("adapter_dir", None, "A PEFT LoRA adapter (e.g. OUTPUT_DIR/checkpoint-STEP of a LoRA run) to apply.")
+flags.DEFINE_string("tokenizer_dir", None, "tokenizer.json (+ chat template) for text records; default: --model_dir.")
 flags.DEFINE_integer("max_batch_tokens", 8192, "Most tokens per forward pass (whole records are never split).",
                      lower_bound=1)
 
@@ -47,9 +49,15 @@ def pick_device(name: str) -> str:
     return name
 
 
-def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_batch_tokens: int) -> dict:
+def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_batch_tokens: int,
+             adapter_dir: str | None = None, tokenizer_dir: str | None = None) -> dict:
     model, report = hf_checkpoint.load(model_dir, dtype, device)
-    records = read_records(data, None, model.cfg.vocab_size)
+    if adapter_dir:
+        lora.load_peft(model, adapter_dir, dtype, device)
+        lora.set_dropout(model, 0.0)
+    tokenizer_dir = tokenizer_dir or model_dir
+    tokenizer = Tokenizer(tokenizer_dir) if os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")) else None
+    records = read_records(data, tokenizer, model.cfg.vocab_size)
     total, targets, start = torch.zeros((), dtype=torch.float64), 0, time.time()
     batch_docs: list = []
 
@@ -82,7 +90,9 @@ def main(argv):
     try:
         cpp = ops.select_cpp_ops(FLAGS.cpp_ops)
         result = evaluate(user_path(FLAGS.model_dir), user_path(FLAGS.data), getattr(torch, FLAGS.dtype),
-                          pick_device(FLAGS.device), FLAGS.max_batch_tokens)
+                          pick_device(FLAGS.device), FLAGS.max_batch_tokens,
+                          FLAGS.adapter_dir and user_path(FLAGS.adapter_dir),
+                          FLAGS.tokenizer_dir and user_path(FLAGS.tokenizer_dir))
     except (ValueError, ops.CppOpUnavailable) as e:  # ConfigError, CheckpointError, DataError are ValueErrors
         print(f"evaluate: {e}", file=sys.stderr)
         return 2

@@ -90,6 +90,29 @@ def evaluate(model: CausalLM, records: list[data.Record], token_budget: int, dev
     return total / max(targets, 1)
 
 
+def train_step(model: CausalLM, optimizer: AdamW, micro: list[list[data.Record]], lr: float, max_grad_norm: float,
+               device: str) -> tuple[float, float, int]:
+    """One optimizer step over the micro-batches (lists of documents): forward and backward of
+    each, the loss normalised by the step's target tokens so that accumulation gives the mean,
+    then clipping and AdamW. Returns (loss, gradient norm before clipping, tokens).
+
+    Only data movement, backward, scalar reads and op calls happen here: every computation is
+    an op (C++ or its reference), which py/tests/test_train_step.py checks.
+    """
+    normalizer = max(1, sum(d.num_targets for docs in micro for d in docs))
+    loss_value, tokens = 0.0, 0
+    for docs in micro:
+        batch = Packed.from_documents([d.input_ids for d in docs], [d.labels for d in docs], device)
+        loss = model.loss(batch, normalizer)
+        loss.backward()
+        loss_value += loss.item()
+        tokens += sum(len(d.input_ids) for d in docs)
+    grad_norm = ops.v4_clip_grad_norm(optimizer.grads(), max_grad_norm).item()
+    optimizer.step(lr)
+    optimizer.zero_grad()
+    return loss_value, grad_norm, tokens
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -183,17 +206,7 @@ def train() -> int:
         t0 = time.time()
         lr = lr_at(step, FLAGS.lr, FLAGS.min_lr, FLAGS.warmup_steps, total_steps, FLAGS.lr_schedule)
         micro = [loader.next() for _ in range(FLAGS.grad_accum)]
-        normalizer = max(1, sum(d.num_targets for docs in micro for d in docs))
-        loss_value, tokens = 0.0, 0
-        for docs in micro:
-            batch = Packed.from_documents([d.input_ids for d in docs], [d.labels for d in docs], device)
-            loss = model.loss(batch, normalizer)
-            loss.backward()
-            loss_value += loss.item()
-            tokens += sum(len(d.input_ids) for d in docs)
-        grad_norm = ops.v4_clip_grad_norm(optimizer.grads(), FLAGS.max_grad_norm).item()
-        optimizer.step(lr)
-        optimizer.zero_grad()
+        loss_value, grad_norm, tokens = train_step(model, optimizer, micro, lr, FLAGS.max_grad_norm, device)
         if device == "cuda":
             torch.cuda.synchronize()
         tokens_per_s = tokens / (time.time() - t0)
@@ -205,8 +218,12 @@ def train() -> int:
         if step % FLAGS.log_interval == 0 or step == total_steps or "eval_loss" in last:
             metrics.write(last)
             progress.update(step, loss_value, lr, tokens_per_s, f" eval {eval_loss:.4f}" if "eval_loss" in last else "")
-        if (FLAGS.save_interval and step % FLAGS.save_interval == 0) or step == total_steps:
+        stop = step == FLAGS.stop_at_step
+        if (FLAGS.save_interval and step % FLAGS.save_interval == 0) or step == total_steps or stop:
             save(step)
+        if stop:
+            progress.message(f"train: stopped after step {step} (--stop_at_step); resume with --resume_from=latest")
+            break
 
     wall = time.time() - t_start
     if metrics.rows:

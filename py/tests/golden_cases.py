@@ -38,3 +38,28 @@ def run(model, input_ids: torch.Tensor):
     loss = model.loss(batch, batch.num_targets)
     loss.backward()
     return hidden_logits.reshape(*input_ids.shape, -1), loss
+
+
+REPO = os.path.dirname(ROOT.rsplit(os.sep + "testdata", 1)[0] + os.sep + "x")
+BASE = os.path.join(REPO, "testdata", "glm5_base")
+CHAT = os.path.join(REPO, "testdata", "sft", "chat.jsonl")
+CHAT_EVAL = os.path.join(REPO, "testdata", "sft", "chat_eval.jsonl")
+
+
+def run_cli(script: str, *args: str, cwd: str | None = None):
+    """python py/<script> args..., with this test's import path; returns the CompletedProcess."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p) for p in sys.path))
+    return subprocess.run([sys.executable, os.path.join(REPO, "py", script), *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=600)
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def metrics(output_dir: str) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

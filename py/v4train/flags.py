@@ -64,6 +64,8 @@ flags.DEFINE_integer("save_interval", 0, "Save a checkpoint every this many step
 flags.DEFINE_integer("save_total_limit", 2, "Checkpoints to keep (the oldest are deleted).", lower_bound=1)
 flags.DEFINE_string("resume_from", None, "'latest' (the newest checkpoint in --output_dir) or a checkpoint directory.")
 flags.DEFINE_integer("log_interval", 1, "Log every this many steps.", lower_bound=1)
+flags.DEFINE_integer("stop_at_step", 0, "Save and stop after this step, as a preemption would (0: run to the end); "
+                     "a later run with --resume_from=latest continues where it stopped.", lower_bound=0)
 
 ATTENTION = {
     "glm5": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),

@@ -1,0 +1,89 @@
+"""Data: record forms, loss masking, truncation, packing, and errors with file:line."""
+
+import json
+import os
+
+import pytest
+
+from golden_cases import REPO
+from v4train import data
+from v4train.tokenizer import Tokenizer
+
+TOK = Tokenizer(os.path.join(REPO, "testdata", "sft", "tokenizer"))
+
+
+def _write(tmp_path, *records):
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def _target_text(r):
+    return TOK.decode([t for t, l in zip(r.input_ids, r.labels) if l != data.IGNORE])
+
+
+def test_chat_loss_is_on_assistant_tokens_only(tmp_path):
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What does a cow say?"},
+                         {"role": "assistant", "content": "A cow says moo."}, {"role": "user", "content": "And a cat?"},
+                         {"role": "assistant", "content": "A cat says meow."}]}
+    (r,) = data.read_records(_write(tmp_path, chat), TOK)
+    assert TOK.decode(r.input_ids) == ("<|system|>\nBe brief.<|end|>\n<|user|>\nWhat does a cow say?<|end|>\n"
+                                       "<|assistant|>\nA cow says moo.<|end|>\n<|user|>\nAnd a cat?<|end|>\n"
+                                       "<|assistant|>\nA cat says meow.<|end|>\n")
+    assert _target_text(r) == "A cow says moo.<|end|>\nA cat says meow.<|end|>\n"
+
+
+def test_prompt_completion_text_and_tokens(tmp_path):
+    records = data.read_records(_write(tmp_path, {"prompt": "2 plus 2 is", "completion": " 4."}, {"text": "A dog says woof."},
+                                       {"input_ids": [5, 6, 7], "labels": [-100, 6, -100]}), TOK)
+    assert _target_text(records[0]) == " 4.<|end|>"
+    assert _target_text(records[1]) == "A dog says woof.<|end|>"
+    assert records[2].input_ids == [5, 6, 7] and records[2].labels == [-100, 6, -100]
+    assert records[2].num_targets == 1  # label 6 at position 1 is the target of position 0
+
+
+def test_malformed_lines_are_all_reported_with_their_line(tmp_path):
+    path = _write(tmp_path, {"text": "fine"}, "{broken", {"messages": [{"role": "user", "content": "hi"}]},
+                  {"prompt": 3, "completion": "x"}, {"input_ids": [1, 2], "labels": [1]}, {"other": 1}, {"input_ids": [999]})
+    with pytest.raises(data.DataError) as info:
+        data.read_records(path, TOK, vocab_size=384)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: 6 malformed record(s)")
+    for line, text in [(2, "not valid JSON"), (3, "messages has no assistant message"), (4, "prompt and completion must both be strings"),
+                       (5, "labels must be a list of integers as long as input_ids (2)"),
+                       (6, "expected one of messages, prompt/completion, text, input_ids"),
+                       (7, "input_ids must lie in [0, 384)")]:
+        assert f"{path}:{line}: {text}" in msg
+
+
+def test_text_records_without_a_tokenizer_are_an_error(tmp_path):
+    with pytest.raises(data.DataError, match="'text' records need a tokenizer"):
+        data.read_records(_write(tmp_path, {"text": "x"}), None)
+
+
+def test_truncation_dropping_and_the_no_trainable_token_error():
+    recs = [data.Record(list(range(10)), list(range(10)), "a:1"), data.Record([1, 2], [1, 2], "a:2")]
+    kept = data.fit_to_length(recs, 4, "truncate")
+    assert kept.truncated == 1 and kept.dropped == 0 and kept.examples[0].input_ids == [0, 1, 2, 3]
+    dropped = data.fit_to_length(recs, 4, "drop")
+    assert dropped.dropped == 1 and [r.where for r in dropped.examples] == ["a:2"]
+    masked = [data.Record([1, 2, 3], [-100, -100, -100], "b:1")]
+    with pytest.raises(data.DataError, match="no trainable token"):
+        data.fit_to_length(masked, 4, "truncate")
+
+
+def test_packing_fills_rows_without_splitting_examples():
+    recs = [data.Record([0] * n, [0] * n, str(n)) for n in (5, 4, 3, 6, 1)]
+    assert [[r.where for r in row] for row in data.rows(recs, 9, True)] == [["5", "4"], ["3", "6"], ["1"]]
+    assert len(data.rows(recs, 9, False)) == 5
+
+
+def test_loader_state_resumes_the_same_batches():
+    recs = [data.Record([i, i], [i, i], str(i)) for i in range(7)]
+    a = data.Loader(recs, 4, True, 2, seed=3)
+    first = [[r.where for r in a.next()] for _ in range(3)]
+    state = a.state()
+    rest = [[r.where for r in a.next()] for _ in range(4)]
+    b = data.Loader(recs, 4, True, 2, seed=3)
+    b.load_state(state)
+    assert [[r.where for r in b.next()] for _ in range(4)] == rest

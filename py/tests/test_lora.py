@@ -1,0 +1,101 @@
+"""LoRA: PEFT-format adapters that peft loads onto transformers with the same logits; evaluate
+with --adapter_dir; atomic checkpoints; gradient checkpointing; the startup self-check."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from golden_cases import BASE, CHAT, golden, last_json, run_cli
+from parity.compare import assert_rel_close
+from v4train import checkpoint, hf_checkpoint, lora, ops
+from v4train.models.causal_lm import Packed
+from v4train.optim import AdamW
+
+
+@pytest.fixture(scope="module")
+def trained_adapter(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora")
+    result = run_cli("train.py", "--model_dir=" + BASE, "--data=" + CHAT, "--dtype=float32", "--seq_len=128",
+                     "--micro_batch_size=2", "--max_steps=3", "--lr=5e-3", "--lora_r=4", "--lora_alpha=8",
+                     "--lora_target_modules=q_a_proj,kv_b_proj,o_proj", f"--output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return str(out / "checkpoint-3")
+
+
+def test_peft_loads_the_adapter_onto_transformers_with_the_same_logits(trained_adapter, tmp_path):
+    import transformers
+    from peft import PeftModel
+
+    ids = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(0))
+    model, _ = hf_checkpoint.load(BASE)
+    lora.load_peft(model, trained_adapter, torch.float32, "cpu")
+    with torch.no_grad():
+        ours = model.logits(Packed.from_rows(ids)).reshape(2, 40, -1)
+        plain = hf_checkpoint.load(BASE)[0].logits(Packed.from_rows(ids)).reshape(2, 40, -1)
+    base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32, attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(base, trained_adapter)
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+    assert_rel_close(ours, theirs, "v4train vs transformers + peft")
+    assert ((ours - plain).norm() / plain.norm()) > 1e-4, "the trained adapter changes the logits"
+    # And the loss //py:evaluate reports with the adapter is transformers + peft's.
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in ids.tolist()))
+    result = run_cli("evaluate.py", f"--model_dir={BASE}", f"--adapter_dir={trained_adapter}", f"--data={data}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids, labels=ids).loss
+    assert_rel_close(torch.tensor(last_json(result.stdout)["loss"]), expected, "evaluate --adapter_dir loss")
+
+
+def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
+    model, _ = hf_checkpoint.load(golden("glm5")[0])
+    lcfg = lora.LoraConfig(2, 4, 0.0, ("o_proj",), False)
+    adapters = lora.add_adapters(model, lcfg, torch.float32, "cpu", 0)
+    opt = AdamW(adapters)
+    kw = dict(model=model, adapters=adapters, lcfg=lcfg, optimizer=opt, state={"loader": {}}, base_model_dir=BASE,
+              tokenizer_dir=None, keep=3)
+    checkpoint.save(str(tmp_path), 1, **kw)
+    before = (tmp_path / "checkpoint-1" / "adapter_model.safetensors").read_bytes()
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(checkpoint, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(str(tmp_path), 2, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(str(tmp_path), 1, **kw)  # overwriting the same step
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
+    assert (tmp_path / "checkpoint-1" / "adapter_model.safetensors").read_bytes() == before
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+
+
+@pytest.mark.parametrize("case", ["glm5", "qwen3_5_moe"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(case):
+    model_dir, tensors, _ = golden(case)
+    results = []
+    for recompute in (False, True):
+        model, _ = hf_checkpoint.load(model_dir)
+        model.checkpointing = recompute
+        lcfg = lora.LoraConfig(4, 8, 0.1, ("o_proj",), True)
+        adapters = lora.add_adapters(model, lcfg, torch.float32, "cpu", 0)
+        for t in adapters.values():
+            t.requires_grad_(True)
+        torch.manual_seed(0)  # LoRA dropout: the recomputation must see the same masks
+        loss = model.loss(Packed.from_rows(tensors["input_ids"]), 100.0)
+        loss.backward()
+        results.append((loss.detach(), torch.cat([t.grad.reshape(-1) for t in adapters.values()])))
+    assert_rel_close(results[1][0], results[0][0], f"{case} loss")
+    assert_rel_close(results[1][1], results[0][1], f"{case} adapter gradients")
+
+
+def test_self_check_stops_on_a_mismatch_naming_the_op():
+    op = ops.OPS["v4_rms_norm"]
+    ops.self_check(op, torch.float32, "cpu")  # the real pair agrees
+    off = dataclasses.replace(op, reference=lambda x, w, eps, zc: op.reference(x, w, eps, zc) * 1.001)
+    with pytest.raises(ValueError, match="self-check: the C\\+\\+ op v4_rms_norm differs from its reference"):
+        ops.self_check(off, torch.float32, "cpu")

@@ -1,0 +1,96 @@
+"""//py:train end to end: flags, outputs, checkpoints, exact resume, the C++/reference switch."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from golden_cases import BASE, CHAT, CHAT_EVAL, last_json, metrics, run_cli
+from parity.compare import assert_close
+
+SMALL = ["--model_dir=" + BASE, "--data=" + CHAT, "--dtype=float32", "--seq_len=128", "--micro_batch_size=2",
+         "--lr=2e-3", "--lora_r=4", "--lora_alpha=8", "--log_interval=1"]
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "give exactly one of --model_dir (fine-tune a checkpoint) and --model_config"),
+    (["--model_dir=x", "--model_config=y", "--data=d", "--output_dir=o"], "give exactly one of --model_dir"),
+    (["--model_dir=x", "--data=d", "--output_dir=o", "--finetune=full", "--lora_r=4"],
+     "--lora_* flags contradict --finetune=full"),
+    (["--model_dir=x", "--data=d", "--output_dir=o", "--max_steps=5", "--warmup_steps=10"],
+     "--warmup_steps=10 is more than --max_steps=5"),
+    (["--model_dir=" + BASE, "--data=nowhere.jsonl", "--output_dir=o"], "--data=nowhere.jsonl: not found"),
+    (["--model_dir=" + BASE, "--data=" + CHAT, "--output_dir=o", "--cpp_ops=embedding"],
+     "--cpp_ops: v4_embedding has no C++ implementation yet"),
+    (["--model_dir=" + BASE, "--data=" + CHAT, "--output_dir=o", "--lora_target_modules=nope", "--nolora_experts"],
+     "--lora_target_modules=nope matches no module of glm_moe_dsa"),
+    (["--lr=-1"], "--lr"),
+    (["--nonsense=1"], "Unknown command line flag 'nonsense'"),
+    (["--flagfile=missing.flags"], "--flagfile=missing.flags: not found"),
+])
+def test_bad_flags_stop_before_any_work_naming_the_flag(args, message, tmp_path):
+    result = run_cli("train.py", *args, cwd=str(tmp_path))
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_lora_run_writes_metrics_plot_checkpoints_and_summary(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("train.py", *SMALL, f"--output_dir={out}", "--max_steps=6", "--save_interval=2",
+                     "--save_total_limit=2", "--eval_data=" + CHAT_EVAL, "--eval_interval=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["steps"] == 6 and summary["final_loss"] < summary["first_loss"]
+    rows = metrics(str(out))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"} <= set(rows[0])
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(out)) == ["checkpoint-4", "checkpoint-6", "loss.png", "metrics.jsonl"]
+    adapter = json.loads((out / "checkpoint-6" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == os.path.abspath(BASE)
+    assert adapter["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert {"adapter_model.safetensors", "optimizer.safetensors", "rng_state.pt", "trainer_state.json",
+            "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out / "checkpoint-6"))
+
+
+def test_resumed_run_continues_the_same_loss_curve(tmp_path):
+    # Dropout and several epochs' worth of shuffling make the RNG and data position matter.
+    args = [*SMALL, "--max_steps=8", "--save_interval=4", "--lora_dropout=0.1", "--grad_accum=2"]
+    whole = run_cli("train.py", *args, f"--output_dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = run_cli("train.py", *args, f"--output_dir={tmp_path / 'split'}", "--stop_at_step=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "stopped after step 4" in first.stderr
+    second = run_cli("train.py", *args, f"--output_dir={tmp_path / 'split'}", "--resume_from=latest")
+    assert second.returncode == 0, second.stderr[-3000:]
+    a, b = metrics(str(tmp_path / "whole")), metrics(str(tmp_path / "split"))
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]), "resumed loss curve")
+    assert_close(torch.tensor([r["grad_norm"] for r in b]), torch.tensor([r["grad_norm"] for r in a]), "grad norms")
+
+
+def test_cpp_and_reference_paths_train_alike(tmp_path):
+    runs = {}
+    for cpp in ("none", "all"):
+        result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / cpp}", "--max_steps=3", f"--cpp_ops={cpp}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[cpp] = torch.tensor([r["loss"] for r in metrics(str(tmp_path / cpp))])
+    assert "C++ ops: v4_rms_norm" in result.stderr
+    assert_close(runs["all"], runs["none"], "loss, C++ vs reference")
+
+
+def test_full_finetuning_from_a_config_saves_hf_weights(tmp_path):
+    out = tmp_path / "full"
+    result = run_cli("train.py", "--model_config=" + os.path.join(os.path.dirname(CHAT), "glm5_config.json"),
+                     "--tokenizer_dir=" + os.path.join(os.path.dirname(CHAT), "tokenizer"), "--data=" + CHAT,
+                     "--finetune=full", "--dtype=float32", "--seq_len=128", "--micro_batch_size=2", "--max_steps=2",
+                     f"--output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    from v4train import hf_checkpoint
+
+    model, _ = hf_checkpoint.load(str(out / "checkpoint-2"))
+    assert model.cfg.model_type == "glm_moe_dsa"
