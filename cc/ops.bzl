@@ -10,6 +10,8 @@ V4_TEST_MODULES are built the same way but are no ops (py/tests use them).
 
 V4_OPS = {
     "v4_rms_norm": {"bind": "bind/rms_norm.cc", "srcs": ["ops/rms_norm.cc"]},
+    "v4_adam_step": {"bind": "bind/adam_step.cc", "srcs": ["ops/adam_step.cc"]},
+    "v4_clip_grad_norm": {"bind": "bind/clip_grad_norm.cc", "srcs": ["ops/clip_grad_norm.cc"]},
 }
 
 V4_TEST_MODULES = {

@@ -41,11 +41,25 @@ def in_float64(sample: Sample) -> Sample:
     return Sample(leaves, sample.build, sample.note)
 
 
+def run_inplace(fn: Callable, sample: Sample) -> list[torch.Tensor]:
+    """What an in-place op returns, then every leaf as the op left it (on fresh copies)."""
+    leaves = {k: v.clone() for k, v in sample.leaves.items()}
+    args, kwargs = sample.build(leaves)
+    out = fn(*args, **kwargs)
+    return ([] if out is None else list(_outputs(out))) + list(leaves.values())
+
+
 def check_parity(op, sample: Sample, seed: int) -> None:
-    """C++ against the reference: every output and every leaf's gradient.
+    """C++ against the reference: every output and every leaf's gradient (for in-place ops,
+    every tensor they update).
 
     The reference run in float64 is the truth that arbitrates rounding (see compare.py).
     """
+    if op.inplace:
+        names = [f"tensor {i}" for i in range(len(sample.leaves) + 1)]
+        for name, c, r in zip(names, run_inplace(op.cpp(), sample), run_inplace(op.reference, sample)):
+            assert_close(c, r, f"{op.name} {name} [{sample!r}]")
+        return
     grads = None
 
     def upstream(outputs):  # drawn once, in the op's dtypes; the same values for all three runs

@@ -33,6 +33,51 @@ def rms_norm_samples(draw, dtype: torch.dtype, device: str) -> Sample:
                   note=f"x layout {x_layout}, eps {eps}, zero_centered {zero_centered}")
 
 
+
+
+@st.composite
+def _param_shapes(draw):
+    return draw(st.lists(shapes(1, 3, 65), min_size=1, max_size=4))
+
+
+@st.composite
+def adam_step_samples(draw, dtype: torch.dtype, device: str) -> Sample:
+    shapes_ = draw(_param_shapes())
+    seed = draw(seeds())
+    leaves = {}
+    for i, s in enumerate(shapes_):
+        leaves[f"p{i}"] = make_leaf(s, "contiguous", dtype, device, seed + 4 * i)
+        leaves[f"g{i}"] = make_leaf(s, "contiguous", dtype, device, seed + 4 * i + 1, scale=0.1)
+        leaves[f"m{i}"] = make_leaf(s, "contiguous", torch.float32, device, seed + 4 * i + 2, scale=0.01)
+        leaves[f"v{i}"] = make_leaf(s, "contiguous", torch.float32, device, seed + 4 * i + 3, scale=0.01).square()
+    step = draw(st.sampled_from([1, 2, 10, 1000]))
+    lr = draw(st.sampled_from([1e-4, 2e-3]))
+    b1, b2 = draw(st.sampled_from([(0.9, 0.999), (0.9, 0.95)]))
+    wd = draw(st.sampled_from([0.0, 0.1]))
+    n = len(shapes_)
+
+    def build(lv):
+        pick = lambda c: [lv[f"{c}{i}"] for i in range(n)]  # noqa: E731
+        return (pick("p"), pick("g"), pick("m"), pick("v"), step, lr, b1, b2, 1e-8, wd), {}
+
+    return Sample(leaves, build, note=f"step {step}, lr {lr}, betas {b1},{b2}, wd {wd}")
+
+
+@st.composite
+def clip_grad_norm_samples(draw, dtype: torch.dtype, device: str) -> Sample:
+    shapes_ = draw(_param_shapes())
+    seed = draw(seeds())
+    leaves = {f"g{i}": make_leaf(s, "contiguous", dtype, device, seed + i) for i, s in enumerate(shapes_)}
+    max_norm = draw(st.sampled_from([0.0, 0.5, 1e6]))  # off, clipping, not reached
+
+    def build(lv):
+        return ([lv[f"g{i}"] for i in range(len(shapes_))], max_norm), {}
+
+    return Sample(leaves, build, note=f"max_norm {max_norm}")
+
+
 SAMPLES = {
     "v4_rms_norm": rms_norm_samples,
+    "v4_adam_step": adam_step_samples,
+    "v4_clip_grad_norm": clip_grad_norm_samples,
 }

@@ -23,7 +23,30 @@ def rms_norm_case(device, dtype):
     return "x [4096, 6144], weight [6144]", (x, w, 1e-6, False)
 
 
-CASES = {"v4_rms_norm": rms_norm_case}
+def _param_set(device, dtype):
+    """The rank-16 LoRA tensors of one GLM-5 MoE layer: its five attention projections and its
+    256 routed experts (gate_up and down): 14 tensors, 77M values."""
+    gen = torch.Generator().manual_seed(0)
+    r = 16
+    attention = [(r, 6144), (2048, r), (r, 2048), (64 * 256, r), (r, 6144), (576, r), (r, 512), (64 * 448, r),
+                 (r, 64 * 256), (6144, r)]
+    shapes = attention + [(256, r, 6144), (256, 4096, r), (256, r, 2048), (256, 6144, r)]
+    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+
+
+def adam_step_case(device, dtype):
+    params, grads = _param_set(device, dtype), _param_set(device, dtype)
+    moments = [[torch.zeros_like(p, dtype=torch.float32) for p in params] for _ in range(2)]
+    n = sum(p.numel() for p in params)
+    return f"{len(params)} tensors, {n / 1e6:.0f}M values", (params, grads, *moments, 1, 1e-4, 0.9, 0.999, 1e-8, 0.0)
+
+
+def clip_grad_norm_case(device, dtype):
+    grads = _param_set(device, dtype)
+    return f"{len(grads)} tensors, {sum(g.numel() for g in grads) / 1e6:.0f}M values", (grads, 1.0)
+
+
+CASES = {"v4_rms_norm": rms_norm_case, "v4_adam_step": adam_step_case, "v4_clip_grad_norm": clip_grad_norm_case}
 
 
 def timed(fn, device, reps):
@@ -61,6 +84,10 @@ def main():
         op = OPS[op_name]
         shape, op_args = case(args.device, dtype)
         for impl, fn in (("reference", op.reference), ("cpp", op.cpp())):
+            if op.inplace:  # an optimizer op: no backward
+                ms = timed(lambda: fn(*op_args), args.device, args.reps)
+                print(f"| {op_name} | {shape} | {impl} | {ms:.3f} | - | - |", flush=True)
+                continue
             grad = torch.randn_like(fn(*op_args))
 
             def fwd():

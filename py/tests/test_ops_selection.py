@@ -22,7 +22,7 @@ def test_default_is_the_reference():
 
 @pytest.mark.parametrize("spec", ["all", "v4_rms_norm", "rms_norm", " rms_norm , "])
 def test_selecting_an_op_routes_it_to_cpp(spec):
-    assert ops.select_cpp_ops(spec) == {"v4_rms_norm"}
+    assert "v4_rms_norm" in ops.select_cpp_ops(spec)
     assert dispatch(OP) is v4_rms_norm.v4_rms_norm
     x = torch.randn(2, 4, requires_grad=True)
     assert ops.v4_rms_norm(x, torch.ones(4), 1e-6).grad_fn.name() == "torch::autograd::CppNode<v4::RmsNorm>"
@@ -42,4 +42,4 @@ def test_unknown_op_names_the_flag_and_the_choices():
 def test_ops_without_cpp_are_refused_by_name_and_skipped_by_all():
     with pytest.raises(ValueError, match=r"--cpp_ops: v4_embedding has no C\+\+ implementation yet"):
         ops.select_cpp_ops("embedding")
-    assert ops.select_cpp_ops("all") == {"v4_rms_norm"}
+    assert ops.select_cpp_ops("all") == {"v4_rms_norm", "v4_adam_step", "v4_clip_grad_norm"}

@@ -31,11 +31,25 @@ def v4_qwen3_5_layer_forward(hidden, weights, cfg, layer, positions, cu_seqlens)
 def v4_cross_entropy_loss(hidden, weight, targets, normalizer=1.0):
     return dispatch(CROSS_ENTROPY)(hidden, weight, targets, normalizer)
 
-from v4train.reference.optim import v4_adam_step as _adam  # noqa: E402
-from v4train.reference.optim import v4_clip_grad_norm as _clip  # noqa: E402
+from v4train.reference.adam_step import v4_adam_step as _adam  # noqa: E402
+from v4train.reference.clip_grad_norm import v4_clip_grad_norm as _clip  # noqa: E402
 
-ADAM_STEP = OpInfo("v4_adam_step", _adam, (torch.float32, torch.bfloat16), has_cpp=False)
-CLIP_GRAD_NORM = OpInfo("v4_clip_grad_norm", _clip, (torch.float32, torch.bfloat16), has_cpp=False)
+def _adam_example(dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 16), (16,), (3, 5, 7)]
+    r = lambda s, scale=1.0: (torch.randn(s, generator=gen) * scale).to(device)  # noqa: E731
+    return ([r(s).to(dtype) for s in shapes], [r(s, 0.1).to(dtype) for s in shapes], [r(s, 0.01) for s in shapes],
+            [r(s, 0.01).square() for s in shapes], 3, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+
+
+def _clip_example(dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in [(8, 16), (16,), (3, 5, 7)]], 1.0
+
+
+ADAM_STEP = OpInfo("v4_adam_step", _adam, (torch.float32, torch.bfloat16), inplace=True, example=_adam_example)
+CLIP_GRAD_NORM = OpInfo("v4_clip_grad_norm", _clip, (torch.float32, torch.bfloat16), inplace=True,
+                        example=_clip_example)
 
 
 def v4_adam_step(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay):

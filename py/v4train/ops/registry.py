@@ -23,6 +23,7 @@ class OpInfo:
     reference: Callable
     dtypes: tuple[torch.dtype, ...]
     has_cpp: bool = True  # False while only the reference exists.
+    inplace: bool = False  # Updates its tensor arguments in place (no autograd): the optimizer ops.
     limits: str = ""  # What the op does not support yet, in words.
     # (dtype, device) -> a small argument tuple for the trainer's self-check; floating tensors
     # among them get gradients.
@@ -92,6 +93,12 @@ def self_check(op: OpInfo, dtype: torch.dtype, device) -> None:
     args = op.example(dtype, device)
     results = []
     for fn in (op.reference, op.cpp()):
+        if op.inplace:  # compare what it returns and every tensor it updated
+            copied = [[t.clone() for t in a] if isinstance(a, list) else a for a in args]
+            out = fn(*copied)
+            results.append(([out] if isinstance(out, torch.Tensor) else [])
+                           + [t for a in copied if isinstance(a, list) for t in a])
+            continue
         leaves = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
                   else a for a in args]
         out = fn(*leaves)
@@ -100,7 +107,7 @@ def self_check(op: OpInfo, dtype: torch.dtype, device) -> None:
         results.append([out] + [a.grad for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad])
     tol = TOLERANCES[dtype]
     for i, (ref, cpp) in enumerate(zip(*results)):
-        what = "output" if i == 0 else f"gradient of argument {i - 1}"
+        what = f"tensor {i}" if op.inplace else "output" if i == 0 else f"gradient of argument {i - 1}"
         if not torch.allclose(cpp.float(), ref.float(), rtol=tol.rtol, atol=tol.atol):
             err = (cpp.float() - ref.float()).abs().max().item()
             raise ValueError(f"self-check: the C++ op {op.name} differs from its reference ({what}, max |diff| "

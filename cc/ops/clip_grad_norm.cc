@@ -1,0 +1,29 @@
+#include "cc/ops/clip_grad_norm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+
+#include "cc/common/checks.h"
+
+at::Tensor v4_clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm) {
+  constexpr const char* op = "v4_clip_grad_norm";
+  TORCH_CHECK_VALUE(std::isfinite(max_norm) && max_norm >= 0, op, ": max_norm must be a finite number >= 0, got ",
+                    max_norm);
+  for (const auto& g : grads) v4::check_floating(op, "grads[i]", g);
+  if (grads.empty()) return at::zeros({}, at::kFloat);
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2, at::kFloat);
+  for (auto& t : norms) t = t.to(grads[0].device());
+  const at::Tensor total = at::linalg_vector_norm(at::stack(norms), 2);
+  if (max_norm > 0) {
+    const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
+    std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> groups;  // foreach wants one dtype
+    for (const auto& g : grads) groups[{g.scalar_type(), g.device().str()}].push_back(g);
+    for (auto& [key, group] : groups) at::_foreach_mul_(group, coef.to(group[0].device(), key.first));
+  }
+  return total;
+}
