@@ -55,3 +55,22 @@ def test_tools_bazel_says_what_is_missing_in_one_line(tmp_path, make_python, mes
     assert message in result.stderr
     assert result.stderr.startswith("tools/bazel: ")
     assert not (tmp_path / "home").exists(), "nothing is created before the checks pass"
+
+
+@pytest.mark.skipif(subprocess.run(["sh", "-c", "command -v bazel-4 || command -v bazel"],
+                                   capture_output=True).returncode != 0, reason="needs Bazel installed")
+def test_base_python_is_layered_under_the_environment(tmp_path):
+    """V4TRAIN_BASE_PYTHON: the environment sees the base's torch and installs no torch of its own."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "V4TRAIN_HOME": str(tmp_path / "home"),
+           "V4TRAIN_BASE_PYTHON": sys.executable, "BAZEL_REAL": "/bin/true"}  # stop where Bazel would start
+    result = subprocess.run([os.path.join(ROOT, "tools", "bazel"), "version"], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    (env_dir,) = (tmp_path / "home").glob("env-*")
+    python = env_dir / "bin" / "python"
+    torch_file = subprocess.run([str(python), "-c", "import torch; print(torch.__file__)"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    import torch
+
+    assert torch_file == torch.__file__, "the base Python's torch, not a second copy"
+    assert not list(env_dir.glob("lib/python*/site-packages/torch")), "no torch installed in the layer"

@@ -94,3 +94,18 @@ def test_full_finetuning_from_a_config_saves_hf_weights(tmp_path):
 
     model, _ = hf_checkpoint.load(str(out / "checkpoint-2"))
     assert model.cfg.model_type == "glm_moe_dsa"
+
+
+def test_lora_from_a_config_saves_a_loadable_base(tmp_path):
+    out = tmp_path / "lora_random"
+    sft = os.path.dirname(CHAT)
+    result = run_cli("train.py", "--model_config=" + os.path.join(sft, "glm5_config.json"),
+                     "--tokenizer_dir=" + os.path.join(sft, "tokenizer"), "--data=" + CHAT, "--dtype=float32",
+                     "--seq_len=128", "--micro_batch_size=2", "--max_steps=1", f"--output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapter = json.loads((out / "checkpoint-1" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(out / "base_model")
+    from v4train import hf_checkpoint, lora
+
+    model, _ = hf_checkpoint.load(adapter["base_model_name_or_path"])
+    lora.load_peft(model, str(out / "checkpoint-1"), torch.float32, "cpu")
