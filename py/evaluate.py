@@ -19,9 +19,8 @@ import time
 import torch
 from absl import app, flags
 
-from v4train import hf_checkpoint, lora, ops
+from v4train import cli, hf_checkpoint, lora, ops
 from v4train.data import DataError, read_records
-from v4train.models.causal_lm import Packed
 from v4train.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
@@ -36,47 +35,19 @@ flags.DEFINE_integer("max_batch_tokens", 8192, "Most tokens per forward pass (wh
                      lower_bound=1)
 
 
-def user_path(path: str) -> str:
-    """Relative paths resolve from where the user ran `bazel run` (not Bazel's runfiles folder)."""
-    return os.path.join(os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd()), os.path.expanduser(path))
-
-
-def pick_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device=cuda: this torch build or machine has no CUDA device")
-    return name
-
-
 def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_batch_tokens: int,
              adapter_dir: str | None = None, tokenizer_dir: str | None = None) -> dict:
     model, report = hf_checkpoint.load(model_dir, dtype, device)
     if adapter_dir:
         lora.load_peft(model, adapter_dir, dtype, device)
-        lora.set_dropout(model, 0.0)
     tokenizer_dir = tokenizer_dir or model_dir
     tokenizer = Tokenizer(tokenizer_dir) if os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")) else None
     records = read_records(data, tokenizer, model.cfg.vocab_size)
-    total, targets, start = torch.zeros((), dtype=torch.float64), 0, time.time()
-    batch_docs: list = []
-
-    def flush():
-        nonlocal total, targets
-        batch = Packed.from_documents([r.input_ids for r in batch_docs], [r.labels for r in batch_docs], device)
-        with torch.no_grad():
-            total += model.loss(batch).double().cpu()
-        targets += batch.num_targets
-        batch_docs.clear()
-
-    for record in records:
-        if batch_docs and sum(len(r.input_ids) for r in batch_docs) + len(record.input_ids) > max_batch_tokens:
-            flush()
-        batch_docs.append(record)
-    flush()
+    start = time.time()
+    loss, targets = cli.mean_loss(model, records, max_batch_tokens, device)
     if targets == 0:
         raise DataError(f"{data}: no target tokens (every label is -100 or every record has one token)")
-    return {"loss": (total / targets).item(), "tokens": targets, "records": len(records),
+    return {"loss": loss, "tokens": targets, "records": len(records),
             "model_type": model.cfg.model_type, "dtype": str(dtype).removeprefix("torch."), "device": device,
             "skipped_tensors": report["skipped"], "seconds": round(time.time() - start, 3)}
 
@@ -89,10 +60,9 @@ def main(argv):
             raise app.UsageError(f"--{name} is required")
     try:
         cpp = ops.select_cpp_ops(FLAGS.cpp_ops)
-        result = evaluate(user_path(FLAGS.model_dir), user_path(FLAGS.data), getattr(torch, FLAGS.dtype),
-                          pick_device(FLAGS.device), FLAGS.max_batch_tokens,
-                          FLAGS.adapter_dir and user_path(FLAGS.adapter_dir),
-                          FLAGS.tokenizer_dir and user_path(FLAGS.tokenizer_dir))
+        path = lambda flag: getattr(FLAGS, flag) and cli.input_path(flag, getattr(FLAGS, flag))  # noqa: E731
+        result = evaluate(path("model_dir"), path("data"), getattr(torch, FLAGS.dtype), cli.pick_device(FLAGS.device),
+                          FLAGS.max_batch_tokens, path("adapter_dir"), path("tokenizer_dir"))
     except (ValueError, ops.CppOpUnavailable) as e:  # ConfigError, CheckpointError, DataError are ValueErrors
         print(f"evaluate: {e}", file=sys.stderr)
         return 2

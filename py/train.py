@@ -12,28 +12,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import sys
 import time
 
 import torch
 from absl import app
 
-from v4train import checkpoint, data, hf_checkpoint, lora, ops
+from v4train import checkpoint, cli, data, hf_checkpoint, lora, ops
 from v4train.flags import ATTENTION, FLAGS, FlagError, validate
-from v4train.metrics import MetricsLog, Progress
+from v4train.metrics import MetricsLog, Progress, peak_memory_mib
 from v4train.models.causal_lm import CausalLM, Packed
 from v4train.models.config import config_from_dict
 from v4train.optim import AdamW, lr_at
 from v4train.tokenizer import Tokenizer
 
-REPO = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")
-
-
-def user_dir() -> str:
-    """Where the user ran the command (`bazel run` itself runs in its runfiles folder)."""
-    return os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd())
 
 
 def resolve_flagfiles(argv: list[str]) -> list[str]:
@@ -42,52 +35,18 @@ def resolve_flagfiles(argv: list[str]) -> list[str]:
     for arg in argv:
         if arg.startswith("--flagfile="):
             name = os.path.expanduser(arg.split("=", 1)[1])
-            for candidate in (os.path.join(user_dir(), name), os.path.join(FLAGFILE_DIR, name)):
+            for candidate in (os.path.join(cli.user_dir(), name), os.path.join(FLAGFILE_DIR, name)):
                 if os.path.exists(candidate):
                     arg = "--flagfile=" + os.path.abspath(candidate)
                     break
             else:
-                sys.exit(f"train: --flagfile={name}: not found in {user_dir()} or {FLAGFILE_DIR}")
+                sys.exit(f"train: --flagfile={name}: not found in {cli.user_dir()} or {FLAGFILE_DIR}")
         out.append(arg)
     return out
 
 
 def input_path(flag: str) -> str:
-    """A relative input path: from the user's directory, else from the repository (bundled data)."""
-    value = os.path.expanduser(getattr(FLAGS, flag))
-    for candidate in (os.path.join(user_dir(), value), os.path.join(REPO, value)):
-        if os.path.exists(candidate):
-            return os.path.abspath(candidate)
-    raise FlagError(f"--{flag}={value}: not found (looked in {user_dir()} and {REPO})")
-
-
-def pick_device() -> str:
-    if FLAGS.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if FLAGS.device == "cuda" and not torch.cuda.is_available():
-        raise FlagError("--device=cuda: this torch build or machine has no CUDA device")
-    return FLAGS.device
-
-
-def peak_memory_mib(device: str) -> float:
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the process' peak RSS
-
-
-def evaluate(model: CausalLM, records: list[data.Record], token_budget: int, device: str) -> float:
-    lora.set_dropout(model, 0.0)
-    total, targets, docs = 0.0, 0, []
-    with torch.no_grad():
-        for i, r in enumerate(records):
-            docs.append(r)
-            if i + 1 == len(records) or sum(len(d.input_ids) for d in docs) + len(records[i + 1].input_ids) > token_budget:
-                batch = Packed.from_documents([d.input_ids for d in docs], [d.labels for d in docs], device)
-                total += model.loss(batch).item()
-                targets += batch.num_targets
-                docs = []
-    lora.set_dropout(model, FLAGS.lora_dropout)
-    return total / max(targets, 1)
+    return cli.input_path(flag, getattr(FLAGS, flag))
 
 
 def train_step(model: CausalLM, optimizer: AdamW, micro: list[list[data.Record]], lr: float, max_grad_norm: float,
@@ -125,8 +84,8 @@ def main(argv):
 
 def train() -> int:
     validate()
-    device, dtype = pick_device(), getattr(torch, FLAGS.dtype)
-    output_dir = os.path.join(user_dir(), os.path.expanduser(FLAGS.output_dir))
+    device, dtype = cli.pick_device(FLAGS.device), getattr(torch, FLAGS.dtype)
+    output_dir = cli.output_path(FLAGS.output_dir)
     torch.manual_seed(FLAGS.seed)
 
     # The model: a checkpoint, or random weights from a config (saved as the adapter's base).
@@ -214,7 +173,8 @@ def train() -> int:
         last = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                 "peak_mem_mib": round(peak_memory_mib(device), 1), "epoch": loader.epoch}
         if eval_records and ((FLAGS.eval_interval and step % FLAGS.eval_interval == 0) or step == total_steps):
-            eval_loss = last["eval_loss"] = evaluate(model, eval_records, FLAGS.seq_len * FLAGS.micro_batch_size, device)
+            eval_loss = last["eval_loss"] = cli.mean_loss(model, eval_records, FLAGS.seq_len * FLAGS.micro_batch_size,
+                                                          device)[0]
         if step % FLAGS.log_interval == 0 or step == total_steps or "eval_loss" in last:
             metrics.write(last)
             progress.update(step, loss_value, lr, tokens_per_s, f" eval {eval_loss:.4f}" if "eval_loss" in last else "")

@@ -40,7 +40,7 @@ def run(model, input_ids: torch.Tensor):
     return hidden_logits.reshape(*input_ids.shape, -1), loss
 
 
-REPO = os.path.dirname(ROOT.rsplit(os.sep + "testdata", 1)[0] + os.sep + "x")
+REPO = os.path.dirname(os.path.dirname(ROOT))
 BASE = os.path.join(REPO, "testdata", "glm5_base")
 CHAT = os.path.join(REPO, "testdata", "sft", "chat.jsonl")
 CHAT_EVAL = os.path.join(REPO, "testdata", "sft", "chat_eval.jsonl")

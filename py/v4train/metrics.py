@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
+
+import torch
+
+
+def peak_memory_mib(device: str) -> float:
+    """Peak memory so far: allocated CUDA memory, or the process' peak RSS on the CPU."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _duration(seconds: float) -> str:

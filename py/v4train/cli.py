@@ -1,0 +1,64 @@
+"""What the entry points (//py:train, //py:evaluate) share: paths as users mean them, the
+device, and the mean loss over a dataset."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from v4train import lora
+from v4train.data import Record
+from v4train.models.causal_lm import CausalLM, Packed
+
+REPO = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+
+
+def user_dir() -> str:
+    """Where the user ran the command (`bazel run` itself runs in its runfiles folder)."""
+    return os.environ.get("BUILD_WORKING_DIRECTORY", os.getcwd())
+
+
+def output_path(value: str) -> str:
+    """A path to write: relative paths resolve from the user's directory."""
+    return os.path.join(user_dir(), os.path.expanduser(value))
+
+
+def input_path(flag: str, value: str) -> str:
+    """A path to read: from the user's directory, else from the repository (the bundled data)."""
+    value = os.path.expanduser(value)
+    for candidate in (os.path.join(user_dir(), value), os.path.join(REPO, value)):
+        if os.path.exists(candidate):
+            return os.path.abspath(candidate)
+    raise ValueError(f"--{flag}={value}: not found (looked in {user_dir()} and {REPO})")
+
+
+def pick_device(name: str) -> str:
+    """--device: auto picks CUDA when there is one."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device=cuda: this torch build or machine has no CUDA device")
+    return name
+
+
+def mean_loss(model: CausalLM, records: list[Record], token_budget: int, device: str) -> tuple[float, int]:
+    """(mean next-token loss over every target token, number of target tokens): each record its
+    own document, packed into forward passes of at most token_budget tokens (whole records)."""
+    dropout = [layer.get("lora_dropout") for layer in model.layers]
+    lora.set_dropout(model, 0.0)
+    total, targets, docs, size = torch.zeros((), dtype=torch.float64), 0, [], 0
+    with torch.no_grad():
+        for i, r in enumerate(records):
+            docs.append(r)
+            size += len(r.input_ids)
+            if i + 1 == len(records) or size + len(records[i + 1].input_ids) > token_budget:
+                batch = Packed.from_documents([d.input_ids for d in docs], [d.labels for d in docs], device)
+                total += model.loss(batch).double().cpu()
+                targets += batch.num_targets
+                docs, size = [], 0
+    for layer, p in zip(model.layers, dropout):
+        if p is not None:
+            layer["lora_dropout"] = p
+    return (total / max(targets, 1)).item(), targets
