@@ -99,3 +99,31 @@ def test_self_check_stops_on_a_mismatch_naming_the_op():
     off = dataclasses.replace(op, reference=lambda x, w, eps, zc: op.reference(x, w, eps, zc) * 1.001)
     with pytest.raises(ValueError, match="self-check: the C\\+\\+ op v4_rms_norm differs from its reference"):
         ops.self_check(off, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("case,targets", [
+    ("qwen3_5_moe", ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj")),
+    ("qwen3_5", ("q_proj", "o_proj", "in_proj_qkv", "out_proj")),
+])
+def test_qwen_adapters_load_in_peft_too(case, targets, tmp_path):
+    import transformers
+    from peft import PeftModel
+
+    model_dir, tensors, _ = golden(case)
+    model, _ = hf_checkpoint.load(model_dir)
+    lcfg = lora.LoraConfig(4, 8, 0.0, targets, experts=case.endswith("moe"))
+    adapters = lora.add_adapters(model, lcfg, torch.float32, "cpu", 0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, t in adapters.items():
+            if name.endswith("lora_B"):
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.05)
+    lora.save_peft(model, adapters, lcfg, str(tmp_path), model_dir)
+    ids = tensors["input_ids"]
+    with torch.no_grad():
+        ours = model.logits(Packed.from_rows(ids)).reshape(tensors["logits"].shape)
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                                 attn_implementation="eager")
+        theirs = PeftModel.from_pretrained(base, str(tmp_path))(input_ids=ids).logits
+    assert_rel_close(ours, theirs, f"{case}: v4train vs transformers + peft")
+    assert ((ours - tensors["logits"]).norm() / tensors["logits"].norm()) > 1e-3, "the adapter changes the logits"
