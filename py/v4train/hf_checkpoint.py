@@ -115,14 +115,8 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tu
                 t, keys = _read_experts(spec, available, read)
                 used.update(keys)
             elif spec.name in available:
-                t = read(available[spec.name])
-                used.add(spec.name)
-                scale_key = spec.name.removesuffix(".weight") + ".weight_scale_inv"
-                if t.dtype == torch.float8_e4m3fn:
-                    if scale_key not in available:
-                        raise CheckpointError(f"{spec.name}: float8 weight without {scale_key}")
-                    t = _dequant_fp8(t, read(available[scale_key]))
-                    used.add(scale_key)
+                t, keys = _read_weight(spec.name, available, read)
+                used.update(keys)
             else:
                 problems.append(f"missing tensor {spec.name} {list(spec.shape)}")
                 continue
@@ -143,6 +137,18 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tu
     return CausalLM(cfg, weights, hf_config), {"skipped": skipped}
 
 
+def _read_weight(key, available, read):
+    """The tensor `key` in floating point (an FP8 weight dequantised with its weight_scale_inv),
+    and the checkpoint keys it used."""
+    t = read(available[key])
+    if t.dtype != torch.float8_e4m3fn:
+        return t, [key]
+    scale_key = key + "_scale_inv"
+    if scale_key not in available:
+        raise CheckpointError(f"{key}: float8 weight without {scale_key}")
+    return _dequant_fp8(t, read(available[scale_key])), [key, scale_key]
+
+
 def _read_experts(spec, available, read):
     """Pack mlp.experts.{e}.{proj}.weight (possibly FP8) into spec's [E, ...] tensor."""
     prefix = spec.name[: spec.name.rindex("experts.") + len("experts.")]
@@ -153,14 +159,8 @@ def _read_experts(spec, available, read):
             key = f"{prefix}{e}.{proj}.weight"
             if key not in available:
                 raise CheckpointError(f"missing tensor {key} (for {spec.name})")
-            t = read(available[key])
-            keys.append(key)
-            if t.dtype == torch.float8_e4m3fn:
-                scale_key = key + "_scale_inv"
-                if scale_key not in available:
-                    raise CheckpointError(f"{key}: float8 weight without {scale_key}")
-                t = _dequant_fp8(t, read(available[scale_key]))
-                keys.append(scale_key)
+            t, used = _read_weight(key, available, read)
+            keys += used
             parts.append(t)
         per_expert.append(torch.cat(parts, dim=0))
     return torch.stack(per_expert), keys

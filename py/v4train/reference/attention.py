@@ -1,4 +1,4 @@
-"""Causal softmax attention over one document (the reference loops documents)."""
+"""Causal softmax attention over one document (the reference loops over documents)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def documents(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """[(start, end)] of each document from cu_seqlens [N + 1] = [0, end_0, end_1, ...]."""
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from v4train.reference import rope as rope_ref
-from v4train.reference.attention import causal_attention
+from v4train.reference.attention import causal_attention, documents
 from v4train.reference.lora import linear
 from v4train.reference.moe import experts, route_sigmoid_grouped, swiglu_mlp
 from v4train.reference.rms_norm import v4_rms_norm
@@ -14,12 +14,6 @@ from v4train.reference.rms_norm import v4_rms_norm
 # transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with eps 1e-6,
 # whatever rms_norm_eps says.
 _LATENT_EPS = 1e-6
-
-
-def documents(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    """[(start, end)] of each document from cu_seqlens [N + 1] = [0, end_0, end_1, ...]."""
-    bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _indexer_topk(h, q_resid, w, cfg, cos, sin, docs) -> torch.Tensor:

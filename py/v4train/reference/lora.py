@@ -18,21 +18,19 @@ def adapter_names(weight_name: str) -> tuple[str, str]:
     return base + ".lora_A", base + ".lora_B"
 
 
+def _update(x: torch.Tensor, w: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    p = w.get("lora_dropout", 0.0)
+    return F.linear(F.linear(F.dropout(x, p=p, training=True) if p else x, a), b) * w["lora_scaling"]
+
+
 def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
     """x W^T (+ the LoRA update when the dict holds an adapter for `name`)."""
-    y = F.linear(x, w[name])
     a_name, b_name = adapter_names(name)
-    if a_name in w:
-        xd = F.dropout(x, p=w.get("lora_dropout", 0.0), training=True) if w.get("lora_dropout", 0.0) else x
-        y = y + F.linear(F.linear(xd, w[a_name]), w[b_name]) * w["lora_scaling"]
-    return y
+    y = F.linear(x, w[name])
+    return y + _update(x, w, w[a_name], w[b_name]) if a_name in w else y
 
 
 def expert_linear(x: torch.Tensor, w: dict, name: str, e: int) -> torch.Tensor:
     """x W_e^T for expert e of the fused tensor `name` (+ expert e's LoRA update)."""
     y = F.linear(x, w[name][e])
-    a_name, b_name = name + ".lora_A", name + ".lora_B"
-    if a_name in w:
-        xd = F.dropout(x, p=w.get("lora_dropout", 0.0), training=True) if w.get("lora_dropout", 0.0) else x
-        y = y + F.linear(F.linear(xd, w[a_name][e]), w[b_name][e]) * w["lora_scaling"]
-    return y
+    return y + _update(x, w, w[name + ".lora_A"][e], w[name + ".lora_B"][e]) if name + ".lora_A" in w else y

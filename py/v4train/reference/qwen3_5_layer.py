@@ -7,9 +7,8 @@ import torch.nn.functional as F
 
 from v4train.reference import gated_delta_rule
 from v4train.reference import rope as rope_ref
-from v4train.reference.attention import causal_attention
+from v4train.reference.attention import causal_attention, documents
 from v4train.reference.lora import linear
-from v4train.reference.glm5_layer import documents
 from v4train.reference.moe import experts, route_softmax, swiglu_mlp
 from v4train.reference.rms_norm import v4_rms_norm
 
