@@ -76,8 +76,31 @@ def clip_grad_norm_samples(draw, dtype: torch.dtype, device: str) -> Sample:
     return Sample(leaves, build, note=f"max_norm {max_norm}")
 
 
+
+
+@st.composite
+def cross_entropy_loss_samples(draw, dtype: torch.dtype, device: str) -> Sample:
+    tokens, hidden, vocab = draw(sizes(130)), draw(sizes(64)), draw(sizes(300))
+    chunk = draw(st.sampled_from([1, 7, 64, 4096]))
+    seed = draw(seeds())
+    gen = torch.Generator().manual_seed(seed)
+    targets = torch.randint(0, vocab, (tokens,), generator=gen)
+    targets[torch.rand(tokens, generator=gen) < draw(st.sampled_from([0.0, 0.3, 1.0]))] = -100
+    targets = targets.to(device)
+    h_layout = draw(layouts())
+    normalizer = float(draw(st.integers(1, 300)))
+    leaves = {"hidden": make_leaf((tokens, hidden), h_layout, dtype, device, seed),
+              "weight": make_leaf((vocab, hidden), "contiguous", dtype, device, seed + 1, scale=0.5)}
+
+    def build(lv):
+        return (view_as_layout(lv["hidden"], h_layout), lv["weight"], targets, normalizer, chunk), {}
+
+    return Sample(leaves, build, note=f"chunk {chunk}, normalizer {normalizer}, {int((targets == -100).sum())} ignored")
+
+
 SAMPLES = {
     "v4_rms_norm": rms_norm_samples,
     "v4_adam_step": adam_step_samples,
     "v4_clip_grad_norm": clip_grad_norm_samples,
+    "v4_cross_entropy_loss": cross_entropy_loss_samples,
 }

@@ -28,7 +28,7 @@ flags.DEFINE_string("model_dir", None, "Hugging Face checkpoint directory (confi
 flags.DEFINE_string("data", None, "JSONL file of records with 'input_ids' and optional 'labels' (-100 = no loss).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Dtype of the weights and activations.")
 flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where to run; auto picks CUDA when available.")
-flags.DEFINE_string("cpp_ops", "none", "Ops to run in C++: 'all', 'none' or a comma list (see v4train.ops.OPS).")
+flags.DEFINE_string("cpp_ops", "all", "Ops to run in C++: 'all' (every op with a C++ implementation), 'none' or a comma list (see v4train.ops.OPS).")
 flags.DEFINE_string("adapter_dir", None, "A PEFT LoRA adapter (e.g. OUTPUT_DIR/checkpoint-STEP of a LoRA run) to apply.")
 flags.DEFINE_string("tokenizer_dir", None, "tokenizer.json (+ chat template) for text records; default: --model_dir.")
 flags.DEFINE_integer("max_batch_tokens", 8192, "Most tokens per forward pass (whole records are never split).",

@@ -46,7 +46,15 @@ def clip_grad_norm_case(device, dtype):
     return f"{len(grads)} tensors, {sum(g.numel() for g in grads) / 1e6:.0f}M values", (grads, 1.0)
 
 
-CASES = {"v4_rms_norm": rms_norm_case, "v4_adam_step": adam_step_case, "v4_clip_grad_norm": clip_grad_norm_case}
+def cross_entropy_loss_case(device, dtype):
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(4096, 6144, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    w = (0.02 * torch.randn(154880, 6144, generator=gen)).to(device=device, dtype=dtype).requires_grad_()
+    t = torch.randint(0, 154880, (4096,), generator=gen).to(device)
+    return "hidden [4096, 6144], lm_head [154880, 6144], chunks of 1024", (h, w, t, 4096.0, 1024)
+
+
+CASES = {"v4_rms_norm": rms_norm_case, "v4_cross_entropy_loss": cross_entropy_loss_case, "v4_adam_step": adam_step_case, "v4_clip_grad_norm": clip_grad_norm_case}
 
 
 def timed(fn, device, reps):

@@ -16,7 +16,7 @@ from v4train import ops
 from v4train.models import glm5, qwen3_5
 from v4train.models.config import Glm5Config, ModelConfig
 from v4train.models.weights import WeightSpec, init_tensor
-from v4train.reference.cross_entropy import IGNORE_INDEX
+from v4train.reference.cross_entropy_loss import IGNORE_INDEX
 
 
 @dataclasses.dataclass

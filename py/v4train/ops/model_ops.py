@@ -4,7 +4,7 @@ family, the LM-head loss. Each face dispatches like every op (see registry.dispa
 import torch
 
 from v4train.ops.registry import OpInfo, dispatch
-from v4train.reference.cross_entropy import v4_cross_entropy_loss as _ce
+from v4train.reference.cross_entropy_loss import v4_cross_entropy_loss as _ce
 from v4train.reference.embedding import v4_embedding as _embedding
 from v4train.reference.glm5_layer import v4_glm5_layer_forward as _glm5
 from v4train.reference.qwen3_5_layer import v4_qwen3_5_layer_forward as _qwen3_5
@@ -13,7 +13,15 @@ _DTYPES = (torch.float32, torch.bfloat16)
 EMBEDDING = OpInfo("v4_embedding", _embedding, _DTYPES, has_cpp=False)
 GLM5_LAYER = OpInfo("v4_glm5_layer_forward", _glm5, _DTYPES, has_cpp=False)
 QWEN3_5_LAYER = OpInfo("v4_qwen3_5_layer_forward", _qwen3_5, _DTYPES, has_cpp=False)
-CROSS_ENTROPY = OpInfo("v4_cross_entropy_loss", _ce, _DTYPES, has_cpp=False)
+def _ce_example(dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, 50, (12,), generator=gen)
+    targets[3] = -100
+    return (torch.randn(12, 16, generator=gen).to(device=device, dtype=dtype),
+            (0.3 * torch.randn(50, 16, generator=gen)).to(device=device, dtype=dtype), targets.to(device), 11.0, 5)
+
+
+CROSS_ENTROPY = OpInfo("v4_cross_entropy_loss", _ce, _DTYPES, example=_ce_example)
 
 
 def v4_embedding(input_ids, weight):

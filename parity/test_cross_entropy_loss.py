@@ -1,0 +1,59 @@
+"""v4_cross_entropy_loss against F.cross_entropy on full logits, its memory contract, its errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parity.compare import assert_close
+from v4train.ops import OPS
+
+OP = OPS["v4_cross_entropy_loss"]
+IMPLS = {"reference": OP.reference, "cpp": OP.cpp()}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_equals_cross_entropy_of_the_full_logits(impl):
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(50, 16, generator=gen), torch.randn(90, 16, generator=gen) * 0.3
+    t = torch.randint(0, 90, (50,), generator=gen)
+    t[::7] = -100
+    ours_h, ours_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ours = IMPLS[impl](ours_h, ours_w, t, 13.0, 8)
+    ours.backward()
+    ref_h, ref_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = F.cross_entropy(ref_h @ ref_w.T, t, ignore_index=-100, reduction="sum") / 13.0
+    ref.backward()
+    assert_close(ours, ref, "loss")
+    assert_close(ours_h.grad, ref_h.grad, "grad hidden")
+    assert_close(ours_w.grad, ref_w.grad, "grad weight")
+
+
+def _largest_saved(impl, T, V):
+    saved = []
+    h = torch.randn(T, 8, requires_grad=True)
+    w = torch.randn(V, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        IMPLS[impl](h, w, torch.randint(0, V, (T,)), 1.0, 16).backward()
+    return max(saved)
+
+
+def test_backward_keeps_no_logits():
+    T, V = 64, 1000
+    assert _largest_saved("cpp", T, V) == V * 8, "only hidden, weight and targets are kept"
+    assert _largest_saved("reference", T, V) >= 16 * V, "(the reference keeps each chunk's logits)"
+
+
+@pytest.mark.parametrize("args,message", [
+    (lambda h, w, t: (h, w, t.int(), 1.0, 8), "targets must be int64"),
+    (lambda h, w, t: (h, w.double(), t, 1.0, 8), "weight must be float32, bfloat16 or float16"),
+    (lambda h, w, t: (h, w.bfloat16(), t, 1.0, 8), "weight is BFloat16 but hidden is Float"),
+    (lambda h, w, t: (h, w, t + 100, 1.0, 8), "targets must be -100 or lie in [0, 90)"),
+    (lambda h, w, t: (h, w, t[:3], 1.0, 8), "targets.size(0) must be hidden.size(0) = 50"),
+    (lambda h, w, t: (h, w, t, 0.0, 8), "normalizer must be a finite number > 0"),
+    (lambda h, w, t: (h, w, t, 1.0, 0), "chunk_tokens must be > 0"),
+])
+def test_bad_arguments_name_what_is_wrong(args, message):
+    h, w, t = torch.zeros(50, 16), torch.zeros(90, 16), torch.zeros(50, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^v4_cross_entropy_loss: ") as info:
+        IMPLS["cpp"](*args(h, w, t))
+    assert message in str(info.value)
