@@ -46,12 +46,13 @@ def clip_grad_norm_case(device, dtype):
     return f"{len(grads)} tensors, {sum(g.numel() for g in grads) / 1e6:.0f}M values", (grads, 1.0)
 
 
-def cross_entropy_loss_case(device, dtype):
+def cross_entropy_loss_case(device, dtype, tokens=16384):
+    """GLM-5's LM head over a 16k-token batch: the reference keeps every chunk's logits."""
     gen = torch.Generator().manual_seed(0)
-    h = torch.randn(4096, 6144, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    h = torch.randn(tokens, 6144, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     w = (0.02 * torch.randn(154880, 6144, generator=gen)).to(device=device, dtype=dtype).requires_grad_()
-    t = torch.randint(0, 154880, (4096,), generator=gen).to(device)
-    return "hidden [4096, 6144], lm_head [154880, 6144], chunks of 1024", (h, w, t, 4096.0, 1024)
+    t = torch.randint(0, 154880, (tokens,), generator=gen).to(device)
+    return f"hidden [{tokens}, 6144], lm_head [154880, 6144], chunks of 4096", (h, w, t, float(tokens), 4096)
 
 
 CASES = {"v4_rms_norm": rms_norm_case, "v4_cross_entropy_loss": cross_entropy_loss_case, "v4_adam_step": adam_step_case, "v4_clip_grad_norm": clip_grad_norm_case}
@@ -82,6 +83,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--ops", default="", help="comma list of ops to time (default: all)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -89,6 +91,8 @@ def main():
     print("| op | shape | impl | forward ms | fwd+bwd ms | peak MiB (fwd+bwd) |")
     print("|---|---|---|---|---|---|")
     for op_name, case in CASES.items():
+        if args.ops and op_name not in args.ops.split(","):
+            continue
         op = OPS[op_name]
         shape, op_args = case(args.device, dtype)
         for impl, fn in (("reference", op.reference), ("cpp", op.cpp())):

@@ -63,7 +63,11 @@ struct CrossEntropyLoss : public torch::autograd::Function<CrossEntropyLoss> {
       if (want_h) grad_h.slice(0, s, e).copy_(at::matmul(dlogits, weight));
       if (want_w) {
         const at::Tensor part = at::matmul(dlogits.t(), h);
-        grad_w = grad_w.defined() ? grad_w + part : part;
+        if (grad_w.defined()) {
+          grad_w.add_(part);  // rounds as grad_w + part does, without a second weight-sized buffer
+        } else {
+          grad_w = part;
+        }
       }
     }
     if (want_w && !grad_w.defined()) grad_w = at::zeros_like(weight);  // no tokens
