@@ -12,6 +12,7 @@ V4_OPS = {
     "v4_rms_norm": {"bind": "bind/rms_norm.cc", "srcs": ["ops/rms_norm.cc"]},
     "v4_adam_step": {"bind": "bind/adam_step.cc", "srcs": ["ops/adam_step.cc"]},
     "v4_clip_grad_norm": {"bind": "bind/clip_grad_norm.cc", "srcs": ["ops/clip_grad_norm.cc"]},
+    "v4_embedding": {"bind": "bind/embedding.cc", "srcs": ["ops/embedding.cc"]},
     "v4_cross_entropy_loss": {"bind": "bind/cross_entropy_loss.cc", "srcs": ["ops/cross_entropy_loss.cc"]},
 }
 

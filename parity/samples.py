@@ -98,9 +98,26 @@ def cross_entropy_loss_samples(draw, dtype: torch.dtype, device: str) -> Sample:
     return Sample(leaves, build, note=f"chunk {chunk}, normalizer {normalizer}, {int((targets == -100).sum())} ignored")
 
 
+
+
+@st.composite
+def embedding_samples(draw, dtype: torch.dtype, device: str) -> Sample:
+    vocab, hidden = draw(sizes(300)), draw(sizes(100))
+    shape = draw(shapes(1, 2, 70))
+    seed = draw(seeds())
+    ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed)).to(device)
+    leaves = {"weight": make_leaf((vocab, hidden), "contiguous", dtype, device, seed)}
+
+    def build(lv):
+        return (ids, lv["weight"]), {}
+
+    return Sample(leaves, build, note=f"ids {tuple(shape)}")
+
+
 SAMPLES = {
     "v4_rms_norm": rms_norm_samples,
     "v4_adam_step": adam_step_samples,
     "v4_clip_grad_norm": clip_grad_norm_samples,
     "v4_cross_entropy_loss": cross_entropy_loss_samples,
+    "v4_embedding": embedding_samples,
 }

@@ -21,8 +21,8 @@ SMALL = ["--model_dir=" + BASE, "--data=" + CHAT, "--dtype=float32", "--seq_len=
     (["--model_dir=x", "--data=d", "--output_dir=o", "--max_steps=5", "--warmup_steps=10"],
      "--warmup_steps=10 is more than --max_steps=5"),
     (["--model_dir=" + BASE, "--data=nowhere.jsonl", "--output_dir=o"], "--data=nowhere.jsonl: not found"),
-    (["--model_dir=" + BASE, "--data=" + CHAT, "--output_dir=o", "--cpp_ops=embedding"],
-     "--cpp_ops: v4_embedding has no C++ implementation yet"),
+    (["--model_dir=" + BASE, "--data=" + CHAT, "--output_dir=o", "--cpp_ops=qwen3_5_layer_forward"],
+     "--cpp_ops: v4_qwen3_5_layer_forward has no C++ implementation yet"),
     (["--model_dir=" + BASE, "--data=" + CHAT, "--output_dir=o", "--lora_target_modules=nope", "--nolora_experts"],
      "--lora_target_modules=nope matches no module of glm_moe_dsa"),
     (["--lr=-1"], "--lr"),
@@ -79,7 +79,7 @@ def test_cpp_and_reference_paths_train_alike(tmp_path):
         result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / cpp}", "--max_steps=3", f"--cpp_ops={cpp}")
         assert result.returncode == 0, result.stderr[-3000:]
         runs[cpp] = torch.tensor([r["loss"] for r in metrics(str(tmp_path / cpp))])
-    assert "C++ ops: v4_adam_step, v4_clip_grad_norm, v4_cross_entropy_loss, v4_rms_norm" in result.stderr
+    assert "C++ ops: v4_adam_step, v4_clip_grad_norm, v4_cross_entropy_loss, v4_embedding, v4_rms_norm" in result.stderr
     assert_close(runs["all"], runs["none"], "loss, C++ vs reference")
 
 

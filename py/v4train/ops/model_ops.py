@@ -10,7 +10,13 @@ from v4train.reference.glm5_layer import v4_glm5_layer_forward as _glm5
 from v4train.reference.qwen3_5_layer import v4_qwen3_5_layer_forward as _qwen3_5
 
 _DTYPES = (torch.float32, torch.bfloat16)
-EMBEDDING = OpInfo("v4_embedding", _embedding, _DTYPES, has_cpp=False)
+def _embedding_example(dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randint(0, 40, (17,), generator=gen).to(device),
+            torch.randn(40, 24, generator=gen).to(device=device, dtype=dtype))
+
+
+EMBEDDING = OpInfo("v4_embedding", _embedding, _DTYPES, example=_embedding_example)
 GLM5_LAYER = OpInfo("v4_glm5_layer_forward", _glm5, _DTYPES, has_cpp=False)
 QWEN3_5_LAYER = OpInfo("v4_qwen3_5_layer_forward", _qwen3_5, _DTYPES, has_cpp=False)
 def _ce_example(dtype, device):
