@@ -16,7 +16,7 @@ import dataclasses
 import json
 import random
 
-IGNORE = -100
+from v4train.reference.cross_entropy_loss import IGNORE_INDEX as IGNORE
 
 
 class DataError(ValueError):

@@ -114,29 +114,36 @@ def set_dropout(model: CausalLM, p: float) -> None:
             layer["lora_dropout"] = p
 
 
+def _is_expert(name: str) -> bool:
+    return name.rsplit(".", 1)[0].endswith(EXPERT_TENSORS)
+
+
+def _peft_key(name: str) -> str:
+    """The PEFT key of the adapter tensor `name` (model.layers.{i}.<module>.lora_A|B)."""
+    base, _, which = name.rpartition(".")
+    if _is_expert(name):  # gate_up_proj is wrapped inside down_proj's ParamWrapper: base_layer
+        base = base[: base.rindex("mlp.experts.")] + "mlp.experts" + (".base_layer" if base.endswith("gate_up_proj") else "")
+    return f"base_model.model.{base}.{which}.weight"
+
+
 def _peft_tensors(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in adapters.items():
         t = t.detach().float().cpu()
-        base, _, which = name.rpartition(".")  # which: lora_A | lora_B
-        if base.endswith(EXPERT_TENSORS):
-            layer_prefix = base[: base.rindex("mlp.experts.")] + "mlp.experts."
-            module = layer_prefix + ("base_layer." if base.endswith("gate_up_proj") else "")
-            E, _, _ = t.shape
-            if which == "lora_A":  # [E, r, in] -> [E*r, in], row e*r + k
+        if _is_expert(name):
+            E = t.shape[0]
+            if name.endswith("lora_A"):  # [E, r, in] -> [E*r, in], row e*r + k
                 t = t.reshape(E * t.shape[1], t.shape[2])
             else:  # [E, out, r] -> [out, r*E], column k*E + e
                 t = t.permute(1, 2, 0).reshape(t.shape[1], -1)
-            out[f"base_model.model.{module.rstrip('.')}.{which}.weight"] = t.contiguous()
-        else:
-            out[f"base_model.model.{base}.{which}.weight"] = t.contiguous()
+        out[_peft_key(name)] = t.contiguous()
     return out
 
 
 def save_peft(model: CausalLM, adapters: dict[str, torch.Tensor], lcfg: LoraConfig, out_dir: str,
               base_model_dir: str) -> None:
     """adapter_config.json + adapter_model.safetensors in out_dir (which must exist)."""
-    has_modules = any(not n.rsplit(".", 1)[0].endswith(EXPERT_TENSORS) for n in adapters)
+    has_modules = any(not _is_expert(n) for n in adapters)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "peft_version": "0.21.2",
         "base_model_name_or_path": os.path.abspath(base_model_dir),
@@ -167,7 +174,7 @@ def read_peft(model: CausalLM, adapter_dir: str) -> tuple[LoraConfig, dict[str, 
                       target_modules=tuple(targets), experts=bool(config.get("target_parameters")))
     shapes = adapter_shapes(model, lcfg)
     stored = load_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS))
-    keys = {name: next(iter(_peft_tensors({name: torch.empty(shape)}))) for name, (shape, _) in shapes.items()}
+    keys = {name: _peft_key(name) for name in shapes}
     problems = [f"missing {keys[n]}" for n in shapes if keys[n] not in stored]
     problems += [f"unexpected {k}" for k in sorted(set(stored) - set(keys.values()))]
     out = {}
@@ -175,7 +182,7 @@ def read_peft(model: CausalLM, adapter_dir: str) -> tuple[LoraConfig, dict[str, 
         if keys[name] not in stored:
             continue
         v = stored[keys[name]]
-        if name.rsplit(".", 1)[0].endswith(EXPERT_TENSORS):
+        if _is_expert(name):
             E = shape[0]
             v = v.reshape(E, -1, v.shape[1]) if name.endswith("lora_A") else v.reshape(v.shape[0], -1, E).permute(2, 0, 1)
         if tuple(v.shape) != shape:

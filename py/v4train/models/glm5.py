@@ -5,12 +5,11 @@ from __future__ import annotations
 from v4train.models.config import Glm5Config
 from v4train.models.weights import WeightSpec
 
-# Kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules[_strict]).
-FP32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "self_attn.indexer.weights_proj.weight")
-
-
 def layer_specs(cfg: Glm5Config, i: int) -> list[WeightSpec]:
-    """The tensors of layer i, named as in transformers (relative to model.layers.{i}.)."""
+    """The tensors of layer i, named as in transformers (relative to model.layers.{i}.).
+
+    fp32=True marks what transformers keeps in float32 (_keep_in_fp32_modules[_strict]).
+    """
     H, nh = cfg.hidden_size, cfg.num_attention_heads
     S = WeightSpec
     specs = [

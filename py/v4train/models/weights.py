@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import torch
 
 
@@ -38,7 +36,3 @@ def init_tensor(spec: WeightSpec, dtype: torch.dtype, device, generator: torch.G
     else:
         raise ValueError(f"{spec.name}: unknown init {spec.init!r}")
     return t.to(device=device, dtype=torch.float32 if spec.fp32 else dtype)
-
-
-def numel(specs) -> int:
-    return sum(math.prod(s.shape) for s in specs)
