@@ -1,21 +1,30 @@
-"""The op modules: one importable nanobind module per op.
+"""The op modules and the compiler flags: the one source that cc/BUILD (through tools/v4.bzl) and
+tools/build_ext.py (the Bazel-free build for machines without Bazel) both read. Keep every
+assignment a plain literal: build_ext.py parses this file as Python.
 
-Read by cc/BUILD (through v4_op_module) and by tools/build_ext.py (the Bazel-free build for
-machines without Bazel), so this dict literal is the only list of modules. Keep it a plain
-literal: build_ext.py parses it as Python.
-
-module name -> {"bind": the NB_MODULE source, "srcs": the ATen sources (each with its .h)}
-V4_TEST_MODULES are built the same way but are no ops (py/tests use them).
+An op `v4_<op>` lives at fixed paths: cc/ops/<op>.{h,cc} (ATen compute, no nanobind) and
+cc/bind/<op>.cc (NB_MODULE(v4_<op>, m)). Its entry here lists the ops whose C++ it calls
+directly (a layer op calls its sub-ops); their libraries are linked into its module.
+py/tests and parity/test_registry.py check that this list equals the C++ ops of the Python
+registry (py/v4train/ops).
 """
 
+# C++20 as torch's own extensions use; hidden visibility so that only PyInit_* is exported.
+V4_COPTS = ["-std=c++20", "-fvisibility=hidden", "-O2", "-Wall", "-Wno-unused-function"]
+
+# nanobind's own sources need this on top of V4_COPTS (its type punning).
+V4_NANOBIND_EXTRA_COPTS = ["-fno-strict-aliasing"]
+
+# op name -> the ops it calls.
 V4_OPS = {
-    "v4_rms_norm": {"bind": "bind/rms_norm.cc", "srcs": ["ops/rms_norm.cc"]},
-    "v4_adam_step": {"bind": "bind/adam_step.cc", "srcs": ["ops/adam_step.cc"]},
-    "v4_clip_grad_norm": {"bind": "bind/clip_grad_norm.cc", "srcs": ["ops/clip_grad_norm.cc"]},
-    "v4_embedding": {"bind": "bind/embedding.cc", "srcs": ["ops/embedding.cc"]},
-    "v4_cross_entropy_loss": {"bind": "bind/cross_entropy_loss.cc", "srcs": ["ops/cross_entropy_loss.cc"]},
+    "v4_rms_norm": [],
+    "v4_embedding": [],
+    "v4_cross_entropy_loss": [],
+    "v4_adam_step": [],
+    "v4_clip_grad_norm": [],
 }
 
+# Built like ops (cc/bind/<name>.cc), but no ops: modules that py/tests use.
 V4_TEST_MODULES = {
-    "v4_bridge_test": {"bind": "bind/bridge_test.cc", "srcs": []},
+    "v4_bridge_test": [],
 }

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from parity.compare import TOLERANCES, assert_close
+from v4train.ops.compare import TOLERANCES, assert_close
 
 
 def test_equal_tensors_pass_with_zero_error():
@@ -52,6 +52,23 @@ def test_nan_fails_unless_both_nan():
     assert_close(nan, nan.clone(), "both")
     with pytest.raises(AssertionError, match="1 of 2"):
         assert_close(nan, torch.tensor([0.0, 1.0]), "one")
+
+
+@pytest.mark.parametrize("actual,expected", [
+    (123.0, float("inf")), (float("-inf"), float("inf")), (float("nan"), float("inf")), (float("inf"), float("nan")),
+    (0.0, float("nan")), (float("inf"), 1e30),
+])
+def test_non_finite_values_must_match_exactly(actual, expected):
+    with pytest.raises(AssertionError, match="1 of 2 elements"):
+        assert_close(torch.tensor([actual, 1.0]), torch.tensor([expected, 1.0]), "x")
+    with pytest.raises(AssertionError, match="1 of 2 elements"):  # the truth cannot excuse it either
+        assert_close(torch.tensor([actual, 1.0]), torch.tensor([expected, 1.0]), "x",
+                     truth=torch.tensor([actual, 1.0], dtype=torch.float64))
+
+
+def test_equal_non_finite_values_pass():
+    x = torch.tensor([float("inf"), float("-inf"), float("nan"), 2.0])
+    assert_close(x, x.clone(), "x")
 
 
 def test_shape_and_dtype_mismatch_fail():

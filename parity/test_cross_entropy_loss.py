@@ -1,10 +1,10 @@
-"""v4_cross_entropy_loss against F.cross_entropy on full logits, its memory contract, its errors."""
+"""v4_cross_entropy_loss against F.cross_entropy on full logits, its memory contract."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from parity.compare import assert_close
+from v4train.ops.compare import assert_close
 from v4train.ops import OPS
 
 OP = OPS["v4_cross_entropy_loss"]
@@ -41,19 +41,3 @@ def test_backward_keeps_no_logits():
     T, V = 64, 1000
     assert _largest_saved("cpp", T, V) == V * 8, "only hidden, weight and targets are kept"
     assert _largest_saved("reference", T, V) >= 16 * V, "(the reference keeps each chunk's logits)"
-
-
-@pytest.mark.parametrize("args,message", [
-    (lambda h, w, t: (h, w, t.int(), 1.0, 8), "targets must be int64"),
-    (lambda h, w, t: (h, w.double(), t, 1.0, 8), "weight must be float32, bfloat16 or float16"),
-    (lambda h, w, t: (h, w.bfloat16(), t, 1.0, 8), "weight is BFloat16 but hidden is Float"),
-    (lambda h, w, t: (h, w, t + 100, 1.0, 8), "targets must be -100 or lie in [0, 90)"),
-    (lambda h, w, t: (h, w, t[:3], 1.0, 8), "targets.size(0) must be hidden.size(0) = 50"),
-    (lambda h, w, t: (h, w, t, 0.0, 8), "normalizer must be a finite number > 0"),
-    (lambda h, w, t: (h, w, t, 1.0, 0), "chunk_tokens must be > 0"),
-])
-def test_bad_arguments_name_what_is_wrong(args, message):
-    h, w, t = torch.zeros(50, 16), torch.zeros(90, 16), torch.zeros(50, dtype=torch.int64)
-    with pytest.raises(ValueError, match="^v4_cross_entropy_loss: ") as info:
-        IMPLS["cpp"](*args(h, w, t))
-    assert message in str(info.value)

@@ -1,11 +1,11 @@
-"""v4_rms_norm beyond the generic parity: hand-computed values, dtypes, edge cases, errors."""
+"""v4_rms_norm beyond the generic parity: hand-computed values, dtypes, edge cases."""
 
 import math
 
 import pytest
 import torch
 
-from parity.compare import assert_close
+from v4train.ops.compare import assert_close
 from parity.strategies import devices
 from v4train.ops import OPS
 
@@ -66,26 +66,6 @@ def test_no_rows():
     assert y.shape == (0, 8)
     y.sum().backward()
     assert torch.equal(w.grad, torch.zeros(8))
-
-
-@pytest.mark.parametrize(
-    "x,w,eps,message",
-    [
-        (torch.zeros(2, 8, dtype=torch.int64), torch.ones(8), 1e-6, "x must be float32, bfloat16 or float16, got Long"),
-        (torch.zeros(2, 8), torch.ones(8, dtype=torch.int32), 1e-6, "weight must be float32, bfloat16 or float16"),
-        (torch.zeros(2, 8), torch.ones(2, 8), 1e-6, "weight must have 1 dimension(s), got shape [2, 8]"),
-        (torch.zeros(2, 8), torch.ones(7), 1e-6, "weight.size(0) must be x.size(-1) = 8, got shape [7]"),
-        (torch.zeros(()), torch.ones(1), 1e-6, "x must have at least 1 dimension(s)"),
-        (torch.zeros(2, 8), torch.ones(8), 0.0, "eps must be a finite number > 0, got 0"),
-        (torch.zeros(2, 8), torch.ones(8), float("nan"), "eps must be a finite number > 0"),
-    ],
-)
-def test_bad_arguments_raise_value_error_naming_them(x, w, eps, message):
-    with pytest.raises(ValueError) as info:
-        IMPLS["cpp"](x, w, eps, False)
-    assert message in str(info.value)
-    assert str(info.value).startswith("v4_rms_norm: ")
-    assert "Exception raised from" not in str(info.value)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -36,8 +36,10 @@ flags.DEFINE_integer("max_batch_tokens", 8192, "Most tokens per forward pass (wh
 
 
 def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_batch_tokens: int,
-             adapter_dir: str | None = None, tokenizer_dir: str | None = None) -> dict:
+             adapter_dir: str | None = None, tokenizer_dir: str | None = None,
+             table: ops.OpTable = ops.REFERENCE) -> dict:
     model, report = hf_checkpoint.load(model_dir, dtype, device)
+    model.use_ops(table)
     if adapter_dir:
         lora.load_peft(model, adapter_dir, dtype, device)
     tokenizer_dir = tokenizer_dir or model_dir
@@ -59,14 +61,14 @@ def main(argv):
         if not getattr(FLAGS, name):
             raise app.UsageError(f"--{name} is required")
     try:
-        cpp = ops.select_cpp_ops(FLAGS.cpp_ops)
+        table = ops.resolve(FLAGS.cpp_ops)
         path = lambda flag: getattr(FLAGS, flag) and cli.input_path(flag, getattr(FLAGS, flag))  # noqa: E731
         result = evaluate(path("model_dir"), path("data"), getattr(torch, FLAGS.dtype), cli.pick_device(FLAGS.device),
-                          FLAGS.max_batch_tokens, path("adapter_dir"), path("tokenizer_dir"))
+                          FLAGS.max_batch_tokens, path("adapter_dir"), path("tokenizer_dir"), table)
     except (ValueError, ops.CppOpUnavailable) as e:  # ConfigError, CheckpointError, DataError are ValueErrors
         print(f"evaluate: {e}", file=sys.stderr)
         return 2
-    result["cpp_ops"] = sorted(cpp)
+    result["cpp_ops"] = sorted(table.cpp)
     print(json.dumps(result, sort_keys=True))
     return 0
 

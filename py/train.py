@@ -2,8 +2,8 @@
 
     tools/bazel run //py:train -- --flagfile=glm5.flags
 
-Reads top to bottom: flags -> tokenizer -> model (loaded, or random from a config) -> LoRA ->
-op selection and self-check -> data -> optimizer -> resume -> the step loop -> final save.
+Reads top to bottom: flags -> op table and self-check -> tokenizer -> model (loaded, or random
+from a config) -> LoRA -> data -> optimizer -> resume -> the step loop -> final save.
 Every flag is defined, with its help text, in v4train/flags.py (`--helpfull` lists them).
 """
 
@@ -19,10 +19,11 @@ import torch
 from absl import app
 
 from v4train import checkpoint, cli, data, hf_checkpoint, lora, ops
-from v4train.flags import ATTENTION, FLAGS, FlagError, validate
+from v4train.flags import FLAGS, FlagError, validate
 from v4train.metrics import MetricsLog, Progress, peak_memory_mib
+from v4train.models import config_from_dict
 from v4train.models.causal_lm import CausalLM, Packed
-from v4train.models.config import config_from_dict
+from v4train.ops.check import self_check
 from v4train.optim import AdamW, lr_at
 from v4train.tokenizer import Tokenizer
 
@@ -66,7 +67,7 @@ def train_step(model: CausalLM, optimizer: AdamW, micro: list[list[data.Record]]
         loss.backward()
         loss_value += loss.item()
         tokens += sum(len(d.input_ids) for d in docs)
-    grad_norm = ops.v4_clip_grad_norm(optimizer.grads(), max_grad_norm).item()
+    grad_norm = optimizer.ops.v4_clip_grad_norm(optimizer.grads(), max_grad_norm).item()
     optimizer.step(lr)
     optimizer.zero_grad()
     return loss_value, grad_norm, tokens
@@ -88,6 +89,12 @@ def train() -> int:
     output_dir = cli.output_path(FLAGS.output_dir)
     torch.manual_seed(FLAGS.seed)
 
+    # The ops of this run (--cpp_ops), resolved once; each C++ op checked against its reference
+    # on samples of its parity strategy, in this run's dtype and on its device.
+    table = ops.resolve(FLAGS.cpp_ops)
+    if FLAGS.self_check:
+        self_check(table, ops.REFERENCE, dtype, device)
+
     # The model: a checkpoint, or random weights from a config (saved as the adapter's base).
     if FLAGS.model_dir:
         model_dir = input_path("model_dir")
@@ -100,12 +107,14 @@ def train() -> int:
         model = CausalLM.random(config_from_dict(hf_config, config_path), hf_config, dtype, device, FLAGS.seed)
     tokenizer_dir = input_path("tokenizer_dir") if FLAGS.tokenizer_dir else model_dir
     tokenizer = Tokenizer(tokenizer_dir) if os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")) else None
+    model.use_ops(table)
     model.checkpointing = FLAGS.gradient_checkpointing
 
     # What trains: LoRA adapters, or every weight.
     adapters, lcfg = None, None
     if FLAGS.finetune == "lora":
-        targets = [t for name in FLAGS.lora_target_modules for t in (ATTENTION[model.cfg.family] if name == "attention" else [name])]
+        targets = [t for name in FLAGS.lora_target_modules
+                   for t in (model.family.attention_targets if name == "attention" else [name])]
         lcfg = lora.LoraConfig(FLAGS.lora_r, FLAGS.lora_alpha, FLAGS.lora_dropout, tuple(targets), FLAGS.lora_experts)
         adapters = lora.add_adapters(model, lcfg, dtype, device, FLAGS.seed)
         if not FLAGS.model_dir:  # the adapter needs a loadable base
@@ -113,19 +122,11 @@ def train() -> int:
             hf_checkpoint.save(model, model_dir)
         trainable = adapters
     else:
-        # As in transformers: the routing bias is a buffer and the DSA indexer runs without gradient.
-        trainable = {n: w for n, w in model.named_parameters()
-                     if not n.endswith("e_score_correction_bias") and ".indexer." not in n}
+        trainable = {n: w for n, w in model.weights().items() if not model.family.is_frozen(n)}
     for w in model.parameters():
         w.requires_grad_(False)
     for w in trainable.values():
         w.requires_grad_(True)
-
-    # C++ ops, each checked against its reference on this run's dtype and device.
-    cpp = ops.select_cpp_ops(FLAGS.cpp_ops)
-    if FLAGS.self_check:
-        for name in sorted(cpp):
-            ops.self_check(ops.OPS[name], dtype, device)
 
     # Data.
     vocab = model.cfg.vocab_size
@@ -134,7 +135,7 @@ def train() -> int:
     loader = data.Loader(train_set.examples, FLAGS.seq_len, FLAGS.packing, FLAGS.micro_batch_size, FLAGS.seed)
     total_steps = FLAGS.max_steps or max(1, math.ceil(FLAGS.epochs * loader.batches_per_epoch / FLAGS.grad_accum))
 
-    optimizer = AdamW(trainable, (FLAGS.adam_beta1, FLAGS.adam_beta2), FLAGS.adam_eps, FLAGS.weight_decay)
+    optimizer = AdamW(trainable, table, (FLAGS.adam_beta1, FLAGS.adam_beta2), FLAGS.adam_eps, FLAGS.weight_decay)
     start_step = 0
     if FLAGS.resume_from:
         path = checkpoint.latest(output_dir) if FLAGS.resume_from == "latest" else input_path("resume_from")
@@ -152,7 +153,7 @@ def train() -> int:
         f"{sum(w.numel() for w in model.parameters()):,} weights), {FLAGS.dtype} on {device}; "
         f"{len(train_set.examples)} examples ({train_set.truncated} truncated, {train_set.dropped} dropped at "
         f"--seq_len={FLAGS.seq_len}), {train_set.num_targets:,} target tokens; {total_steps} steps; "
-        f"C++ ops: {', '.join(sorted(cpp)) or 'none'}; router bias/aux-loss updates: off")
+        f"C++ ops: {', '.join(sorted(table.cpp)) or 'none'}; router bias/aux-loss updates: off")
 
     def save(step):
         checkpoint.save(output_dir, step, model=model, adapters=adapters, lcfg=lcfg, optimizer=optimizer,

@@ -1,10 +1,10 @@
 """Builds the op modules without Bazel, against the torch of the Python running this script.
 
-For machines that have torch but no Bazel (the H200 GPU machine). The list of modules comes
-from cc/ops.bzl, the same dict cc/BUILD reads; the flags mirror tools/v4.bzl and
-tools/python_env.bzl. Usage:
+For machines that have torch but no Bazel (the H200 GPU machine). The list of modules and the
+compiler flags come from cc/ops.bzl, the file cc/BUILD and @v4_python read too; sources follow
+the op names as in tools/v4.bzl. Usage:
 
-    python3 tools/build_ext.py [--out build/ext] [--jobs N] [--tests]
+    python3 tools/build_ext.py [--out build/ext] [--jobs N] [--clean] [--only v4_a,v4_b]
     PYTHONPATH=py:build/ext:. python3 -m pytest parity py/tests
 """
 
@@ -23,23 +23,41 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from python_env_probe import probe  # noqa: E402
 
-# Kept equal to the copts of tools/v4.bzl and the @v4_python//:nanobind rule.
-CXXFLAGS = ["-std=c++20", "-O2", "-fPIC", "-fvisibility=hidden"]
-NANOBIND_FLAGS = ["-fno-strict-aliasing"]
 NANOBIND_EXCLUDE = {"nb_combined.cpp", "nb_backend.cpp"}
 TORCH_LIBS = ["c10", "torch", "torch_cpu", "torch_python"]
 
 
-def read_modules(names=("V4_OPS", "V4_TEST_MODULES")) -> dict[str, dict]:
-    """The module dicts of cc/ops.bzl (a Starlark file whose assignments are Python literals)."""
-    path = os.path.join(ROOT, "cc", "ops.bzl")
-    modules = {}
+def read_bzl(path: str = os.path.join(ROOT, "cc", "ops.bzl")) -> dict:
+    """The assignments of cc/ops.bzl (a Starlark file whose assignments are Python literals)."""
+    env = {}
     for node in ast.parse(open(path).read(), path).body:
-        if isinstance(node, ast.Assign) and node.targets[0].id in names:
-            modules.update(ast.literal_eval(node.value))
-    if not modules:
-        sys.exit(f"build_ext: no modules found in {path}")
-    return modules
+        if isinstance(node, ast.Assign):
+            env[node.targets[0].id] = ast.literal_eval(node.value)
+    return env
+
+
+def read_modules() -> dict[str, list[str]]:
+    """module name -> the ops it calls: V4_OPS and V4_TEST_MODULES of cc/ops.bzl."""
+    bzl = read_bzl()
+    return {**bzl["V4_OPS"], **bzl["V4_TEST_MODULES"]}
+
+
+def sources(name: str) -> tuple[str, list[str]]:
+    """(the binding, the op's own ATen sources) of module `name`, by the naming rule of cc/ops.bzl."""
+    op = name.removeprefix("v4_")
+    own = os.path.join(ROOT, "cc", "ops", op + ".cc")
+    return os.path.join(ROOT, "cc", "bind", op + ".cc"), [own] if os.path.exists(own) else []
+
+
+def closure(name: str, modules: dict[str, list[str]]) -> list[str]:
+    """`name` and every op it calls, directly or not."""
+    out, todo = [], [name]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.append(n)
+            todo += modules[n]
+    return out
 
 
 def run(cmd: list[str]) -> None:
@@ -61,6 +79,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "build", "ext"), help="where the modules go")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compilations")
     parser.add_argument("--clean", action="store_true", help="recompile every object")
+    parser.add_argument("--only", default="", help="comma list of modules to build (default: all)")
     args = parser.parse_args()
 
     env = probe()
@@ -73,11 +92,17 @@ def main() -> int:
         "-isystem", os.path.join(nb, "include"),
         "-isystem", os.path.join(nb, "ext", "robin_map", "include"),
     ]
-    flags = CXXFLAGS + [f"-D_GLIBCXX_USE_CXX11_ABI={env['torch_cxx11_abi']}"] + includes
+    bzl = read_bzl()
+    flags = bzl["V4_COPTS"] + ["-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={env['torch_cxx11_abi']}"] + includes
+    nb_flags = flags + bzl["V4_NANOBIND_EXTRA_COPTS"]
     objdir = os.path.join(args.out, "obj")
     if args.clean:
         subprocess.run(["rm", "-rf", objdir], check=True)
     modules = read_modules()
+    wanted = args.only.split(",") if args.only else list(modules)
+    unknown = sorted(set(wanted) - set(modules))
+    if unknown:
+        sys.exit(f"build_ext: --only: unknown module(s) {', '.join(unknown)}; known: {', '.join(modules)}")
     print(f"build_ext: {len(modules)} modules against torch {env['torch_version']} "
           f"(CUDA {env['torch_cuda'] or 'none'}), Python {env['python_version']}, into {args.out}", flush=True)
 
@@ -88,15 +113,20 @@ def main() -> int:
 
         nb_srcs = sorted(os.path.join(nb, "src", f) for f in os.listdir(os.path.join(nb, "src"))
                          if f.endswith(".cpp") and f not in NANOBIND_EXCLUDE)
-        shared = [pool.submit(compile_one, s, obj_of(s), flags + NANOBIND_FLAGS) for s in nb_srcs]
+        shared = [pool.submit(compile_one, s, obj_of(s), nb_flags) for s in nb_srcs]
         bridge = os.path.join(ROOT, "cc", "common", "bridge.cc")
         shared.append(pool.submit(compile_one, bridge, obj_of(bridge), flags))
-        per_module = {
-            name: [pool.submit(compile_one, src, obj_of(src), flags)
-                   for src in [os.path.join(ROOT, "cc", spec["bind"])] +
-                   [os.path.join(ROOT, "cc", s) for s in spec["srcs"]]]
-            for name, spec in modules.items()
-        }
+        objects = {}  # source -> future object, each source compiled once
+
+        def obj(src):
+            if src not in objects:
+                objects[src] = pool.submit(compile_one, src, obj_of(src), flags)
+            return objects[src]
+
+        per_module = {}
+        for name in wanted:
+            bind, _ = sources(name)
+            per_module[name] = [obj(bind)] + [obj(s) for dep in closure(name, modules) for s in sources(dep)[1]]
         shared_objs = [f.result() for f in shared]
         for name, futures in per_module.items():
             out = os.path.join(args.out, name + ".so")

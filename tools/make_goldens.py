@@ -4,7 +4,7 @@
 
 For each case: a randomly initialised transformers model (fp32, eager attention, seed 0) is
 saved as a Hugging Face checkpoint, then run on fixed token rows with labels = input_ids; its
-logits, loss and gradient norms are stored beside it (golden.safetensors, golden.json). The
+logits, loss and the gradient of every parameter are stored beside it (golden.safetensors, golden.json). The
 tests compare v4train's reference path against these numbers; transformers itself is a tool-
 and test-only dependency (pinned in tools/requirements.txt) that v4train never imports.
 """
@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import transformers
+from torch.overrides import TorchFunctionMode
 from transformers import (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM,
                           Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
@@ -98,6 +99,42 @@ def write_fp8(model_dir: str) -> dict[str, torch.Tensor]:
     return dequant
 
 
+def _as_float64(x):
+    if x is torch.float32:
+        return torch.float64
+    if isinstance(x, (list, tuple)):
+        return type(x)(_as_float64(i) for i in x)
+    if isinstance(x, dict):
+        return {k: _as_float64(v) for k, v in x.items()}
+    return x
+
+
+class Float64(TorchFunctionMode):
+    """Runs transformers' code with every float32 it asks for (its fp32 norms, routers and
+    DeltaNet rule inside a float64 model) in float64 instead: the exact answer the fp32 goldens
+    are rounded approximations of."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        return func(*_as_float64(args), **_as_float64(kwargs or {}))
+
+
+def float64_gradients(model, input_ids) -> dict[str, torch.Tensor]:
+    """The gradients of the loss with labels = input_ids, evaluated in float64 throughout."""
+    model = model.double()
+    model.set_experts_implementation("eager")  # torch._grouped_mm has no float64
+    model.zero_grad()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with Float64():
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
+    finally:
+        torch.set_default_dtype(default)
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def make(name: str, out_root: str) -> None:
     build, (rows, seq), opts = CASES[name]
     torch.manual_seed(0)
@@ -127,12 +164,15 @@ def make(name: str, out_root: str) -> None:
     model.train()  # dropout is 0; train() only matters for gradient checkpointing, which is off
     result = model(input_ids=input_ids, labels=input_ids)
     result.loss.backward()
-    grads = {n: p.grad.norm().item() for n, p in model.named_parameters() if p.grad is not None}
-    save_file({"input_ids": input_ids, "logits": result.logits.detach().contiguous()},
+    grads = {"grad." + n: p.grad.contiguous() for n, p in model.named_parameters() if p.grad is not None}
+    # The exact gradients (float64, stored rounded to fp32): where fp32 rounding is large (the
+    # small DeltaNet gradients), v4train must be as close to them as transformers' fp32 run is.
+    grads64 = {"grad64." + n: g.float().contiguous() for n, g in float64_gradients(model, input_ids).items()}
+    save_file({"input_ids": input_ids, "logits": result.logits.detach().contiguous(), **grads, **grads64},
               os.path.join(out, "golden.safetensors"))
     with open(os.path.join(out, "golden.json"), "w") as f:
-        json.dump({"transformers": transformers.__version__, "torch": torch.__version__, "loss": result.loss.item(),
-                   "grad_norms": grads}, f, indent=1, sort_keys=True)
+        json.dump({"transformers": transformers.__version__, "torch": torch.__version__, "loss": result.loss.item()},
+                  f, indent=1, sort_keys=True)
     size = sum(os.path.getsize(os.path.join(out, x)) for x in os.listdir(out))
     print(f"{name}: loss {result.loss.item():.6f}, {len(grads)} grads, {size / 1024:.0f} KiB in {out}")
 

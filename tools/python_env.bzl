@@ -16,6 +16,7 @@ _NANOBIND_EXCLUDE = ["nb_combined.cpp", "nb_backend.cpp"]
 
 _BUILD = """\
 load("@bazel_tools//tools/python:toolchain.bzl", "py_runtime_pair")
+load("@//cc:ops.bzl", "V4_COPTS", "V4_NANOBIND_EXTRA_COPTS")
 
 package(default_visibility = ["//visibility:public"])
 
@@ -42,7 +43,7 @@ cc_library(
     srcs = glob(["nanobind/src/*.cpp", "nanobind/src/*.h"], exclude = {nanobind_exclude}),
     hdrs = glob(["nanobind/include/**/*.h", "nanobind/ext/robin_map/include/**/*.h"]),
     includes = ["nanobind/include", "nanobind/ext/robin_map/include"],
-    copts = ["-std=c++20", "-fvisibility=hidden", "-fno-strict-aliasing", "-O2"],
+    copts = V4_COPTS + V4_NANOBIND_EXTRA_COPTS,
     # Hidden symbols: only ever linked statically into each op module.
     linkstatic = 1,
     deps = [":python_headers"],

@@ -1,4 +1,4 @@
-"""tools/bazel's plain errors and tools/build_ext.py's module list."""
+"""tools/bazel's plain errors, and the module list that Bazel and tools/build_ext.py read."""
 
 import os
 import stat
@@ -14,13 +14,17 @@ import build_ext  # noqa: E402
 from v4train.ops import OPS  # noqa: E402
 
 
-def test_build_ext_reads_the_module_list_of_the_bazel_build():
+def test_the_module_list_is_the_registry_s_cpp_ops():
+    bzl = build_ext.read_bzl()
+    assert set(bzl["V4_OPS"]) == {n for n, op in OPS.items() if op.has_cpp}, \
+        "cc/ops.bzl's V4_OPS must list exactly the ops whose OpInfo has has_cpp=True"
     modules = build_ext.read_modules()
-    assert {n for n, op in OPS.items() if op.has_cpp} <= set(modules), "every C++ op is a module of cc/ops.bzl"
     assert "v4_bridge_test" in modules
-    for spec in modules.values():
-        for src in [spec["bind"], *spec["srcs"]]:
-            assert os.path.exists(os.path.join(ROOT, "cc", src)), src
+    for name, deps in modules.items():
+        bind, own = build_ext.sources(name)
+        assert os.path.exists(bind), f"{name}: {bind} (paths follow the op name)"
+        assert name in bzl["V4_TEST_MODULES"] or own, f"{name}: no cc/ops/{name.removeprefix('v4_')}.cc"
+        assert set(deps) <= set(bzl["V4_OPS"]), f"{name} calls unknown ops {set(deps) - set(bzl['V4_OPS'])}"
 
 
 def _tools_bazel(tmp_path, base_python):

@@ -1,35 +1,42 @@
 """Every Bazel macro of the project."""
 
 load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
+load("//cc:ops.bzl", "V4_COPTS")
 
-# C++20 as torch's own extensions use; hidden visibility so that only PyInit_* is exported.
-V4_COPTS = ["-std=c++20", "-fvisibility=hidden", "-O2", "-Wall", "-Wno-unused-function"]
+def v4_op_module(name, deps = []):
+    """The op `name` (v4_<op>) as an importable nanobind module `name.so`.
 
-def v4_op_module(name, bind, srcs):
-    """An op's ATen sources plus its binding -> `name.so`, importable as `import name`.
+    Sources follow the name: ops/<op>.{h,cc} become the cc_library `<op>` (absent for test
+    modules), bind/<op>.cc holds NB_MODULE(name, m). `deps` are the op names whose libraries
+    this op's code calls.
 
     Args:
       name: the module name, e.g. "v4_rms_norm" (also the name of the Python function).
-      bind: the source holding NB_MODULE(name, m).
-      srcs: the op's .cc files under cc/ops/; each has a .h beside it.
+      deps: op names whose C++ this op calls.
     """
-    cc_library(
-        name = name + "_ops",
-        srcs = srcs,
-        hdrs = [s[:-len(".cc")] + ".h" for s in srcs],
-        copts = V4_COPTS,
-        linkstatic = 1,
-        deps = ["//cc/common:checks", "@v4_python//:torch"],
-    )
+    op = name[len("v4_"):]
+    srcs = native.glob(["ops/%s.cc" % op])
+    lib_deps = [":" + d[len("v4_"):] for d in deps]
+    if srcs:
+        cc_library(
+            name = op,
+            srcs = srcs,
+            hdrs = ["ops/%s.h" % op],
+            copts = V4_COPTS,
+            linkstatic = 1,
+            deps = ["//cc/common:checks", "@v4_python//:torch"] + lib_deps,
+        )
+        lib_deps = [":" + op]
     cc_binary(
         name = name + ".so",
-        srcs = [bind],
+        srcs = ["bind/%s.cc" % op],
         copts = V4_COPTS,
         linkshared = 1,
-        deps = [
-            ":" + name + "_ops",
+        deps = lib_deps + [
             "//cc/common:bridge",
+            "//cc/common:checks",
             "@v4_python//:nanobind",
+            "@v4_python//:torch",
         ],
     )
     native.py_library(
@@ -39,13 +46,13 @@ def v4_op_module(name, bind, srcs):
         visibility = ["//visibility:public"],
     )
 
-def v4_py_test(name, srcs, deps = [], data = [], size = "medium", **kwargs):
+def v4_py_test(name, srcs, deps = [], data = [], size = "medium", args = [], **kwargs):
     """A pytest file run as a Bazel test, with the project's Python environment."""
     native.py_test(
         name = name,
         srcs = srcs + ["//tools:pytest_main.py"],
         main = "//tools:pytest_main.py",
-        args = ["$(rootpath %s)" % s for s in srcs],
+        args = ["$(rootpath %s)" % s for s in srcs] + args,
         deps = deps,
         data = data,
         size = size,

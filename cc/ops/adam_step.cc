@@ -1,9 +1,12 @@
 #include "cc/ops/adam_step.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
+#include <map>
+#include <string>
 
 #include "cc/common/checks.h"
 
@@ -11,25 +14,53 @@ namespace {
 
 void check_same_size(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
                      const at::Tensor& ref, size_t i) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", name, "[", i, "] is undefined");
   TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, "[", i, "] has shape ", t.sizes(), " but ",
                     ref_name, "[", i, "] has shape ", ref.sizes());
   v4::check_same_device(op, name, t, ref_name, ref);
 }
 
+void check_writable(const char* op, const char* name, const at::Tensor& t, size_t i) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name, "[", i,
+                    "] has elements that share memory (an expanded or overlapping view, strides ", t.strides(),
+                    "): it cannot be updated in place");
+}
+
+// A float32 contiguous tensor holding t's values: t itself when it already is one.
+at::Tensor fp32_dense(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+}
+
+// Tensors updated through a float32 contiguous stand-in are written back after the step.
+struct Work {
+  std::vector<at::Tensor> p, g, m, v;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (target, stand-in)
+
+  void add(std::vector<at::Tensor>& list, const at::Tensor& target, bool updated = true) {
+    at::Tensor w = fp32_dense(target);
+    if (updated && !w.is_same(target)) write_back.emplace_back(target, w);
+    list.push_back(w);
+  }
+};
+
 }  // namespace
 
 void v4_adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                   const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                  int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay) {
+                  int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                  const std::vector<at::Tensor>& master_params) {
   constexpr const char* op = "v4_adam_step";
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n, op,
                     ": params, grads, exp_avgs and exp_avg_sqs must be lists of one length, got ", n, ", ",
                     grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size());
+  TORCH_CHECK_VALUE(master_params.empty() || master_params.size() == n, op,
+                    ": master_params must be empty or as long as params (", n, "), got ", master_params.size());
   TORCH_CHECK_VALUE(step >= 1, op, ": step must be >= 1, got ", step);
-  TORCH_CHECK_VALUE(lr >= 0 && eps > 0 && weight_decay >= 0, op,
-                    ": lr and weight_decay must be >= 0 and eps > 0, got lr=", lr, ", eps=", eps,
-                    ", weight_decay=", weight_decay);
+  TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0 && std::isfinite(weight_decay) && weight_decay >= 0 &&
+                        std::isfinite(eps) && eps > 0,
+                    op, ": lr and weight_decay must be finite and >= 0 and eps finite and > 0, got lr=", lr,
+                    ", eps=", eps, ", weight_decay=", weight_decay);
   TORCH_CHECK_VALUE(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1, op,
                     ": betas must lie in [0, 1), got ", beta1, ", ", beta2);
   for (size_t i = 0; i < n; ++i) {
@@ -40,38 +71,44 @@ void v4_adam_step(const std::vector<at::Tensor>& params, const std::vector<at::T
     check_same_size(op, "exp_avg_sqs", exp_avg_sqs[i], "params", params[i], i);
     TORCH_CHECK_VALUE(exp_avgs[i].scalar_type() == at::kFloat && exp_avg_sqs[i].scalar_type() == at::kFloat, op,
                       ": exp_avgs[", i, "] and exp_avg_sqs[", i, "] must be float32");
+    check_writable(op, "params", params[i], i);
+    check_writable(op, "exp_avgs", exp_avgs[i], i);
+    check_writable(op, "exp_avg_sqs", exp_avg_sqs[i], i);
+    if (!master_params.empty()) {
+      check_same_size(op, "master_params", master_params[i], "params", params[i], i);
+      TORCH_CHECK_VALUE(master_params[i].scalar_type() == at::kFloat, op, ": master_params[", i,
+                        "] must be float32, got ", master_params[i].scalar_type());
+      check_writable(op, "master_params", master_params[i], i);
+    }
   }
   if (n == 0) return;
   at::NoGradGuard no_grad;
-  bool all_fp32 = true;
-  for (size_t i = 0; i < n; ++i) {
-    all_fp32 = all_fp32 && params[i].scalar_type() == at::kFloat && grads[i].scalar_type() == at::kFloat &&
-               params[i].device() == params[0].device();
-  }
-  if (all_fp32) {  // one fused kernel (ATen's own AdamW), which reads each tensor once
-    std::vector<at::Tensor> steps(n, at::full({}, static_cast<double>(step), params[0].options()));
-    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2,
-                      weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
-    return;
-  }
-  const double bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
-  // Mixed precision (bf16 params, fp32 moments): multi-tensor ops in fp32, then written back.
-  std::vector<at::Tensor> g(n), p(n);
-  for (size_t i = 0; i < n; ++i) {
-    g[i] = grads[i].to(at::kFloat);
-    p[i] = params[i].to(at::kFloat);  // the parameter itself when it is float32
-  }
-  std::vector<at::Tensor> m(exp_avgs), v(exp_avg_sqs);
-  at::_foreach_mul_(m, beta1);
-  at::_foreach_add_(m, g, 1 - beta1);
-  at::_foreach_mul_(v, beta2);
-  at::_foreach_addcmul_(v, g, g, 1 - beta2);
-  at::_foreach_mul_(p, 1 - lr * weight_decay);
-  std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
-  at::_foreach_div_(denom, std::sqrt(bc2));
-  at::_foreach_add_(denom, eps);
-  at::_foreach_addcdiv_(p, m, denom, -lr / bc1);
-  for (size_t i = 0; i < n; ++i) {
-    if (!p[i].is_same(params[i])) params[i].copy_(p[i]);
+  // ATen's fused AdamW reads each tensor once; it wants float32, dense tensors of one device.
+  // Stand-ins are made a batch at a time, so a bf16 model's float32 copies never all exist at once.
+  constexpr int64_t kBatchElements = int64_t{1} << 26;
+  std::map<std::string, std::vector<size_t>> by_device;
+  for (size_t i = 0; i < n; ++i) by_device[params[i].device().str()].push_back(i);
+  for (const auto& [device, indices] : by_device) {
+    for (size_t start = 0; start < indices.size();) {
+      Work w;
+      int64_t elements = 0;
+      size_t end = start;
+      for (; end < indices.size() && (end == start || elements < kBatchElements); ++end) {
+        const size_t i = indices[end];
+        w.add(w.p, master_params.empty() ? params[i] : master_params[i]);
+        w.add(w.g, grads[i], /*updated=*/false);
+        w.add(w.m, exp_avgs[i]);
+        w.add(w.v, exp_avg_sqs[i]);
+        elements += params[i].numel();
+      }
+      std::vector<at::Tensor> steps(w.p.size(), at::full({}, static_cast<double>(step), w.p[0].options()));
+      at::_fused_adamw_(w.p, w.g, w.m, w.v, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2, weight_decay, eps,
+                        /*amsgrad=*/false, /*maximize=*/false);
+      for (auto& [target, stand_in] : w.write_back) target.copy_(stand_in);
+      if (!master_params.empty()) {
+        for (size_t k = start; k < end; ++k) params[indices[k]].copy_(master_params[indices[k]]);
+      }
+      start = end;
+    }
   }
 }

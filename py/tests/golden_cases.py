@@ -19,8 +19,11 @@ def golden(case: str):
     with open(os.path.join(d, "golden.json")) as f:
         meta = json.load(f)
     tensors = load_file(os.path.join(d, "golden.safetensors"))
-    # The VL wrapper's parameters are named model.language_model.*; v4train's, model.*.
-    meta["grad_norms"] = {hf_checkpoint.canonical_key(k): v for k, v in meta["grad_norms"].items()}
+    # Each parameter's gradient, by v4train's name (the VL wrapper's model.language_model.* is
+    # model.*): transformers' fp32 result, and the exact one (transformers in float64).
+    for kind in ("grad", "grad64"):
+        meta[kind + "s"] = {hf_checkpoint.canonical_key(k.removeprefix(kind + ".")): v for k, v in tensors.items()
+                            if k.startswith(kind + ".")}
     return d, tensors, meta
 
 

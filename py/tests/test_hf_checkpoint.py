@@ -9,10 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from golden_cases import golden
-from parity.compare import assert_rel_close
+from v4train.ops.compare import assert_rel_close
 from v4train import hf_checkpoint
 from v4train.models.causal_lm import CausalLM, Packed
-from v4train.models.config import ConfigError, load_config
+from v4train.models import load_config
+from v4train.models.config import ConfigError
 
 
 @pytest.mark.parametrize("case", ["glm5", "qwen3_5_moe_vl", "qwen3_5"])
@@ -46,7 +47,7 @@ def test_sharded_save_writes_an_index_and_reads_back_identically(tmp_path):
         assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 200_000
         assert all(index["weight_map"][k] == shard for k in tensors)
     again, _ = hf_checkpoint.load(str(tmp_path / "out"))
-    assert all(torch.equal(again.weights[k], v) for k, v in model.weights.items())
+    assert all(torch.equal(again.get_parameter(k), v) for k, v in model.weights().items())
 
 
 def test_save_is_atomic_and_replaces_the_old_checkpoint(tmp_path, monkeypatch):

@@ -1,7 +1,6 @@
 """LoRA: PEFT-format adapters that peft loads onto transformers with the same logits; evaluate
 with --adapter_dir; atomic checkpoints; gradient checkpointing; the startup self-check."""
 
-import dataclasses
 import json
 import os
 
@@ -9,9 +8,10 @@ import pytest
 import torch
 
 from golden_cases import BASE, CHAT, golden, last_json, run_cli
-from parity.compare import assert_rel_close
+from v4train.ops.compare import assert_rel_close
 from v4train import checkpoint, hf_checkpoint, lora, ops
 from v4train.models.causal_lm import Packed
+from v4train.ops.check import self_check
 from v4train.optim import AdamW
 
 
@@ -55,7 +55,7 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
     model, _ = hf_checkpoint.load(golden("glm5")[0])
     lcfg = lora.LoraConfig(2, 4, 0.0, ("o_proj",), False)
     adapters = lora.add_adapters(model, lcfg, torch.float32, "cpu", 0)
-    opt = AdamW(adapters)
+    opt = AdamW(adapters, ops.REFERENCE)
     kw = dict(model=model, adapters=adapters, lcfg=lcfg, optimizer=opt, state={"loader": {}}, base_model_dir=BASE,
               tokenizer_dir=None, keep=3)
     checkpoint.save(str(tmp_path), 1, **kw)
@@ -93,12 +93,15 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(case):
     assert_rel_close(results[1][1], results[0][1], f"{case} adapter gradients")
 
 
-def test_self_check_stops_on_a_mismatch_naming_the_op():
-    op = ops.OPS["v4_rms_norm"]
-    ops.self_check(op, torch.float32, "cpu")  # the real pair agrees
-    off = dataclasses.replace(op, reference=lambda x, w, eps, zc: op.reference(x, w, eps, zc) * 1.001)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_check_passes_the_real_ops_and_stops_on_a_mismatch_naming_the_op(dtype, monkeypatch):
+    self_check(ops.resolve("all"), ops.REFERENCE, dtype, "cpu")  # the real pairs agree
+    # An rms_norm that ignores zero_centered: the self-check's samples include zero-centred ones.
+    real = ops.OpInfo.cpp
+    plain = lambda x, w, eps, zero_centered=False: real(ops.OPS["v4_rms_norm"])(x, w, eps, False)  # noqa: E731
+    monkeypatch.setattr(ops.OpInfo, "cpp", lambda op: plain if op.name == "v4_rms_norm" else real(op))
     with pytest.raises(ValueError, match="self-check: the C\\+\\+ op v4_rms_norm differs from its reference"):
-        ops.self_check(off, torch.float32, "cpu")
+        self_check(ops.resolve("rms_norm"), ops.REFERENCE, dtype, "cpu")
 
 
 @pytest.mark.parametrize("case,targets", [

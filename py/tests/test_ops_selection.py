@@ -1,46 +1,57 @@
-"""--cpp_ops selection: each op switches between its C++ entry and its reference."""
+"""--cpp_ops resolves once into an OpTable: each op on its C++ entry or its reference, the choice
+held by the run (no global state), composite ops' building blocks following the same table."""
 
 import pytest
 import torch
 
 import v4_rms_norm
-from v4train import ops
-from v4train.ops.registry import dispatch
-
-OP = ops.OPS["v4_rms_norm"]
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    yield
-    ops.select_cpp_ops("none")
+from golden_cases import golden
+from v4train import hf_checkpoint, ops
+from v4train.models.causal_lm import Packed
 
 
-def test_default_is_the_reference():
-    assert dispatch(OP) is OP.reference
+def test_reference_table_is_every_reference():
+    assert ops.REFERENCE.cpp == frozenset()
+    assert ops.REFERENCE.v4_rms_norm is ops.OPS["v4_rms_norm"].reference
 
 
 @pytest.mark.parametrize("spec", ["all", "v4_rms_norm", "rms_norm", " rms_norm , "])
 def test_selecting_an_op_routes_it_to_cpp(spec):
-    assert "v4_rms_norm" in ops.select_cpp_ops(spec)
-    assert dispatch(OP) is v4_rms_norm.v4_rms_norm
+    table = ops.resolve(spec)
+    assert "v4_rms_norm" in table.cpp
+    assert table.v4_rms_norm is v4_rms_norm.v4_rms_norm
     x = torch.randn(2, 4, requires_grad=True)
-    assert ops.v4_rms_norm(x, torch.ones(4), 1e-6).grad_fn.name() == "torch::autograd::CppNode<v4::RmsNorm>"
+    assert table.v4_rms_norm(x, torch.ones(4), 1e-6).grad_fn.name() == "torch::autograd::CppNode<v4::RmsNorm>"
+    assert ops.REFERENCE.v4_rms_norm is ops.OPS["v4_rms_norm"].reference, "other tables are untouched"
 
 
-def test_none_goes_back_to_the_reference():
-    ops.select_cpp_ops("all")
-    assert ops.select_cpp_ops("none") == set()
-    assert dispatch(OP) is OP.reference
+def test_none_is_the_reference():
+    assert ops.resolve("none").cpp == frozenset()
 
 
 def test_unknown_op_names_the_flag_and_the_choices():
     with pytest.raises(ValueError, match=r"--cpp_ops: unknown op\(s\) v4_nope; expected 'all', 'none' or a comma list of v4_adam_step, "):
-        ops.select_cpp_ops("rms_norm,nope")
+        ops.resolve("rms_norm,nope")
 
 
 def test_ops_without_cpp_are_refused_by_name_and_skipped_by_all():
     with pytest.raises(ValueError, match=r"--cpp_ops: v4_glm5_layer_forward has no C\+\+ implementation yet"):
-        ops.select_cpp_ops("glm5_layer_forward")
-    assert ops.select_cpp_ops("all") == {"v4_rms_norm", "v4_adam_step", "v4_clip_grad_norm", "v4_cross_entropy_loss",
-                                         "v4_embedding"}
+        ops.resolve("glm5_layer_forward")
+    assert ops.resolve("all").cpp == {n for n, op in ops.OPS.items() if op.has_cpp}
+
+
+@pytest.mark.parametrize("case,norms", [("glm5", 4 * 4 + 1), ("qwen3_5_moe", 4 * 2 + 2 + 1)])
+def test_every_norm_of_a_forward_follows_the_table(case, norms, monkeypatch):
+    """The layer references call their building blocks through the run's table: with rms_norm in
+    C++, every RMSNorm of the forward (decoder, latent and q/k norms, final) runs the C++ op."""
+    calls = {"cpp": 0, "reference": 0}
+    cpp, ref = v4_rms_norm.v4_rms_norm, ops.OPS["v4_rms_norm"].reference
+    model, _ = hf_checkpoint.load(golden(case)[0])
+    for name, fn, spec in (("cpp", cpp, "rms_norm"), ("reference", ref, "none")):
+        table = ops.resolve(spec)
+        counted = lambda *a, _fn=fn, _name=name, **k: calls.__setitem__(_name, calls[_name] + 1) or _fn(*a, **k)  # noqa: E731
+        monkeypatch.setattr(table, "v4_rms_norm", counted)
+        model.use_ops(table)
+        with torch.no_grad():
+            model.logits(Packed.from_documents([[1, 2, 3, 4, 5]]))
+    assert calls == {"cpp": norms, "reference": norms}, calls

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from golden_cases import golden
-from parity.compare import assert_rel_close
+from v4train.ops.compare import assert_rel_close
 from v4train import hf_checkpoint
 from v4train.models.causal_lm import Packed
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from golden_cases import BASE, CHAT, CHAT_EVAL, last_json, metrics, run_cli
-from parity.compare import assert_close
+from v4train.ops.compare import assert_close
 
 SMALL = ["--model_dir=" + BASE, "--data=" + CHAT, "--dtype=float32", "--seq_len=128", "--micro_batch_size=2",
          "--lr=2e-3", "--lora_r=4", "--lora_alpha=8", "--log_interval=1"]

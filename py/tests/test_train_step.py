@@ -1,10 +1,12 @@
-"""With the C++ path on, the step loop itself makes no torch compute call from Python.
+"""The step loop, the model container and the optimizer make no torch compute call of their own:
+everything they compute goes through an op.
 
 A TorchFunctionMode records every torch function and tensor method called during one
 training step. Each call is attributed to the innermost frame of v4train's own code: calls
-from inside an op's implementation (v4train/reference/, the fallback of ops without C++ yet)
-are the ops' business; calls from the step, the model container, the op faces or the
-optimizer must be on the allowed list (backward, scalar reads, moving data in).
+from inside an op's reference (v4train/reference/) are that op's business; calls from the
+step, the model container, the op table or the optimizer must be on the allowed list
+(backward, scalar reads, moving data in). This proves where the compute is *called from*;
+how much of it runs in C++ is test_flop_share.py's number.
 """
 
 import os
@@ -42,24 +44,18 @@ class Recorder(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_train_step_makes_no_torch_compute_call_outside_the_ops():
+def test_step_loop_makes_no_torch_compute_call_outside_an_op():
     model, _ = hf_checkpoint.load(BASE)
+    table = ops.resolve("all")
+    model.use_ops(table)
     adapters = lora.add_adapters(model, lora.LoraConfig(4, 8, 0.0, ("q_a_proj", "o_proj"), True), torch.float32, "cpu", 0)
-    for w in model.parameters():
-        w.requires_grad_(False)
-    for w in adapters.values():
-        w.requires_grad_(True)
-    ops.select_cpp_ops("all")
-    try:
-        records = data.read_records(CHAT, Tokenizer(BASE))[:6]
-        optimizer = AdamW(adapters)
-        recorder = Recorder()
-        with recorder:
-            loss, grad_norm, tokens = train.train_step(model, optimizer, [records[:3], records[3:]], 1e-3, 1.0, "cpu")
-        assert recorder.violations == [], "\n".join(recorder.violations)
-        assert loss > 0 and grad_norm > 0 and tokens == sum(len(r.input_ids) for r in records)
-    finally:
-        ops.select_cpp_ops("none")
+    records = data.read_records(CHAT, Tokenizer(BASE))[:6]
+    optimizer = AdamW(adapters, table)
+    recorder = Recorder()
+    with recorder:
+        loss, grad_norm, tokens = train.train_step(model, optimizer, [records[:3], records[3:]], 1e-3, 1.0, "cpu")
+    assert recorder.violations == [], "\n".join(recorder.violations)
+    assert loss > 0 and grad_norm > 0 and tokens == sum(len(r.input_ids) for r in records)
 
 
 def test_the_recorder_would_catch_a_compute_call_in_the_step(monkeypatch):
@@ -72,10 +68,8 @@ def test_the_recorder_would_catch_a_compute_call_in_the_step(monkeypatch):
 
     model, _ = hf_checkpoint.load(BASE)
     adapters = lora.add_adapters(model, lora.LoraConfig(4, 8, 0.0, ("o_proj",), False), torch.float32, "cpu", 0)
-    for w in adapters.values():
-        w.requires_grad_(True)
     records = data.read_records(CHAT, Tokenizer(BASE))[:2]
     recorder = Recorder()
     with recorder:
-        leaky(model, AdamW(adapters), [records], 1e-3, 1.0, "cpu")
+        leaky(model, AdamW(adapters, ops.REFERENCE), [records], 1e-3, 1.0, "cpu")
     assert any(v.startswith("ones from py/tests/test_train_step.py") for v in recorder.violations), recorder.violations

@@ -86,8 +86,9 @@ def load(path: str, *, model, adapters, optimizer) -> dict:
             if os.path.exists(os.path.join(path, lora.ADAPTER_CONFIG)):
                 raise ValueError(f"--resume_from={path}: a LoRA checkpoint, but this run is --finetune=full")
             saved, _ = hf_checkpoint.load(path, torch.float32, "cpu")
-            for name, t in model.weights.items():
-                t.copy_(saved.weights[name])
+            saved_weights = saved.weights()
+            for name, t in model.weights().items():
+                t.copy_(saved_weights[name])
     optimizer.load_state(load_file(os.path.join(path, "optimizer.safetensors")), state["optimizer_steps"])
     rng = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)
     torch.set_rng_state(rng["torch"])

@@ -7,7 +7,6 @@ import os
 
 import torch
 
-from v4train import lora
 from v4train.data import Record
 from v4train.models.causal_lm import CausalLM, Packed
 
@@ -46,8 +45,8 @@ def pick_device(name: str) -> str:
 def mean_loss(model: CausalLM, records: list[Record], token_budget: int, device: str) -> tuple[float, int]:
     """(mean next-token loss over every target token, number of target tokens): each record its
     own document, packed into forward passes of at most token_budget tokens (whole records)."""
-    dropout = [layer.get("lora_dropout") for layer in model.layers]
-    lora.set_dropout(model, 0.0)
+    was_training = model.training
+    model.eval()  # no LoRA dropout
     total, targets, docs, size = torch.zeros((), dtype=torch.float64), 0, [], 0
     with torch.no_grad():
         for i, r in enumerate(records):
@@ -58,7 +57,5 @@ def mean_loss(model: CausalLM, records: list[Record], token_budget: int, device:
                 total += model.loss(batch).double().cpu()
                 targets += batch.num_targets
                 docs, size = [], 0
-    for layer, p in zip(model.layers, dropout):
-        if p is not None:
-            layer["lora_dropout"] = p
+    model.train(was_training)
     return (total / max(targets, 1)).item(), targets

@@ -67,12 +67,6 @@ flags.DEFINE_integer("log_interval", 1, "Log every this many steps.", lower_boun
 flags.DEFINE_integer("stop_at_step", 0, "Save and stop after this step, as a preemption would (0: run to the end); "
                      "a later run with --resume_from=latest continues where it stopped.", lower_bound=0)
 
-ATTENTION = {
-    "glm5": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-    "qwen3_5": ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"),
-}
-
-
 class FlagError(ValueError):
     pass
 

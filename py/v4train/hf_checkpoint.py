@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from v4train.atomic import atomic_dir
+from v4train.models import config_from_dict, load_config
 from v4train.models.causal_lm import CausalLM, all_specs
-from v4train.models.config import config_from_dict, load_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -169,8 +169,9 @@ def _read_experts(spec, available, read):
 def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
     """The model's tensors under transformers' on-disk names: experts unpacked per expert."""
     out = {}
+    weights = model.weights()
     for spec in all_specs(model.cfg):
-        t = model.weights[spec.name].detach()
+        t = weights[spec.name].detach()
         if spec.experts:
             prefix = spec.name[: spec.name.rindex("experts.") + len("experts.")]
             for e in range(t.shape[0]):

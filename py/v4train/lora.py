@@ -1,4 +1,6 @@
-"""LoRA adapters: added to a model's layer weight dicts, saved and loaded in PEFT's format.
+"""LoRA adapters: added to a model as parameters beside the weights they adapt (the names of
+v4train.reference.lora.adapter_names), their scaling and dropout on each decoder layer; saved and
+loaded in PEFT's format.
 
 Targets are module names matched as PEFT does (a target t matches module m when m == t or m
 ends with "." + t); `experts` adds an adapter to each routed expert of the fused expert
@@ -24,11 +26,9 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
-from v4train.models.causal_lm import CausalLM, family
+from v4train.models.causal_lm import CausalLM, layer_prefix, put_parameter
 from v4train.reference.lora import adapter_names
 
-# Never adapted, whatever the targets say.
-_EXCLUDED = ("mlp.gate.", "indexer.", "layernorm", "norm.", "shared_expert_gate", "conv1d", "A_log", "dt_bias")
 EXPERT_TENSORS = ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")  # PEFT's order: down_proj outermost
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -51,16 +51,21 @@ def _matches(module: str, targets) -> bool:
     return any(module == t or module.endswith("." + t) for t in targets)
 
 
+def _adaptable(model: CausalLM, spec) -> bool:
+    return spec.name.endswith(".weight") and len(spec.shape) == 2 and \
+        not any(x in spec.name for x in model.family.lora_excluded)
+
+
 def targeted(model: CausalLM, lcfg: LoraConfig, layer: int) -> list:
     """The layer's weight specs that get an adapter."""
     out = []
-    for spec in family(model.cfg).layer_specs(model.cfg, layer):
+    for spec in model.family.layer_specs(model.cfg, layer):
         if spec.experts:
             if lcfg.experts:
                 out.append(spec)
-        elif spec.name.endswith(".weight") and len(spec.shape) == 2 and not any(x in spec.name for x in _EXCLUDED):
-            if _matches(f"model.layers.{layer}.{spec.name.removesuffix('.weight')}", lcfg.target_modules):
-                out.append(spec)
+        elif _adaptable(model, spec) and _matches(layer_prefix(layer) + spec.name.removesuffix(".weight"),
+                                                  lcfg.target_modules):
+            out.append(spec)
     return out
 
 
@@ -69,25 +74,21 @@ def adapter_shapes(model: CausalLM, lcfg: LoraConfig) -> dict[str, tuple[tuple[i
     out = {}
     for i in range(len(model.layers)):
         for spec in targeted(model, lcfg, i):
-            if spec.experts:
-                E, out_f, in_f = spec.shape
-                names, shapes = (spec.name + ".lora_A", spec.name + ".lora_B"), ((E, lcfg.r, in_f), (E, out_f, lcfg.r))
-            else:
-                out_f, in_f = spec.shape
-                names, shapes = adapter_names(spec.name), ((lcfg.r, in_f), (out_f, lcfg.r))
-            for name, shape in zip(names, shapes):
-                out[f"model.layers.{i}.{name}"] = (shape, in_f)
+            *lead, out_f, in_f = spec.shape  # [E, out, in] for fused experts
+            shapes = ((*lead, lcfg.r, in_f), (*lead, out_f, lcfg.r))
+            for name, shape in zip(adapter_names(spec.name), shapes):
+                out[layer_prefix(i) + name] = (shape, in_f)
     if not out:
         candidates = sorted({s.name.removesuffix(".weight") for i in range(len(model.layers))
-                             for s in family(model.cfg).layer_specs(model.cfg, i)
-                             if len(s.shape) == 2 and not any(x in s.name for x in _EXCLUDED)})
+                             for s in model.family.layer_specs(model.cfg, i) if _adaptable(model, s)})
         raise ValueError(f"--lora_target_modules={','.join(lcfg.target_modules)} matches no module of "
                          f"{model.cfg.model_type}; modules: {', '.join(candidates)}")
     return out
 
 
 def add_adapters(model: CausalLM, lcfg: LoraConfig, dtype: torch.dtype, device, seed: int) -> dict[str, torch.Tensor]:
-    """Creates the adapters (A: PEFT's kaiming-uniform, B: zeros) in the model's layer dicts.
+    """Creates the adapters (A: PEFT's kaiming-uniform, B: zeros) as parameters of the model,
+    beside the weights they adapt; sets each layer's LoRA scaling and dropout.
 
     Returns them by full name (model.layers.{i}.<module>.lora_A|B). Fails when the targets
     match nothing, naming what could have been targeted.
@@ -100,30 +101,32 @@ def add_adapters(model: CausalLM, lcfg: LoraConfig, dtype: torch.dtype, device, 
             t = torch.empty(shape).uniform_(-bound, bound, generator=gen).to(device=device, dtype=dtype)
         else:
             t = torch.zeros(shape, device=device, dtype=dtype)
-        layer = int(name.split(".")[2])
-        model.layers[layer][name.split(".", 3)[3]] = adapters[name] = t
+        adapters[name] = put_parameter(model, name, t, requires_grad=True)
     for layer in model.layers:
-        layer["lora_scaling"] = lcfg.scaling
-        layer["lora_dropout"] = lcfg.dropout
+        layer.lora_scaling = lcfg.scaling
+        layer.lora_dropout = lcfg.dropout
     return adapters
 
 
-def set_dropout(model: CausalLM, p: float) -> None:
-    for layer in model.layers:
-        if "lora_scaling" in layer:
-            layer["lora_dropout"] = p
+def _adapted(name: str) -> tuple[str, str]:
+    """(the adapted weight's name, "lora_A" or "lora_B") of the adapter tensor `name`."""
+    which = name[-len("lora_A"):]
+    base = name[: -len(".lora_A")]
+    return (base if name[-len("_lora_A")] == "_" else base + ".weight"), which
 
 
 def _is_expert(name: str) -> bool:
-    return name.rsplit(".", 1)[0].endswith(EXPERT_TENSORS)
+    return _adapted(name)[0].endswith(EXPERT_TENSORS)
 
 
 def _peft_key(name: str) -> str:
-    """The PEFT key of the adapter tensor `name` (model.layers.{i}.<module>.lora_A|B)."""
-    base, _, which = name.rpartition(".")
+    """The PEFT key of the adapter tensor `name`."""
+    weight, which = _adapted(name)
     if _is_expert(name):  # gate_up_proj is wrapped inside down_proj's ParamWrapper: base_layer
-        base = base[: base.rindex("mlp.experts.")] + "mlp.experts" + (".base_layer" if base.endswith("gate_up_proj") else "")
-    return f"base_model.model.{base}.{which}.weight"
+        module = weight[: weight.rindex("mlp.experts.")] + "mlp.experts" + (".base_layer" if weight.endswith("gate_up_proj") else "")
+    else:
+        module = weight.removesuffix(".weight")
+    return f"base_model.model.{module}.{which}.weight"
 
 
 def _peft_tensors(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,1 +1,39 @@
-"""The two model families: configs from HF config.json, weight tables, layer functions."""
+"""The two model families (GLM-5, Qwen3.5/3.6): configs from HF config.json, weight tables, and
+one Family record each (models/family.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from v4train.models import glm5, qwen3_5
+from v4train.models.config import ConfigError, ModelConfig
+from v4train.models.family import Family
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (glm5.FAMILY, qwen3_5.FAMILY)}
+_BY_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    return FAMILIES[cfg.family]
+
+
+def config_from_dict(d: dict[str, Any], source: str = "config") -> ModelConfig:
+    """The model config of a config.json's contents (`source` names it in errors)."""
+    model_type = d.get("model_type")
+    if model_type not in _BY_TYPE:
+        raise ConfigError(f"{source}: model_type={model_type!r} is not supported; expected one of {tuple(_BY_TYPE)}")
+    return _BY_TYPE[model_type].parse(d, model_type, source)
+
+
+def load_config(model_dir: str) -> ModelConfig:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found (expected a Hugging Face checkpoint directory)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return config_from_dict(d, path)

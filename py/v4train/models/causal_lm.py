@@ -1,8 +1,11 @@
-"""A causal LM of either family: a container of weights (by transformers name) plus functions.
+"""A causal LM of either family: a tree of torch.nn.Modules whose parameter names are the
+transformers names (model.embed_tokens.weight, model.layers.{i}.self_attn.q_a_proj.weight, ...,
+lm_head.weight), the shape FSDP2 (`fully_shard`), DTensor and torch.distributed.checkpoint
+attach to.
 
 The forward pass is embed -> one op call per decoder layer -> final norm -> LM-head loss, every
-step through v4train.ops, so the C++ path swaps the functions and keeps the weights. Batches
-are packed: all tokens back to back with document boundaries (see `Packed`).
+step an op of the run's OpTable (`use_ops`), so the C++ path swaps the functions and keeps the
+weights. Batches are packed: all tokens back to back with document boundaries (see `Packed`).
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from v4train import ops
-from v4train.models import glm5, qwen3_5
-from v4train.models.config import Glm5Config, ModelConfig
+from v4train import ops as ops_
+from v4train.models import family_of
+from v4train.models.config import ModelConfig
 from v4train.models.weights import WeightSpec, init_tensor
 from v4train.reference.cross_entropy_loss import IGNORE_INDEX
 
@@ -61,86 +65,123 @@ class Packed:
         return int((self.targets != IGNORE_INDEX).sum())
 
 
-def family(cfg: ModelConfig):
-    return glm5 if isinstance(cfg, Glm5Config) else qwen3_5
-
-
 def global_specs(cfg: ModelConfig) -> list[WeightSpec]:
     V, H = cfg.vocab_size, cfg.hidden_size
     specs = [WeightSpec("model.embed_tokens.weight", (V, H)),
-             WeightSpec("model.norm.weight", (H,), "ones" if isinstance(cfg, Glm5Config) else "zeros")]
+             WeightSpec("model.norm.weight", (H,), "zeros" if family_of(cfg).zero_centered_norm else "ones")]
     if not cfg.tie_word_embeddings:
         specs.append(WeightSpec("lm_head.weight", (V, H)))
     return specs
+
+
+def layer_prefix(i: int) -> str:
+    return f"model.layers.{i}."
 
 
 def all_specs(cfg: ModelConfig) -> list[WeightSpec]:
     """Every tensor of the model, with full transformers names (model.layers.{i}.*)."""
     specs = global_specs(cfg)
     for i in range(cfg.num_hidden_layers):
-        specs += [dataclasses.replace(s, name=f"model.layers.{i}.{s.name}") for s in family(cfg).layer_specs(cfg, i)]
+        specs += [dataclasses.replace(s, name=layer_prefix(i) + s.name) for s in family_of(cfg).layer_specs(cfg, i)]
     return specs
 
 
-class CausalLM:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], hf_config: dict):
-        self.cfg = cfg
+def put_parameter(root: nn.Module, name: str, tensor: torch.Tensor, requires_grad: bool = False) -> nn.Parameter:
+    """Registers `tensor` as the parameter `name` (dotted) under root, making plain nn.Module
+    containers for the missing parents."""
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    param = nn.Parameter(tensor, requires_grad=requires_grad)
+    module.register_parameter(leaf, param)
+    return param
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer: its tensors under their transformers names (relative to
+    model.layers.{i}.), its LoRA hyperparameters, and a forward that is one op call."""
+
+    def __init__(self, cfg: ModelConfig, index: int, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        for name, t in tensors.items():
+            put_parameter(self, name, t)
+        self.lora_scaling = 0.0  # alpha / r once adapters are added (v4train.lora)
+        self.lora_dropout = 0.0
+        self.op = None  # the family's layer op from the run's OpTable (CausalLM.use_ops)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, carry=None):
+        return self.op(hidden, dict(self.named_parameters()), self.cfg, self.index, positions, cu_seqlens, carry,
+                       self.lora_scaling, self.lora_dropout if self.training else 0.0)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], hf_config: dict,
+                 ops: ops_.OpTable = ops_.REFERENCE):
+        """tensors: every tensor of all_specs(cfg) by full name (the meta device gives shapes only)."""
+        super().__init__()
+        self.cfg, self.family = cfg, family_of(cfg)
         self.hf_config = hf_config  # config.json as read (or as it will be written)
-        self.weights = weights
-        expected = {s.name for s in all_specs(cfg)}
-        if set(weights) != expected:
-            missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+        expected = [s.name for s in all_specs(cfg)]
+        if set(tensors) != set(expected):
+            missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
             raise ValueError(f"CausalLM: weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+        for s in global_specs(cfg):
+            put_parameter(self, s.name, tensors[s.name])
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, {s.name: tensors[layer_prefix(i) + s.name] for s in self.family.layer_specs(cfg, i)})
+            for i in range(cfg.num_hidden_layers))
         self.checkpointing = False  # recompute each layer in the backward pass (gradient checkpointing)
-        self.layers = [
-            {s.name: weights[f"model.layers.{i}.{s.name}"] for s in family(cfg).layer_specs(cfg, i)}
-            for i in range(cfg.num_hidden_layers)
-        ]
+        self.use_ops(ops)
+
+    def use_ops(self, table: ops_.OpTable) -> None:
+        """Computes with the ops of `table` from now on."""
+        self.ops = table
+        for layer in self.model.layers:
+            layer.op = table[self.family.layer_op]
 
     @staticmethod
     def empty(cfg: ModelConfig, hf_config: dict) -> "CausalLM":
         """The model on the meta device: shapes only, no memory."""
-        weights = {s.name: torch.empty(s.shape, device="meta") for s in all_specs(cfg)}
-        return CausalLM(cfg, weights, hf_config)
+        return CausalLM(cfg, {s.name: torch.empty(s.shape, device="meta") for s in all_specs(cfg)}, hf_config)
 
     @staticmethod
     def random(cfg: ModelConfig, hf_config: dict, dtype: torch.dtype, device="cpu", seed: int = 0) -> "CausalLM":
         """Freshly initialised weights, created straight in `dtype` on `device`."""
         gen = torch.Generator().manual_seed(seed)
-        weights = {s.name: init_tensor(s, dtype, device, gen) for s in all_specs(cfg)}
-        return CausalLM(cfg, weights, hf_config)
+        return CausalLM(cfg, {s.name: init_tensor(s, dtype, device, gen) for s in all_specs(cfg)}, hf_config)
 
     @property
-    def lm_head(self) -> torch.Tensor:
-        return self.weights["model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"]
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
 
-    def named_parameters(self):
-        return self.weights.items()
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
 
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self.weights.values())
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model's own tensors (no adapters) by full transformers name, in all_specs order."""
+        return {s.name: self.get_parameter(s.name) for s in all_specs(self.cfg)}
 
     def hidden_states(self, batch: Packed) -> torch.Tensor:
         """The final-norm hidden states [T, H]."""
-        cfg = self.cfg
-        x = ops.v4_embedding(batch.input_ids, self.weights["model.embed_tokens.weight"])
+        ops = self.ops
+        x = ops.v4_embedding(batch.input_ids, self.model.embed_tokens.weight)
         recompute = self.checkpointing and torch.is_grad_enabled()
-        if isinstance(cfg, Glm5Config):
-            topk = None
-            for i, w in enumerate(self.layers):
-                args = (x, w, cfg, i, batch.positions, batch.cu_seqlens, topk)
-                x, topk = checkpoint(ops.v4_glm5_layer_forward, *args, use_reentrant=False) if recompute \
-                    else ops.v4_glm5_layer_forward(*args)
-        else:
-            for i, w in enumerate(self.layers):
-                args = (x, w, cfg, i, batch.positions, batch.cu_seqlens)
-                x = checkpoint(ops.v4_qwen3_5_layer_forward, *args, use_reentrant=False) if recompute \
-                    else ops.v4_qwen3_5_layer_forward(*args)
-        return ops.v4_rms_norm(x, self.weights["model.norm.weight"], cfg.rms_norm_eps, not isinstance(cfg, Glm5Config))
+        carry = None
+        for layer in self.model.layers:
+            args = (x, batch.positions, batch.cu_seqlens, carry)
+            x, carry = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
+        return ops.v4_rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps, self.family.zero_centered_norm)
 
     def logits(self, batch: Packed) -> torch.Tensor:
-        return torch.nn.functional.linear(self.hidden_states(batch), self.lm_head)
+        return torch.nn.functional.linear(self.hidden_states(batch), self.lm_head_weight)
 
     def loss(self, batch: Packed, normalizer: float = 1.0) -> torch.Tensor:
         """Next-token cross-entropy summed over the batch's targets, / normalizer (fp32 scalar)."""
-        return ops.v4_cross_entropy_loss(self.hidden_states(batch), self.lm_head, batch.targets, normalizer)
+        return self.ops.v4_cross_entropy_loss(self.hidden_states(batch), self.lm_head_weight, batch.targets, normalizer)

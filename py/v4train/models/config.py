@@ -99,10 +99,6 @@ class Qwen35Config:
 
 ModelConfig = Glm5Config | Qwen35Config
 
-GLM5_TYPES = ("glm_moe_dsa",)
-QWEN35_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
-
-
 def _rope(params: dict | None, legacy: dict, dim: int, max_pos: int, default_theta: float) -> Rope:
     p = dict(params or {})
     for key in ("rope_theta", "rope_scaling"):  # configs written before rope_parameters existed
@@ -124,7 +120,7 @@ def _rope(params: dict | None, legacy: dict, dim: int, max_pos: int, default_the
     )
 
 
-def _glm5(d: dict) -> Glm5Config:
+def parse_glm5(d: dict, model_type: str, source: str) -> Glm5Config:
     g = lambda k, default: d.get(k, default)  # noqa: E731
     n_layers = g("num_hidden_layers", 78)
     indexer_types = d.get("indexer_types")
@@ -168,7 +164,7 @@ def _glm5(d: dict) -> Glm5Config:
     return cfg
 
 
-def _qwen35(d: dict, model_type: str) -> Qwen35Config:
+def _qwen3_5_text(d: dict, model_type: str) -> Qwen35Config:
     g = lambda k, default: d.get(k, default)  # noqa: E731
     n_layers = g("num_hidden_layers", 40)
     layer_types = d.get("layer_types")
@@ -201,32 +197,14 @@ def _qwen35(d: dict, model_type: str) -> Qwen35Config:
     )
 
 
-def config_from_dict(d: dict[str, Any], source: str = "config") -> ModelConfig:
-    model_type = d.get("model_type")
-    if model_type in GLM5_TYPES:
-        return _glm5(d)
-    if model_type in QWEN35_TYPES:
-        text = d.get("text_config")
-        if text is not None:  # the vision-language wrapper: read the text model's part
-            tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-            text = {**text, "tie_word_embeddings": text.get("tie_word_embeddings", tie)}
-            model_type = text.get("model_type", model_type + "_text")
-            if model_type not in QWEN35_TYPES:
-                raise ConfigError(f"{source}: text_config.model_type={model_type!r} is not one of {QWEN35_TYPES}")
-            return _qwen35(text, model_type)
-        return _qwen35(d, model_type)
-    raise ConfigError(
-        f"{source}: model_type={model_type!r} is not supported; expected one of {GLM5_TYPES + QWEN35_TYPES}"
-    )
-
-
-def load_config(model_dir: str) -> ModelConfig:
-    path = os.path.join(model_dir, "config.json")
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: not found (expected a Hugging Face checkpoint directory)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    return config_from_dict(d, path)
+def parse_qwen3_5(d: dict, model_type: str, source: str) -> Qwen35Config:
+    text = d.get("text_config")
+    if text is None:
+        return _qwen3_5_text(d, model_type)
+    # The vision-language wrapper: read the text model's part.
+    tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    text = {**text, "tie_word_embeddings": text.get("tie_word_embeddings", tie)}
+    text_type = text.get("model_type", model_type + "_text")
+    if not text_type.startswith("qwen3_5"):
+        raise ConfigError(f"{source}: text_config.model_type={text_type!r} is not a Qwen3.5 text model")
+    return _qwen3_5_text(text, text_type)

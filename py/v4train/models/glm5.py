@@ -1,9 +1,11 @@
-"""GLM-5 (glm_moe_dsa): the weight table. The layer function is v4train.ops.v4_glm5_layer_forward."""
+"""GLM-5 (glm_moe_dsa): the weight table and the family record. The layer op is v4_glm5_layer_forward."""
 
 from __future__ import annotations
 
-from v4train.models.config import Glm5Config
+from v4train.models.config import Glm5Config, parse_glm5
+from v4train.models.family import Family
 from v4train.models.weights import WeightSpec
+
 
 def layer_specs(cfg: Glm5Config, i: int) -> list[WeightSpec]:
     """The tensors of layer i, named as in transformers (relative to model.layers.{i}.).
@@ -48,3 +50,13 @@ def layer_specs(cfg: Glm5Config, i: int) -> list[WeightSpec]:
             S("mlp.shared_experts.down_proj.weight", (H, Is)),
         ]
     return specs
+
+
+FAMILY = Family(
+    name="glm5", model_types=("glm_moe_dsa",), parse=parse_glm5, layer_specs=layer_specs,
+    layer_op="v4_glm5_layer_forward", zero_centered_norm=False,
+    attention_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+    # transformers keeps the routing bias as a buffer and runs the DSA indexer without gradient.
+    frozen=("e_score_correction_bias", ".indexer."),
+    lora_excluded=("layernorm", "norm.", "mlp.gate.", "indexer."),
+)

@@ -1,27 +1,34 @@
-"""One Python face per op: each picks C++ or the reference by the run's --cpp_ops selection.
-
-OPS lists every op; it is written out here (no registration by import side effect).
+"""The ops. Each op's facts live in one file, v4train/ops/<op>.py, as `OP = OpInfo(...)` (its
+reference, C++ entry, dtypes, parity samples, error cases and benchmark shapes); NAMES below is
+the one list of them. A run resolves --cpp_ops once into an OpTable (`resolve`) and calls every
+op through it; REFERENCE is the table with every op on its pure-PyTorch reference.
 """
 
-from v4train.ops import model_ops, rms_norm
-from v4train.ops.model_ops import (v4_adam_step, v4_clip_grad_norm, v4_cross_entropy_loss, v4_embedding,
-                                   v4_glm5_layer_forward, v4_qwen3_5_layer_forward)
-from v4train.ops.registry import CppOpUnavailable, OpInfo, parse_cpp_ops, self_check
-from v4train.ops.registry import select_cpp_ops as _select
-from v4train.ops.rms_norm import v4_rms_norm
+from __future__ import annotations
 
-OPS: dict[str, OpInfo] = {
-    op.name: op
-    for op in (rms_norm.OP, model_ops.EMBEDDING, model_ops.GLM5_LAYER, model_ops.QWEN3_5_LAYER, model_ops.CROSS_ENTROPY,
-               model_ops.ADAM_STEP, model_ops.CLIP_GRAD_NORM)
-}
+import importlib
+
+from v4train.ops.registry import CppOpUnavailable, ErrorCase, OpInfo, OpTable, parse_cpp_ops
+
+NAMES = (
+    "v4_embedding",
+    "v4_rms_norm",
+    "v4_glm5_layer_forward",
+    "v4_qwen3_5_layer_forward",
+    "v4_cross_entropy_loss",
+    "v4_adam_step",
+    "v4_clip_grad_norm",
+)
+
+OPS: dict[str, OpInfo] = {name: importlib.import_module(f"v4train.ops.{name.removeprefix('v4_')}").OP for name in NAMES}
+
+REFERENCE = OpTable(OPS)
 
 
-def select_cpp_ops(spec: str) -> set[str]:
-    """Applies a --cpp_ops value ('all', 'none' or a comma list); returns the ops now in C++."""
-    return _select(spec, OPS)
+def resolve(spec: str) -> OpTable:
+    """The table of a --cpp_ops value ('all', 'none' or a comma list of op names); fails now,
+    naming the flag, if an op is unknown, has no C++ implementation, or is not built."""
+    return OpTable(OPS, parse_cpp_ops(spec, OPS))
 
 
-__all__ = ["OPS", "CppOpUnavailable", "OpInfo", "parse_cpp_ops", "select_cpp_ops", "self_check", "v4_rms_norm", "v4_embedding",
-           "v4_glm5_layer_forward", "v4_qwen3_5_layer_forward", "v4_cross_entropy_loss", "v4_adam_step",
-           "v4_clip_grad_norm"]
+__all__ = ["NAMES", "OPS", "REFERENCE", "CppOpUnavailable", "ErrorCase", "OpInfo", "OpTable", "resolve"]

@@ -1,14 +1,16 @@
-"""The op registry: each op's reference, its C++ entry, its dtypes and known limits.
+"""What an op is (`OpInfo`: everything the tests, the trainer and the benchmark need to know about
+it), and the run's choice of implementations (`OpTable`, made once from --cpp_ops).
 
-The parity suite loops over it, and the trainer reads it to switch each op between C++ and
-the reference (`select_cpp_ops`, driven by the --cpp_ops flag).
+Each op's OpInfo lives in its own file, py/v4train/ops/<op>.py; v4train/ops/__init__.py lists
+the op names, the one list there is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -18,16 +20,39 @@ class CppOpUnavailable(ImportError):
 
 
 @dataclasses.dataclass(frozen=True)
+class ErrorCase:
+    """A bad call of the op and what the C++ entry must say: `exc` whose message starts with
+    "<op name>: " and contains `message`. `args()` builds the arguments (on the CPU)."""
+
+    what: str
+    args: Callable[[], tuple]
+    message: str
+    exc: type = ValueError
+
+
+@dataclasses.dataclass(frozen=True)
 class OpInfo:
-    name: str  # v4_<op>: the C++ function, its nanobind module and the reference function.
+    """One op: its reference, its C++ entry, and what tests, self-check and benchmark use.
+
+    name: v4_<op>, the name of the C++ function, of its nanobind module and of the reference.
+    reference: the pure-PyTorch function. A `composite` op's reference (a layer) calls its
+      building blocks through an OpTable given as the keyword argument `ops`.
+    samples: (draw, dtype, device) -> Sample: the parity inputs (see v4train.ops.samples); the
+      parity suite draws them through hypothesis, the trainer's self-check from a seeded RNG.
+    errors: bad calls and the messages the C++ entry must give.
+    benchmarks: (device, dtype) -> (description, args): the shapes tools/benchmark.py times.
+    """
+
+    name: str
     reference: Callable
-    dtypes: tuple[torch.dtype, ...]
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    samples: Callable | None = None
+    errors: tuple[ErrorCase, ...] = ()
+    benchmarks: tuple[Callable, ...] = ()
     has_cpp: bool = True  # False while only the reference exists.
     inplace: bool = False  # Updates its tensor arguments in place (no autograd): the optimizer ops.
+    composite: bool = False  # Its reference takes `ops`: the table its sub-ops are called through.
     limits: str = ""  # What the op does not support yet, in words.
-    # (dtype, device) -> a small argument tuple for the trainer's self-check; floating tensors
-    # among them get gradients.
-    example: Callable | None = None
 
     def cpp(self) -> Callable:
         """The C++ entry: function `name` of the nanobind module `name`."""
@@ -44,12 +69,33 @@ class OpInfo:
         return getattr(module, self.name)
 
 
-_CPP_SELECTED: set[str] = set()
+class OpTable:
+    """The implementation of every op for one run: C++ for the ops in `cpp`, the reference for the
+    others. Resolved once; ops are attributes (`table.v4_rms_norm(...)`). A composite op's
+    reference is bound to this table, so its building blocks follow the same choice."""
 
+    def __init__(self, ops: dict[str, OpInfo], cpp: Iterable[str] = ()):
+        self.ops = ops
+        self.cpp = frozenset(cpp)
+        unknown = sorted(self.cpp - set(ops))
+        if unknown:
+            raise ValueError(f"OpTable: unknown op(s) {', '.join(unknown)}")
+        self._fns = {}
+        for name, op in ops.items():
+            if name in self.cpp:
+                fn = op.cpp()
+            elif op.composite:
+                fn = functools.partial(op.reference, ops=self)
+            else:
+                fn = op.reference
+            self._fns[name] = fn
+            setattr(self, name, fn)
 
-def dispatch(op: OpInfo) -> Callable:
-    """The implementation the run selected for `op`: C++ when selected, else the reference."""
-    return op.cpp() if op.name in _CPP_SELECTED else op.reference
+    def __getitem__(self, name: str) -> Callable:
+        return self._fns[name]
+
+    def __repr__(self) -> str:
+        return f"OpTable(cpp={sorted(self.cpp)})"
 
 
 def parse_cpp_ops(spec: str, known: dict[str, OpInfo]) -> set[str]:
@@ -71,44 +117,3 @@ def parse_cpp_ops(spec: str, known: dict[str, OpInfo]) -> set[str]:
         raise ValueError(f"--cpp_ops: {', '.join(no_cpp)} has no C++ implementation yet (ops with one: "
                          f"{', '.join(sorted(n for n, op in known.items() if op.has_cpp))})")
     return names
-
-
-def select_cpp_ops(spec: str, known: dict[str, OpInfo]) -> set[str]:
-    """Turns on the C++ path for the ops `spec` names; fails now if one of them is not built."""
-    names = parse_cpp_ops(spec, known)
-    for name in sorted(names):
-        known[name].cpp()
-    _CPP_SELECTED.clear()
-    _CPP_SELECTED.update(names)
-    return names
-
-
-def self_check(op: OpInfo, dtype: torch.dtype, device) -> None:
-    """One forward and backward of the C++ entry against the reference on op.example's inputs;
-    raises naming the op when an output or a gradient differs beyond the dtype's tolerance."""
-    from v4train.ops.tolerances import TOLERANCES
-
-    if op.example is None:
-        raise ValueError(f"{op.name}: no example inputs for the self-check")
-    args = op.example(dtype, device)
-    results = []
-    for fn in (op.reference, op.cpp()):
-        if op.inplace:  # compare what it returns and every tensor it updated
-            copied = [[t.clone() for t in a] if isinstance(a, list) else a for a in args]
-            out = fn(*copied)
-            results.append(([out] if isinstance(out, torch.Tensor) else [])
-                           + [t for a in copied if isinstance(a, list) for t in a])
-            continue
-        leaves = [a.detach().clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                  else a for a in args]
-        out = fn(*leaves)
-        gen = torch.Generator().manual_seed(0)
-        out.backward(torch.randn(out.shape, generator=gen).to(out.dtype).to(out.device))
-        results.append([out] + [a.grad for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad])
-    tol = TOLERANCES[dtype]
-    for i, (ref, cpp) in enumerate(zip(*results)):
-        what = f"tensor {i}" if op.inplace else "output" if i == 0 else f"gradient of argument {i - 1}"
-        if not torch.allclose(cpp.float(), ref.float(), rtol=tol.rtol, atol=tol.atol):
-            err = (cpp.float() - ref.float()).abs().max().item()
-            raise ValueError(f"self-check: the C++ op {op.name} differs from its reference ({what}, max |diff| "
-                             f"{err:.3g}, {dtype} on {device}); run the parity suite, or leave it out of --cpp_ops")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from v4train.reference.lora import expert_linear, linear
+from v4train.reference.lora import Lora, expert_linear, linear
 
 
 def route_sigmoid_grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -44,7 +44,8 @@ def route_softmax(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> tuple[to
     return w.to(logits.dtype), idx
 
 
-def experts(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w: dict, prefix: str = "mlp.experts.") -> torch.Tensor:
+def experts(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w: dict, lora: Lora,
+            prefix: str = "mlp.experts.") -> torch.Tensor:
     """sum_k rw[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = idx[t, k].
 
     w[prefix + "gate_up_proj"] [E, 2I, H] (gate rows first, then up: transformers' fused
@@ -66,14 +67,14 @@ def experts(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w: dict, prefi
             continue
         tok, wt = token[start:start + n], weight[start:start + n]
         start += n
-        gate, up = expert_linear(x[tok], w, gate_up, e).chunk(2, dim=-1)
-        y = expert_linear(F.silu(gate) * up, w, down, e) * wt[:, None]
+        gate, up = expert_linear(x[tok], w, gate_up, e, lora).chunk(2, dim=-1)
+        y = expert_linear(F.silu(gate) * up, w, down, e, lora) * wt[:, None]
         out = out.index_add(0, tok, y.to(x.dtype))
     return out
 
 
-def swiglu_mlp(x: torch.Tensor, w: dict, prefix: str) -> torch.Tensor:
+def swiglu_mlp(x: torch.Tensor, w: dict, prefix: str, lora: Lora) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with w[prefix + "{gate,up,down}_proj.weight"]: the dense MLP
     and the shared expert."""
-    h = F.silu(linear(x, w, prefix + "gate_proj.weight")) * linear(x, w, prefix + "up_proj.weight")
-    return linear(h, w, prefix + "down_proj.weight")
+    h = F.silu(linear(x, w, prefix + "gate_proj.weight", lora)) * linear(x, w, prefix + "up_proj.weight", lora)
+    return linear(h, w, prefix + "down_proj.weight", lora)

@@ -1,0 +1,32 @@
+"""A model family: everything that differs between GLM-5 and Qwen3.5, in one record per family
+(torchtitan's ModelSpec), so that the model container, checkpoints, LoRA and the trainer ask
+the family instead of branching on the config's type."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """name: the config's `family` field. model_types: config.json model_type values it reads.
+    parse(d, model_type, source) -> config. layer_specs(cfg, i) -> the layer's WeightSpecs
+    (transformers names). layer_op: the op that computes one decoder layer. zero_centered_norm:
+    the decoder and final norms scale by 1 + w (weights initialised to 0). attention_targets: what
+    --lora_target_modules=attention means. frozen: substrings of weights that never train (as in
+    transformers: buffers, or computed without gradient). lora_excluded: substrings of weights
+    that are never adapted. architectures: the class a saved config.json names, by model_type."""
+
+    name: str
+    model_types: tuple[str, ...]
+    parse: Callable
+    layer_specs: Callable
+    layer_op: str
+    zero_centered_norm: bool
+    attention_targets: tuple[str, ...]
+    frozen: tuple[str, ...] = ()
+    lora_excluded: tuple[str, ...] = ("layernorm", "norm.")
+
+    def is_frozen(self, name: str) -> bool:
+        return any(s in name for s in self.frozen)

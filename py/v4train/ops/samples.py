@@ -1,0 +1,108 @@
+"""The building blocks of every op's parity samples.
+
+An op's `samples(draw, dtype, device)` returns a `Sample` and makes every choice through `draw`,
+so that one definition serves two drivers: the parity suite draws through hypothesis (which
+shrinks a failure to a small example; parity/strategies.py), the trainer's self-check through a
+seeded `RandomDraw` (no hypothesis at run time).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Protocol, Sequence, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+# Sizes that break kernels: 1, odd, one off a power of two, non-multiples of 8/16/64.
+AWKWARD_SIZES = (1, 2, 3, 5, 7, 15, 17, 31, 33, 63, 65, 100, 127, 129, 255, 257)
+
+# How a tensor argument is laid out: contiguous, a transposed view, or every other element.
+LAYOUTS = ("contiguous", "transposed", "strided")
+
+
+class Draw(Protocol):
+    def integers(self, lo: int, hi: int) -> int: ...  # in [lo, hi]
+
+    def sampled_from(self, options: Sequence[T]) -> T: ...
+
+    def booleans(self) -> bool: ...
+
+
+class RandomDraw:
+    """A Draw from a seeded random.Random (the self-check's)."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def integers(self, lo: int, hi: int) -> int:
+        return self.rng.randint(lo, hi)
+
+    def sampled_from(self, options):
+        return options[self.rng.randrange(len(options))]
+
+    def booleans(self) -> bool:
+        return self.rng.random() < 0.5
+
+
+def size(draw: Draw, max_size: int) -> int:
+    """A dimension size in [1, max_size], awkward sizes weighted up."""
+    awkward = [s for s in AWKWARD_SIZES if s <= max_size]
+    return draw.sampled_from(awkward) if draw.booleans() else draw.integers(1, max_size)
+
+
+def shape(draw: Draw, min_dims: int, max_dims: int, max_size: int) -> tuple[int, ...]:
+    return tuple(size(draw, max_size) for _ in range(draw.integers(min_dims, max_dims)))
+
+
+def layout(draw: Draw) -> str:
+    return draw.sampled_from(LAYOUTS)
+
+
+def seed(draw: Draw) -> int:
+    return draw.integers(0, 2**31 - 1)
+
+
+def make_leaf(shape_: tuple[int, ...], layout_: str, dtype: torch.dtype, device, seed_: int,
+              scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    """The contiguous leaf behind an argument of `shape_` in `layout_` (see `view_as_layout`).
+
+    Values are shift + scale * N(0, 1) from a generator seeded by `seed_`.
+    """
+    storage_shape = {
+        "contiguous": shape_,
+        # Transposing the last two dims of a [.., b, a] leaf gives a [.., a, b] view.
+        "transposed": shape_[:-2] + shape_[-2:][::-1] if len(shape_) >= 2 else shape_,
+        # Every other element of the last dim.
+        "strided": shape_[:-1] + (2 * shape_[-1],) if shape_ else shape_,
+    }[layout_]
+    gen = torch.Generator().manual_seed(seed_)
+    values = torch.randn(storage_shape, generator=gen, dtype=torch.float32) * scale + shift
+    return values.to(dtype=dtype, device=device)
+
+
+def view_as_layout(leaf: torch.Tensor, layout_: str) -> torch.Tensor:
+    """The op argument: a (differentiable) view of `leaf`, non-contiguous unless `contiguous`."""
+    if layout_ == "transposed" and leaf.dim() >= 2:
+        return leaf.transpose(-1, -2)
+    if layout_ == "strided" and leaf.dim() >= 1:
+        return leaf[..., ::2]
+    return leaf
+
+
+class Sample:
+    """One drawn input of an op.
+
+    leaves: the tensors gradients are taken for (every floating input); parity compares the
+      gradient of each, and for in-place ops the value each is left with.
+    build: leaves -> (args, kwargs) for the op, making the views and adding the other arguments.
+    """
+
+    def __init__(self, leaves: dict[str, torch.Tensor],
+                 build: Callable[[dict[str, torch.Tensor]], tuple[tuple, dict]], note: str = ""):
+        self.leaves, self.build, self.note = leaves, build, note
+
+    def __repr__(self) -> str:
+        shapes_ = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.leaves.items())
+        return f"Sample({shapes_}; {self.note})"
