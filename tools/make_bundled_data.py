@@ -77,13 +77,16 @@ def main(root: str) -> None:
     with open(os.path.join(root, "pretrain.jsonl"), "w") as f:
         for t in text_lines:
             f.write(json.dumps({"text": t}) + "\n")
-    # Chat: one to three question/answer turns, sometimes with a system message.
+    # Chat: one to three question/answer turns, sometimes with a system message. The eval chats ask
+    # only held-out questions (whose facts the base model read in pretraining): the eval loss
+    # measures whether the fine-tuning generalises, not whether it memorised its training chats.
+    held_out = len(qa) // 6
     systems = ["You are a helpful assistant.", "Answer in one sentence.", "You know geography, animals and sums."]
-    for name, count in (("chat.jsonl", 1200), ("chat_eval.jsonl", 100)):
+    for name, count, pool in (("chat.jsonl", 1200, qa[held_out:]), ("chat_eval.jsonl", 100, qa[:held_out])):
         with open(os.path.join(root, name), "w") as f:
             for _ in range(count):
                 messages = [{"role": "system", "content": rng.choice(systems)}] if rng.random() < 0.3 else []
-                for q, a in rng.sample(qa, rng.randint(1, 3)):
+                for q, a in rng.sample(pool, rng.randint(1, 3)):
                     messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
                 f.write(json.dumps({"messages": messages}) + "\n")
     # Tokenizer: byte-level BPE on both.
@@ -104,7 +107,8 @@ def main(root: str) -> None:
     config = dict(GLM5_BASE, vocab_size=tok.get_vocab_size())
     with open(os.path.join(root, "glm5_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    print(f"{len(text_lines)} text records, 1200 + 100 chats, vocab {tok.get_vocab_size()} in {root}")
+    print(f"{len(text_lines)} text records, 1200 + 100 chats ({held_out} of {len(qa)} questions held out for "
+          f"eval), vocab {tok.get_vocab_size()} in {root}")
 
 
 if __name__ == "__main__":

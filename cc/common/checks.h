@@ -2,6 +2,7 @@
 // expected, and raises ValueError in Python (TORCH_CHECK_VALUE -> c10::ValueError).
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -37,6 +38,13 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
                               const char* ref_name, const at::Tensor& ref) {
   TORCH_CHECK_VALUE(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ",
                     ref_name, " is on ", ref.device());
+}
+
+// A tensor an op updates in place: no two of its elements may share memory (an expanded view).
+inline void check_writable(const char* op, const char* name, const at::Tensor& t, size_t i) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name, "[", i,
+                    "] has elements that share memory (an expanded or overlapping view, strides ", t.strides(),
+                    "): it cannot be updated in place");
 }
 
 }  // namespace v4

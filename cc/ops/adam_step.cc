@@ -1,7 +1,6 @@
 #include "cc/ops/adam_step.h"
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
@@ -18,12 +17,6 @@ void check_same_size(const char* op, const char* name, const at::Tensor& t, cons
   TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, "[", i, "] has shape ", t.sizes(), " but ",
                     ref_name, "[", i, "] has shape ", ref.sizes());
   v4::check_same_device(op, name, t, ref_name, ref);
-}
-
-void check_writable(const char* op, const char* name, const at::Tensor& t, size_t i) {
-  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name, "[", i,
-                    "] has elements that share memory (an expanded or overlapping view, strides ", t.strides(),
-                    "): it cannot be updated in place");
 }
 
 // A float32 contiguous tensor holding t's values: t itself when it already is one.
@@ -71,14 +64,14 @@ void v4_adam_step(const std::vector<at::Tensor>& params, const std::vector<at::T
     check_same_size(op, "exp_avg_sqs", exp_avg_sqs[i], "params", params[i], i);
     TORCH_CHECK_VALUE(exp_avgs[i].scalar_type() == at::kFloat && exp_avg_sqs[i].scalar_type() == at::kFloat, op,
                       ": exp_avgs[", i, "] and exp_avg_sqs[", i, "] must be float32");
-    check_writable(op, "params", params[i], i);
-    check_writable(op, "exp_avgs", exp_avgs[i], i);
-    check_writable(op, "exp_avg_sqs", exp_avg_sqs[i], i);
+    v4::check_writable(op, "params", params[i], i);
+    v4::check_writable(op, "exp_avgs", exp_avgs[i], i);
+    v4::check_writable(op, "exp_avg_sqs", exp_avg_sqs[i], i);
     if (!master_params.empty()) {
       check_same_size(op, "master_params", master_params[i], "params", params[i], i);
       TORCH_CHECK_VALUE(master_params[i].scalar_type() == at::kFloat, op, ": master_params[", i,
                         "] must be float32, got ", master_params[i].scalar_type());
-      check_writable(op, "master_params", master_params[i], i);
+      v4::check_writable(op, "master_params", master_params[i], i);
     }
   }
   if (n == 0) return;

@@ -13,7 +13,10 @@ at::Tensor v4_clip_grad_norm(const std::vector<at::Tensor>& grads, double max_no
   constexpr const char* op = "v4_clip_grad_norm";
   TORCH_CHECK_VALUE(std::isfinite(max_norm) && max_norm >= 0, op, ": max_norm must be a finite number >= 0, got ",
                     max_norm);
-  for (const auto& g : grads) v4::check_floating(op, "grads[i]", g);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    v4::check_floating(op, "grads[i]", grads[i]);
+    if (max_norm > 0) v4::check_writable(op, "grads", grads[i], i);
+  }
   if (grads.empty()) return at::zeros({}, at::kFloat);
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2, at::kFloat);

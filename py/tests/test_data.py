@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from golden_cases import REPO
+from golden_cases import CHAT, CHAT_EVAL, REPO
 from v4train import data
 from v4train.tokenizer import Tokenizer
 
@@ -87,3 +87,20 @@ def test_loader_state_resumes_the_same_batches():
     b = data.Loader(recs, 4, True, 2, seed=3)
     b.load_state(state)
     assert [[r.where for r in b.next()] for _ in range(4)] == rest
+
+
+def test_bundled_eval_chats_ask_only_questions_training_never_saw():
+    """The eval loss of glm5.flags measures generalisation: no eval question (or answer) appears in
+    the training chats."""
+    def pairs(path):
+        out = set()
+        with open(path) as f:
+            for line in f:
+                m = json.loads(line)["messages"]
+                out |= {(u["content"], a["content"]) for u, a in zip(m, m[1:]) if u["role"] == "user"}
+        return out
+
+    train, held_out = pairs(CHAT), pairs(CHAT_EVAL)
+    assert len(held_out) >= 20 and len(train) >= 100
+    assert not {q for q, _ in held_out} & {q for q, _ in train}
+    assert not {a for _, a in held_out} & {a for _, a in train}

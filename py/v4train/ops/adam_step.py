@@ -4,7 +4,7 @@ import torch
 
 from v4train.ops.clip_grad_norm import lora_tensors
 from v4train.ops.registry import ErrorCase, OpInfo
-from v4train.ops.samples import Sample, make_leaf, seed, shape
+from v4train.ops.samples import Sample, layout, make_leaf, seed, shape, view_as_layout
 from v4train.reference.adam_step import v4_adam_step
 
 
@@ -12,20 +12,24 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     """Every term of the update must move the result by more than its tolerance somewhere:
     second moments from 1e-16 (where eps dominates the denominator) to 1, gradients from 1e-6 to
     1, learning rates and weight decays large enough that lr x wd x p shows in fp32, and for
-    bf16/fp16 parameters fp32 master weights (whose change is compared at its own scale)."""
+    bf16/fp16 parameters fp32 master weights (whose change is compared at its own scale). The
+    updated tensors come in every writable layout, the gradients in any layout."""
     shapes = [shape(draw, 1, 3, 65) for _ in range(draw.integers(1, 4))]
+    layouts = {f"{c}{i}": layout(draw, writable=c != "g") for i in range(len(shapes)) for c in ("p", "g", "m", "v", "master")}
     s = seed(draw)
     masters = dtype != torch.float32 and draw.booleans()
     leaves = {}
     for i, sh in enumerate(shapes):
-        p = make_leaf(sh, "contiguous", torch.float32, device, s + 5 * i)
+        leaf = lambda c, k, dt, scale=1.0: make_leaf(sh, layouts[f"{c}{i}"], dt, device, s + 5 * i + k, scale)  # noqa: E731
+        p = leaf("p", 0, torch.float32)
         leaves[f"p{i}"] = p.to(dtype)
-        leaves[f"g{i}"] = make_leaf(sh, "contiguous", dtype, device, s + 5 * i + 1, scale=draw.sampled_from([1e-6, 1e-3, 1.0]))
-        leaves[f"m{i}"] = make_leaf(sh, "contiguous", torch.float32, device, s + 5 * i + 2, scale=0.01)
+        leaves[f"g{i}"] = leaf("g", 1, dtype, scale=draw.sampled_from([1e-6, 1e-3, 1.0]))
+        leaves[f"m{i}"] = leaf("m", 2, torch.float32, scale=0.01)
         v_scale = draw.sampled_from([1e-8, 1e-4, 1.0])  # sqrt: 1e-16 .. 1
-        leaves[f"v{i}"] = make_leaf(sh, "contiguous", torch.float32, device, s + 5 * i + 3, scale=v_scale).square()
-        if masters:  # the master holds what the bf16 param rounds
-            leaves[f"master{i}"] = p + make_leaf(sh, "contiguous", torch.float32, device, s + 5 * i + 4, scale=1e-3)
+        leaves[f"v{i}"] = leaf("v", 3, torch.float32, scale=v_scale).square()
+        if masters:  # the master holds what the bf16 param rounds (same layout as the param)
+            layouts[f"master{i}"] = layouts[f"p{i}"]
+            leaves[f"master{i}"] = p + leaf("p", 4, torch.float32, scale=1e-3)
             leaves[f"p{i}"] = leaves[f"master{i}"].to(dtype)
     step = draw.sampled_from([1, 2, 10, 1000])
     lr = draw.sampled_from([1e-4, 2e-3, 1e-2])
@@ -35,7 +39,7 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     n = len(shapes)
 
     def build(lv):
-        pick = lambda c: [lv[f"{c}{i}"] for i in range(n)]  # noqa: E731
+        pick = lambda c: [view_as_layout(lv[f"{c}{i}"], layouts[f"{c}{i}"]) for i in range(n)]  # noqa: E731
         return (pick("p"), pick("g"), pick("m"), pick("v"), step, lr, b1, b2, eps, wd), \
             ({"master_params": pick("master")} if masters else {})
 

@@ -3,18 +3,19 @@
 import torch
 
 from v4train.ops.registry import ErrorCase, OpInfo
-from v4train.ops.samples import Sample, make_leaf, seed, shape
+from v4train.ops.samples import Sample, layout, make_leaf, seed, shape, view_as_layout
 from v4train.reference.clip_grad_norm import v4_clip_grad_norm
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
     shapes = [shape(draw, 1, 3, 65) for _ in range(draw.integers(1, 4))]
+    layouts = [layout(draw, writable=True) for _ in shapes]
     s = seed(draw)
-    leaves = {f"g{i}": make_leaf(sh, "contiguous", dtype, device, s + i) for i, sh in enumerate(shapes)}
+    leaves = {f"g{i}": make_leaf(sh, layouts[i], dtype, device, s + i) for i, sh in enumerate(shapes)}
     max_norm = draw.sampled_from([0.0, 0.5, 1e6])  # off, clipping, not reached
 
     def build(lv):
-        return ([lv[f"g{i}"] for i in range(len(shapes))], max_norm), {}
+        return ([view_as_layout(lv[f"g{i}"], layouts[i]) for i in range(len(shapes))], max_norm), {}
 
     return Sample(leaves, build, note=f"max_norm {max_norm}")
 
@@ -41,5 +42,7 @@ OP = OpInfo(
         ErrorCase("negative max_norm", lambda: ([torch.zeros(2)], -1.0), "max_norm must be a finite number >= 0, got -1"),
         ErrorCase("integer gradient", lambda: ([torch.zeros(2, dtype=torch.int64)], 1.0),
                   "grads[i] must be float32, bfloat16 or float16"),
+        ErrorCase("an expanded gradient", lambda: ([torch.zeros(2, 1).expand(2, 3)], 1.0),
+                  "grads[0] has elements that share memory"),
     ),
 )

@@ -74,7 +74,8 @@ class OpTable:
     others. Resolved once; ops are attributes (`table.v4_rms_norm(...)`). A composite op's
     reference is bound to this table, so its building blocks follow the same choice."""
 
-    def __init__(self, ops: dict[str, OpInfo], cpp: Iterable[str] = ()):
+    def __init__(self, ops: dict[str, OpInfo], cpp: Iterable[str] = (), wrap: Callable | None = None):
+        """wrap(name, fn, is_cpp) -> fn, if given, wraps every op (measurements: FLOPs, times)."""
         self.ops = ops
         self.cpp = frozenset(cpp)
         unknown = sorted(self.cpp - set(ops))
@@ -88,6 +89,8 @@ class OpTable:
                 fn = functools.partial(op.reference, ops=self)
             else:
                 fn = op.reference
+            if wrap is not None:
+                fn = wrap(name, fn, name in self.cpp)
             self._fns[name] = fn
             setattr(self, name, fn)
 

@@ -18,8 +18,10 @@ T = TypeVar("T")
 # Sizes that break kernels: 1, odd, one off a power of two, non-multiples of 8/16/64.
 AWKWARD_SIZES = (1, 2, 3, 5, 7, 15, 17, 31, 33, 63, 65, 100, 127, 129, 255, 257)
 
-# How a tensor argument is laid out: contiguous, a transposed view, or every other element.
-LAYOUTS = ("contiguous", "transposed", "strided")
+# How a tensor argument is laid out: contiguous, a transposed view, every other element, or one
+# column repeated with stride 0 (an expanded view: read-only, an in-place op must refuse it).
+LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
+WRITABLE_LAYOUTS = LAYOUTS[:3]
 
 
 class Draw(Protocol):
@@ -56,8 +58,9 @@ def shape(draw: Draw, min_dims: int, max_dims: int, max_size: int) -> tuple[int,
     return tuple(size(draw, max_size) for _ in range(draw.integers(min_dims, max_dims)))
 
 
-def layout(draw: Draw) -> str:
-    return draw.sampled_from(LAYOUTS)
+def layout(draw: Draw, writable: bool = False) -> str:
+    """A layout for an argument; `writable` for one an op updates in place."""
+    return draw.sampled_from(WRITABLE_LAYOUTS if writable else LAYOUTS)
 
 
 def seed(draw: Draw) -> int:
@@ -76,6 +79,7 @@ def make_leaf(shape_: tuple[int, ...], layout_: str, dtype: torch.dtype, device,
         "transposed": shape_[:-2] + shape_[-2:][::-1] if len(shape_) >= 2 else shape_,
         # Every other element of the last dim.
         "strided": shape_[:-1] + (2 * shape_[-1],) if shape_ else shape_,
+        "expanded": shape_,  # the view repeats its first column
     }[layout_]
     gen = torch.Generator().manual_seed(seed_)
     values = torch.randn(storage_shape, generator=gen, dtype=torch.float32) * scale + shift
@@ -88,6 +92,8 @@ def view_as_layout(leaf: torch.Tensor, layout_: str) -> torch.Tensor:
         return leaf.transpose(-1, -2)
     if layout_ == "strided" and leaf.dim() >= 1:
         return leaf[..., ::2]
+    if layout_ == "expanded" and leaf.dim() >= 1:
+        return leaf[..., :1].expand(leaf.shape)
     return leaf
 
 

@@ -1,0 +1,157 @@
+"""Writes the skeleton of a new op: `tools/bazel run //tools:new_op -- --name=foo`.
+
+Creates, by the naming rule every op follows,
+  cc/ops/foo.{h,cc}              the ATen compute: argument checks, then "not implemented yet"
+  cc/bind/foo.cc                 NB_MODULE(v4_foo, m)
+  py/v4train/reference/foo.py    the pure-PyTorch reference (a placeholder: y = x * weight)
+  py/v4train/ops/foo.py          its OpInfo: samples, an error case, a benchmark shape
+and adds v4_foo to the two lists of op names (py/v4train/ops/__init__.py, cc/ops.bzl). The result
+builds, and `tools/bazel test //parity:foo` fails saying what to implement. Write the math in
+the reference and the same math in cc/ops/foo.cc until that test passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+H = '''#pragma once
+
+#include <ATen/core/Tensor.h>
+
+// {doc}
+// x: [..., H] float32/bfloat16/float16, any strides; weight: [H]. Returns x's shape and dtype.
+at::Tensor {name}(const at::Tensor& x, const at::Tensor& weight);
+'''
+
+CC = '''#include "cc/ops/{op}.h"
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "cc/common/checks.h"
+
+at::Tensor {name}(const at::Tensor& x, const at::Tensor& weight) {{
+  constexpr const char* op = "{name}";
+  v4::check_floating(op, "x", x);
+  v4::check_min_dim(op, "x", x, 1);
+  v4::check_floating(op, "weight", weight);
+  v4::check_dim(op, "weight", weight, 1);
+  v4::check_size(op, "weight", weight, 0, x.size(-1), "x.size(-1)");
+  v4::check_same_device(op, "weight", weight, "x", x);
+  // Replace this line with the ATen compute of py/v4train/reference/{op}.py.
+  C10_THROW_ERROR(NotImplementedError, std::string(op) + ": not implemented yet: write in cc/ops/{op}.cc what "
+                                       "py/v4train/reference/{op}.py computes");
+}}
+'''
+
+BIND = '''#include "cc/common/bridge.h"
+#include "cc/ops/{op}.h"
+
+namespace nb = nanobind;
+
+NB_MODULE({name}, m) {{
+  v4::init_module(m);
+  m.def("{name}", &{name}, nb::arg("x"), nb::arg("weight"), nb::call_guard<nb::gil_scoped_release>(),
+        "{doc}");
+}}
+'''
+
+REFERENCE = '''import torch
+
+
+def {name}(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """{doc}
+
+    y = x * weight (a placeholder: write the op's math here, and its shapes and the Hugging Face
+    source it matches). x: [..., H], weight: [H]. Computed in promote_types(x.dtype, float32)
+    (float64 for float64 input: the parity suite's exact answer), returned in x's dtype.
+    """
+    compute = torch.promote_types(x.dtype, torch.float32)
+    return (x.to(compute) * weight.to(compute)).to(x.dtype)
+'''
+
+OPINFO = '''"""{name}: {doc}"""
+
+import torch
+
+from v4train.ops.registry import ErrorCase, OpInfo
+from v4train.ops.samples import Sample, layout, make_leaf, seed, shape, size, view_as_layout
+from v4train.reference.{op} import {name}
+
+
+def samples(draw, dtype: torch.dtype, device) -> Sample:
+    lead, hidden, x_layout, s = shape(draw, 0, 3, 9), size(draw, 300), layout(draw), seed(draw)
+    leaves = {{"x": make_leaf(lead + (hidden,), x_layout, dtype, device, s),
+              "weight": make_leaf((hidden,), "contiguous", dtype, device, s + 1)}}
+
+    def build(lv):
+        return (view_as_layout(lv["x"], x_layout), lv["weight"]), {{}}
+
+    return Sample(leaves, build, note=f"x layout {{x_layout}}")
+
+
+def _bench(device, dtype):
+    x = torch.randn(4096, 6144, device=device, dtype=dtype, requires_grad=True)
+    return "x [4096, 6144]", (x, torch.randn(6144, device=device, dtype=dtype, requires_grad=True))
+
+
+OP = OpInfo(
+    "{name}", {name}, samples=samples, benchmarks=(_bench,),
+    errors=(
+        ErrorCase("integer x", lambda: (torch.zeros(2, 8, dtype=torch.int64), torch.ones(8)),
+                  "x must be float32, bfloat16 or float16, got Long"),
+    ),
+)
+'''
+
+
+def _append(path: str, opener: str, line: str) -> None:
+    """Adds `line` as the last entry of the block that starts with the line `opener` and ends at
+    the next line that is a lone closing bracket."""
+    lines = open(path).read().split("\n")
+    try:
+        start = lines.index(opener)
+        end = next(i for i in range(start + 1, len(lines)) if lines[i] in (")", "}"))
+    except (ValueError, StopIteration):
+        sys.exit(f"new_op: cannot find the block {opener!r} in {path}")
+    lines.insert(end, line)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--name", required=True, help="the op's name, e.g. foo or v4_foo (lowercase, digits, _)")
+    parser.add_argument("--doc", default="", help="one line saying what the op computes")
+    parser.add_argument("--root", default=os.environ.get("BUILD_WORKSPACE_DIRECTORY") or
+                        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), help="the repository")
+    args = parser.parse_args(argv)
+    op = args.name.removeprefix("v4_")
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", op):
+        sys.exit(f"new_op: --name={args.name}: use lowercase letters, digits and _, starting with a letter")
+    name = "v4_" + op
+    doc = args.doc or f"{name} (describe what it computes)"
+    files = {
+        f"cc/ops/{op}.h": H, f"cc/ops/{op}.cc": CC, f"cc/bind/{op}.cc": BIND,
+        f"py/v4train/reference/{op}.py": REFERENCE, f"py/v4train/ops/{op}.py": OPINFO,
+    }
+    existing = [p for p in files if os.path.exists(os.path.join(args.root, p))]
+    if existing:
+        sys.exit(f"new_op: --name={args.name}: {', '.join(existing)} already exist(s)")
+    for path, template in files.items():
+        with open(os.path.join(args.root, path), "w") as f:
+            f.write(template.format(name=name, op=op, doc=doc))
+    _append(os.path.join(args.root, "py", "v4train", "ops", "__init__.py"), "NAMES = (", f'    "{name}",')
+    _append(os.path.join(args.root, "cc", "ops.bzl"), "V4_OPS = {", f'    "{name}": [],')
+    print(f"new_op: wrote {', '.join(files)}; added {name} to py/v4train/ops/__init__.py and cc/ops.bzl.\n"
+          f"Next: write the math in py/v4train/reference/{op}.py and cc/ops/{op}.cc, then\n"
+          f"  tools/bazel test //parity:{op}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
