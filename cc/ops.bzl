@@ -22,6 +22,10 @@ V4_OPS = {
     "v4_cross_entropy_loss": [],
     "v4_adam_step": [],
     "v4_clip_grad_norm": [],
+    "v4_mlp": [],
+    "v4_moe": ["v4_mlp"],
+    "v4_mla_dsa_attention": ["v4_rms_norm"],
+    "v4_glm5_layer_forward": ["v4_rms_norm", "v4_mlp", "v4_moe", "v4_mla_dsa_attention"],
 }
 
 # Built like ops (cc/bind/<name>.cc), but no ops: modules that py/tests use.

@@ -76,3 +76,23 @@ def test_shape_and_dtype_mismatch_fail():
         assert_close(torch.zeros(2), torch.zeros(3), "s")
     with pytest.raises(AssertionError, match="dtype"):
         assert_close(torch.zeros(2), torch.zeros(2, dtype=torch.float64).to(torch.bfloat16), "d")
+
+
+def test_truth_accepts_bf16_rounding_noise_but_not_a_wrong_result():
+    """Twice the reference's error norm against the truth bounds what rounding may do; a single
+    wrong float32 element or a 5% bf16 error is far outside it."""
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.randn(200, generator=gen, dtype=torch.float64)
+    # Two bf16 sums with cancellation: errors of the size of their terms (here 0.005), anywhere.
+    expected = (truth + 0.005 * torch.randn(200, generator=gen, dtype=torch.float64)).bfloat16()
+    noisy = (truth + 0.005 * torch.randn(200, generator=gen, dtype=torch.float64)).bfloat16()
+    with pytest.raises(AssertionError):
+        assert_close(noisy, expected, "without truth")
+    assert_close(noisy, expected, "as accurate", truth=truth)
+    with pytest.raises(AssertionError, match="5% off"):
+        assert_close((noisy.double() * 1.05).bfloat16(), expected, "5% off", truth=truth)
+    exact = torch.randn(1000, generator=gen, dtype=torch.float64)
+    one_wrong = exact.float().clone()
+    one_wrong[7] *= 1.01
+    with pytest.raises(AssertionError, match="1 of 1000"):
+        assert_close(one_wrong, exact.float(), "one wrong", truth=exact)

@@ -66,9 +66,14 @@ def run(cmd: list[str]) -> None:
         raise RuntimeError(f"command failed ({result.returncode}): {' '.join(cmd)}\n{result.stderr}")
 
 
-def compile_one(src: str, obj: str, flags: list[str]) -> str:
-    # Rebuild when the source is newer; headers are few and shared, so --clean covers them.
-    if not (os.path.exists(obj) and os.path.getmtime(obj) >= os.path.getmtime(src)):
+def _newest_header() -> float:
+    return max(os.path.getmtime(os.path.join(d, f)) for d, _, files in os.walk(os.path.join(ROOT, "cc"))
+               for f in files if f.endswith((".h", ".cuh")))
+
+
+def compile_one(src: str, obj: str, flags: list[str], newest_header: float = 0.0) -> str:
+    # Rebuild when the source or any of the project's headers is newer than the object.
+    if not (os.path.exists(obj) and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header)):
         os.makedirs(os.path.dirname(obj), exist_ok=True)
         run(["g++", *flags, "-c", src, "-o", obj])
     return obj
@@ -114,13 +119,16 @@ def main() -> int:
         nb_srcs = sorted(os.path.join(nb, "src", f) for f in os.listdir(os.path.join(nb, "src"))
                          if f.endswith(".cpp") and f not in NANOBIND_EXCLUDE)
         shared = [pool.submit(compile_one, s, obj_of(s), nb_flags) for s in nb_srcs]
-        bridge = os.path.join(ROOT, "cc", "common", "bridge.cc")
-        shared.append(pool.submit(compile_one, bridge, obj_of(bridge), flags))
+        common = os.path.join(ROOT, "cc", "common")  # the bridge and the shared compute, in every module
+        shared += [pool.submit(compile_one, os.path.join(common, f), obj_of(os.path.join(common, f)), flags,
+                               _newest_header()) for f in sorted(os.listdir(common)) if f.endswith(".cc")]
         objects = {}  # source -> future object, each source compiled once
+
+        newest_header = _newest_header()
 
         def obj(src):
             if src not in objects:
-                objects[src] = pool.submit(compile_one, src, obj_of(src), flags)
+                objects[src] = pool.submit(compile_one, src, obj_of(src), flags, newest_header)
             return objects[src]
 
         per_module = {}

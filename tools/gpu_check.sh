@@ -1,27 +1,54 @@
 #!/usr/bin/env bash
 # One full run on a machine with torch and a GPU but no Bazel (the H200 machine): build the op
-# modules with tools/build_ext.py; run the parity suite and the tests that need no pinned
-# transformers (CPU and CUDA, fp32 and bf16); the op benchmarks; the out-of-the-box training run
-# on CUDA in bf16. Logs go to ${OUT:-build/gpu_check}.
+# modules with tools/build_ext.py; the parity suite's CUDA cases and the tests that need no
+# pinned transformers; the model benchmark side by side with transformers (with per-op times,
+# a kernel profile and the FLOP share); the op benchmarks; the out-of-the-box training run on
+# CUDA in bf16. Logs go to ${OUT:-build/gpu_check}; the last lines printed are a summary.
+#   STAGES="build parity tests model ops train" (default: all) picks stages;
+#   TOKENS=4096,16384,65536 the model benchmark's sequence lengths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
+stages=${STAGES:-build parity tests model ops train}
 mkdir -p "$out"
 export PYTHONPATH=py:py/tests:build/ext:. PYTHONUNBUFFERED=1
+# transformers 5.24 as a wheel carried in .whl/, where the machine's own lacks GLM-5.
+if ! python3 -c 'import transformers.models.glm_moe_dsa' 2>/dev/null && ls .whl/transformers-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/transformers-*.whl &&
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 status=0
+has() { [[ " $stages " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, nanobind, hypothesis; print("torch", torch.__version__, "nanobind", nanobind.__version__, "hypothesis", hypothesis.__version__)'
-  g++ --version | head -1; } 2>&1 | tee "$out/env.txt"
-python3 tools/build_ext.py --clean 2>&1 | tee "$out/build.log" || exit 1
-python3 -m pytest -p no:cacheprovider -v --hypothesis-show-statistics parity py/tests/test_bridge.py \
-  py/tests/test_ops_selection.py py/tests/test_goldens.py py/tests/test_packing.py py/tests/test_gated_delta_rule.py \
-  py/tests/test_data.py py/tests/test_train_step.py >"$out/parity.log" 2>&1 || status=1
-grep -E "passed|failed" "$out/parity.log" | tail -1
-python3 tools/benchmark.py 2>&1 | tee "$out/benchmark.log" || status=1
-run=$(mktemp -d)
-python3 py/train.py --flagfile=glm5.flags --dtype=bfloat16 --device=cuda --output_dir="$run" \
-  --log_interval=10 >"$out/train.log" 2>&1 || status=1
-cp "$run/metrics.jsonl" "$out/train_metrics.jsonl" 2>/dev/null
-cp "$run/loss.png" "$out/train_loss.png" 2>/dev/null
-tail -3 "$out/train.log"
+  python3 -c 'import torch, nanobind, hypothesis, transformers; print("torch", torch.__version__, "nanobind", nanobind.__version__, "hypothesis", hypothesis.__version__, "transformers", transformers.__version__)'
+  g++ --version | head -1; nproc; } 2>&1 | tee "$out/env.txt"
+if has build; then
+  python3 tools/build_ext.py --clean --jobs "$(nproc)" 2>&1 | tee "$out/build.log" | tail -2 || exit 1
+fi
+if has parity; then
+  # The CPU cases run in CI; here the CUDA ones, every op and dtype.
+  python3 -m pytest -p no:cacheprovider -q --hypothesis-show-statistics parity -k cuda >"$out/parity.log" 2>&1 || status=1
+  echo "parity (CUDA): $(grep -E '[0-9]+ (passed|failed)' "$out/parity.log" | tail -1)"
+fi
+if has tests; then
+  python3 -m pytest -p no:cacheprovider -q py/tests/test_bridge.py py/tests/test_ops_selection.py \
+    py/tests/test_goldens.py py/tests/test_packing.py py/tests/test_gated_delta_rule.py py/tests/test_data.py \
+    py/tests/test_train_step.py py/tests/test_flop_share.py py/tests/test_glm5_cpp.py >"$out/tests.log" 2>&1 || status=1
+  echo "tests: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -1)"
+fi
+if has model; then
+  python3 tools/bench_model.py --profile --tokens "${TOKENS:-4096,16384,65536}" --out "$out/bench_model.json" \
+    >"$out/bench_model.log" 2>&1 || status=1
+  grep -E '^\|' "$out/bench_model.log"; grep -E 'loss difference|FLOP share' "$out/bench_model.log"
+fi
+if has ops; then
+  python3 tools/benchmark.py --reps 20 >"$out/benchmark.log" 2>&1 || status=1
+fi
+if has train; then
+  run=$(mktemp -d)
+  python3 py/train.py --flagfile=glm5.flags --dtype=bfloat16 --device=cuda --output_dir="$run" \
+    --log_interval=10 >"$out/train.log" 2>&1 || status=1
+  cp "$run/metrics.jsonl" "$out/train_metrics.jsonl" 2>/dev/null
+  echo "train: $(tail -1 "$out/train.log" | cut -c1-300)"
+fi
 exit $status

@@ -24,7 +24,7 @@ def v4_op_module(name, deps = []):
             hdrs = ["ops/%s.h" % op],
             copts = V4_COPTS,
             linkstatic = 1,
-            deps = ["//cc/common:checks", "@v4_python//:torch"] + lib_deps,
+            deps = ["//cc/common:checks", "//cc/common:compute", "@v4_python//:torch"] + lib_deps,
         )
         lib_deps = [":" + op]
     cc_binary(

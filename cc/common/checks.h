@@ -10,13 +10,19 @@
 
 namespace v4 {
 
-// A training activation or weight: float32, bfloat16 or float16.
-inline void check_floating(const char* op, const char* name, const at::Tensor& t) {
+// A training activation or weight: float32, bfloat16 or float16; and float64 where an op also
+// runs in float64 (the layer ops and their building blocks: their math is checked in float64).
+inline void check_floating(const char* op, const char* name, const at::Tensor& t, bool float64 = false) {
   TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is undefined");
   const auto dtype = t.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op, ": ",
-                    name, " must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
+                        (float64 && dtype == at::kDouble),
+                    op, ": ", name, " must be float32, bfloat16", float64 ? ", float16 or float64" : " or float16",
+                    ", got ", dtype);
 }
+
+// The dtype an op computes in: float32, or float64 for float64 input.
+inline at::ScalarType compute_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t dim) {
   TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must have ", dim, " dimension(s), got shape ",

@@ -13,14 +13,14 @@ namespace v4 {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-at::Tensor scale_of(const at::Tensor& weight, bool zero_centered) {
-  const at::Tensor w = weight.to(at::kFloat);
+at::Tensor scale_of(const at::Tensor& weight, bool zero_centered, at::ScalarType compute) {
+  const at::Tensor w = weight.to(compute);
   return zero_centered ? w + 1.0 : w;
 }
 
-// A float32 copy that in-place ops may overwrite (x.to(kFloat) would alias a float32 x).
-at::Tensor float_copy(const at::Tensor& t) {
-  return t.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+// A copy in the compute dtype that in-place ops may overwrite (x.to(dtype) would alias x).
+at::Tensor compute_copy(const at::Tensor& t, at::ScalarType compute) {
+  return t.to(compute, /*non_blocking=*/false, /*copy=*/true);
 }
 
 // Every [rows, H] float32 temporary is as large as four bf16 activations, so the ops below work
@@ -28,11 +28,12 @@ at::Tensor float_copy(const at::Tensor& t) {
 struct RmsNorm : public torch::autograd::Function<RmsNorm> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             double eps, bool zero_centered) {
-    at::Tensor y = float_copy(x);
+    const auto compute = v4::compute_dtype(x.scalar_type());
+    at::Tensor y = compute_copy(x, compute);
     const at::Tensor rstd = at::rsqrt(y.square().mean(-1, /*keepdim=*/true) + eps);
     ctx->save_for_backward({x, weight, rstd});
     ctx->saved_data["zero_centered"] = zero_centered;
-    return y.mul_(rstd).mul_(scale_of(weight, zero_centered)).to(x.scalar_type());
+    return y.mul_(rstd).mul_(scale_of(weight, zero_centered, compute)).to(x.scalar_type());
   }
 
   // With xhat = x * rstd and s the scale (w or 1 + w), y = xhat * s, so
@@ -43,15 +44,16 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
     const at::Tensor& weight = saved[1];
     const at::Tensor& rstd = saved[2];
     const bool zero_centered = ctx->saved_data["zero_centered"].toBool();
-    at::Tensor g = float_copy(grads[0]);
-    at::Tensor xhat = float_copy(x).mul_(rstd);
+    const auto compute = v4::compute_dtype(x.scalar_type());
+    at::Tensor g = compute_copy(grads[0], compute);
+    at::Tensor xhat = compute_copy(x, compute).mul_(rstd);
 
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(1)) {
       dw = (g * xhat).reshape({-1, x.size(-1)}).sum(0).to(weight.scalar_type());
     }
     if (ctx->needs_input_grad(0)) {
-      at::Tensor& gs = g.mul_(scale_of(weight, zero_centered));
+      at::Tensor& gs = g.mul_(scale_of(weight, zero_centered, compute));
       const at::Tensor dot = (gs * xhat).mean(-1, /*keepdim=*/true);
       dx = gs.sub_(xhat.mul_(dot)).mul_(rstd).to(x.scalar_type());
     }
@@ -64,9 +66,9 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
 at::Tensor v4_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                        bool zero_centered) {
   constexpr const char* op = "v4_rms_norm";
-  v4::check_floating(op, "x", x);
+  v4::check_floating(op, "x", x, /*float64=*/true);
   v4::check_min_dim(op, "x", x, 1);
-  v4::check_floating(op, "weight", weight);
+  v4::check_floating(op, "weight", weight, /*float64=*/true);
   v4::check_dim(op, "weight", weight, 1);
   v4::check_size(op, "weight", weight, 0, x.size(-1), "x.size(-1)");
   v4::check_same_device(op, "weight", weight, "x", x);

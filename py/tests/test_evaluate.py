@@ -25,8 +25,9 @@ def _write_rows(path, rows):
             f.write(json.dumps({"input_ids": r}) + "\n")
 
 
-@pytest.mark.parametrize("case", ["glm5", "qwen3_5_moe"])
+@pytest.mark.parametrize("case", ["glm5", "glm5_yarn_fp8", "qwen3_5_moe"])
 def test_loss_equals_transformers_forward(case, tmp_path):
+    """--cpp_ops=all (the default): GLM-5's layers run in C++."""
     model_dir, tensors, meta = golden(case)
     data = tmp_path / "data.jsonl"
     _write_rows(data, tensors["input_ids"].tolist())

@@ -35,8 +35,8 @@ def test_unknown_op_names_the_flag_and_the_choices():
 
 
 def test_ops_without_cpp_are_refused_by_name_and_skipped_by_all():
-    with pytest.raises(ValueError, match=r"--cpp_ops: v4_glm5_layer_forward has no C\+\+ implementation yet"):
-        ops.resolve("glm5_layer_forward")
+    with pytest.raises(ValueError, match=r"--cpp_ops: v4_qwen3_5_layer_forward has no C\+\+ implementation yet"):
+        ops.resolve("qwen3_5_layer_forward")
     assert ops.resolve("all").cpp == {n for n, op in ops.OPS.items() if op.has_cpp}
 
 

@@ -14,7 +14,6 @@ import dataclasses
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from v4train import ops as ops_
 from v4train.models import family_of
@@ -113,11 +112,12 @@ class DecoderLayer(nn.Module):
             put_parameter(self, name, t)
         self.lora_scaling = 0.0  # alpha / r once adapters are added (v4train.lora)
         self.lora_dropout = 0.0
+        self.checkpointing = False  # recompute the layer in the backward pass (activation checkpointing)
         self.op = None  # the family's layer op from the run's OpTable (CausalLM.use_ops)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, carry=None):
         return self.op(hidden, dict(self.named_parameters()), self.cfg, self.index, positions, cu_seqlens, carry,
-                       self.lora_scaling, self.lora_dropout if self.training else 0.0)
+                       self.lora_scaling, self.lora_dropout if self.training else 0.0, self.checkpointing)
 
 
 class CausalLM(nn.Module):
@@ -136,8 +136,17 @@ class CausalLM(nn.Module):
         self.model.layers = nn.ModuleList(
             DecoderLayer(cfg, i, {s.name: tensors[layer_prefix(i) + s.name] for s in self.family.layer_specs(cfg, i)})
             for i in range(cfg.num_hidden_layers))
-        self.checkpointing = False  # recompute each layer in the backward pass (gradient checkpointing)
         self.use_ops(ops)
+
+    @property
+    def checkpointing(self) -> bool:
+        return all(layer.checkpointing for layer in self.model.layers)
+
+    @checkpointing.setter
+    def checkpointing(self, on: bool) -> None:
+        """Activation checkpointing of every layer: only its input is kept for the backward pass."""
+        for layer in self.model.layers:
+            layer.checkpointing = on
 
     def use_ops(self, table: ops_.OpTable) -> None:
         """Computes with the ops of `table` from now on."""
@@ -172,11 +181,9 @@ class CausalLM(nn.Module):
         """The final-norm hidden states [T, H]."""
         ops = self.ops
         x = ops.v4_embedding(batch.input_ids, self.model.embed_tokens.weight)
-        recompute = self.checkpointing and torch.is_grad_enabled()
         carry = None
         for layer in self.model.layers:
-            args = (x, batch.positions, batch.cu_seqlens, carry)
-            x, carry = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
+            x, carry = layer(x, batch.positions, batch.cu_seqlens, carry)
         return ops.v4_rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps, self.family.zero_centered_norm)
 
     def logits(self, batch: Packed) -> torch.Tensor:

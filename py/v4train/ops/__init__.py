@@ -13,6 +13,9 @@ from v4train.ops.registry import CppOpUnavailable, ErrorCase, OpInfo, OpTable, p
 NAMES = (
     "v4_embedding",
     "v4_rms_norm",
+    "v4_mlp",
+    "v4_moe",
+    "v4_mla_dsa_attention",
     "v4_glm5_layer_forward",
     "v4_qwen3_5_layer_forward",
     "v4_cross_entropy_loss",

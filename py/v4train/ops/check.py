@@ -11,6 +11,7 @@ import torch
 from v4train.ops.compare import assert_close
 from v4train.ops.registry import OpInfo, OpTable
 from v4train.ops.samples import RandomDraw, Sample
+from v4train.ops.tolerances import TOLERANCES
 
 
 def _outputs(result) -> tuple[torch.Tensor, ...]:
@@ -70,6 +71,35 @@ def _check_inplace(name: str, cpp: Callable, reference: Callable, sample: Sample
                          truth=truth[key] - b)
 
 
+# How far from the exact answer an op whose math is checked in float64 may land at low precision,
+# in multiples of the reference's own distance (or of its dtype's rtol): an order of magnitude.
+# Two correct evaluations of a layer differ in where they round, and gradients that pass through
+# several projections and norms amplify that differently: over 2,000 tensors of the GLM-5
+# attention op the C++ result's error norm was up to 2.8x the reference's in fp32 and 4.5x in bf16,
+# both being right. A lost precision (a long sum accumulated in bf16) is tens to hundreds of times.
+LOW_PRECISION_FACTOR = 10
+
+
+def _judge(op: OpInfo, actual, expected, truth, name: str) -> None:
+    """assert_close; and for an op whose math the suite also checks in float64 (F64 in its
+    dtypes), a low-precision result that misses it still passes when its error norm against the
+    exact answer is within LOW_PRECISION_FACTOR of the reference's, or the reference itself misses
+    the exact answer by more than its dtype's rtol (the tensor is ill-conditioned in that dtype:
+    its rounding says nothing about either implementation)."""
+    try:
+        assert_close(actual, expected, name, truth=truth)
+    except AssertionError:
+        if expected.dtype == torch.float64 or torch.float64 not in op.dtypes:
+            raise
+        a, e, t = actual.double().cpu(), expected.double().cpu(), truth.double().cpu()
+        tol = TOLERANCES[expected.dtype]
+        floor = tol.rtol * t.norm() + tol.atol * t.numel() ** 0.5
+        reference_error = (e - t).norm()
+        if reference_error > floor or (a - t).norm() <= LOW_PRECISION_FACTOR * max(reference_error, floor):
+            return
+        raise
+
+
 def check_parity(op: OpInfo, cpp: Callable, reference: Callable, sample: Sample, seed: int) -> None:
     """`cpp` against `reference` (the pure reference of `op`) on `sample`: every output and every
     leaf's gradient, or for in-place ops every tensor they update. The reference run in float64
@@ -92,7 +122,7 @@ def check_parity(op: OpInfo, cpp: Callable, reference: Callable, sample: Sample,
     assert len(cpp_out) == len(ref_out), f"{op.name}: {len(cpp_out)} outputs, reference has {len(ref_out)}"
     for i, (c, r) in enumerate(zip(cpp_out, ref_out)):
         if r.is_floating_point():
-            assert_close(c, r, f"{op.name} output {i} [{sample!r}]", truth=true_out[i])
+            _judge(op, c, r, true_out[i], f"{op.name} output {i} [{sample!r}]")
         elif not torch.equal(c, r):
             raise AssertionError(f"{op.name} output {i} [{sample!r}]: {(c != r).sum().item()} of {r.numel()} "
                                  f"values differ (integer outputs must be equal)")
@@ -100,7 +130,7 @@ def check_parity(op: OpInfo, cpp: Callable, reference: Callable, sample: Sample,
         c = cpp_grads[name]
         assert (c is None) == (r is None), f"{op.name}: grad of {name} is {'missing' if c is None else 'present'} in C++ only"
         if r is not None:
-            assert_close(c, r, f"{op.name} grad of {name} [{sample!r}]", truth=true_grads[name])
+            _judge(op, c, r, true_grads[name], f"{op.name} grad of {name} [{sample!r}]")
 
 
 SELF_CHECK_SAMPLES = 4

@@ -1,6 +1,86 @@
 """v4_glm5_layer_forward: one GLM-5 decoder layer (MLA + DSA attention, dense MLP or MoE)."""
 
-from v4train.ops.registry import OpInfo
+import torch
+
+from v4train.models import config_from_dict
+from v4train.models.glm5 import layer_specs
+from v4train.ops.mla_dsa_attention import documents, packed, random_selection, small_config
+from v4train.ops.registry import F64, ErrorCase, OpInfo
+from v4train.ops.samples import Sample, layout, make_leaf, seed, view_as_layout, weight_leaves, width
 from v4train.reference.glm5_layer_forward import v4_glm5_layer_forward
 
-OP = OpInfo("v4_glm5_layer_forward", v4_glm5_layer_forward, has_cpp=False, composite=True)
+
+def layer_leaves(draw, cfg, layer: int, dtype, device, s):
+    """A layer's tensors from the GLM-5 weight table (fp32 where transformers keeps fp32), norms
+    around 1, the routing bias small, LoRA on a drawn subset of the projections and experts."""
+    specs = layer_specs(cfg, layer)
+    adaptable = {sp.name: sp.shape for sp in specs if len(sp.shape) >= 2 and not sp.fp32 and "indexer" not in sp.name}
+    weights, scaling = weight_leaves(draw, adaptable, dtype, device, s)
+    for i, sp in enumerate(specs):
+        if sp.name in weights:
+            continue
+        shift = 1.0 if sp.init == "ones" else 0.0
+        weights[sp.name] = make_leaf(sp.shape, "contiguous", torch.float32 if sp.fp32 else dtype, device, s + 200 + i,
+                                     scale=0.1 if sp.init != "normal" else 0.3, shift=shift)
+    return weights, scaling
+
+
+def samples(draw, dtype: torch.dtype, device) -> Sample:
+    shared = draw.booleans()
+    moe = draw.booleans()
+    n_group = draw.sampled_from([1, 2])
+    experts = n_group * draw.sampled_from([2, 3])
+    cfg = small_config(draw, dtype, layers=2, indexer_types=["full", "shared"],
+                       mlp_layer_types=["sparse" if moe else "dense"] * 2, intermediate_size=width(draw, 24, dtype),
+                       moe_intermediate_size=width(draw, 16, dtype), n_routed_experts=experts, n_group=n_group,
+                       topk_group=1, num_experts_per_tok=draw.integers(1, experts // n_group))
+    layer = 1 if shared else 0
+    lengths = documents(draw, cfg.index_topk)
+    checkpoint = draw.booleans()
+    h_layout, s = layout(draw), seed(draw)
+    weights, scaling = layer_leaves(draw, cfg, layer, dtype, device, s)
+    positions, cu = packed(lengths, device)
+    carry = random_selection(lengths, cfg.index_topk, torch.Generator().manual_seed(s)).to(device) if shared else None
+    leaves = {"hidden": make_leaf((sum(lengths), cfg.hidden_size), h_layout, dtype, device, s + 100), **weights}
+
+    def build(lv):
+        w = {k: v for k, v in lv.items() if k != "hidden"}
+        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, positions, cu, carry, scaling, 0.0, checkpoint), {}
+
+    return Sample(leaves, build, note=f"documents {lengths}, {'MoE' if moe else 'dense'}, shared {shared}, "
+                                      f"checkpoint {checkpoint}, cfg {cfg}")
+
+
+def proxy_config(layers: int = 4):
+    """The GLM-5 proxy of ../shared/notes/baselines.md: GlmMoeDsaConfig defaults, 4 layers (1 dense +
+    3 MoE), 32 routed experts top-8."""
+    return {"model_type": "glm_moe_dsa", "num_hidden_layers": layers, "n_routed_experts": 32, "first_k_dense_replace": 1}
+
+
+def _bench(device, dtype, tokens=4096):
+    """One GLM-5 MoE layer of the proxy (hidden 6144, 64 heads, DSA top-2048, 32 experts top-8)."""
+    from v4train.models.causal_lm import CausalLM
+
+    cfg = config_from_dict(proxy_config(2))
+    model = CausalLM.random(cfg, {}, dtype, device)
+    w = {n: p.requires_grad_() for n, p in model.layers[1].named_parameters()}
+    h = torch.randn(tokens, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    positions, cu = packed([tokens], device)
+    return f"one MoE layer, {tokens} tokens", (h, w, cfg, 1, positions, cu, None, 0.0, 0.0, False)
+
+
+def _call(layer=0, dropout=0.0):
+    def args():
+        cfg = config_from_dict({"model_type": "glm_moe_dsa", "num_hidden_layers": 1, "hidden_size": 8})
+        return (torch.zeros(3, 8), {}, cfg, layer, torch.arange(3), torch.tensor([0, 3]), None, 0.0, dropout, False)
+    return args
+
+
+OP = OpInfo(
+    "v4_glm5_layer_forward", v4_glm5_layer_forward, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+    errors=(
+        ErrorCase("a layer past the config", _call(layer=3), "layer 3 is not one of the config's 1 layers"),
+        ErrorCase("dropout 1", _call(dropout=1.0), "lora_dropout must lie in [0, 1), got 1"),
+        ErrorCase("missing weights", _call(), "weights lacks the tensor input_layernorm.weight"),
+    ),
+)

@@ -30,6 +30,11 @@ class ErrorCase:
     exc: type = ValueError
 
 
+# The dtypes of the ops that also run in float64: the layer ops and their building blocks, whose
+# low-precision parity cannot judge tensors that are ill-conditioned in that dtype (see check.py).
+F64 = (torch.float32, torch.bfloat16, torch.float64)
+
+
 @dataclasses.dataclass(frozen=True)
 class OpInfo:
     """One op: its reference, its C++ entry, and what tests, self-check and benchmark use.

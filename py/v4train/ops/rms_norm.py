@@ -2,7 +2,7 @@
 
 import torch
 
-from v4train.ops.registry import ErrorCase, OpInfo
+from v4train.ops.registry import F64, ErrorCase, OpInfo
 from v4train.ops.samples import Sample, layout, make_leaf, seed, shape, size, view_as_layout
 from v4train.reference.rms_norm import v4_rms_norm
 
@@ -34,12 +34,12 @@ def _bench(device, dtype):
 
 _X, _W = (lambda: torch.zeros(2, 8)), (lambda: torch.ones(8))
 OP = OpInfo(
-    "v4_rms_norm", v4_rms_norm, samples=samples, benchmarks=(_bench,),
+    "v4_rms_norm", v4_rms_norm, samples=samples, benchmarks=(_bench,), dtypes=F64,
     errors=(
         ErrorCase("integer x", lambda: (torch.zeros(2, 8, dtype=torch.int64), _W(), 1e-6, False),
-                  "x must be float32, bfloat16 or float16, got Long"),
+                  "x must be float32, bfloat16, float16 or float64, got Long"),
         ErrorCase("integer weight", lambda: (_X(), torch.ones(8, dtype=torch.int32), 1e-6, False),
-                  "weight must be float32, bfloat16 or float16"),
+                  "weight must be float32, bfloat16, float16 or float64"),
         ErrorCase("2-D weight", lambda: (_X(), torch.ones(2, 8), 1e-6, False), "weight must have 1 dimension(s), got shape [2, 8]"),
         ErrorCase("weight of the wrong size", lambda: (_X(), torch.ones(7), 1e-6, False),
                   "weight.size(0) must be x.size(-1) = 8, got shape [7]"),

@@ -54,6 +54,13 @@ def size(draw: Draw, max_size: int) -> int:
     return draw.sampled_from(awkward) if draw.booleans() else draw.integers(1, max_size)
 
 
+def width(draw: Draw, max_size: int, dtype: torch.dtype) -> int:
+    """A width that gradients sum over, for a layer op's samples: from 1 in float64 (where the
+    suite checks the math), from 4 in lower precision, where a sum of one to three rounded terms
+    can cancel to anything and no comparison can judge it."""
+    return size(draw, max_size) if dtype == torch.float64 else 3 + size(draw, max_size - 3)
+
+
 def shape(draw: Draw, min_dims: int, max_dims: int, max_size: int) -> tuple[int, ...]:
     return tuple(size(draw, max_size) for _ in range(draw.integers(min_dims, max_dims)))
 
@@ -112,3 +119,23 @@ class Sample:
     def __repr__(self) -> str:
         shapes_ = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.leaves.items())
         return f"Sample({shapes_}; {self.note})"
+
+
+def weight_leaves(draw: Draw, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device, seed_: int,
+                  scale: float = 0.3) -> tuple[dict[str, torch.Tensor], float]:
+    """A layer's weights by name (N(0, scale^2)), and on a drawn subset of those ending in
+    ".weight" or fused expert tensors, LoRA adapters of a drawn rank beside them (A and B both
+    random, so the adapters change the output). Returns (tensors, the LoRA scaling drawn)."""
+    from v4train.reference.lora import adapter_names
+
+    rank = draw.sampled_from([1, 2, 4])
+    scaling = draw.sampled_from([0.5, 2.0])
+    out = {}
+    for i, (name, shape_) in enumerate(shapes.items()):
+        out[name] = make_leaf(shape_, "contiguous", dtype, device, seed_ + 3 * i, scale=scale)
+        if len(shape_) >= 2 and draw.booleans():
+            *lead, n_out, n_in = shape_
+            a, b = adapter_names(name)
+            out[a] = make_leaf((*lead, rank, n_in), "contiguous", dtype, device, seed_ + 3 * i + 1, scale=scale)
+            out[b] = make_leaf((*lead, n_out, rank), "contiguous", dtype, device, seed_ + 3 * i + 2, scale=scale)
+    return out, scaling

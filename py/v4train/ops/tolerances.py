@@ -19,4 +19,5 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(rtol=1.3e-6, atol=1e-5),
     torch.bfloat16: Tolerance(rtol=1.6e-2, atol=1e-5),
     torch.float16: Tolerance(rtol=1e-3, atol=1e-5),
+    torch.float64: Tolerance(rtol=1e-7, atol=1e-7),
 }

@@ -11,8 +11,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     q [L, Hq, D], k [L, Hk, D], v [L, Hk, Dv] with Hq a multiple of Hk (grouped heads: query head
     h reads key head h // (Hq // Hk), as transformers' repeat_kv). `allowed` [L, L] bool further
-    restricts which keys a query sees (the DSA top-k selection). Softmax in fp32, then back to
-    q's dtype (transformers' eager attention). Returns [L, Hq, Dv].
+    restricts which keys a query sees (the DSA top-k selection). Softmax in fp32 (float64 for
+    float64 input), then back to q's dtype (transformers' eager attention). Returns [L, Hq, Dv].
     """
     L, hq, _ = q.shape
     rep = hq // k.shape[1]
@@ -24,7 +24,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if allowed is not None:
         mask = mask & allowed
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as recompute
 
 from v4train.reference import gated_delta_rule
 from v4train.reference import rope as rope_ref
 from v4train.reference.attention import causal_attention, documents
 from v4train.reference.lora import Lora, linear
-from v4train.reference.moe import experts, route_softmax, swiglu_mlp
+from v4train.reference.moe import experts, route_softmax
 
 
 def _gated_rms_norm(x, gate, weight, eps):
@@ -60,7 +61,7 @@ def _gated_attention(h, w, cfg, positions, docs, lora, ops):
 
 def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int,
                              positions: torch.Tensor, cu_seqlens: torch.Tensor, carry: None = None,
-                             lora_scaling: float = 0.0, lora_dropout: float = 0.0, *,
+                             lora_scaling: float = 0.0, lora_dropout: float = 0.0, checkpoint: bool = False, *,
                              ops) -> tuple[torch.Tensor, None]:
     """One Qwen3.5 decoder layer over packed tokens (the conventions of v4_glm5_layer_forward;
     nothing is carried from layer to layer: carry is None in and out).
@@ -72,17 +73,20 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
     """
     w, eps, lora = weights, cfg.rms_norm_eps, Lora(lora_scaling, lora_dropout)
     docs = documents(cu_seqlens)
-    h = ops.v4_rms_norm(hidden, w["input_layernorm.weight"], eps, True)
-    if cfg.layer_types[layer] == "linear_attention":
-        hidden = hidden + _gated_deltanet(h, w, cfg, docs, lora)
-    else:
-        hidden = hidden + _gated_attention(h, w, cfg, positions, docs, lora, ops)
-    h = ops.v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps, True)
-    if cfg.is_moe:
+
+    def forward(hidden):
+        h = ops.v4_rms_norm(hidden, w["input_layernorm.weight"], eps, True)
+        if cfg.layer_types[layer] == "linear_attention":
+            hidden = hidden + _gated_deltanet(h, w, cfg, docs, lora)
+        else:
+            hidden = hidden + _gated_attention(h, w, cfg, positions, docs, lora, ops)
+        h = ops.v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps, True)
+        if not cfg.is_moe:
+            return hidden + ops.v4_mlp(h, w, "mlp.", lora_scaling, lora_dropout)
         rw, idx = route_softmax(h, w["mlp.gate.weight"], cfg.num_experts_per_tok)
-        mlp = experts(h, idx, rw, w, lora)
-        shared = swiglu_mlp(h, w, "mlp.shared_expert.", lora)
-        mlp = mlp + torch.sigmoid(F.linear(h, w["mlp.shared_expert_gate.weight"])) * shared
-    else:
-        mlp = swiglu_mlp(h, w, "mlp.", lora)
-    return hidden + mlp, None
+        shared = ops.v4_mlp(h, w, "mlp.shared_expert.", lora_scaling, lora_dropout)
+        return hidden + experts(h, idx, rw, w, lora) + torch.sigmoid(F.linear(h, w["mlp.shared_expert_gate.weight"])) * shared
+
+    if checkpoint and torch.is_grad_enabled():
+        return recompute(forward, hidden, use_reentrant=False), None
+    return forward(hidden), None

@@ -1,0 +1,13 @@
+#include "cc/common/bridge.h"
+#include "cc/ops/mla_dsa_attention.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(v4_mla_dsa_attention, m) {
+  v4::init_module(m);
+  m.def("v4_mla_dsa_attention", &v4_mla_dsa_attention, nb::arg("h"), nb::arg("weights"), nb::arg("cfg"),
+        nb::arg("layer"), nb::arg("positions"), nb::arg("cu_seqlens"), nb::arg("carry") = nb::none(),
+        nb::arg("lora_scaling") = 0.0, nb::arg("lora_dropout") = 0.0, nb::arg("masked_max_len") = 8192,
+        nb::call_guard<nb::gil_scoped_release>(),
+        "GLM-5 MLA attention over the DSA-selected keys of each packed document; returns (out, selection).");
+}

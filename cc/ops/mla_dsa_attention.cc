@@ -1,0 +1,288 @@
+#include "cc/ops/mla_dsa_attention.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cc/common/checks.h"
+#include "cc/common/rope.h"
+#include "cc/ops/rms_norm.h"
+
+namespace v4 {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+constexpr const char* kOp = "v4_mla_dsa_attention";
+// transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with eps 1e-6.
+constexpr double kLatentEps = 1e-6;
+// Scores a block of queries may hold at once (indexer and sparse attention), in bytes.
+constexpr int64_t kBlockBytes = int64_t{1} << 28;
+
+std::vector<std::pair<int64_t, int64_t>> documents(const at::Tensor& cu_seqlens) {
+  const at::Tensor cu = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* p = cu.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> docs;
+  for (int64_t i = 0; i + 1 < cu.numel(); ++i) docs.emplace_back(p[i], p[i + 1]);
+  return docs;
+}
+
+// Each row's key positions ascending, the unused slots (-1) last.
+at::Tensor canonical(const at::Tensor& keys) {
+  constexpr int64_t big = std::numeric_limits<int64_t>::max();
+  const at::Tensor ordered = std::get<0>(at::where(keys < 0, big, keys).sort(-1));
+  return at::where(ordered == big, -1, ordered);
+}
+
+// A product with at least float32 output: bf16/fp16 operands accumulate and return fp32.
+at::Tensor bmm_f32(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kDouble || a.scalar_type() == at::kFloat) return at::bmm(a, b);
+  if (a.is_cuda()) return at::bmm(a, b, at::kFloat);
+  return at::bmm(a.to(at::kFloat), b.to(at::kFloat));
+}
+
+at::ScalarType at_least_float(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Queries per block so that `per_query` bytes each stay within kBlockBytes.
+int64_t block_rows(int64_t per_query) { return std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(per_query, 1)); }
+
+// The DSA selection (v4train/reference/mla_dsa_attention.py:select_keys, the same ATen calls in
+// the same order, so a document small enough to score at once selects exactly what the
+// reference selects, near-ties included). Larger documents score in blocks of queries.
+at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Weights& w, const Glm5Config& cfg,
+                       const at::Tensor& cos, const at::Tensor& sin,
+                       const std::vector<std::pair<int64_t, int64_t>>& docs) {
+  at::NoGradGuard no_grad;
+  const int64_t T = h.size(0), K = cfg.index_topk, n = cfg.index_n_heads, d = cfg.index_head_dim,
+                r = cfg.qk_rope_head_dim;
+  const auto longs = h.options().dtype(at::kLong);
+  at::Tensor out = at::full({T, K}, -1, longs);
+  const at::Tensor pos = at::arange(K, longs);
+  const bool ranked = std::any_of(docs.begin(), docs.end(), [&](const auto& dc) { return dc.second - dc.first > K; });
+  at::Tensor q, k, head_weights;
+  if (ranked) {
+    q = at::linear(q_resid, get(w, "self_attn.indexer.wq_b.weight", kOp)).view({T, n, d});
+    q = at::cat({rope_interleaved(q.slice(-1, 0, r), cos, sin), q.slice(-1, r)}, -1);
+    k = at::layer_norm(at::linear(h, get(w, "self_attn.indexer.wk.weight", kOp)), {d},
+                       get(w, "self_attn.indexer.k_norm.weight", kOp), get(w, "self_attn.indexer.k_norm.bias", kOp),
+                       kLatentEps);
+    k = at::cat({rope_interleaved(k.unsqueeze(1).slice(-1, 0, r), cos, sin).select(1, 0), k.slice(-1, r)}, -1);
+    const at::Tensor& wp = get(w, "self_attn.indexer.weights_proj.weight", kOp);
+    head_weights = at::linear(h.to(wp.scalar_type()), wp).to(at::kFloat) * std::pow(n, -0.5);
+  }
+  const double scale = std::pow(d, -0.5);
+  for (const auto& [start, end] : docs) {
+    const int64_t L = end - start, first = std::min(L, K);
+    const at::Tensor p = at::arange(first, longs);
+    out.slice(0, start, start + first).copy_(at::where(pos.unsqueeze(0) <= p.unsqueeze(1), pos.unsqueeze(0), -1));
+    if (L <= K) continue;
+    const at::Tensor qd = q.slice(0, start, end).to(at::kFloat), kd = k.slice(0, start, end).to(at::kFloat);
+    const at::Tensor wd = head_weights.slice(0, start, end);
+    if (L * n * L * 4 <= kBlockBytes) {  // all at once, as the reference
+      const at::Tensor scores = at::relu(at::matmul(qd, kd.t()) * scale);                 // [L, n, L]
+      at::Tensor index_scores = at::matmul(wd.unsqueeze(-2), scores).squeeze(-2);           // [L, L]
+      const at::Tensor causal = at::ones({L, L}, h.options().dtype(at::kBool)).tril();
+      index_scores = index_scores.masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity());
+      out.slice(0, start + K, end).copy_(canonical(std::get<1>(index_scores.slice(0, K).topk(K, -1))));
+      continue;
+    }
+    const int64_t rows = block_rows(n * L * 4);
+    for (int64_t b0 = K; b0 < L; b0 += rows) {
+      const int64_t b1 = std::min(L, b0 + rows);  // queries b0..b1-1 see keys 0..b1-1
+      const at::Tensor scores = at::relu(at::matmul(qd.slice(0, b0, b1), kd.slice(0, 0, b1).t()) * scale);
+      at::Tensor index_scores = at::matmul(wd.slice(0, b0, b1).unsqueeze(-2), scores).squeeze(-2);  // [B, b1]
+      const at::Tensor key = at::arange(b1, longs), query = at::arange(b0, b1, longs);
+      index_scores = index_scores.masked_fill(key.unsqueeze(0) > query.unsqueeze(1),
+                                              -std::numeric_limits<double>::infinity());
+      out.slice(0, start + b0, start + b1).copy_(canonical(std::get<1>(index_scores.topk(K, -1))));
+    }
+  }
+  return out;
+}
+
+// softmax(q k^T * scale [+ mask]) v for one document, heads second: q [Lq, nh, D], k/v [Lk, nh, .].
+// SDPA's kernels compute float64 through float32 steps (1e-7 off); float64, the dtype the parity
+// suite checks the math in, is computed with explicit products instead.
+at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
+                const std::optional<at::Tensor>& mask = std::nullopt) {
+  const auto heads_first = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
+  if (q.scalar_type() == at::kDouble) {
+    at::Tensor allowed = causal ? at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)).tril()
+                                : mask.value_or(at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)));
+    const at::Tensor s = at::matmul(heads_first(q), heads_first(k).transpose(-1, -2)) * scale;
+    const at::Tensor p = at::softmax(s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity()), -1);
+    return at::matmul(p, heads_first(v)).squeeze(0).transpose(0, 1);
+  }
+  const at::Tensor o = at::scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), mask, 0.0,
+                                                        causal, scale);
+  return o.squeeze(0).transpose(0, 1);
+}
+
+// Attention of queries q [Lq, nh, D] to the selected rows of one latent per key, kv [L, D]
+// (D = C value dims + rope dims, all heads sharing it): o = softmax(q kv[idx]^T * scale)
+// kv[idx][:, :C], idx [Lq, K]. Runs in blocks of queries; the backward pass recomputes the
+// scores from the saved log-sum-exp, so only q, kv, idx, o and [Lq, nh] floats are kept.
+struct SparseLatentAttention : public torch::autograd::Function<SparseLatentAttention> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
+                            double scale, int64_t value_dims) {
+    const int64_t Lq = q.size(0), nh = q.size(1), D = q.size(2), K = idx.size(1);
+    at::Tensor o = at::empty({Lq, nh, value_dims}, q.options());
+    at::Tensor lse = at::empty({Lq, nh}, q.options().dtype(at_least_float(q.scalar_type())));
+    const int64_t rows = block_rows(K * D * 2 + nh * K * 4 * 3);
+    for (int64_t b0 = 0; b0 < Lq; b0 += rows) {
+      const int64_t b1 = std::min(Lq, b0 + rows), B = b1 - b0;
+      const at::Tensor sel = kv.index_select(0, idx.slice(0, b0, b1).reshape(-1)).view({B, K, D});
+      const at::Tensor s = bmm_f32(q.slice(0, b0, b1), sel.transpose(1, 2)) * scale;  // [B, nh, K]
+      const at::Tensor m = at::logsumexp(s, -1);
+      lse.slice(0, b0, b1).copy_(m);
+      const at::Tensor p = (s - m.unsqueeze(-1)).exp_().to(q.scalar_type());
+      o.slice(0, b0, b1).copy_(at::bmm(p, sel.slice(-1, 0, value_dims)));
+    }
+    ctx->save_for_backward({q, kv, idx, lse, o});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["value_dims"] = value_dims;
+    return o;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &kv = saved[1], &idx = saved[2], &lse = saved[3], &o = saved[4];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t C = ctx->saved_data["value_dims"].toInt();
+    const at::Tensor dout = grads[0].to(q.scalar_type());
+    const int64_t Lq = q.size(0), nh = q.size(1), D = q.size(2), K = idx.size(1);
+    const auto acc = at_least_float(q.scalar_type());
+    const at::Tensor delta = (dout.to(acc) * o.to(acc)).sum(-1);  // [Lq, nh]
+    at::Tensor dq = at::empty_like(q);
+    at::Tensor dkv = at::zeros({kv.size(0), D}, kv.options().dtype(acc));
+    const int64_t rows = block_rows(K * D * 2 + K * D * 4 + nh * K * 4 * 4);
+    for (int64_t b0 = 0; b0 < Lq; b0 += rows) {
+      const int64_t b1 = std::min(Lq, b0 + rows), B = b1 - b0;
+      const at::Tensor flat = idx.slice(0, b0, b1).reshape(-1);
+      const at::Tensor sel = kv.index_select(0, flat).view({B, K, D});
+      const at::Tensor qb = q.slice(0, b0, b1), dob = dout.slice(0, b0, b1);
+      const at::Tensor p = (bmm_f32(qb, sel.transpose(1, 2)) * scale - lse.slice(0, b0, b1).unsqueeze(-1)).exp_();
+      const at::Tensor dp = bmm_f32(dob, sel.slice(-1, 0, C).transpose(1, 2));  // [B, nh, K]
+      const at::Tensor ds = (p * (dp - delta.slice(0, b0, b1).unsqueeze(-1)) * scale).to(q.scalar_type());
+      dq.slice(0, b0, b1).copy_(at::bmm(ds, sel));
+      at::Tensor dsel = bmm_f32(ds.transpose(1, 2), qb);  // [B, K, D]
+      dsel.slice(-1, 0, C).add_(bmm_f32(p.to(q.scalar_type()).transpose(1, 2), dob));
+      dkv.index_add_(0, flat, dsel.view({B * K, D}));
+    }
+    return {dq, dkv.to(kv.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The queries past the first index_topk of a long document, through the latent space: q [Lq, nh,
+// nope + r] against the document's latents [L, C] and rotated k_rope [L, r]; kv_b weight (with
+// its adapter folded in) supplies the per-head key and value maps. Returns [Lq, nh, dv]. Taking
+// the maps to the query and output side reassociates the products; float32 inputs compute in
+// float64 here, so the result is as accurate as the direct form's.
+at::Tensor latent_attention(const at::Tensor& q_in, const at::Tensor& latent_in, const at::Tensor& k_rot_in,
+                            const at::Tensor& kv_b_in, const at::Tensor& idx, const Glm5Config& cfg, double scale) {
+  const int64_t nh = cfg.num_attention_heads, nope = cfg.qk_nope_head_dim, dv = cfg.v_head_dim,
+                C = cfg.kv_lora_rank;
+  const auto widen = [&](const at::Tensor& t) { return q_in.scalar_type() == at::kFloat ? t.to(at::kDouble) : t; };
+  const at::Tensor q = widen(q_in), latent = widen(latent_in), k_rot = widen(k_rot_in);
+  const at::Tensor maps = widen(kv_b_in).view({nh, nope + dv, C});
+  const at::Tensor q_lat = at::bmm(q.slice(-1, 0, nope).transpose(0, 1), maps.slice(1, 0, nope)).transpose(0, 1);
+  const at::Tensor kv = at::cat({latent, k_rot}, -1);
+  const at::Tensor o_lat = SparseLatentAttention::apply(at::cat({q_lat, q.slice(-1, nope)}, -1), kv, idx, scale, C);
+  return at::bmm(o_lat.transpose(0, 1), maps.slice(1, nope).transpose(1, 2)).transpose(0, 1).to(q_in.scalar_type());
+}
+
+}  // namespace
+}  // namespace v4
+
+std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, const v4::Weights& weights,
+                                                        const v4::Glm5Config& cfg, int64_t layer,
+                                                        const at::Tensor& positions, const at::Tensor& cu_seqlens,
+                                                        const std::optional<at::Tensor>& carry, double lora_scaling,
+                                                        double lora_dropout, int64_t masked_max_len) {
+  using namespace v4;
+  constexpr const char* op = kOp;
+  check_floating(op, "h", h, /*float64=*/true);
+  check_dim(op, "h", h, 2);
+  const int64_t T = h.size(0), K = cfg.index_topk;
+  TORCH_CHECK_VALUE(h.size(1) == cfg.hidden_size, op, ": h has shape ", h.sizes(), ", expected [T, hidden_size=",
+                    cfg.hidden_size, "]");
+  TORCH_CHECK_VALUE(layer >= 0 && layer < static_cast<int64_t>(cfg.indexer_types.size()), op, ": layer ", layer,
+                    " is not one of the config's ", cfg.indexer_types.size(), " layers");
+  TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == T, op,
+                    ": positions must be int64 [", T, "], got ", positions.scalar_type(), " ", positions.sizes());
+  TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op,
+                    ": cu_seqlens must be int64 [documents + 1], got ", cu_seqlens.scalar_type(), " ",
+                    cu_seqlens.sizes());
+  const auto docs = documents(cu_seqlens);
+  int64_t previous = 0;
+  for (const auto& [start, end] : docs) {
+    TORCH_CHECK_VALUE(start == previous && end >= start, op, ": cu_seqlens must rise from 0 to T=", T, ", got ",
+                      cu_seqlens.to(at::kCPU));
+    previous = end;
+  }
+  TORCH_CHECK_VALUE(previous == T, op, ": cu_seqlens must end at T=", T, ", got ", cu_seqlens.to(at::kCPU));
+  if (carry) {
+    TORCH_CHECK_VALUE(carry->scalar_type() == at::kLong && carry->dim() == 2 && carry->size(0) == T &&
+                          carry->size(1) == K,
+                      op, ": carry must be the int64 [", T, ", ", K, "] selection, got ", carry->scalar_type(), " ",
+                      carry->sizes());
+  } else {
+    TORCH_CHECK_VALUE(cfg.indexer_types[layer] == "full", op, ": layer ", layer,
+                      " is a 'shared' indexer layer but no earlier layer's selection was given (carry)");
+  }
+  const Lora lora{lora_scaling, lora_dropout};
+  const int64_t nh = cfg.num_attention_heads, nope = cfg.qk_nope_head_dim, r = cfg.qk_rope_head_dim,
+                dv = cfg.v_head_dim, C = cfg.kv_lora_rank;
+
+  const at::Tensor q_resid = v4_rms_norm(linear(h, weights, "self_attn.q_a_proj.weight", lora, op),
+                                         get(weights, "self_attn.q_a_layernorm.weight", op), kLatentEps, false);
+  at::Tensor q = linear(q_resid, weights, "self_attn.q_b_proj.weight", lora, op).view({T, nh, nope + r});
+  const at::Tensor kv_a = linear(h, weights, "self_attn.kv_a_proj_with_mqa.weight", lora, op);
+  const at::Tensor latent = v4_rms_norm(kv_a.slice(-1, 0, C), get(weights, "self_attn.kv_a_layernorm.weight", op),
+                                        kLatentEps, false);
+  const auto [cos, sin] = rope_cos_sin(cfg.rope, positions, h.scalar_type());
+  q = at::cat({q.slice(-1, 0, nope), rope_interleaved(q.slice(-1, nope), cos, sin)}, -1);
+  const at::Tensor k_rot = rope_interleaved(kv_a.slice(-1, C).unsqueeze(1), cos, sin);  // [T, 1, r]
+  const at::Tensor kv = linear(latent, weights, "self_attn.kv_b_proj.weight", lora, op).view({T, nh, nope + dv});
+  const at::Tensor k = at::cat({kv.slice(-1, 0, nope), k_rot.expand({T, nh, r})}, -1);
+  const at::Tensor v = kv.slice(-1, nope);
+  const at::Tensor selection = carry ? *carry : select_keys(h, q_resid, weights, cfg, cos, sin, docs);
+
+  const double scale = std::pow(nope + r, -0.5) * rope_softmax_scale_factor(cfg.rope);
+  std::vector<at::Tensor> outs;
+  for (const auto& [start, end] : docs) {
+    const int64_t L = end - start;
+    const at::Tensor qd = q.slice(0, start, end), kd = k.slice(0, start, end), vd = v.slice(0, start, end);
+    if (L <= K) {  // every query attends to all its causal keys
+      outs.push_back(sdpa(qd, kd, vd, scale, /*causal=*/true));
+      continue;
+    }
+    outs.push_back(sdpa(qd.slice(0, 0, K), kd.slice(0, 0, K), vd.slice(0, 0, K), scale, /*causal=*/true));
+    const at::Tensor sel = selection.slice(0, start + K, end);
+    if (L <= masked_max_len) {
+      const at::Tensor mask = at::zeros({L - K, L}, h.options().dtype(at::kBool)).scatter_(1, sel, true);
+      outs.push_back(sdpa(qd.slice(0, K), kd, vd, scale, /*causal=*/false, mask));
+    } else {
+      at::Tensor kv_b = get(weights, "self_attn.kv_b_proj.weight", op);
+      if (has_adapter(weights, "self_attn.kv_b_proj.weight")) {  // folded in: the latent path needs the whole map
+        TORCH_CHECK_VALUE(lora_dropout == 0, op, ": lora_dropout > 0 with an adapter on kv_b_proj is not supported "
+                          "for documents longer than ", masked_max_len, " tokens (the latent path folds the adapter)");
+        const auto [a, b] = adapter_names("self_attn.kv_b_proj.weight");
+        kv_b = kv_b + at::matmul(get(weights, b, op), get(weights, a, op)) * lora_scaling;
+      }
+      outs.push_back(latent_attention(qd.slice(0, K), latent.slice(0, start, end), k_rot.slice(0, start, end).select(1, 0),
+                                      kv_b, sel, cfg, scale));
+    }
+  }
+  const at::Tensor attn = outs.empty() ? at::empty({0, nh, dv}, h.options()) : at::cat(outs, 0);
+  return {linear(attn.reshape({T, nh * dv}), weights, "self_attn.o_proj.weight", lora, op), selection};
+}

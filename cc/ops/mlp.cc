@@ -1,0 +1,17 @@
+#include "cc/ops/mlp.h"
+
+#include <ATen/ATen.h>
+
+#include "cc/common/checks.h"
+
+at::Tensor v4_mlp(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix, double lora_scaling,
+                  double lora_dropout) {
+  constexpr const char* op = "v4_mlp";
+  v4::check_floating(op, "x", x, /*float64=*/true);
+  v4::check_dim(op, "x", x, 2);
+  const v4::Lora lora{lora_scaling, lora_dropout};
+  // One statement per map: the adapters draw their dropout masks in the reference's order.
+  const at::Tensor gate = v4::linear(x, weights, prefix + "gate_proj.weight", lora, op);
+  const at::Tensor up = v4::linear(x, weights, prefix + "up_proj.weight", lora, op);
+  return v4::linear(at::silu(gate) * up, weights, prefix + "down_proj.weight", lora, op);
+}

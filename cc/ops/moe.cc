@@ -1,0 +1,144 @@
+#include "cc/ops/moe.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include <limits>
+
+#include "cc/common/checks.h"
+#include "cc/ops/mlp.h"
+
+namespace v4 {
+
+Dispatch dispatch(const at::Tensor& idx, int64_t num_experts) {
+  const at::Tensor flat = idx.reshape(-1);
+  Dispatch d;
+  d.order = at::argsort(flat, /*stable=*/true);
+  d.token = at::floor_divide(d.order, idx.size(1));
+  d.counts = at::bincount(flat, /*weights=*/{}, num_experts);
+  d.offsets = at::cumsum(d.counts, 0).to(at::kInt);
+  return d;
+}
+
+namespace {
+
+// at::_grouped_mm serves bf16 on CUDA when every row is 16-byte aligned; elsewhere (the CPU, fp32,
+// odd widths) the rows are laid out per expert in a padded [E, max rows, in] batch for one bmm.
+bool grouped_mm_applies(const at::Tensor& x, const at::Tensor& w) {
+  return x.is_cuda() && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+         x.size(1) % 8 == 0 && w.size(1) % 8 == 0;
+}
+
+}  // namespace
+
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const Dispatch& d) {
+  const int64_t E = w.size(0), out = w.size(1), rows = x.size(0);
+  if (grouped_mm_applies(x, w)) return at::_grouped_mm(x.contiguous(), w.transpose(1, 2), d.offsets);
+  const int64_t capacity = rows == 0 ? 0 : d.counts.max().item<int64_t>();
+  if (capacity == 0) return at::zeros({rows, out}, x.options());
+  const at::Tensor expert = at::repeat_interleave(at::arange(E, d.counts.options()), d.counts);
+  const at::Tensor start = d.offsets.to(at::kLong) - d.counts;
+  const at::Tensor slot = expert * capacity + at::arange(rows, d.counts.options()) - start.index_select(0, expert);
+  const at::Tensor padded = at::zeros({E * capacity, x.size(1)}, x.options()).index_copy(0, slot, x);
+  return at::bmm(padded.view({E, capacity, x.size(1)}), w.transpose(1, 2)).view({E * capacity, out}).index_select(0, slot);
+}
+
+namespace {
+
+at::Tensor expert_linear(const at::Tensor& x, const Weights& weights, const std::string& name, const Lora& lora,
+                         const Dispatch& d, const char* op) {
+  const at::Tensor& w = get(weights, name, op);
+  at::Tensor y = grouped_linear(x, w, d);
+  if (!has_adapter(weights, name)) return y;
+  const auto [a, b] = adapter_names(name);
+  return y + grouped_linear(grouped_linear(adapter_input(x, lora), get(weights, a, op), d), get(weights, b, op), d) *
+                 lora.scaling;
+}
+
+}  // namespace
+
+at::Tensor experts(const at::Tensor& x_rows, const Weights& weights, const std::string& prefix, const Lora& lora,
+                   const Dispatch& d, const char* op) {
+  const at::Tensor gate_up = expert_linear(x_rows, weights, prefix + "gate_up_proj", lora, d, op);
+  const auto parts = gate_up.chunk(2, -1);
+  return expert_linear(at::silu(parts[0]) * parts[1], weights, prefix + "down_proj", lora, d, op);
+}
+
+at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens) {
+  // Weighted in fp32, then in y's dtype, as the reference does; rows added in expert order.
+  const at::Tensor w = route_weights.reshape(-1).index_select(0, d.order).unsqueeze(1);
+  const at::Tensor weighted = (y_rows * w).to(y_rows.scalar_type());
+  return at::zeros({tokens, y_rows.size(1)}, y_rows.options()).index_add(0, d.token, weighted);
+}
+
+}  // namespace v4
+
+namespace {
+
+void check_experts(const char* op, const v4::Weights& weights, const std::string& prefix, const at::Tensor& x,
+                   int64_t E) {
+  const at::Tensor& gate_up = v4::get(weights, prefix + "experts.gate_up_proj", op);
+  const at::Tensor& down = v4::get(weights, prefix + "experts.down_proj", op);
+  TORCH_CHECK_VALUE(gate_up.dim() == 3 && gate_up.size(0) == E && gate_up.size(2) == x.size(1) &&
+                        gate_up.size(1) % 2 == 0,
+                    op, ": ", prefix, "experts.gate_up_proj has shape ", gate_up.sizes(), ", expected [", E, ", 2I, ",
+                    x.size(1), "]");
+  TORCH_CHECK_VALUE(down.dim() == 3 && down.size(0) == E && down.size(1) == x.size(1) &&
+                        down.size(2) == gate_up.size(1) / 2,
+                    op, ": ", prefix, "experts.down_proj has shape ", down.sizes(), ", expected [", E, ", ", x.size(1),
+                    ", ", gate_up.size(1) / 2, "]");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> v4_moe(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix,
+                                          int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
+                                          double routed_scaling_factor, double lora_scaling, double lora_dropout,
+                                          const std::optional<at::Tensor>& routing) {
+  constexpr const char* op = "v4_moe";
+  v4::check_floating(op, "x", x, /*float64=*/true);
+  v4::check_dim(op, "x", x, 2);
+  const at::Tensor& gate = v4::get(weights, prefix + "gate.weight", op);
+  const at::Tensor& bias = v4::get(weights, prefix + "gate.e_score_correction_bias", op);
+  const int64_t E = gate.size(0);
+  TORCH_CHECK_VALUE(gate.dim() == 2 && gate.size(1) == x.size(1), op, ": ", prefix, "gate.weight has shape ",
+                    gate.sizes(), ", expected [experts, ", x.size(1), "]");
+  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == E, op, ": ", prefix, "gate.e_score_correction_bias has shape ",
+                    bias.sizes(), ", expected [", E, "]");
+  TORCH_CHECK_VALUE(n_group >= 1 && E % n_group == 0 && E / n_group >= 2 && topk_group >= 1 && topk_group <= n_group,
+                    op, ": n_group=", n_group, ", topk_group=", topk_group, " do not fit ", E,
+                    " experts (n_group must divide them into groups of at least 2, topk_group lie in [1, n_group])");
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= topk_group * (E / n_group), op, ": top_k=", top_k, " must lie in [1, ",
+                    topk_group * (E / n_group), "] (the experts of topk_group groups)");
+  check_experts(op, weights, prefix, x, E);
+  const int64_t T = x.size(0);
+  const v4::Lora lora{lora_scaling, lora_dropout};
+
+  // The router: fp32 sigmoid scores; the correction bias chooses, the unbiased scores weigh.
+  const at::Tensor scores = at::linear(x.to(at::kFloat), gate.to(at::kFloat)).sigmoid();
+  at::Tensor idx;
+  if (routing) {
+    idx = *routing;
+    TORCH_CHECK_VALUE(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == T && idx.size(1) == top_k, op,
+                      ": routing must be int64 [", T, ", ", top_k, "], got ", idx.scalar_type(), " ", idx.sizes());
+    TORCH_CHECK_VALUE(T == 0 || (idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < E), op,
+                      ": routing must name experts in [0, ", E, ")");
+  } else {
+    at::NoGradGuard no_grad;
+    at::Tensor choice = scores.detach() + bias.to(at::kFloat);
+    const at::Tensor group_scores = std::get<0>(choice.view({-1, n_group, E / n_group}).topk(2, -1)).sum(-1);
+    const at::Tensor group_idx = std::get<1>(at::topk(group_scores, topk_group, -1, true, /*sorted=*/false));
+    const at::Tensor group_mask = at::zeros_like(group_scores).scatter_(1, group_idx, 1);
+    const at::Tensor score_mask = group_mask.unsqueeze(-1).expand({-1, n_group, E / n_group}).reshape({-1, E});
+    choice = choice.masked_fill(score_mask.logical_not(), -std::numeric_limits<double>::infinity());
+    idx = std::get<0>(std::get<1>(at::topk(choice, top_k, -1, true, /*sorted=*/false)).sort(-1));
+  }
+  at::Tensor route_weights = scores.gather(1, idx);
+  if (norm_topk_prob) route_weights = route_weights / (route_weights.sum(-1, /*keepdim=*/true) + 1e-20);
+  route_weights = route_weights * routed_scaling_factor;
+
+  const at::Tensor shared = v4_mlp(x, weights, prefix + "shared_experts.", lora_scaling, lora_dropout);
+  const v4::Dispatch d = v4::dispatch(idx, E);
+  const at::Tensor y_rows = v4::experts(x.index_select(0, d.token), weights, prefix + "experts.", lora, d, op);
+  return {v4::combine(y_rows, d, route_weights, T) + shared, idx};
+}

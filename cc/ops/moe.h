@@ -1,0 +1,46 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "cc/common/lora.h"
+
+namespace v4 {
+
+// The MoE seam, in three steps, so that expert parallelism can put an all-to-all between them:
+// dispatch (tokens grouped by expert), expert compute (grouped GEMMs), combine (weighted sum back
+// into token order). Shared by GLM-5's v4_moe and Qwen3.5's MoE.
+struct Dispatch {
+  at::Tensor token;    // [T * k] int64: the token of each routed row, rows grouped by expert (stable)
+  at::Tensor order;    // [T * k] int64: the row's position in the flat [T, k] routing
+  at::Tensor counts;   // [E] int64: rows per expert
+  at::Tensor offsets;  // [E] int32: the end of each expert's rows (at::_grouped_mm's offs)
+};
+
+Dispatch dispatch(const at::Tensor& idx, int64_t num_experts);
+
+// x [rows grouped by expert, in] times each row's expert's weight w [E, out, in]: [rows, out].
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const Dispatch& d);
+
+// The routed experts' SwiGLU on rows grouped by expert: weights[prefix + "gate_up_proj"]
+// [E, 2I, H] (gate rows, then up), weights[prefix + "down_proj"] [E, H, I], their LoRA adapters.
+at::Tensor experts(const at::Tensor& x_rows, const Weights& weights, const std::string& prefix, const Lora& lora,
+                   const Dispatch& d, const char* op);
+
+// sum over k of route_weights[t, k] * y of token t's k-th row: [T, H] in y's dtype.
+at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens);
+
+}  // namespace v4
+
+// GLM-5's MoE block (transformers' GlmMoeDsaMoE): the sigmoid router with correction bias and
+// group-limited top-k (fp32 logits; the bias chooses, the unbiased scores weigh, normalised when
+// norm_topk_prob, times routed_scaling_factor), the routed experts through grouped GEMMs, plus
+// the shared expert (weights[prefix + "shared_experts.*"]). `routing` [T, top_k]: route as
+// given (a recomputation). Returns (out [T, H] in x's dtype, routing [T, top_k] int64 ascending).
+std::tuple<at::Tensor, at::Tensor> v4_moe(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix,
+                                          int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
+                                          double routed_scaling_factor, double lora_scaling, double lora_dropout,
+                                          const std::optional<at::Tensor>& routing);

@@ -1,0 +1,54 @@
+"""v4_mlp: the SwiGLU MLP (dense layers, shared experts), LoRA inside."""
+
+import torch
+
+from v4train.ops.registry import F64, ErrorCase, OpInfo
+from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
+from v4train.reference.mlp import v4_mlp
+
+
+def samples(draw, dtype: torch.dtype, device) -> Sample:
+    tokens, hidden, inter = size(draw, 70), width(draw, 40, dtype), width(draw, 40, dtype)
+    prefix = draw.sampled_from(["mlp.", "mlp.shared_experts."])
+    x_layout, s = layout(draw), seed(draw)
+    weights, scaling = weight_leaves(draw, {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight":
+                                            (inter, hidden), prefix + "down_proj.weight": (hidden, inter)}, dtype, device, s)
+    leaves = {"x": make_leaf((tokens, hidden), x_layout, dtype, device, s + 100), **weights}
+
+    def build(lv):
+        return (view_as_layout(lv["x"], x_layout), {k: v for k, v in lv.items() if k != "x"}, prefix, scaling, 0.0), {}
+
+    return Sample(leaves, build, note=f"x layout {x_layout}, adapters {sorted(k for k in weights if 'lora' in k)}")
+
+
+def _weights(H=8, I=12, **drop):
+    w = {"mlp.gate_proj.weight": torch.zeros(I, H), "mlp.up_proj.weight": torch.zeros(I, H),
+         "mlp.down_proj.weight": torch.zeros(H, I)}
+    return {k: v for k, v in w.items() if k not in drop.get("without", ())}
+
+
+def _bench(device, dtype):
+    """GLM-5's dense MLP (and, at intermediate 2048, its shared expert) on 4096 tokens."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: (0.02 * torch.randn(*s, generator=g)).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
+    w = {"mlp.gate_proj.weight": r(12288, 6144), "mlp.up_proj.weight": r(12288, 6144), "mlp.down_proj.weight": r(6144, 12288)}
+    return "x [4096, 6144], intermediate 12288", (r(4096, 6144), w, "mlp.", 0.0, 0.0)
+
+
+OP = OpInfo(
+    "v4_mlp", v4_mlp, samples=samples, benchmarks=(_bench,), dtypes=F64,
+    errors=(
+        ErrorCase("a missing weight", lambda: (torch.zeros(3, 8), _weights(without=("mlp.up_proj.weight",)), "mlp.", 0.0, 0.0),
+                  "weights lacks the tensor mlp.up_proj.weight"),
+        ErrorCase("a weight of the wrong width", lambda: (torch.zeros(3, 8), {**_weights(), "mlp.up_proj.weight": torch.zeros(12, 7)},
+                                                          "mlp.", 0.0, 0.0),
+                  "mlp.up_proj.weight has shape [12, 7], expected [out, 8]"),
+        ErrorCase("an adapter of the wrong shape",
+                  lambda: (torch.zeros(3, 8), {**_weights(), "mlp.up_proj.lora_A": torch.zeros(2, 8),
+                                               "mlp.up_proj.lora_B": torch.zeros(11, 2)}, "mlp.", 1.0, 0.0),
+                  "the adapter of mlp.up_proj.weight [12, 8] has A [2, 8] and B [11, 2]"),
+        ErrorCase("3-D x", lambda: (torch.zeros(2, 3, 8), _weights(), "mlp.", 0.0, 0.0), "x must have 2 dimension(s)"),
+        ErrorCase("integer x", lambda: (torch.zeros(3, 8, dtype=torch.int64), _weights(), "mlp.", 0.0, 0.0),
+                  "x must be float32, bfloat16, float16 or float64"),
+    ),
+)

@@ -1,0 +1,111 @@
+"""GLM-5's attention: MLA with the DeepSeek Sparse Attention indexer (transformers'
+GlmMoeDsaAttention and GlmMoeDsaIndexer), for training: no KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from v4train.reference import rope as rope_ref
+from v4train.reference.attention import causal_attention, documents
+from v4train.reference.lora import Lora, linear
+
+# transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with eps 1e-6,
+# whatever rms_norm_eps says.
+LATENT_EPS = 1e-6
+
+
+def canonical_selection(keys: torch.Tensor) -> torch.Tensor:
+    """Each row's selected key positions ascending, the unused slots (-1) last."""
+    big = torch.iinfo(torch.int64).max
+    ordered = torch.where(keys < 0, big, keys).sort(dim=-1).values
+    return torch.where(ordered == big, -1, ordered)
+
+
+def select_keys(h, q_resid, w, cfg, cos, sin, docs) -> torch.Tensor:
+    """DSA selection: the keys each query attends to, [T, index_topk] int64 positions local to
+    the query's document, ascending, -1 in unused slots (canonical_selection).
+
+    A query with at most index_topk causal keys selects all of them. Otherwise the indexer ranks
+    its causal keys and the top index_topk are kept: q = wq_b(q_resid), k = LayerNorm(wk(h)),
+    interleaved RoPE on their first rope dims; score[s, t] = sum_h weights_proj(h)[s, h] *
+    n_heads^-0.5 * relu(q[s, h] . k[t] * head_dim^-0.5), in fp32 (transformers' GlmMoeDsaIndexer).
+    No gradient flows through the selection, as in transformers.
+    """
+    T, K = h.shape[0], cfg.index_topk
+    n, d, r = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    out = torch.full((T, K), -1, dtype=torch.int64, device=h.device)
+    pos = torch.arange(K, device=h.device)
+    if any(end - start > K for start, end in docs):
+        q = F.linear(q_resid, w["self_attn.indexer.wq_b.weight"]).view(T, n, d)
+        q = torch.cat([rope_ref.apply_interleaved(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = F.layer_norm(F.linear(h, w["self_attn.indexer.wk.weight"]), (d,), w["self_attn.indexer.k_norm.weight"],
+                         w["self_attn.indexer.k_norm.bias"], LATENT_EPS)
+        k = torch.cat([rope_ref.apply_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]], dim=-1)
+        head_weights = F.linear(h.to(w["self_attn.indexer.weights_proj.weight"].dtype),
+                                w["self_attn.indexer.weights_proj.weight"]).float() * n**-0.5
+    for start, end in docs:
+        L = end - start
+        first = min(L, K)  # queries 0 .. K-1 have at most K causal keys: all of them
+        p = torch.arange(first, device=h.device)
+        out[start:start + first] = torch.where(pos[None, :] <= p[:, None], pos[None, :], -1)
+        if L > K:
+            scores = torch.relu(torch.matmul(q[start:end].float(), k[start:end].float().T) * d**-0.5)  # [L, n, L]
+            index_scores = torch.matmul(head_weights[start:end].unsqueeze(-2), scores).squeeze(-2)  # [L, L]
+            causal = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()
+            index_scores = index_scores.masked_fill(~causal, float("-inf"))
+            out[start + K:end] = canonical_selection(index_scores[K:].topk(K, dim=-1).indices)
+    return out
+
+
+def v4_mla_dsa_attention(h: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int, positions: torch.Tensor,
+                         cu_seqlens: torch.Tensor, carry: torch.Tensor | None = None, lora_scaling: float = 0.0,
+                         lora_dropout: float = 0.0, masked_max_len: int = 8192, *,
+                         ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA attention over the keys the DSA selection keeps, over packed documents.
+
+    h [T, H] (the normed hidden states); weights: the layer's tensors (self_attn.*); positions
+    [T]; cu_seqlens [N + 1] document boundaries (no attention across them); carry: the selection
+    of the last 'full' indexer layer, used by a 'shared' layer. Query: q_a_proj -> RMSNorm (eps
+    1e-6, ops.v4_rms_norm) -> q_b_proj, per head [nope | rope]; key/value: kv_a_proj_with_mqa ->
+    [latent | k_rope], RMSNorm on the latent -> kv_b_proj, per head [k_nope | v], the one k_rope
+    shared by all heads; interleaved RoPE (with YaRN) on q_rope and k_rope; softmax over the
+    selected causal keys with scale qk_head_dim^-0.5 (times YaRN's mscale^2); o_proj. LoRA
+    adapters beside the projections apply. Returns (out [T, H], the selection [T, index_topk]:
+    the next layer's carry). masked_max_len picks among the C++ op's algorithms (documents up to
+    it attend under a dense mask, longer ones through the latent space); the math is this.
+    """
+    w, lora = weights, Lora(lora_scaling, lora_dropout)
+    T = h.shape[0]
+    nh, nope, r, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    docs = documents(cu_seqlens)
+    q_resid = ops.v4_rms_norm(linear(h, w, "self_attn.q_a_proj.weight", lora), w["self_attn.q_a_layernorm.weight"],
+                              LATENT_EPS)
+    q = linear(q_resid, w, "self_attn.q_b_proj.weight", lora).view(T, nh, nope + r)
+    kv_a = linear(h, w, "self_attn.kv_a_proj_with_mqa.weight", lora)
+    k_pass = ops.v4_rms_norm(kv_a[:, : cfg.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], LATENT_EPS)
+    cos, sin = rope_ref.cos_sin(cfg.rope, positions, h.dtype)
+    q = torch.cat([q[..., :nope], rope_ref.apply_interleaved(q[..., nope:], cos, sin)], dim=-1)
+    k_rot = rope_ref.apply_interleaved(kv_a[:, None, cfg.kv_lora_rank:], cos, sin)  # [T, 1, r]
+    kv = linear(k_pass, w, "self_attn.kv_b_proj.weight", lora).view(T, nh, nope + dv)
+    k = torch.cat([kv[..., :nope], k_rot.expand(T, nh, r)], dim=-1)
+    v = kv[..., nope:]
+
+    if carry is not None:
+        selection = carry
+    elif cfg.indexer_types[layer] == "full":
+        with torch.no_grad():
+            selection = select_keys(h, q_resid, w, cfg, cos, sin, docs)
+    else:
+        raise ValueError(f"GLM-5 layer {layer} is a 'shared' indexer layer but no earlier layer's selection was given")
+
+    scale = (nope + r) ** -0.5 * rope_ref.softmax_scale_factor(cfg.rope)
+    outs = []
+    for start, end in docs:
+        L = end - start
+        sel = selection[start:end]
+        allowed = torch.zeros(L, L + 1, dtype=torch.bool, device=h.device)
+        allowed.scatter_(1, torch.where(sel >= 0, sel, L), True)  # -1 lands in the spare column
+        outs.append(causal_attention(q[start:end], k[start:end], v[start:end], scale, allowed[:, :L]))
+    attn = torch.cat(outs, dim=0).reshape(T, nh * dv)
+    return linear(attn, w, "self_attn.o_proj.weight", lora), selection

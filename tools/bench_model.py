@@ -1,0 +1,239 @@
+"""A training step of a model proxy in transformers and in v4train, side by side in one process.
+
+    PYTHONPATH=py:build/ext:. python3 tools/bench_model.py --model glm5 --tokens 4096,16384,65536
+
+The GLM-5 proxy of ../shared/notes/baselines.md: GlmMoeDsaConfig's defaults (hidden 6144, 64 heads,
+MLA, DSA top-2048, vocabulary 154880) with 4 layers (1 dense + 3 MoE) and 32 routed experts top-8,
+bf16, random weights. transformers (sdpa attention, whatever version is installed) builds it;
+v4train gets the very same parameter tensors (no copy) and the same tokens, one sequence.
+A step is forward + backward of the LM loss with every weight trainable (no optimizer), as in
+the baselines. Per sequence length: median step time over --steps after --warmup, tokens/s,
+the peak memory above the weights (gradients included), TFLOP/s (6 x active parameters per
+token, attention not counted), and the loss difference; then, for v4train, the forward time of
+each op call, the top CUDA kernels of one step (torch.profiler), and the share of the step's
+FLOPs that ran in C++ ops. A run that runs out of memory is reported as such. Activation
+checkpointing is used where --checkpointing says (auto: from 16,384 tokens for v4train; never
+for transformers, whose own checkpointing runs out of memory at 16,384, see baselines.md).
+Prints markdown rows and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "py"))
+
+from v4train import ops  # noqa: E402
+from v4train.flops import FlopShare  # noqa: E402
+from v4train.models import config_from_dict  # noqa: E402
+from v4train.models.causal_lm import CausalLM, Packed  # noqa: E402
+
+GIB = 2**30
+
+
+def glm5_proxy():
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    cfg = GlmMoeDsaConfig(num_hidden_layers=4, n_routed_experts=32, first_k_dense_replace=1)
+    return cfg, GlmMoeDsaForCausalLM
+
+
+def build(model: str, dtype):
+    hf_cfg, cls = {"glm5": glm5_proxy}[model]()
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device("cuda"):
+        hf = cls(hf_cfg)
+    torch.set_default_dtype(default)
+    hf.train()
+    config = hf_cfg.to_dict()
+    ours_cfg = config_from_dict(config, "the proxy's config")
+    # v4train's model on transformers' own tensors: the same names, no copy.
+    tensors = dict(hf.named_parameters())
+    tensors.update({n: b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
+    ours = CausalLM(ours_cfg, {n: tensors[n] for n in CausalLM.empty(ours_cfg, {}).weights()}, config)
+    for n, p in ours.named_parameters():
+        p.requires_grad_(not ours.family.is_frozen(n))
+    return hf, ours, ours_cfg
+
+
+def active_params(cfg) -> int:
+    """Parameters one token multiplies with (experts: top-k of them); embeddings excluded."""
+    from v4train.models.causal_lm import all_specs
+
+    total = 0
+    for s in all_specs(cfg):
+        n = 1
+        for d in s.shape:
+            n *= d
+        if s.name == "model.embed_tokens.weight" or "indexer" in s.name:
+            continue
+        if s.experts:
+            n = n // s.shape[0] * cfg.num_experts_per_tok
+        total += n
+    return total
+
+
+def timed_steps(step, warmup: int, steps: int) -> tuple[float, float]:
+    """(median seconds, peak bytes above the start) of step() on CUDA."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times), torch.cuda.max_memory_allocated() - base
+
+
+def zero_grads(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def per_op_times(model, batch) -> dict[str, float]:
+    """Forward milliseconds per op over one forward+backward (CUDA events around each call)."""
+    times = collections.defaultdict(float)
+
+    def wrap(name, fn, is_cpp):
+        def call(*args, **kwargs):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            out = fn(*args, **kwargs)
+            e.record()
+            torch.cuda.synchronize()
+            times[name] += s.elapsed_time(e)
+            return out
+        return call
+
+    table = model.ops
+    model.use_ops(ops.OpTable(table.ops, table.cpp, wrap=wrap))
+    try:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = model.loss(batch, batch.num_targets)
+        mid = torch.cuda.Event(enable_timing=True)
+        mid.record()
+        loss.backward()
+        end.record()
+        torch.cuda.synchronize()
+        times["(backward of the whole step)"] = mid.elapsed_time(end)
+    finally:
+        model.use_ops(table)
+        zero_grads(model)
+    return dict(times)
+
+
+def profile(model, batch, top: int = 25) -> str:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.loss(batch, batch.num_targets).backward()
+        torch.cuda.synchronize()
+    zero_grads(model)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="glm5", choices=["glm5"])
+    parser.add_argument("--tokens", default="4096,16384,65536")
+    parser.add_argument("--impls", default="transformers,v4train")
+    parser.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="per-op times, kernel table and FLOP share at the first length")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    dtype = torch.bfloat16
+    hf, ours, cfg = build(args.model, dtype)
+    ours.use_ops(ops.resolve("all"))
+    weights_gib = torch.cuda.memory_allocated() / GIB
+    flops_per_token = 6 * active_params(cfg)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
+          f"{__import__('transformers').__version__}; {args.model} proxy, weights {weights_gib:.1f} GiB, "
+          f"{flops_per_token / 1e9:.1f} GFLOP per token (6 x active parameters); C++ ops: {sorted(ours.ops.cpp)}",
+          flush=True)
+    print("| impl | tokens | checkpointing | step s | tokens/s | peak GiB above weights | TFLOP/s | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    results = []
+    for i, tokens in enumerate(int(t) for t in args.tokens.split(",")):
+        gen = torch.Generator().manual_seed(tokens)
+        ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=gen).cuda()
+        batch = Packed.from_rows(ids)
+        losses = {}
+        for impl in args.impls.split(","):
+            ckpt = {"on": True, "off": False, "auto": impl == "v4train" and tokens >= 16384}[args.checkpointing]
+            if impl == "transformers":
+                if ckpt:
+                    hf.gradient_checkpointing_enable({"use_reentrant": False})
+                else:
+                    hf.gradient_checkpointing_disable()
+
+                def step():
+                    loss = hf(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    losses[impl] = loss.item()
+                    zero_grads(hf)
+            else:
+                ours.checkpointing = ckpt
+
+                def step():
+                    loss = ours.loss(batch, batch.num_targets)
+                    loss.backward()
+                    losses[impl] = loss.item()
+                    zero_grads(ours)
+            row = {"impl": impl, "tokens": tokens, "checkpointing": ckpt}
+            try:
+                seconds, peak = timed_steps(step, args.warmup, args.steps)
+                row.update(step_s=seconds, tokens_per_s=tokens / seconds, peak_gib=peak / GIB,
+                           tflops=flops_per_token * tokens / seconds / 1e12, loss=losses[impl])
+                print(f"| {impl} | {tokens} | {ckpt} | {seconds:.3f} | {tokens / seconds:,.0f} | {peak / GIB:.1f} | "
+                      f"{row['tflops']:.0f} | {losses[impl]:.5f} |", flush=True)
+            except torch.OutOfMemoryError:
+                row["oom"] = True
+                print(f"| {impl} | {tokens} | {ckpt} | out of memory | - | - | - | - |", flush=True)
+            zero_grads(hf)
+            gc.collect()
+            torch.cuda.empty_cache()
+            results.append(row)
+        if len(losses) == 2:
+            print(f"loss difference at {tokens} tokens: {abs(losses['transformers'] - losses['v4train']):.2e}")
+        if args.profile and i == 0 and "v4train" in args.impls:
+            ours.checkpointing = False
+            print("v4train forward ms per op (one step):", {k: round(v, 2) for k, v in per_op_times(ours, batch).items()})
+            with FlopShare(ours.ops) as share:
+                ours.use_ops(share.table)
+                ours.loss(batch, batch.num_targets).backward()
+            ours.use_ops(ops.resolve("all"))
+            zero_grads(ours)
+            s = share.summary()
+            print(f"FLOP share in C++ ops: {100 * s['cpp_share']:.2f}% of {s['total'] / 1e12:.1f} TFLOP")
+            print(profile(ours, batch))
+            gc.collect()
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": results, "time": time.time()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
