@@ -85,9 +85,9 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
     const at::Tensor p = at::arange(first, longs);
     out.slice(0, start, start + first).copy_(at::where(pos.unsqueeze(0) <= p.unsqueeze(1), pos.unsqueeze(0), -1));
     if (L <= K) continue;
-    const at::Tensor qd = q.slice(0, start, end).to(at::kFloat), kd = k.slice(0, start, end).to(at::kFloat);
     const at::Tensor wd = head_weights.slice(0, start, end);
     if (L * n * L * 4 <= kBlockBytes) {  // all at once, as the reference
+      const at::Tensor qd = q.slice(0, start, end).to(at::kFloat), kd = k.slice(0, start, end).to(at::kFloat);
       const at::Tensor scores = at::relu(at::matmul(qd, kd.t()) * scale);                 // [L, n, L]
       at::Tensor index_scores = at::matmul(wd.unsqueeze(-2), scores).squeeze(-2);           // [L, L]
       const at::Tensor causal = at::ones({L, L}, h.options().dtype(at::kBool)).tril();
@@ -95,10 +95,16 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
       out.slice(0, start + K, end).copy_(canonical(std::get<1>(index_scores.slice(0, K).topk(K, -1))));
       continue;
     }
+    // Blocks of queries; the scores' products take the activations' dtype with fp32 accumulation
+    // and output (on the GPU, bf16 operands run on the tensor cores; the values are the same
+    // bf16 numbers the reference upcasts).
+    const at::Tensor ql = q.slice(0, start, end), kl = k.slice(0, start, end);
     const int64_t rows = block_rows(n * L * 4);
     for (int64_t b0 = K; b0 < L; b0 += rows) {
-      const int64_t b1 = std::min(L, b0 + rows);  // queries b0..b1-1 see keys 0..b1-1
-      const at::Tensor scores = at::relu(at::matmul(qd.slice(0, b0, b1), kd.slice(0, 0, b1).t()) * scale);
+      const int64_t b1 = std::min(L, b0 + rows), B = b1 - b0;  // queries b0..b1-1 see keys 0..b1-1
+      const at::Tensor products = bmm_f32(ql.slice(0, b0, b1).reshape({1, B * n, d}),
+                                          kl.slice(0, 0, b1).t().unsqueeze(0)).view({B, n, b1});
+      const at::Tensor scores = at::relu(products * scale);
       at::Tensor index_scores = at::matmul(wd.slice(0, b0, b1).unsqueeze(-2), scores).squeeze(-2);  // [B, b1]
       const at::Tensor key = at::arange(b1, longs), query = at::arange(b0, b1, longs);
       index_scores = index_scores.masked_fill(key.unsqueeze(0) > query.unsqueeze(1),
