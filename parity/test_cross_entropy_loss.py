@@ -41,3 +41,15 @@ def test_backward_keeps_no_logits():
     T, V = 64, 1000
     assert _largest_saved("cpp", T, V) == V * 8, "only hidden, weight and targets are kept"
     assert _largest_saved("reference", T, V) >= 16 * V, "(the reference keeps each chunk's logits)"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_ignored_token_does_not_reach_the_loss_whatever_its_hidden_state(impl):
+    gen = torch.Generator().manual_seed(1)
+    h, w = torch.randn(20, 16, generator=gen), torch.randn(90, 16, generator=gen) * 0.3
+    t = torch.randint(0, 90, (20,), generator=gen)
+    t[3], t[7] = -100, -100
+    h[3], h[7, 0] = float("nan"), float("inf")
+    keep = t != -100
+    expected = F.cross_entropy(h[keep] @ w.T, t[keep], reduction="sum") / 5.0
+    assert_close(IMPLS[impl](h, w, t, 5.0, 8), expected, "loss with non-finite ignored tokens")

@@ -62,9 +62,11 @@ def main(argv):
             raise app.UsageError(f"--{name} is required")
     try:
         table = ops.resolve(FLAGS.cpp_ops)
-        path = lambda flag: getattr(FLAGS, flag) and cli.input_path(flag, getattr(FLAGS, flag))  # noqa: E731
-        result = evaluate(path("model_dir"), path("data"), getattr(torch, FLAGS.dtype), cli.pick_device(FLAGS.device),
-                          FLAGS.max_batch_tokens, path("adapter_dir"), path("tokenizer_dir"), table)
+        path = lambda flag, directory=True: getattr(FLAGS, flag) and cli.input_path(flag, getattr(FLAGS, flag),  # noqa: E731
+                                                                                    directory)
+        result = evaluate(path("model_dir"), path("data", False), getattr(torch, FLAGS.dtype),
+                          cli.pick_device(FLAGS.device), FLAGS.max_batch_tokens, path("adapter_dir"), path("tokenizer_dir"),
+                          table)
     except (ValueError, ops.CppOpUnavailable) as e:  # ConfigError, CheckpointError, DataError are ValueErrors
         print(f"evaluate: {e}", file=sys.stderr)
         return 2

@@ -210,6 +210,9 @@ def main() -> int:
             except torch.OutOfMemoryError:
                 row["oom"] = True
                 print(f"| {impl} | {tokens} | {ckpt} | out of memory | - | - | - | - |", flush=True)
+            except RuntimeError as e:  # reported, and the other rows still run
+                row["error"] = str(e)[:2000]
+                print(f"| {impl} | {tokens} | {ckpt} | error: {str(e).splitlines()[0][:200]} | - | - | - | - |", flush=True)
             zero_grads(hf)
             gc.collect()
             torch.cuda.empty_cache()

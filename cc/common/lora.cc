@@ -14,6 +14,15 @@ std::pair<std::string, std::string> adapter_names(const std::string& weight_name
   return {base + "lora_A", base + "lora_B"};
 }
 
+void check_weights(const char* op, const Weights& weights, const at::Tensor& x) {
+  for (const auto& [name, w] : weights) {
+    TORCH_CHECK_VALUE(w.defined(), op, ": weights[", name, "] is undefined");
+    TORCH_CHECK_VALUE(w.is_floating_point(), op, ": weights[", name, "] must be floating point, got ", w.scalar_type());
+    TORCH_CHECK_VALUE(w.device() == x.device(), op, ": weights[", name, "] is on ", w.device(), " but the input is on ",
+                      x.device());
+  }
+}
+
 const at::Tensor& get(const Weights& weights, const std::string& name, const char* op) {
   const auto it = weights.find(name);
   TORCH_CHECK_VALUE(it != weights.end() && it->second.defined(), op, ": weights lacks the tensor ", name);

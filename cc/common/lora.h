@@ -22,6 +22,10 @@ struct Lora {
 // tensor P -> P_lora_A, P_lora_B.
 std::pair<std::string, std::string> adapter_names(const std::string& weight_name);
 
+// Every tensor of a layer's weights defined, floating and on x's device: a tensor on another
+// device (a CPU or meta one among CUDA ones) is refused by name before any compute.
+void check_weights(const char* op, const Weights& weights, const at::Tensor& x);
+
 // weights[name], or a ValueError naming the op and the missing tensor.
 const at::Tensor& get(const Weights& weights, const std::string& name, const char* op);
 

@@ -3,9 +3,13 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <map>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "cc/common/checks.h"
 
@@ -17,6 +21,33 @@ void check_same_size(const char* op, const char* name, const at::Tensor& t, cons
   TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", name, "[", i, "] has shape ", t.sizes(), " but ",
                     ref_name, "[", i, "] has shape ", ref.sizes());
   v4::check_same_device(op, name, t, ref_name, ref);
+}
+
+// No two of the step's tensors may share memory: an update through one would change what another
+// reads, and the fused kernel and a sequential update would then leave different values.
+// Sorted by (device, first byte), only neighbours whose byte ranges meet are looked at closely.
+void check_disjoint(const char* op, const std::vector<std::pair<std::string, const at::Tensor*>>& tensors) {
+  std::vector<std::tuple<std::string, uintptr_t, uintptr_t, size_t>> spans;  // device, begin, end, index
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const at::Tensor& t = *tensors[k].second;
+    if (t.numel() == 0 || t.is_meta()) continue;
+    int64_t extent = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+    const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    spans.emplace_back(t.device().str(), begin, begin + extent * t.element_size(), k);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t s = 1, widest = 0; s < spans.size(); ++s) {  // widest: the span reaching furthest so far
+    const auto& [device, begin, end, k] = spans[s];
+    const size_t j = std::get<3>(spans[widest]);
+    const bool same_device = device == std::get<0>(spans[widest]);
+    if (same_device && begin < std::get<2>(spans[widest]) &&
+        at::get_overlap_status(*tensors[j].second, *tensors[k].second) != at::MemOverlapStatus::No) {
+      TORCH_CHECK_VALUE(false, op, ": ", tensors[std::min(j, k)].first, " and ", tensors[std::max(j, k)].first,
+                        " share memory: each tensor of the step must be its own");
+    }
+    if (!same_device || end > std::get<2>(spans[widest])) widest = s;
+  }
 }
 
 // A float32 contiguous tensor holding t's values: t itself when it already is one.
@@ -74,6 +105,14 @@ void v4_adam_step(const std::vector<at::Tensor>& params, const std::vector<at::T
       v4::check_writable(op, "master_params", master_params[i], i);
     }
   }
+  std::vector<std::pair<std::string, const at::Tensor*>> named;
+  const std::pair<const char*, const std::vector<at::Tensor>*> lists[] = {
+      {"params", &params}, {"grads", &grads}, {"exp_avgs", &exp_avgs}, {"exp_avg_sqs", &exp_avg_sqs},
+      {"master_params", &master_params}};
+  for (const auto& [name, list] : lists) {
+    for (size_t i = 0; i < list->size(); ++i) named.emplace_back(std::string(name) + "[" + std::to_string(i) + "]", &(*list)[i]);
+  }
+  check_disjoint(op, named);
   if (n == 0) return;
   at::NoGradGuard no_grad;
   // ATen's fused AdamW reads each tensor once; it wants float32, dense tensors of one device.

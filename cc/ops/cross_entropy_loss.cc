@@ -26,7 +26,8 @@ struct CrossEntropyLoss : public torch::autograd::Function<CrossEntropyLoss> {
       const at::Tensor valid = t.ne(kIgnore);
       const at::Tensor chunk_lse = at::logsumexp(logits, -1);
       const at::Tensor picked = logits.gather(1, at::where(valid, t, 0).unsqueeze(1)).squeeze(1);
-      total.add_(((chunk_lse - picked) * valid).sum());
+      // where, not a product with the mask: an ignored token's NaN or inf must not reach the sum.
+      total.add_(at::where(valid, chunk_lse - picked, 0).sum());
     }
     ctx->save_for_backward({hidden, weight, targets});
     ctx->saved_data["normalizer"] = normalizer;
@@ -96,6 +97,7 @@ at::Tensor v4_cross_entropy_loss(const at::Tensor& hidden, const at::Tensor& wei
                     normalizer);
   TORCH_CHECK_VALUE(chunk_tokens > 0, op, ": chunk_tokens must be > 0, got ", chunk_tokens);
   const int64_t V = weight.size(0);
+  TORCH_CHECK_VALUE(V > 0, op, ": weight.size(0) (the vocabulary) must be > 0, got shape ", weight.sizes());
   TORCH_CHECK_VALUE(((targets == v4::kIgnore) | ((targets >= 0) & (targets < V))).all().item<bool>(), op,
                     ": targets must be -100 or lie in [0, ", V, ")");
   return v4::CrossEntropyLoss::apply(hidden, weight, targets, normalizer, chunk_tokens);

@@ -141,6 +141,7 @@ std::tuple<at::Tensor, at::Tensor> v4_glm5_layer_forward(const at::Tensor& hidde
   constexpr const char* op = "v4_glm5_layer_forward";
   v4::check_floating(op, "hidden", hidden, /*float64=*/true);
   v4::check_dim(op, "hidden", hidden, 2);
+  v4::check_weights(op, weights, hidden);
   const int64_t layers = static_cast<int64_t>(cfg.mlp_layer_types.size());
   TORCH_CHECK_VALUE(layer >= 0 && layer < layers && static_cast<int64_t>(cfg.indexer_types.size()) == layers, op,
                     ": layer ", layer, " is not one of the config's ", layers, " layers");

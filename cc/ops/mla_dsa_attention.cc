@@ -218,6 +218,7 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
   constexpr const char* op = kOp;
   check_floating(op, "h", h, /*float64=*/true);
   check_dim(op, "h", h, 2);
+  v4::check_weights(op, weights, h);
   const int64_t T = h.size(0), K = cfg.index_topk;
   TORCH_CHECK_VALUE(h.size(1) == cfg.hidden_size, op, ": h has shape ", h.sizes(), ", expected [T, hidden_size=",
                     cfg.hidden_size, "]");
@@ -225,6 +226,7 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
                     " is not one of the config's ", cfg.indexer_types.size(), " layers");
   TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == T, op,
                     ": positions must be int64 [", T, "], got ", positions.scalar_type(), " ", positions.sizes());
+  check_same_device(op, "positions", positions, "h", h);
   TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op,
                     ": cu_seqlens must be int64 [documents + 1], got ", cu_seqlens.scalar_type(), " ",
                     cu_seqlens.sizes());
@@ -241,6 +243,7 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
                           carry->size(1) == K,
                       op, ": carry must be the int64 [", T, ", ", K, "] selection, got ", carry->scalar_type(), " ",
                       carry->sizes());
+    check_same_device(op, "carry", *carry, "h", h);
   } else {
     TORCH_CHECK_VALUE(cfg.indexer_types[layer] == "full", op, ": layer ", layer,
                       " is a 'shared' indexer layer but no earlier layer's selection was given (carry)");

@@ -9,6 +9,7 @@ at::Tensor v4_mlp(const at::Tensor& x, const v4::Weights& weights, const std::st
   constexpr const char* op = "v4_mlp";
   v4::check_floating(op, "x", x, /*float64=*/true);
   v4::check_dim(op, "x", x, 2);
+  v4::check_weights(op, weights, x);
   const v4::Lora lora{lora_scaling, lora_dropout};
   // One statement per map: the adapters draw their dropout masks in the reference's order.
   const at::Tensor gate = v4::linear(x, weights, prefix + "gate_proj.weight", lora, op);

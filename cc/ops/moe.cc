@@ -98,6 +98,7 @@ std::tuple<at::Tensor, at::Tensor> v4_moe(const at::Tensor& x, const v4::Weights
   constexpr const char* op = "v4_moe";
   v4::check_floating(op, "x", x, /*float64=*/true);
   v4::check_dim(op, "x", x, 2);
+  v4::check_weights(op, weights, x);
   const at::Tensor& gate = v4::get(weights, prefix + "gate.weight", op);
   const at::Tensor& bias = v4::get(weights, prefix + "gate.e_score_correction_bias", op);
   const int64_t E = gate.size(0);
@@ -121,6 +122,7 @@ std::tuple<at::Tensor, at::Tensor> v4_moe(const at::Tensor& x, const v4::Weights
     idx = *routing;
     TORCH_CHECK_VALUE(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == T && idx.size(1) == top_k, op,
                       ": routing must be int64 [", T, ", ", top_k, "], got ", idx.scalar_type(), " ", idx.sizes());
+    v4::check_same_device(op, "routing", idx, "x", x);
     TORCH_CHECK_VALUE(T == 0 || (idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < E), op,
                       ": routing must name experts in [0, ", E, ")");
   } else {

@@ -49,14 +49,73 @@ CHAT = os.path.join(REPO, "testdata", "sft", "chat.jsonl")
 CHAT_EVAL = os.path.join(REPO, "testdata", "sft", "chat_eval.jsonl")
 
 
-def run_cli(script: str, *args: str, cwd: str | None = None):
-    """python py/<script> args..., with this test's import path; returns the CompletedProcess."""
-    import subprocess
+# A small, fast //py:train run (LoRA on the bundled base, fp32) for the end-to-end tests.
+SMALL = ["--model_dir=" + BASE, "--data=" + CHAT, "--dtype=float32", "--seq_len=128", "--micro_batch_size=2",
+         "--lr=2e-3", "--lora_r=4", "--lora_alpha=8", "--log_interval=1"]
+
+
+def _cli(script: str, args, env: dict | None) -> tuple[list[str], dict]:
+    """The command line of python py/<script> args..., and its environment: this test's import
+    path, plus `env`."""
     import sys
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p) for p in sys.path))
-    return subprocess.run([sys.executable, os.path.join(REPO, "py", script), *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=600)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p) for p in sys.path), **(env or {}))
+    return [sys.executable, os.path.join(REPO, "py", script), *args], env
+
+
+def run_cli(script: str, *args: str, cwd: str | None = None, env: dict | None = None, **kwargs):
+    """python py/<script> args..., with this test's import path; returns the CompletedProcess."""
+    import subprocess
+
+    command, env = _cli(script, args, env)
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=600, **kwargs)
+
+
+def start_cli(script: str, *args: str, env: dict | None = None, **kwargs):
+    """python py/<script> args... started in the background (stdout and stderr piped, as text,
+    unless kwargs say otherwise)."""
+    import subprocess
+
+    command, env = _cli(script, args, env)
+    return subprocess.Popen(command, **dict(dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), **kwargs),
+                            env=env)
+
+
+def run_train(*args: str, **kwargs):
+    """//py:train (run_cli) without its start-up self-check of the ops, which is tested elsewhere."""
+    return run_cli("train.py", *args, "--noself_check", **kwargs)
+
+
+def error_line(result, code: int = 2) -> str:
+    """The error of a run that stopped on bad input: exit status `code`, no traceback, and the
+    last line of stderr, which it returns, is the error."""
+    assert result.returncode == code, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(("train: ", "evaluate: ")), result.stderr[-3000:]
+    return last
+
+
+def copy_model(tmp_path, tensors=None, config=None) -> str:
+    """The bundled base in tmp_path/model, its tensors and config.json edited in place by the
+    callables given."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = os.path.join(str(tmp_path), "model")
+    shutil.copytree(BASE, d)
+    if tensors:
+        t = load_file(os.path.join(d, "model.safetensors"))
+        tensors(t)
+        save_file(t, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        with open(os.path.join(d, "config.json")) as f:
+            c = json.load(f)
+        config(c)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(c, f)
+    return d
 
 
 def last_json(stdout: str) -> dict:

@@ -48,7 +48,7 @@ def test_malformed_lines_are_all_reported_with_their_line(tmp_path):
     with pytest.raises(data.DataError) as info:
         data.read_records(path, TOK, vocab_size=384)
     msg = str(info.value)
-    assert msg.startswith(f"{path}: 6 malformed record(s)")
+    assert msg.startswith(f"{path}: 6 malformed records:")
     for line, text in [(2, "not valid JSON"), (3, "messages has no assistant message"), (4, "prompt and completion must both be strings"),
                        (5, "labels must be a list of integers as long as input_ids (2)"),
                        (6, "expected one of messages, prompt/completion, text, input_ids"),
@@ -63,13 +63,13 @@ def test_text_records_without_a_tokenizer_are_an_error(tmp_path):
 
 def test_truncation_dropping_and_the_no_trainable_token_error():
     recs = [data.Record(list(range(10)), list(range(10)), "a:1"), data.Record([1, 2], [1, 2], "a:2")]
-    kept = data.fit_to_length(recs, 4, "truncate")
+    kept = data.fit_to_length(recs, 4, "truncate", "--seq_len=4")
     assert kept.truncated == 1 and kept.dropped == 0 and kept.examples[0].input_ids == [0, 1, 2, 3]
-    dropped = data.fit_to_length(recs, 4, "drop")
+    dropped = data.fit_to_length(recs, 4, "drop", "--seq_len=4")
     assert dropped.dropped == 1 and [r.where for r in dropped.examples] == ["a:2"]
     masked = [data.Record([1, 2, 3], [-100, -100, -100], "b:1")]
     with pytest.raises(data.DataError, match="no trainable token"):
-        data.fit_to_length(masked, 4, "truncate")
+        data.fit_to_length(masked, 4, "truncate", "--seq_len=4")
 
 
 def test_packing_fills_rows_without_splitting_examples():

@@ -6,11 +6,8 @@ import os
 import pytest
 import torch
 
-from golden_cases import BASE, CHAT, CHAT_EVAL, last_json, metrics, run_cli
+from golden_cases import BASE, CHAT, CHAT_EVAL, SMALL, last_json, metrics, run_cli
 from v4train.ops.compare import assert_close
-
-SMALL = ["--model_dir=" + BASE, "--data=" + CHAT, "--dtype=float32", "--seq_len=128", "--micro_batch_size=2",
-         "--lr=2e-3", "--lora_r=4", "--lora_alpha=8", "--log_interval=1"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -19,12 +16,12 @@ SMALL = ["--model_dir=" + BASE, "--data=" + CHAT, "--dtype=float32", "--seq_len=
     (["--model_dir=x", "--data=d", "--output_dir=o", "--finetune=full", "--lora_r=4"],
      "--lora_* flags contradict --finetune=full"),
     (["--model_dir=x", "--data=d", "--output_dir=o", "--max_steps=5", "--warmup_steps=10"],
-     "--warmup_steps=10 is more than --max_steps=5"),
+     "--warmup_steps=10 is more than the 5 steps of this run (--max_steps=5)"),
     (["--model_dir=" + BASE, "--data=nowhere.jsonl", "--output_dir=o"], "--data=nowhere.jsonl: not found"),
     (["--model_dir=" + BASE, "--data=" + CHAT, "--output_dir=o", "--cpp_ops=qwen3_5_layer_forward"],
      "--cpp_ops: v4_qwen3_5_layer_forward has no C++ implementation yet"),
     (["--model_dir=" + BASE, "--data=" + CHAT, "--output_dir=o", "--lora_target_modules=nope", "--nolora_experts"],
-     "--lora_target_modules=nope matches no module of glm_moe_dsa"),
+     "--lora_target_modules=nope: nope matches no module of glm_moe_dsa"),
     (["--lr=-1"], "--lr"),
     (["--nonsense=1"], "Unknown command line flag 'nonsense'"),
     (["--flagfile=missing.flags"], "--flagfile=missing.flags: not found"),

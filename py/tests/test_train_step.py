@@ -53,9 +53,9 @@ def test_step_loop_makes_no_torch_compute_call_outside_an_op():
     optimizer = AdamW(adapters, table)
     recorder = Recorder()
     with recorder:
-        loss, grad_norm, tokens = train.train_step(model, optimizer, [records[:3], records[3:]], 1e-3, 1.0, "cpu")
+        result = train.train_step(model, optimizer, [records[:3], records[3:]], 1e-3, 1.0, "cpu")
     assert recorder.violations == [], "\n".join(recorder.violations)
-    assert loss > 0 and grad_norm > 0 and tokens == sum(len(r.input_ids) for r in records)
+    assert result.loss > 0 and result.grad_norm > 0 and result.tokens == sum(len(r.input_ids) for r in records)
 
 
 def test_the_recorder_would_catch_a_compute_call_in_the_step(monkeypatch):
@@ -73,3 +73,34 @@ def test_the_recorder_would_catch_a_compute_call_in_the_step(monkeypatch):
     with recorder:
         leaky(model, AdamW(adapters, ops.REFERENCE), [records], 1e-3, 1.0, "cpu")
     assert any(v.startswith("ones from py/tests/test_train_step.py") for v in recorder.violations), recorder.violations
+
+
+def test_a_nonfinite_step_applies_no_update_and_names_the_gradients_that_hold_it():
+    model, _ = hf_checkpoint.load(BASE)
+    table = ops.resolve("all")
+    model.use_ops(table)
+    adapters = lora.add_adapters(model, lora.LoraConfig(4, 8, 0.0, ("o_proj",), True), torch.float32, "cpu", 0)
+    for w in model.parameters():
+        w.requires_grad_(False)
+    for t in adapters.values():
+        t.requires_grad_(True)
+    records = data.read_records(CHAT, Tokenizer(BASE))[:2]
+    optimizer = AdamW(adapters, table)
+    before = {n: t.clone() for n, t in {**adapters, **optimizer.state_tensors()}.items()}
+    norm = model.get_parameter("model.norm.weight")
+    healthy = norm.detach().clone()
+    with torch.no_grad():
+        norm.fill_(1e38)  # finite, but the logits overflow: the loss is NaN
+    result = train.train_step(model, optimizer, [records], 1e-3, 1.0, "cpu")
+    assert not result.finite and result.loss != result.loss
+    assert result.nonfinite[0] == "model.layers.0.self_attn.o_proj.lora_A"
+    assert result.nonfinite == [n for n in adapters if n in result.nonfinite], "in model order"
+    after = {**adapters, **optimizer.state_tensors()}
+    assert all(torch.equal(after[n], t) for n, t in before.items()), "no parameter or moment changed"
+    assert optimizer.step_count == 0 and all(t.grad is None for t in adapters.values())
+    with torch.no_grad():
+        norm.copy_(healthy)
+    result = train.train_step(model, optimizer, [records], 1e-3, 1.0, "cpu")
+    assert result.finite and result.nonfinite == [] and optimizer.step_count == 1
+    assert not torch.equal(adapters["model.layers.0.self_attn.o_proj.lora_B"],
+                           before["model.layers.0.self_attn.o_proj.lora_B"]), "a finite step updates"

@@ -3,11 +3,16 @@
 A checkpoint holds what a user loads (a PEFT adapter, or full weights in Hugging Face layout,
 plus the tokenizer files) and what an exact resume needs: optimizer moments
 (optimizer.safetensors), RNG states (rng_state.pt) and the step and data position
-(trainer_state.json). A run killed at any moment leaves the last complete checkpoint intact.
+(trainer_state.json). manifest.json, written last, lists every file with its size and sha256: a
+checkpoint is complete when its manifest is there and every file has its listed size, and a
+resume checks the checksums too. Writes go through a temporary folder renamed into place, and
+the rotation renames a checkpoint away before deleting it, so a run killed at any moment leaves
+every checkpoint folder complete or absent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -15,26 +20,94 @@ import re
 import shutil
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from v4train import hf_checkpoint, lora
-from v4train.atomic import atomic_dir
+from v4train.atomic import atomic_dir, kill_point, remove_dir
+from v4train.hf_checkpoint import CheckpointError, read_json
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The LoraConfig fields a resumed run must share with its checkpoint, and the flag of each.
+LORA_FLAGS = (("r", "lora_r"), ("alpha", "lora_alpha"), ("target_modules", "lora_target_modules"),
+              ("experts", "lora_experts"))
+
+
+def step_of(path: str) -> int | None:
+    """The step of a checkpoint-STEP folder (None for any other name)."""
+    m = _NAME.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(parent, name), folder)
+                  for parent, _, names in os.walk(folder) for name in names)
+
+
+def _write_manifest(folder: str) -> None:
+    files = {name: {"bytes": os.path.getsize(os.path.join(folder, name)), "sha256": _sha256(os.path.join(folder, name))}
+             for name in _files(folder)}
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump({"files": files}, f, indent=1, sort_keys=True)
+
+
+def _manifest(path: str) -> dict[str, dict]:
+    files = read_json(os.path.join(path, MANIFEST)).get("files")
+    if not isinstance(files, dict) or not all(isinstance(e, dict) and isinstance(e.get("bytes"), int)
+                                              and isinstance(e.get("sha256"), str) for e in files.values()):
+        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: expected {{\"files\": {{name: {{bytes, sha256}}}}}}")
+    return files
+
+
+def _incomplete(path: str) -> str | None:
+    """Why the checkpoint folder `path` is not complete, or None: a missing manifest, or a listed
+    file that is missing or of another size. Cheap: no file is read."""
+    if not os.path.exists(os.path.join(path, MANIFEST)):
+        return f"no {MANIFEST} (its write or deletion was interrupted)"
+    try:
+        files = _manifest(path)
+    except CheckpointError as e:
+        return str(e)
+    for name, entry in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != entry["bytes"]:
+            return f"{name} has {os.path.getsize(file)} bytes, {MANIFEST} says {entry['bytes']} (truncated?)"
+    return None
+
+
+def scan(output_dir: str) -> tuple[list[tuple[int, str]], dict[str, str]]:
+    """The complete checkpoints of output_dir as (step, path), oldest first, and the incomplete
+    checkpoint-STEP folders with why each is incomplete."""
+    complete, incomplete = [], {}
+    if os.path.isdir(output_dir):
+        for name in os.listdir(output_dir):
+            step, path = step_of(name), os.path.join(output_dir, name)
+            if step is None or not os.path.isdir(path):
+                continue
+            why = _incomplete(path)
+            if why:
+                incomplete[path] = why
+            else:
+                complete.append((step, path))
+    return sorted(complete), incomplete
 
 
 def checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """Complete checkpoints of output_dir, oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        m = _NAME.match(name)
-        if m and os.path.exists(os.path.join(output_dir, name, STATE)):
-            found.append((int(m.group(1)), os.path.join(output_dir, name)))
-    return sorted(found)
+    return scan(output_dir)[0]
 
 
 def latest(output_dir: str) -> str | None:
@@ -42,54 +115,91 @@ def latest(output_dir: str) -> str | None:
     return found[-1][1] if found else None
 
 
+def verify(path: str) -> None:
+    """Raises CheckpointError, naming the file, unless every file of the checkpoint is as written."""
+    why = _incomplete(path)
+    if why:
+        raise CheckpointError(f"{path}: not a complete v4train checkpoint: {why}")
+    for name, entry in _manifest(path).items():
+        if _sha256(os.path.join(path, name)) != entry["sha256"]:
+            raise CheckpointError(f"{os.path.join(path, name)}: its content changed since it was written (sha256 "
+                                  f"differs from {MANIFEST})")
+
+
 def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer, state: dict, base_model_dir: str,
          tokenizer_dir: str | None, keep: int) -> str:
+    """Writes checkpoint-STEP, then deletes the oldest complete checkpoints beyond `keep`. A write
+    that fails (a full disk) raises CheckpointError saying which checkpoint is kept."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
-    with atomic_dir(final) as tmp:
-        if adapters is not None:
-            lora.save_peft(model, adapters, lcfg, tmp, base_model_dir)
-        else:
-            hf_checkpoint.write(model, tmp)
-        for name in TOKENIZER_FILES:
-            if tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, name)):
-                shutil.copy(os.path.join(tokenizer_dir, name), tmp)
-        save_file({k: v.detach().cpu().contiguous() for k, v in optimizer.state_tensors().items()},
-                  os.path.join(tmp, "optimizer.safetensors"))
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, os.path.join(tmp, "rng_state.pt"))
-        with open(os.path.join(tmp, STATE), "w") as f:  # written last: its presence marks completeness
-            json.dump(dict(state, step=step, optimizer_steps=optimizer.step_count), f, indent=1, sort_keys=True)
+    try:
+        with atomic_dir(final) as tmp:
+            if adapters is not None:
+                lora.save_peft(model, adapters, lcfg, tmp, base_model_dir)
+            else:
+                hf_checkpoint.write(model, tmp)
+            kill_point("checkpoint-write")
+            for name in TOKENIZER_FILES:
+                if tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, name)):
+                    shutil.copy(os.path.join(tokenizer_dir, name), tmp)
+            save_file({k: v.detach().cpu().contiguous() for k, v in optimizer.state_tensors().items()},
+                      os.path.join(tmp, "optimizer.safetensors"))
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state_all()
+            torch.save(rng, os.path.join(tmp, "rng_state.pt"))
+            with open(os.path.join(tmp, STATE), "w") as f:
+                json.dump(dict(state, step=step, optimizer_steps=optimizer.step_count), f, indent=1, sort_keys=True)
+            _write_manifest(tmp)  # last: a folder with a manifest is complete
+    except (OSError, RuntimeError, SafetensorError) as e:  # torch.save and safetensors wrap the OSError
+        kept = latest(output_dir)
+        free = shutil.disk_usage(output_dir).free / 2**20
+        raise CheckpointError(f"writing {final} failed ({e}; {free:,.0f} MiB free on its disk); "
+                              + (f"the last complete checkpoint, {kept}, is kept" if kept else
+                                 "there is no earlier checkpoint")) from None
     for _, old in checkpoints(output_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_dir(old)
     return final
 
 
-def load(path: str, *, model, adapters, optimizer) -> dict:
-    """Restores weights (or adapters), optimizer moments and RNG states; returns trainer_state."""
+def _check_same_lora(path: str, lcfg: lora.LoraConfig) -> None:
+    saved = lora.read_config(path)
+    for field, flag in LORA_FLAGS:
+        theirs, ours = getattr(saved, field), getattr(lcfg, field)
+        if field == "target_modules":
+            theirs, ours = ",".join(sorted(set(theirs))), ",".join(sorted(set(ours)))
+        if theirs != ours:
+            raise CheckpointError(f"--resume_from={path}: its {lora.ADAPTER_CONFIG} has {field}={theirs}, but this "
+                                  f"run has --{flag}={ours}")
+
+
+def load(path: str, *, model, adapters, lcfg, optimizer) -> dict:
+    """Restores weights (or adapters), optimizer moments and RNG states; returns trainer_state.
+    Every problem is a CheckpointError of one line naming the file."""
+    verify(path)
     state_path = os.path.join(path, STATE)
-    if not os.path.exists(state_path):
-        raise ValueError(f"--resume_from={path}: not a complete v4train checkpoint (no {STATE})")
-    with open(state_path) as f:
-        state = json.load(f)
+    state = read_json(state_path)
+    missing = [k for k in ("step", "optimizer_steps", "loader") if k not in state]
+    if missing:
+        raise CheckpointError(f"{state_path}: lacks {', '.join(missing)}")
     with torch.no_grad():
         if adapters is not None:
             if not os.path.exists(os.path.join(path, lora.ADAPTER_CONFIG)):
-                raise ValueError(f"--resume_from={path}: a full fine-tuning checkpoint, but this run trains LoRA")
+                raise CheckpointError(f"--resume_from={path}: a full fine-tuning checkpoint, but this run trains LoRA")
+            _check_same_lora(path, lcfg)
             _, stored = lora.read_peft(model, path)
-            if set(stored) != set(adapters):
-                raise ValueError(f"--resume_from={path}: its adapters differ from this run's LoRA flags")
             for name, t in adapters.items():
                 t.copy_(stored[name])
         else:
             if os.path.exists(os.path.join(path, lora.ADAPTER_CONFIG)):
-                raise ValueError(f"--resume_from={path}: a LoRA checkpoint, but this run is --finetune=full")
+                raise CheckpointError(f"--resume_from={path}: a LoRA checkpoint, but this run is --finetune=full")
             saved, _ = hf_checkpoint.load(path, torch.float32, "cpu")
             saved_weights = saved.weights()
             for name, t in model.weights().items():
                 t.copy_(saved_weights[name])
-    optimizer.load_state(load_file(os.path.join(path, "optimizer.safetensors")), state["optimizer_steps"])
+    try:
+        optimizer.load_state(load_file(os.path.join(path, "optimizer.safetensors")), state["optimizer_steps"])
+    except ValueError as e:
+        raise CheckpointError(f"{os.path.join(path, 'optimizer.safetensors')}: {e}") from None
     rng = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

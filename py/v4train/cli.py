@@ -24,11 +24,14 @@ def output_path(value: str) -> str:
     return os.path.join(user_dir(), os.path.expanduser(value))
 
 
-def input_path(flag: str, value: str) -> str:
-    """A path to read: from the user's directory, else from the repository (the bundled data)."""
+def input_path(flag: str, value: str, directory: bool = False) -> str:
+    """A path to read (a folder if `directory`): from the user's directory, else from the
+    repository (the bundled data)."""
     value = os.path.expanduser(value)
     for candidate in (os.path.join(user_dir(), value), os.path.join(REPO, value)):
         if os.path.exists(candidate):
+            if directory and not os.path.isdir(candidate):
+                raise ValueError(f"--{flag}={value}: {os.path.abspath(candidate)} is a file, expected a directory")
             return os.path.abspath(candidate)
     raise ValueError(f"--{flag}={value}: not found (looked in {user_dir()} and {REPO})")
 

@@ -7,7 +7,8 @@ Record forms (one per line):
   {"text": "..."}                                      loss on every token (+ eos)
   {"input_ids": [...], "labels": [...]?}               pre-tokenized, used exactly as given;
                                                        labels default to input_ids, -100 = no loss
-Every malformed line is reported with file:line, all of them in one error.
+Every malformed line (not UTF-8, not JSON, a lone surrogate, a bad record) is reported with
+file:line, all of them in one error; a compressed file is refused as a whole.
 """
 
 from __future__ import annotations
@@ -76,19 +77,42 @@ def _parse(obj, tokenizer) -> tuple[list[int], list[int]]:
     return ids, list(ids)
 
 
+def _text(raw: bytes) -> str:
+    """A line as text; raises ValueError saying where it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)") from None
+
+
+def _no_lone_surrogates(obj) -> None:
+    """JSON's \\uD800-\\uDFFF escapes can encode half a UTF-16 pair, which is not text (the tokenizer
+    cannot take it): every string of the record must encode as UTF-8."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"a string holds a lone surrogate (U+{ord(e.object[e.start]):04X}), which is not text") from None
+
+
 def read_records(path: str, tokenizer=None, vocab_size: int | None = None) -> list[Record]:
     records, problems = [], []
     try:
-        f = open(path)
+        f = open(path, "rb")
     except OSError as e:
         raise DataError(f"{path}: cannot open ({e.strerror})") from None
     with f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+        if f.read(2) == b"\x1f\x8b":
+            raise DataError(f"{path}: a gzip-compressed file; give the JSONL uncompressed (gunzip it first)")
+        f.seek(0)
+        for n, raw in enumerate(f, 1):
             where = f"{path}:{n}"
             try:
-                ids, labels = _parse(json.loads(line), tokenizer)
+                line = _text(raw)
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                _no_lone_surrogates(obj)
+                ids, labels = _parse(obj, tokenizer)
                 if vocab_size is not None:
                     if not all(0 <= t < vocab_size for t in ids):
                         raise ValueError(f"input_ids must lie in [0, {vocab_size}) (the model's vocab_size)")
@@ -101,9 +125,11 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None) -> li
                 problems.append(f"{where}: {e}")
                 continue
             records.append(Record(ids, labels, where))
+    if len(problems) == 1:
+        raise DataError(problems[0])
     if problems:
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise DataError(f"{path}: {len(problems)} malformed record(s):\n  " + "\n  ".join(problems[:20]) + more)
+        raise DataError(f"{path}: {len(problems)} malformed records:\n  " + "\n  ".join(problems[:20]) + more)
     if not records:
         raise DataError(f"{path}: no records")
     return records
@@ -120,21 +146,22 @@ class Prepared:
         return sum(r.num_targets for r in self.examples)
 
 
-def fit_to_length(records: list[Record], seq_len: int, overlong: str) -> Prepared:
-    """Truncates (keeps the first seq_len tokens) or drops records longer than seq_len."""
+def fit_to_length(records: list[Record], max_len: int, overlong: str, what: str) -> Prepared:
+    """Truncates (keeps the first max_len tokens) or drops records longer than max_len; `what`
+    names the limit in the error (--seq_len=1024, max_position_embeddings=4096)."""
     out, truncated, dropped = [], 0, 0
     for r in records:
-        if len(r.input_ids) <= seq_len:
+        if len(r.input_ids) <= max_len:
             out.append(r)
         elif overlong == "truncate":
-            out.append(Record(r.input_ids[:seq_len], r.labels[:seq_len], r.where))
+            out.append(Record(r.input_ids[:max_len], r.labels[:max_len], r.where))
             truncated += 1
         else:
             dropped += 1
     prepared = Prepared(out, truncated, dropped)
     if prepared.num_targets == 0:
         raise DataError("the dataset has no trainable token (every label is -100 after "
-                        f"{'truncation' if overlong == 'truncate' else 'dropping'} to --seq_len={seq_len})")
+                        f"{'truncation' if overlong == 'truncate' else 'dropping'} to {max_len} tokens, {what})")
     return prepared
 
 

@@ -5,6 +5,8 @@ Bad values stop the run before any work, with a message naming the flag.
 
 from __future__ import annotations
 
+import math
+
 from absl import flags
 
 FLAGS = flags.FLAGS
@@ -66,13 +68,48 @@ flags.DEFINE_string("resume_from", None, "'latest' (the newest checkpoint in --o
 flags.DEFINE_integer("log_interval", 1, "Log every this many steps.", lower_bound=1)
 flags.DEFINE_integer("stop_at_step", 0, "Save and stop after this step, as a preemption would (0: run to the end); "
                      "a later run with --resume_from=latest continues where it stopped.", lower_bound=0)
+flags.DEFINE_boolean("overwrite_output_dir", False, "Start afresh in an --output_dir that holds an earlier run: its "
+                     "checkpoints, metrics.jsonl and loss.png are deleted first (with --resume_from: the checkpoints "
+                     "newer than the one resumed). Without it such a run stops before any work.")
+
+# Non-finite values.
+flags.DEFINE_enum("on_nonfinite", "stop", ["stop", "skip"], "When a step's loss or gradient norm is NaN or infinite "
+                  "(no update is applied either way): 'stop' the run, naming the step and the first non-finite "
+                  "gradient, the last checkpoint kept; or 'skip' the step, counting it, and stop after "
+                  "--max_nonfinite_skips such steps in a row.")
+flags.DEFINE_integer("max_nonfinite_skips", 10, "With --on_nonfinite=skip: stop after this many non-finite steps in a "
+                     "row.", lower_bound=1)
 
 class FlagError(ValueError):
     pass
 
 
+# Flag name -> the --flagfile that set it (filled by train.resolve_flagfiles), so that an error
+# about a value the user did not type says where it came from.
+SOURCES: dict[str, str] = {}
+
+
+def shown(name: str, f=FLAGS) -> str:
+    """--name=value, and the flagfile it came from."""
+    source = f" (from {SOURCES[name]})" if name in SOURCES else ""
+    return f"--{name}={f[name].value}{source}"
+
+
 def validate(f=FLAGS) -> None:
-    """Contradictions between flags (ranges are checked by absl as the flags are parsed)."""
+    """Values absl's bounds cannot express, and contradictions between flags (ranges are checked
+    by absl as the flags are parsed)."""
+    for flag in f.get_flags_for_module(__name__):  # NaN passes every bound check
+        if isinstance(flag.value, float) and not math.isfinite(flag.value):
+            raise FlagError(f"{shown(flag.name, f)}: expected a finite number")
+    for name in ("adam_beta1", "adam_beta2"):
+        if f[name].value >= 1:
+            raise FlagError(f"{shown(name, f)}: expected a value below 1 (a beta of 1 never updates its moment, "
+                            "and AdamW's bias correction divides by zero)")
+    if f.adam_eps <= 0:
+        raise FlagError(f"{shown('adam_eps', f)}: expected a value > 0 (it keeps AdamW's denominator from zero)")
+    if f.lora_dropout >= 1:
+        raise FlagError(f"{shown('lora_dropout', f)}: expected a value below 1 (1 drops every LoRA input: nothing "
+                        "would train)")
     if bool(f.model_dir) == bool(f.model_config):
         raise FlagError("give exactly one of --model_dir (fine-tune a checkpoint) and --model_config (random weights)")
     if not f.data:
@@ -84,10 +121,18 @@ def validate(f=FLAGS) -> None:
     if f.min_lr > f.lr:
         raise FlagError(f"--min_lr={f.min_lr} is above --lr={f.lr}")
     if f.max_steps and f.warmup_steps > f.max_steps:
-        raise FlagError(f"--warmup_steps={f.warmup_steps} is more than --max_steps={f.max_steps}")
+        raise FlagError(warmup_too_long(f.max_steps, shown("max_steps", f), f))
     if f.finetune == "full" and (f["lora_target_modules"].present or f["lora_r"].present or f["lora_experts"].present):
         raise FlagError("--lora_* flags contradict --finetune=full")
     if f.finetune == "lora" and not f.lora_target_modules and not f.lora_experts:
         raise FlagError("--lora_target_modules is empty and --nolora_experts: nothing to adapt")
     if f.eval_interval and not f.eval_data:
         raise FlagError("--eval_interval needs --eval_data")
+
+
+def warmup_too_long(total_steps: int, what: str, f=FLAGS) -> str:
+    """Why a warmup longer than the run is refused, and what to do about it."""
+    where = " on the command line after the --flagfile" if "warmup_steps" in SOURCES else ""
+    return (f"{shown('warmup_steps', f)} is more than the {total_steps} steps of this run ({what}): the learning "
+            f"rate would never reach --lr; pass a smaller --warmup_steps{where} (e.g. "
+            f"--warmup_steps={total_steps // 10}), or train longer")

@@ -5,13 +5,16 @@ Reading maps the checkpoint's keys onto the model's weight table (v4train.models
 vision tower and the MTP layers are skipped (and reported), per-expert tensors are packed into
 one [E, ...] tensor per projection, and FP8 weights (float8_e4m3fn with a 128x128-block
 `weight_scale_inv`) are dequantised. Every problem (missing, unexpected, mis-shaped tensors, a
-truncated file) is collected and reported in one error before anything is returned.
+weight that is not floating point or holds NaN/inf, a truncated file) is collected and reported
+in one error before anything is returned; a malformed JSON file or a config.json value of the
+wrong type is one line naming the file.
 Writing produces the layout transformers reads: per-expert keys, shards above a size limit with
 model.safetensors.index.json, written to a temporary folder and renamed into place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -21,8 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from v4train.atomic import atomic_dir
-from v4train.models import config_from_dict, load_config
+from v4train.models import config_from_dict
 from v4train.models.causal_lm import CausalLM, all_specs
+from v4train.models.config import ConfigError, Glm5Config, ModelConfig, Qwen35Config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -33,14 +37,68 @@ class CheckpointError(ValueError):
     pass
 
 
+def read_json(path: str, error: type[ValueError] = CheckpointError) -> dict:
+    """The JSON object in `path`; a file that is missing, unreadable, not JSON or not an object
+    raises `error` naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise error(f"{path}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+# config.json keys read as numbers that are no field of the configs.
+_NUMBER_KEYS = {"max_position_embeddings": "int", "first_k_dense_replace": "int", "index_topk_freq": "int",
+                "index_skip_topk_offset": "int", "full_attention_interval": "int", "rope_theta": "float"}
+_JSON_KINDS = {"int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+               "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+               "bool": ("true or false", lambda v: isinstance(v, bool))}
+
+
+def _check_types(hf_config: dict, source: str) -> None:
+    """Each config.json value that a config field reads must be a JSON value of the field's kind:
+    hidden_size "128" fails here, in one line, not later in every tensor's shape."""
+    kinds = dict(_NUMBER_KEYS)
+    for cls in (Glm5Config, Qwen35Config):
+        kinds.update({f.name: f.type for f in dataclasses.fields(cls) if f.type in _JSON_KINDS})
+    text = hf_config.get("text_config")
+    for prefix, section in (("", hf_config), ("text_config.", text if isinstance(text, dict) else {})):
+        for key, value in section.items():
+            if key in kinds and not _JSON_KINDS[kinds[key]][1](value):
+                expected = _JSON_KINDS[kinds[key]][0]
+                raise ConfigError(f"{source}: {prefix}{key} must be {expected}, got {json.dumps(value)}")
+
+
+def read_config(path: str) -> tuple[dict, ModelConfig]:
+    """config.json as read, and the model config it describes; errors name the file."""
+    hf_config = read_json(path, ConfigError)
+    _check_types(hf_config, path)
+    try:
+        return hf_config, config_from_dict(hf_config, path)
+    except (TypeError, KeyError, AttributeError) as e:  # a value the parser cannot use, e.g. a list for a dict
+        raise ConfigError(f"{path}: cannot be read as a model config ({type(e).__name__}: {e})") from None
+
+
+def nonfinite(t: torch.Tensor) -> str | None:
+    """'N NaN/inf values' when the tensor holds any, else None."""
+    bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+    return f"{bad} NaN/inf value(s)" if bad else None
+
+
 def _files(model_dir: str) -> dict[str, str]:
     """key -> file path, from the index of a sharded checkpoint or the single file's header."""
     index = os.path.join(model_dir, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: no weight_map")
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: expected a weight_map of tensor name -> file name")
         return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
     single = os.path.join(model_dir, SINGLE)
     if not os.path.exists(single):
@@ -76,9 +134,7 @@ def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
 
 def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[CausalLM, dict]:
     """The model in `dtype` on `device`, and a report {'skipped': {reason: count}}."""
-    cfg = load_config(model_dir)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        hf_config = json.load(f)
+    hf_config, cfg = read_config(os.path.join(model_dir, "config.json"))
     files = _files(model_dir)
     handles: dict[str, object] = {}
 
@@ -110,16 +166,18 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tu
     problems, weights, used = [], {}, set()
     for spec in all_specs(cfg):
         target = torch.float32 if spec.fp32 else dtype
+        packed = spec.experts and spec.name not in available  # stored expert by expert
+        keys = _expert_keys(spec) if packed else [spec.name]
+        # Every key this weight is read from is accounted for, even when another one is missing.
+        used.update(k for key in keys for k in (key, key + "_scale_inv") if k in available)
+        missing = [k for k in keys if k not in available]
+        if missing:
+            more = f", and {len(missing) - 1} more" if len(missing) > 1 else ""
+            problems.append(f"missing tensor {missing[0]} "
+                            + (f"(for {spec.name}{more})" if packed else str(list(spec.shape))))
+            continue
         try:
-            if spec.experts and spec.name not in available:
-                t, keys = _read_experts(spec, available, read)
-                used.update(keys)
-            elif spec.name in available:
-                t, keys = _read_weight(spec.name, available, read)
-                used.update(keys)
-            else:
-                problems.append(f"missing tensor {spec.name} {list(spec.shape)}")
-                continue
+            t = _read_experts(spec, keys, available, read) if packed else _read_weight(spec.name, available, read)
         except CheckpointError as e:
             problems.append(str(e))
             continue
@@ -127,43 +185,43 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tu
             problems.append(f"{spec.name}: shape {list(t.shape)}, expected {list(spec.shape)}")
             continue
         weights[spec.name] = t.to(device=device, dtype=target)
+        bad = nonfinite(weights[spec.name])
+        if bad:
+            problems.append(f"{spec.name}: {bad}" + (f" once cast to {target}" if nonfinite(t) is None else ""))
     unexpected = sorted(set(available) - used)
     problems += [f"unexpected tensor {k}" for k in unexpected[:20]]
     if len(unexpected) > 20:
         problems.append(f"... and {len(unexpected) - 20} more unexpected tensors")
     if problems:
-        raise CheckpointError(f"{model_dir}: the checkpoint does not match its config ({cfg.model_type}):\n  "
-                              + "\n  ".join(problems))
+        listed = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)  # one problem, one line
+        raise CheckpointError(f"{model_dir}: cannot be loaded as {cfg.model_type}: {listed}")
     return CausalLM(cfg, weights, hf_config), {"skipped": skipped}
 
 
-def _read_weight(key, available, read):
-    """The tensor `key` in floating point (an FP8 weight dequantised with its weight_scale_inv),
-    and the checkpoint keys it used."""
+def _read_weight(key, available, read) -> torch.Tensor:
+    """The tensor `key` in floating point (an FP8 weight dequantised with its weight_scale_inv)."""
     t = read(available[key])
+    if not t.is_floating_point():
+        raise CheckpointError(f"{key}: dtype {str(t.dtype).removeprefix('torch.')}, expected a floating-point weight")
     if t.dtype != torch.float8_e4m3fn:
-        return t, [key]
+        return t
     scale_key = key + "_scale_inv"
     if scale_key not in available:
         raise CheckpointError(f"{key}: float8 weight without {scale_key}")
-    return _dequant_fp8(t, read(available[scale_key])), [key, scale_key]
+    return _dequant_fp8(t, read(available[scale_key]))
 
 
-def _read_experts(spec, available, read):
-    """Pack mlp.experts.{e}.{proj}.weight (possibly FP8) into spec's [E, ...] tensor."""
+def _expert_keys(spec) -> list[str]:
+    """The per-expert checkpoint keys of a packed [E, ...] weight, expert by expert."""
     prefix = spec.name[: spec.name.rindex("experts.") + len("experts.")]
-    per_expert, keys = [], []
-    for e in range(spec.shape[0]):
-        parts = []
-        for proj in spec.experts:
-            key = f"{prefix}{e}.{proj}.weight"
-            if key not in available:
-                raise CheckpointError(f"missing tensor {key} (for {spec.name})")
-            t, used = _read_weight(key, available, read)
-            keys += used
-            parts.append(t)
-        per_expert.append(torch.cat(parts, dim=0))
-    return torch.stack(per_expert), keys
+    return [f"{prefix}{e}.{proj}.weight" for e in range(spec.shape[0]) for proj in spec.experts]
+
+
+def _read_experts(spec, keys, available, read) -> torch.Tensor:
+    """Packs the per-expert tensors `keys` (possibly FP8) into spec's [E, ...] tensor."""
+    parts = [_read_weight(key, available, read) for key in keys]
+    n = len(spec.experts)
+    return torch.stack([torch.cat(parts[e * n:(e + 1) * n], dim=0) for e in range(spec.shape[0])])
 
 
 def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
+from v4train.hf_checkpoint import nonfinite, read_json
 from v4train.models.causal_lm import CausalLM, layer_prefix, put_parameter
 from v4train.reference.lora import adapter_names
 
@@ -69,8 +70,26 @@ def targeted(model: CausalLM, lcfg: LoraConfig, layer: int) -> list:
     return out
 
 
-def adapter_shapes(model: CausalLM, lcfg: LoraConfig) -> dict[str, tuple[tuple[int, ...], int]]:
-    """{full adapter name: (shape, fan_in)} of every adapter the config asks for."""
+def _modules(model: CausalLM) -> list[str]:
+    """Every module a LoRA target can name, by full name (model.layers.{i}.self_attn.o_proj)."""
+    return [layer_prefix(i) + s.name.removesuffix(".weight") for i in range(len(model.layers))
+            for s in model.family.layer_specs(model.cfg, i) if _adaptable(model, s)]
+
+
+def expand_targets(model: CausalLM, names) -> tuple[str, ...]:
+    """--lora_target_modules as targets: 'attention' becomes those of the family's attention
+    projections that this model has (a Qwen3.5 model may have no linear-attention layer)."""
+    modules = _modules(model)
+    attention = [a for a in model.family.attention_targets if any(_matches(m, [a]) for m in modules)]
+    return tuple(t for name in names for t in (attention if name == "attention" else [name]))
+
+
+def adapter_shapes(model: CausalLM, lcfg: LoraConfig,
+                   source: str = "--lora_target_modules") -> dict[str, tuple[tuple[int, ...], int]]:
+    """{full adapter name: (shape, fan_in)} of every adapter the config asks for. Fails when a
+    target matches no module (naming it, the `source` of the targets, and what could be targeted)."""
+    modules = _modules(model)
+    unmatched = [t for t in lcfg.target_modules if not any(_matches(m, [t]) for m in modules)]
     out = {}
     for i in range(len(model.layers)):
         for spec in targeted(model, lcfg, i):
@@ -78,11 +97,11 @@ def adapter_shapes(model: CausalLM, lcfg: LoraConfig) -> dict[str, tuple[tuple[i
             shapes = ((*lead, lcfg.r, in_f), (*lead, out_f, lcfg.r))
             for name, shape in zip(adapter_names(spec.name), shapes):
                 out[layer_prefix(i) + name] = (shape, in_f)
-    if not out:
-        candidates = sorted({s.name.removesuffix(".weight") for i in range(len(model.layers))
-                             for s in model.family.layer_specs(model.cfg, i) if _adaptable(model, s)})
-        raise ValueError(f"--lora_target_modules={','.join(lcfg.target_modules)} matches no module of "
-                         f"{model.cfg.model_type}; modules: {', '.join(candidates)}")
+    if unmatched or not out:
+        what = f"{', '.join(unmatched)} matches no module" if unmatched else "nothing to adapt"
+        candidates = sorted({m.split(".", 3)[3] for m in modules})  # without model.layers.{i}.
+        raise ValueError(f"{source}={','.join(lcfg.target_modules)}: {what} of {model.cfg.model_type}; modules: "
+                         f"{', '.join(candidates)}")
     return out
 
 
@@ -161,21 +180,32 @@ def save_peft(model: CausalLM, adapters: dict[str, torch.Tensor], lcfg: LoraConf
     save_file(_peft_tensors(adapters), os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
-def read_peft(model: CausalLM, adapter_dir: str) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
-    """A PEFT LoRA adapter (as save_peft writes it): its config and tensors by v4train name."""
+def read_config(adapter_dir: str) -> LoraConfig:
+    """The LoraConfig of a PEFT adapter's adapter_config.json; errors name the file."""
     path = os.path.join(adapter_dir, ADAPTER_CONFIG)
-    try:
-        config = json.load(open(path))
-    except FileNotFoundError:
-        raise ValueError(f"{path}: not found (expected a PEFT adapter directory)") from None
+    config = read_json(path)
     if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"{path}: only plain LoRA adapters (no DoRA, no rank/alpha patterns) are supported")
     targets = config.get("target_modules") or []
     if isinstance(targets, str):
         raise ValueError(f"{path}: target_modules as a regex is not supported; list module names")
-    lcfg = LoraConfig(r=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=float(config.get("lora_dropout", 0.0)),
+    if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise ValueError(f"{path}: target_modules must be a list of module names, got {json.dumps(targets)}")
+
+    def number(key, default=None):
+        value = config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{path}: {key} must be a number, got {json.dumps(value)}")
+        return value
+
+    return LoraConfig(r=int(number("r")), alpha=float(number("lora_alpha")), dropout=float(number("lora_dropout", 0.0)),
                       target_modules=tuple(targets), experts=bool(config.get("target_parameters")))
-    shapes = adapter_shapes(model, lcfg)
+
+
+def read_peft(model: CausalLM, adapter_dir: str) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter (as save_peft writes it): its config and tensors by v4train name."""
+    lcfg = read_config(adapter_dir)
+    shapes = adapter_shapes(model, lcfg, source=os.path.join(adapter_dir, ADAPTER_CONFIG) + ": target_modules")
     stored = load_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS))
     keys = {name: _peft_key(name) for name in shapes}
     problems = [f"missing {keys[n]}" for n in shapes if keys[n] not in stored]
@@ -190,6 +220,8 @@ def read_peft(model: CausalLM, adapter_dir: str) -> tuple[LoraConfig, dict[str, 
             v = v.reshape(E, -1, v.shape[1]) if name.endswith("lora_A") else v.reshape(v.shape[0], -1, E).permute(2, 0, 1)
         if tuple(v.shape) != shape:
             problems.append(f"{keys[name]}: shape {list(stored[keys[name]].shape)} does not fit {list(shape)}")
+        elif nonfinite(v):
+            problems.append(f"{keys[name]}: {nonfinite(v)}")
         out[name] = v
     if problems:
         raise ValueError(f"{adapter_dir}: the adapter does not fit {model.cfg.model_type}:\n  " + "\n  ".join(problems[:20]))

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from v4train.atomic import replace_file
+
 
 def peak_memory_mib(device: str) -> float:
     """Peak memory so far: allocated CUDA memory, or the process' peak RSS on the CPU."""
@@ -51,19 +53,35 @@ class Progress:
         self.stream.flush()
 
 
+def _read_rows(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl. A torn last line (the run was killed while appending it) is
+    dropped; any other malformed line is an error naming file:line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+                raise ValueError("expected an object with an integer step")
+        except ValueError as e:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{n}: not a metrics row ({e})") from None
+        rows.append(row)
+    return rows
+
+
 class MetricsLog:
     """OUTPUT_DIR/metrics.jsonl: one JSON object per logged step (appended, so a resumed run
-    continues it; lines past the resume step are dropped first)."""
+    continues it; lines past the resume step are dropped first, in an atomic rewrite)."""
 
     def __init__(self, output_dir: str, resume_step: int):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.rows = []
         if os.path.exists(self.path):
-            with open(self.path) as f:
-                self.rows = [r for r in (json.loads(line) for line in f if line.strip()) if r["step"] <= resume_step]
-        with open(self.path, "w") as f:
-            for r in self.rows:
-                f.write(json.dumps(r) + "\n")
+            self.rows = [r for r in _read_rows(self.path) if r["step"] <= resume_step]
+        replace_file(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
 
     def write(self, row: dict) -> None:
         self.rows.append(row)

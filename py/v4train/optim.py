@@ -46,6 +46,12 @@ class AdamW:
         """The gradients that exist (a weight no loss reached this step has none, and is not updated)."""
         return [p.grad for p in self.params if p.grad is not None]
 
+    def nonfinite_grads(self) -> list[str]:
+        """The parameters whose gradient holds NaN or inf, in model order: the diagnosis of a step
+        whose gradient norm is not finite (so not an op: it never runs in a healthy step)."""
+        return [n for n, p in zip(self.names, self.params)
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+
     def step(self, lr: float) -> None:
         self.step_count += 1
         live = [i for i, p in enumerate(self.params) if p.grad is not None]

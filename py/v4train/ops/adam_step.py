@@ -62,6 +62,11 @@ def _call(p=None, g=None, m=None, v=None, step=1, lr=1e-3, betas=(0.9, 0.999), e
     return args
 
 
+def _grad_as_moment():
+    g = [torch.zeros(3)]
+    return [torch.zeros(3)], g, g, [torch.zeros(3)], 1, 1e-3, 0.9, 0.999, 1e-8, 0.0
+
+
 OP = OpInfo(
     "v4_adam_step", v4_adam_step, samples=samples, benchmarks=(_bench,), inplace=True,
     errors=(
@@ -78,5 +83,6 @@ OP = OpInfo(
         ErrorCase("float16 masters", _call(master=lambda: [torch.zeros(2, 2, dtype=torch.float16), torch.zeros(5)]),
                   "master_params[0] must be float32"),
         ErrorCase("too few masters", _call(master=lambda: [torch.zeros(2, 2)]), "master_params must be empty or as long as params"),
+        ErrorCase("a moment that is the gradient", _grad_as_moment, "grads[0] and exp_avgs[0] share memory"),
     ),
 )

@@ -51,5 +51,7 @@ OP = OpInfo(
         ErrorCase("too few targets", _args(t=lambda: torch.zeros(3, dtype=torch.int64)), "targets.size(0) must be hidden.size(0) = 50"),
         ErrorCase("normalizer 0", _args(normalizer=0.0), "normalizer must be a finite number > 0"),
         ErrorCase("chunk 0", _args(chunk=0), "chunk_tokens must be > 0"),
+        ErrorCase("empty vocabulary", _args(w=lambda: torch.zeros(0, 16), t=lambda: torch.full((50,), -100)),
+                  "weight.size(0) (the vocabulary) must be > 0, got shape [0, 16]"),
     ),
 )

@@ -1,0 +1,347 @@
+"""Op fuzzing: every C++ op of the registry, called with arguments that break its assumptions,
+ends with a Python exception or with the reference's answer, never with a crash.
+
+A case starts from a valid call (the op's own parity `samples`, or one of its `errors`), so a new
+op is covered without code here, and changes one or two of its arguments: a tensor's dtype or
+device (meta, CUDA where there is one), its shape (empty, a dimension more or less, one size
+off), its layout (another memory order, a stride of 0, every k-th element, a stride of 2**40),
+NaN/inf (or out-of-range integers) in its values, an aliased tensor, a list one shorter, or a
+scalar made NaN, inf, 0 or negative (an integer also huge). Where the C++ call returns, its
+outputs (and the gradients of its floating inputs, or the tensors an in-place op updates) are
+compared with the reference's on the same case through the one comparison helper
+(v4train.ops.compare).
+
+Each op's cases run in a subprocess (this file, run as a script), which prints every case before
+calling it: a crash shows as the subprocess's exit status, with the case that caused it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+from v4train.ops import OPS, REFERENCE
+from v4train.ops.check import judge, random_upstream
+from v4train.ops.samples import RandomDraw
+
+PROFILE = os.environ.get("V4TRAIN_HYPOTHESIS_PROFILE") or "ci"
+CASES = 1000 if PROFILE == "wide" else 120  # per op; `ci` fixed seeds, `wide` fresh ones
+
+
+# ---- the cases ---------------------------------------------------------------------------------
+
+def _tensor_slots(args) -> list[tuple]:
+    """Where the tensors are: (i,) for a tensor argument, (i, j) for element (or key) j of a list
+    (or dict: a layer's weights) argument."""
+    slots = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            slots.append((i,))
+        elif isinstance(a, (list, tuple)):
+            slots += [(i, j) for j, t in enumerate(a) if isinstance(t, torch.Tensor)]
+        elif isinstance(a, dict):
+            slots += [(i, k) for k, t in a.items() if isinstance(t, torch.Tensor)]
+    return slots
+
+
+def _get(args, slot):
+    return args[slot[0]] if len(slot) == 1 else args[slot[0]][slot[1]]
+
+
+def _set(args, slot, value):
+    if len(slot) == 1:
+        args[slot[0]] = value
+    elif isinstance(args[slot[0]], dict):
+        args[slot[0]] = {**args[slot[0]], slot[1]: value}
+    else:
+        args[slot[0]] = list(args[slot[0]])
+        args[slot[0]][slot[1]] = value
+
+
+def _relayout(t: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, str]:
+    """The same shape in another memory layout (same values unless said)."""
+    if t.dim() == 0 or t.numel() == 0:
+        return t, "layout unchanged"
+    kind = rng.choice(["order", "every k-th", "huge stride", "stride 0"])
+    ones = [i for i, s in enumerate(t.shape) if s == 1]
+    if kind == "huge stride" and not ones:
+        kind = "every k-th"
+    d = rng.randrange(t.dim())
+    if kind == "order":
+        perm = list(range(t.dim()))
+        rng.shuffle(perm)
+        out = torch.empty([t.shape[p] for p in perm], dtype=t.dtype, device=t.device).permute(
+            [perm.index(i) for i in range(t.dim())])
+        return out.copy_(t), f"memory order {perm}"
+    if kind == "every k-th":
+        k = rng.choice([2, 3, 1000]) if t.numel() * 1000 < 10**7 else 2
+        shape = list(t.shape)
+        shape[d] *= k
+        base = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        out = base[(slice(None),) * d + (slice(None, None, k),)]
+        return out.copy_(t), f"every {k}-th element of dim {d}"
+    if kind == "huge stride":  # only a size-1 dim can have one without a huge storage
+        strides = list(t.contiguous().stride())
+        strides[rng.choice(ones)] = 2**40
+        return t.contiguous().as_strided(t.shape, strides), "stride 2**40 on a size-1 dim"
+    if t.shape[d] == 1:
+        return t, "layout unchanged"
+    return t.narrow(d, 0, 1).expand(t.shape), f"stride 0 in dim {d} (values of slice 0)"
+
+
+def _reshaped(t: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, str]:
+    kind = rng.choice(["empty", "one off", "one dim more", "one dim less"])
+    if kind == "one dim more":
+        return t.unsqueeze(rng.randrange(t.dim() + 1)), "a dimension more"
+    if kind == "one dim less" and t.dim() >= 2:
+        return t.flatten(0, 1), "the first two dimensions merged"
+    if kind == "one dim less" and t.dim() == 1 and t.numel():
+        return t[0], "a dimension less (element 0)"
+    if t.dim() == 0:
+        return t.reshape(1), "a dimension more"
+    d = rng.randrange(t.dim())
+    if kind == "empty" or t.shape[d] == 1:
+        return t.narrow(d, 0, 0), f"dim {d} empty"
+    return t.narrow(d, 0, t.shape[d] - 1), f"dim {d} one shorter"
+
+
+def _poisoned(t: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, str]:
+    """NaN/inf (floating) or extreme values (integers) at a few places."""
+    if t.numel() == 0 or t.dtype == torch.bool:
+        return t, "values unchanged"
+    out = t.clone(memory_format=torch.contiguous_format)
+    if t.is_floating_point() or t.is_complex():
+        values = [float("nan"), float("inf"), float("-inf")]
+    else:
+        info = torch.iinfo(t.dtype)
+        values = [v for v in (-1, -(2**31), 2**31 - 1, info.min, info.max) if info.min <= v <= info.max]
+    picked = []
+    for _ in range(rng.randint(1, 3)):
+        v = rng.choice(values)
+        i = rng.randrange(t.numel())
+        out.view(-1)[i] = v
+        picked.append(v)
+    return out, f"values {picked}"
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+          torch.bool, torch.complex64]
+
+
+def _mutate_tensor(args, rng: random.Random) -> str:
+    slots = _tensor_slots(args)
+    if not slots:
+        return "no tensor"
+    slot = rng.choice(slots)
+    t = _get(args, slot)
+    kind = rng.choice(["dtype", "device", "shape", "layout", "values", "values", "alias", "list"])
+    if kind == "dtype":
+        dtype = rng.choice(DTYPES)
+        new, what = t.to(dtype), f"dtype {dtype}"
+    elif kind == "device":
+        device = rng.choice(["meta"] + (["cuda", "cpu"] if torch.cuda.is_available() else []))
+        new, what = t.to(device), f"device {device}"
+    elif kind == "shape":
+        new, what = _reshaped(t, rng)
+    elif kind == "layout":
+        new, what = _relayout(t, rng)
+    elif kind == "values":
+        new, what = _poisoned(t, rng)
+    elif kind == "alias":
+        others = [s for s in slots if s != slot and _get(args, s).shape == t.shape]
+        if not others:
+            return "no tensor to alias"
+        other = rng.choice(others)
+        new, what = _get(args, other), f"the tensor of {other}"
+    else:  # a list argument one shorter
+        if len(slot) == 1 or not args[slot[0]]:
+            return "not in a list"
+        args[slot[0]] = list(args[slot[0]])[:-1]
+        return f"argument {slot[0]} one element shorter"
+    _set(args, slot, new)
+    return f"{slot}: {what}"
+
+
+def _mutate_scalar(args, rng: random.Random) -> str:
+    slots = [i for i, a in enumerate(args) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if not slots:
+        return "no scalar"
+    i = rng.choice(slots)
+    if isinstance(args[i], float):  # (no huge or tiny finite values: the reference's own overflow is not our bug)
+        args[i] = rng.choice([float("nan"), float("inf"), float("-inf"), 0.0, -1.0])
+    else:
+        args[i] = rng.choice([0, -1, 2**62, -(2**62)])
+    return f"argument {i} = {args[i]}"
+
+
+def make_case(op, seed: int) -> tuple[list, dict, str]:
+    """(args, kwargs, description) of case `seed` of `op`: the same every time it is made."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    if op.errors and rng.random() < 0.2:
+        case = rng.choice(op.errors)
+        args, kwargs, base = list(case.args()), {}, f"error case {case.what!r}"
+    else:
+        dtype = rng.choice(op.dtypes)
+        device = rng.choice(["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+        sample = op.samples(RandomDraw(seed), dtype, device)
+        built, kwargs = sample.build({k: v.clone() for k, v in sample.leaves.items()})
+        args, base = list(built), f"sample {sample!r}"
+    changes = [_mutate_tensor(args, rng) if rng.random() < 0.75 else _mutate_scalar(args, rng)
+               for _ in range(rng.randint(1, 2))]
+    for key, value in kwargs.items():
+        if isinstance(value, list) and value and rng.random() < 0.3:
+            kwargs[key] = value[:-1]
+            changes.append(f"{key} one element shorter")
+    return args, kwargs, f"{base}; " + "; ".join(changes)
+
+
+# ---- one case: C++ against the reference -----------------------------------------------------
+
+def _tensors(args) -> list[torch.Tensor]:
+    return [_get(args, s) for s in _tensor_slots(args)]
+
+
+def _double(x):
+    """x with its floating tensors (also in lists and dicts) in float64."""
+    if isinstance(x, (list, tuple)):
+        return [_double(t) for t in x]
+    if isinstance(x, dict):
+        return {k: _double(t) for k, t in x.items()}
+    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _call(fn, op, seed: int, float64: bool = False):
+    """Calls fn on a fresh copy of case `seed`: (outputs, and the gradients of its floating
+    inputs for a random upstream gradient, or for an in-place op every tensor it was given)."""
+    args, kwargs, _ = make_case(op, seed)
+    if float64:
+        args, kwargs = _double(args), {k: _double(v) for k, v in kwargs.items()}
+    leaves = [] if op.inplace else [t for t in _tensors(args) if t.is_floating_point() and t.device.type != "meta"]
+    for t in leaves:
+        t.requires_grad_(True)
+    result = fn(*args, **kwargs)
+    outputs = [o for o in (result if isinstance(result, (tuple, list)) else [result]) if isinstance(o, torch.Tensor)]
+    if op.inplace:
+        return outputs, _tensors(args)
+    differentiable = [o for o in outputs if o.requires_grad]
+    grads = []
+    if differentiable and leaves:
+        upstream = [g.to(o.dtype) for g, o in zip(random_upstream(differentiable, seed), differentiable)]
+        grads = torch.autograd.grad(differentiable, leaves, upstream, allow_unused=True)
+    return [o.detach() for o in outputs], [g for g in grads]
+
+
+def _nonfinite_inputs(op, seed: int) -> bool:
+    args, kwargs, _ = make_case(op, seed)
+    values = _tensors(args) + _tensors(list(kwargs.values())) + [a for a in args if isinstance(a, float)]
+    return any(not torch.isfinite(torch.as_tensor(v)).all() for v in values
+               if not isinstance(v, torch.Tensor) or (v.is_floating_point() and v.device.type != "meta"))
+
+
+def _compare(op, ours: list, theirs: list, truth: list | None, what: str, nonfinite_in: bool) -> None:
+    """Every tensor through the parity suite's judgement (v4train.ops.check.judge). With NaN/inf
+    among the inputs, which non-finite value an element gets depends on the order of operations
+    (ATen's fused AdamW interpolates moments with lerp, the reference multiplies and adds: inf
+    there, NaN here), so NaN and inf are not told apart: an element must be non-finite in both, or
+    finite and close. A layer op may confine a non-finite input better than its reference (whose
+    attention multiplies a masked-out future key's NaN value by its zero weight): there, only the
+    elements the reference computes finite are compared."""
+    name = op.name
+    assert len(ours) == len(theirs), f"{what}: {len(ours)} tensors, the reference {len(theirs)}"
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a is None or b is None:
+            assert (a is None) == (b is None), f"{what} {i}: present in one only"
+            continue
+        if b.device.type == "meta" or a.device.type == "meta":
+            assert (a.shape, a.dtype) == (b.shape, b.dtype), f"{what} {i}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+            continue
+        if not b.is_floating_point():
+            assert torch.equal(a, b), f"{what} {i}: integer values differ"
+            continue
+        t = truth[i] if truth and truth[i] is not None and truth[i].shape == b.shape else None
+        if nonfinite_in and a.is_floating_point():
+            if op.composite:
+                keep = b.isfinite()
+                a, b, t = a[keep], b[keep], None if t is None else t[keep]
+            a, b = (torch.where(x.isfinite(), x, torch.nan) for x in (a, b))
+        judge(op, a, b, t, f"{name} {what} {i}")
+
+
+def run_case(op, seed: int) -> str:
+    """'raised <type>', 'compared', or 'returned where the reference raised'; raises
+    AssertionError when C++ and the reference disagree.
+    The reference in float64 arbitrates rounding, except where float64 copies would change what
+    the call means (tensors an in-place op updates, aliased)."""
+    try:
+        ours = _call(op.cpp(), op, seed)
+    except Exception as e:  # the C++ op refused the call: what it is allowed to do
+        return f"raised {type(e).__name__}"
+    try:
+        theirs = _call(REFERENCE[op.name], op, seed)
+    except Exception:  # nothing to compare with (an empty list, a meta tensor among CPU ones)
+        return "returned where the reference raised"
+    truth = (None, None)
+    if not (op.inplace and "the tensor of" in make_case(op, seed)[2]):  # aliasing matters where ops write
+        try:
+            truth = _call(REFERENCE[op.name], op, seed, float64=True)
+        except Exception:
+            pass
+    nonfinite_in = _nonfinite_inputs(op, seed)
+    _compare(op, ours[0], theirs[0], truth[0], "output", nonfinite_in)
+    _compare(op, ours[1], theirs[1], truth[1], "updated tensor" if op.inplace else "gradient", nonfinite_in)
+    return "compared"
+
+
+def worker(name: str, seeds: list[int]) -> int:
+    """Runs the cases of one op, printing each before its call; prints a JSON summary last.
+    Exit status 1 when a result differed from the reference's."""
+    op = OPS[name]
+    outcomes, failures = {}, []
+    for seed in seeds:
+        print(f"case {seed}: {make_case(op, seed)[2]}", flush=True)
+        try:
+            outcome = run_case(op, seed)
+        except AssertionError as e:
+            failures.append(f"case {seed}: {e}")
+            outcome = "differed"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(json.dumps({"outcomes": outcomes, "failures": failures}), flush=True)
+    return 1 if failures else 0
+
+
+# ---- the test ----------------------------------------------------------------------------------
+
+CPP_OPS = sorted(name for name, op in OPS.items() if op.has_cpp)
+
+
+@pytest.mark.parametrize("name", CPP_OPS)
+def test_fuzzed_calls_raise_or_match_the_reference_and_never_crash(name):
+    start = 0 if PROFILE == "ci" else random.randrange(2**31)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p) for p in sys.path))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), name, str(start), str(CASES)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    lines = proc.stdout.strip().splitlines()
+    last_case = next((line for line in reversed(lines) if line.startswith("case ")), "before the first case")
+    assert proc.returncode in (0, 1), (f"{name} crashed (exit status {proc.returncode}) in {last_case}\n"
+                                       f"{proc.stderr[-3000:]}")
+    summary = json.loads(lines[-1])
+    assert summary["failures"] == [], f"{name}: results differ from the reference:\n" + "\n".join(summary["failures"])
+    assert summary["outcomes"].get("compared", 0) > 0 and len(summary["outcomes"]) > 1, \
+        f"{name}: the cases should both raise and compare: {summary['outcomes']}"
+
+
+if __name__ == "__main__":
+    _name, _start, _count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    try:
+        sys.exit(worker(_name, list(range(_start, _start + _count))))
+    except Exception:
+        traceback.print_exc()
+        sys.exit(3)
