@@ -159,7 +159,7 @@ def main() -> int:
     parser.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--profile", action="store_true", help="per-op times, kernel table and FLOP share at the first length")
+    parser.add_argument("--profile", action="store_true", help="per-op times, kernel table and FLOP share at every length")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     dtype = torch.bfloat16
@@ -174,7 +174,7 @@ def main() -> int:
     print("| impl | tokens | checkpointing | step s | tokens/s | peak GiB above weights | TFLOP/s | loss |")
     print("|---|---|---|---|---|---|---|---|")
     results = []
-    for i, tokens in enumerate(int(t) for t in args.tokens.split(",")):
+    for tokens in (int(t) for t in args.tokens.split(",")):
         gen = torch.Generator().manual_seed(tokens)
         ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=gen).cuda()
         batch = Packed.from_rows(ids)
@@ -219,9 +219,10 @@ def main() -> int:
             results.append(row)
         if len(losses) == 2:
             print(f"loss difference at {tokens} tokens: {abs(losses['transformers'] - losses['v4train']):.2e}")
-        if args.profile and i == 0 and "v4train" in args.impls:
-            ours.checkpointing = False
-            print("v4train forward ms per op (one step):", {k: round(v, 2) for k, v in per_op_times(ours, batch).items()})
+        if args.profile and "v4train" in args.impls:
+            ours.checkpointing = {"on": True, "off": False, "auto": tokens >= 16384}[args.checkpointing]
+            print(f"v4train at {tokens} tokens, forward ms per op (one step):",
+                  {k: round(v, 2) for k, v in per_op_times(ours, batch).items()})
             with FlopShare(ours.ops) as share:
                 ours.use_ops(share.table)
                 ours.loss(batch, batch.num_targets).backward()

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -25,8 +26,9 @@ namespace {
 constexpr const char* kOp = "v4_mla_dsa_attention";
 // transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with eps 1e-6.
 constexpr double kLatentEps = 1e-6;
-// Scores a block of queries may hold at once (indexer and sparse attention), in bytes.
-constexpr int64_t kBlockBytes = int64_t{1} << 28;
+// Scores a block of queries may hold at once (indexer and sparse attention), in bytes: large
+// enough that a 64k-token document scores in a few hundred blocks, not thousands of launches.
+constexpr int64_t kBlockBytes = int64_t{1} << 30;
 
 std::vector<std::pair<int64_t, int64_t>> documents(const at::Tensor& cu_seqlens) {
   const at::Tensor cu = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
@@ -43,10 +45,12 @@ at::Tensor canonical(const at::Tensor& keys) {
   return at::where(ordered == big, -1, ordered);
 }
 
-// A product with at least float32 output: bf16/fp16 operands accumulate and return fp32.
+// A product with at least float32 output. On the GPU bf16/fp16 operands run on the tensor cores
+// (fp32 accumulation) and the result is rounded to their dtype once, as the reference's bf16
+// products are (the fp32-output bmm variant faults on unaligned views, e.g. a block of a slice).
 at::Tensor bmm_f32(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() == at::kDouble || a.scalar_type() == at::kFloat) return at::bmm(a, b);
-  if (a.is_cuda()) return at::bmm(a, b, at::kFloat);
+  if (a.is_cuda()) return at::bmm(a, b).to(at::kFloat);
   return at::bmm(a.to(at::kFloat), b.to(at::kFloat));
 }
 
@@ -102,9 +106,10 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
     const int64_t rows = block_rows(n * L * 4);
     for (int64_t b0 = K; b0 < L; b0 += rows) {
       const int64_t b1 = std::min(L, b0 + rows), B = b1 - b0;  // queries b0..b1-1 see keys 0..b1-1
-      const at::Tensor products = bmm_f32(ql.slice(0, b0, b1).reshape({1, B * n, d}),
-                                          kl.slice(0, 0, b1).t().unsqueeze(0)).view({B, n, b1});
-      const at::Tensor scores = at::relu(products * scale);
+      const at::Tensor scores = bmm_f32(ql.slice(0, b0, b1).reshape({1, B * n, d}), kl.slice(0, 0, b1).t().unsqueeze(0))
+                                    .view({B, n, b1})
+                                    .mul_(scale)
+                                    .relu_();
       at::Tensor index_scores = at::matmul(wd.slice(0, b0, b1).unsqueeze(-2), scores).squeeze(-2);  // [B, b1]
       const at::Tensor key = at::arange(b1, longs), query = at::arange(b0, b1, longs);
       index_scores = index_scores.masked_fill(key.unsqueeze(0) > query.unsqueeze(1),
@@ -115,12 +120,19 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
   return out;
 }
 
+// A view whose first element is 16-byte aligned, or a contiguous copy: the flash and cuDNN
+// attention kernels read 16 bytes at a time (v is a slice of kv_b's output, at an odd offset
+// when qk_nope_head_dim is odd).
+at::Tensor aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 ? t : t.contiguous();
+}
+
 // softmax(q k^T * scale [+ mask]) v for one document, heads second: q [Lq, nh, D], k/v [Lk, nh, .].
 // SDPA's kernels compute float64 through float32 steps (1e-7 off); float64, the dtype the parity
 // suite checks the math in, is computed with explicit products instead.
 at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
                 const std::optional<at::Tensor>& mask = std::nullopt) {
-  const auto heads_first = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
+  const auto heads_first = [](const at::Tensor& t) { return aligned(t).transpose(0, 1).unsqueeze(0); };
   if (q.scalar_type() == at::kDouble) {
     at::Tensor allowed = causal ? at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)).tril()
                                 : mask.value_or(at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)));
