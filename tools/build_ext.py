@@ -14,6 +14,7 @@ import argparse
 import ast
 import concurrent.futures
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -42,11 +43,12 @@ def read_modules() -> dict[str, list[str]]:
     return {**bzl["V4_OPS"], **bzl["V4_TEST_MODULES"]}
 
 
-def sources(name: str) -> tuple[str, list[str]]:
-    """(the binding, the op's own ATen sources) of module `name`, by the naming rule of cc/ops.bzl."""
+def sources(name: str, cuda: bool = False) -> tuple[str, list[str]]:
+    """(the binding, the op's own sources: ATen, and its CUDA kernels where `cuda`) of module
+    `name`, by the naming rule of cc/ops.bzl."""
     op = name.removeprefix("v4_")
-    own = os.path.join(ROOT, "cc", "ops", op + ".cc")
-    return os.path.join(ROOT, "cc", "bind", op + ".cc"), [own] if os.path.exists(own) else []
+    own = [os.path.join(ROOT, "cc", "ops", op + ext) for ext in ([".cc", ".cu"] if cuda else [".cc"])]
+    return os.path.join(ROOT, "cc", "bind", op + ".cc"), [f for f in own if os.path.exists(f)]
 
 
 def closure(name: str, modules: dict[str, list[str]]) -> list[str]:
@@ -71,12 +73,20 @@ def _newest_header() -> float:
                for f in files if f.endswith((".h", ".cuh")))
 
 
-def compile_one(src: str, obj: str, flags: list[str], newest_header: float = 0.0) -> str:
+def compile_one(src: str, obj: str, flags: list[str], newest_header: float = 0.0, compiler: str = "g++") -> str:
     # Rebuild when the source or any of the project's headers is newer than the object.
     if not (os.path.exists(obj) and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header)):
         os.makedirs(os.path.dirname(obj), exist_ok=True)
-        run(["g++", *flags, "-c", src, "-o", obj])
+        run([compiler, *flags, "-c", src, "-o", obj])
     return obj
+
+
+def cuda_toolkit(env: dict) -> str:
+    """The CUDA toolkit's root where nvcc and a CUDA build of torch are both here, else ''."""
+    nvcc = shutil.which("nvcc")
+    if not env["torch_cuda"] or not nvcc:
+        return ""
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
 
 
 def main() -> int:
@@ -85,6 +95,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compilations")
     parser.add_argument("--clean", action="store_true", help="recompile every object")
     parser.add_argument("--only", default="", help="comma list of modules to build (default: all)")
+    parser.add_argument("--no-cuda", action="store_true", help="leave the CUDA kernels out (the ATen path only)")
     args = parser.parse_args()
 
     env = probe()
@@ -100,7 +111,14 @@ def main() -> int:
     bzl = read_bzl()
     flags = bzl["V4_COPTS"] + ["-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={env['torch_cxx11_abi']}"] + includes
     nb_flags = flags + bzl["V4_NANOBIND_EXTRA_COPTS"]
-    objdir = os.path.join(args.out, "obj")
+    toolkit = "" if args.no_cuda else cuda_toolkit(env)
+    cuda_libs = []
+    if toolkit:
+        flags.append("-DV4_CUDA")
+        nvcc_flags = bzl["V4_NVCC_FLAGS"] + ["-DV4_CUDA", f"-D_GLIBCXX_USE_CXX11_ABI={env['torch_cxx11_abi']}"] + includes
+        cuda_lib = os.path.join(toolkit, "lib64")
+        cuda_libs = ["-L" + cuda_lib, "-Wl,-rpath," + cuda_lib, "-lc10_cuda", "-ltorch_cuda", "-lcudart"]
+    objdir = os.path.join(args.out, "obj-cuda" if toolkit else "obj")  # -DV4_CUDA changes every object
     if args.clean:
         subprocess.run(["rm", "-rf", objdir], check=True)
     modules = read_modules()
@@ -109,7 +127,8 @@ def main() -> int:
     if unknown:
         sys.exit(f"build_ext: --only: unknown module(s) {', '.join(unknown)}; known: {', '.join(modules)}")
     print(f"build_ext: {len(modules)} modules against torch {env['torch_version']} "
-          f"(CUDA {env['torch_cuda'] or 'none'}), Python {env['python_version']}, into {args.out}", flush=True)
+          f"(CUDA {env['torch_cuda'] or 'none'}; kernels {'with nvcc of ' + toolkit if toolkit else 'not built'}), "
+          f"Python {env['python_version']}, into {args.out}", flush=True)
 
     start = time.time()
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
@@ -128,18 +147,21 @@ def main() -> int:
 
         def obj(src):
             if src not in objects:
-                objects[src] = pool.submit(compile_one, src, obj_of(src), flags, newest_header)
+                nvcc = src.endswith(".cu")
+                objects[src] = pool.submit(compile_one, src, obj_of(src), nvcc_flags if nvcc else flags,
+                                           newest_header, "nvcc" if nvcc else "g++")
             return objects[src]
 
         per_module = {}
         for name in wanted:
             bind, _ = sources(name)
-            per_module[name] = [obj(bind)] + [obj(s) for dep in closure(name, modules) for s in sources(dep)[1]]
+            per_module[name] = [obj(bind)] + [obj(s) for dep in closure(name, modules)
+                                              for s in sources(dep, bool(toolkit))[1]]
         shared_objs = [f.result() for f in shared]
         for name, futures in per_module.items():
             out = os.path.join(args.out, name + ".so")
             run(["g++", "-shared", "-o", out, *[f.result() for f in futures], *shared_objs,
-                 "-L" + env["torch_lib"], *["-l" + lib for lib in TORCH_LIBS],
+                 "-L" + env["torch_lib"], *["-l" + lib for lib in TORCH_LIBS], *cuda_libs,
                  "-Wl,-rpath," + env["torch_lib"]])
             print(f"build_ext: {out}", flush=True)
     print(f"build_ext: done in {time.time() - start:.1f} s")

@@ -36,8 +36,10 @@ struct LayerCall : torch::CustomClassHolder {
   at::Tensor positions, cu_seqlens;
   std::optional<at::Tensor> carry;
   Lora lora;
-  // The first pass's choices, which the recomputation repeats.
+  // The first pass's choices, which the recomputation repeats, and its sparse attention outputs,
+  // which the recomputation takes instead of attending again.
   at::Tensor selection, routing, rng_state;
+  AttentionStash stash;
 };
 
 struct LayerOut {
@@ -68,8 +70,10 @@ LayerOut run(const LayerCall& c, const at::Tensor& hidden, const Weights& weight
 // The random generator a layer's dropout draws from, on the input's device.
 at::Generator generator(const at::Tensor& t) { return at::globalContext().defaultGenerator(t.device()); }
 
-// Activation checkpointing of a layer: the forward pass keeps the input, the trainable weights
-// and the first pass's choices; the backward pass recomputes the layer and differentiates it.
+// Activation checkpointing of a layer: the forward pass keeps the input, the trainable weights,
+// the first pass's choices and its sparse attention outputs (AttentionStash: the costliest part
+// of a long document's recomputation, [tokens, heads, 513] values per layer); the backward pass
+// recomputes the rest of the layer and differentiates it.
 struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, at::TensorList trained,
                                const std::vector<std::string>& trained_names, c10::intrusive_ptr<LayerCall> call) {
@@ -81,6 +85,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     LayerOut out;
     {
       at::NoGradGuard no_grad;
+      StashScope record(&call->stash);
       out = run(*call, hidden, call->weights);
     }
     call->selection = out.selection;
@@ -115,8 +120,12 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     LayerOut out;
     {
       at::AutoGradMode grad_mode(true);
+      call->stash.replay = true;
+      call->stash.next = 0;
+      StashScope replay(&call->stash);
       out = run(*call, h, weights);
     }
+    call->stash = AttentionStash{};
     if (current_rng.defined()) {
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(current_rng);

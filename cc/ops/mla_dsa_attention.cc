@@ -22,6 +22,13 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 namespace {
+thread_local AttentionStash* current_stash = nullptr;
+}  // namespace
+
+StashScope::StashScope(AttentionStash* stash) : previous_(current_stash) { current_stash = stash; }
+StashScope::~StashScope() { current_stash = previous_; }
+
+namespace {
 
 constexpr const char* kOp = "v4_mla_dsa_attention";
 // transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with eps 1e-6.
@@ -90,6 +97,19 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
     out.slice(0, start, start + first).copy_(at::where(pos.unsqueeze(0) <= p.unsqueeze(1), pos.unsqueeze(0), -1));
     if (L <= K) continue;
     const at::Tensor wd = head_weights.slice(0, start, end);
+#ifdef V4_CUDA
+    if (h.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf)) {
+      // Fused on the tensor cores: only the [queries, keys] scores reach memory.
+      const at::Tensor ql = q.slice(0, start, end), kl = k.slice(0, start, end);
+      const int64_t rows = block_rows(L * 4);
+      for (int64_t b0 = K; b0 < L; b0 += rows) {
+        const int64_t b1 = std::min(L, b0 + rows);
+        const at::Tensor scores = cuda::indexer_scores(ql.slice(0, b0, b1), kl.slice(0, 0, b1), wd.slice(0, b0, b1), b0, scale);
+        out.slice(0, start + b0, start + b1).copy_(canonical(std::get<1>(scores.topk(K, -1))));
+      }
+      continue;
+    }
+#endif
     if (L * n * L * 4 <= kBlockBytes) {  // all at once, as the reference
       const at::Tensor qd = q.slice(0, start, end).to(at::kFloat), kd = k.slice(0, start, end).to(at::kFloat);
       const at::Tensor scores = at::relu(at::matmul(qd, kd.t()) * scale);                 // [L, n, L]
@@ -120,11 +140,14 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
   return out;
 }
 
-// A view whose first element is 16-byte aligned, or a contiguous copy: the flash and cuDNN
-// attention kernels read 16 bytes at a time (v is a slice of kv_b's output, at an odd offset
-// when qk_nope_head_dim is odd).
+// The view itself where its first element and every row (each stride but the last's) are
+// 16-byte aligned, else a contiguous copy: the flash, cuDNN and memory-efficient attention kernels
+// read 16 bytes at a time and check only the last dimension (v is a slice of kv_b's output, at
+// an odd offset or head stride when the head dims are odd; seen faulting in float32).
 at::Tensor aligned(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 ? t : t.contiguous();
+  bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(-1) == 1;
+  for (int64_t i = 0; ok && i + 1 < t.dim(); ++i) ok = (t.stride(i) * t.element_size()) % 16 == 0 || t.size(i) == 1;
+  return ok ? t : t.contiguous();
 }
 
 // softmax(q k^T * scale [+ mask]) v for one document, heads second: q [Lq, nh, D], k/v [Lk, nh, .].
@@ -132,7 +155,7 @@ at::Tensor aligned(const at::Tensor& t) {
 // suite checks the math in, is computed with explicit products instead.
 at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
                 const std::optional<at::Tensor>& mask = std::nullopt) {
-  const auto heads_first = [](const at::Tensor& t) { return aligned(t).transpose(0, 1).unsqueeze(0); };
+  const auto heads_first = [](const at::Tensor& t) { return aligned(t.transpose(0, 1).unsqueeze(0)); };
   if (q.scalar_type() == at::kDouble) {
     at::Tensor allowed = causal ? at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)).tril()
                                 : mask.value_or(at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)));
@@ -152,6 +175,29 @@ at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, d
 struct SparseLatentAttention : public torch::autograd::Function<SparseLatentAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                             double scale, int64_t value_dims) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["value_dims"] = value_dims;
+    AttentionStash* stash = current_stash;
+    if (stash && stash->replay && stash->next < stash->saved.size()) {
+      auto [o, lse] = std::move(stash->saved[stash->next++]);
+      ctx->save_for_backward({q, kv, idx, lse, o});
+      return o;
+    }
+    auto [o, lse] = attend(q, kv, idx, scale, value_dims);
+    if (stash) stash->saved.emplace_back(o, lse);
+    ctx->save_for_backward({q, kv, idx, lse, o});
+    return o;
+  }
+
+  // (o, log-sum-exp): on the GPU's kernels where they apply, else ATen in blocks of queries.
+  static std::pair<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
+                                                  double scale, int64_t value_dims) {
+#ifdef V4_CUDA
+    if (cuda::sparse_latent_supported(q, kv, value_dims)) {
+      auto [o, lse] = cuda::sparse_latent_forward(q, kv, idx, scale, value_dims);
+      return {o, lse};
+    }
+#endif
     const int64_t Lq = q.size(0), nh = q.size(1), D = q.size(2), K = idx.size(1);
     at::Tensor o = at::empty({Lq, nh, value_dims}, q.options());
     at::Tensor lse = at::empty({Lq, nh}, q.options().dtype(at_least_float(q.scalar_type())));
@@ -165,10 +211,7 @@ struct SparseLatentAttention : public torch::autograd::Function<SparseLatentAtte
       const at::Tensor p = (s - m.unsqueeze(-1)).exp_().to(q.scalar_type());
       o.slice(0, b0, b1).copy_(at::bmm(p, sel.slice(-1, 0, value_dims)));
     }
-    ctx->save_for_backward({q, kv, idx, lse, o});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["value_dims"] = value_dims;
-    return o;
+    return {o, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -176,6 +219,12 @@ struct SparseLatentAttention : public torch::autograd::Function<SparseLatentAtte
     const at::Tensor &q = saved[0], &kv = saved[1], &idx = saved[2], &lse = saved[3], &o = saved[4];
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t C = ctx->saved_data["value_dims"].toInt();
+#ifdef V4_CUDA
+    if (cuda::sparse_latent_supported(q, kv, C)) {
+      auto [dq, dkv] = cuda::sparse_latent_backward(q, kv, idx, o, lse, grads[0], scale, C);
+      return {dq, dkv.to(kv.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+#endif
     const at::Tensor dout = grads[0].to(q.scalar_type());
     const int64_t Lq = q.size(0), nh = q.size(1), D = q.size(2), K = idx.size(1);
     const auto acc = at_least_float(q.scalar_type());
@@ -273,16 +322,25 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
   const auto [cos, sin] = rope_cos_sin(cfg.rope, positions, h.scalar_type());
   q = at::cat({q.slice(-1, 0, nope), rope_interleaved(q.slice(-1, nope), cos, sin)}, -1);
   const at::Tensor k_rot = rope_interleaved(kv_a.slice(-1, C).unsqueeze(1), cos, sin);  // [T, 1, r]
-  const at::Tensor kv = linear(latent, weights, "self_attn.kv_b_proj.weight", lora, op).view({T, nh, nope + dv});
-  const at::Tensor k = at::cat({kv.slice(-1, 0, nope), k_rot.expand({T, nh, r})}, -1);
-  const at::Tensor v = kv.slice(-1, nope);
+  // Per-head keys and values of the tokens that attend densely: every token of a document up to
+  // masked_max_len, the first index_topk of a longer one (its other queries attend through the latent).
+  const bool any_long = std::any_of(docs.begin(), docs.end(), [&](const auto& d) { return d.second - d.first > masked_max_len; });
+  const auto keys_values = [&](int64_t start, int64_t rows) {
+    const at::Tensor kv =
+        linear(latent.slice(0, start, start + rows), weights, "self_attn.kv_b_proj.weight", lora, op).view({rows, nh, nope + dv});
+    return std::pair{at::cat({kv.slice(-1, 0, nope), k_rot.slice(0, start, start + rows).expand({rows, nh, r})}, -1),
+                     kv.slice(-1, nope)};
+  };
+  const auto [k, v] = any_long ? std::pair<at::Tensor, at::Tensor>{} : keys_values(0, T);
   const at::Tensor selection = carry ? *carry : select_keys(h, q_resid, weights, cfg, cos, sin, docs);
 
   const double scale = std::pow(nope + r, -0.5) * rope_softmax_scale_factor(cfg.rope);
   std::vector<at::Tensor> outs;
   for (const auto& [start, end] : docs) {
     const int64_t L = end - start;
-    const at::Tensor qd = q.slice(0, start, end), kd = k.slice(0, start, end), vd = v.slice(0, start, end);
+    const auto [kd, vd] = any_long ? keys_values(start, L > masked_max_len ? std::min(L, K) : L)
+                                   : std::pair{k.slice(0, start, end), v.slice(0, start, end)};
+    const at::Tensor qd = q.slice(0, start, end);
     if (L <= K) {  // every query attends to all its causal keys
       outs.push_back(sdpa(qd, kd, vd, scale, /*causal=*/true));
       continue;

@@ -4,6 +4,8 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "cc/common/config.h"
 #include "cc/common/lora.h"
@@ -30,3 +32,53 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
                                                         const at::Tensor& positions, const at::Tensor& cu_seqlens,
                                                         const std::optional<at::Tensor>& carry, double lora_scaling,
                                                         double lora_dropout, int64_t masked_max_len);
+
+namespace v4 {
+
+// Selective recomputation: a checkpointed layer keeps the sparse latent attention's outputs (o and
+// its log-sum-exp, [queries, heads, 512 + 1] per long document) from its first pass, and its
+// recomputation takes them instead of attending again; everything else is recomputed. While a
+// StashScope is alive, the sparse latent attention calls on this thread record into the stash,
+// or, once `replay` is set, take from it in the same order.
+struct AttentionStash {
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved;
+  size_t next = 0;
+  bool replay = false;
+};
+
+class StashScope {
+ public:
+  explicit StashScope(AttentionStash* stash);
+  ~StashScope();
+  StashScope(const StashScope&) = delete;
+  StashScope& operator=(const StashScope&) = delete;
+
+ private:
+  AttentionStash* previous_;
+};
+
+}  // namespace v4
+
+#ifdef V4_CUDA
+namespace v4::cuda {
+// The indexer's scores of a block of queries on the tensor cores (cc/ops/mla_dsa_attention.cu):
+// out[i, j] = scale * sum_h w[i, h] relu(q[i, h] . k[j]), -inf where key j comes after query
+// first + i. q [B, n, d] and k [Nk, d] bf16 or fp16 with contiguous rows, w [B, n] float32;
+// returns [B, Nk] float32, no [B, n, Nk] tensor.
+at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, int64_t first, double scale);
+
+// Attention of q [Lq, nh, D] to the rows idx [Lq, K] (-1: unused) of kv [L, D], values the first
+// C columns (SparseLatentAttention in mla_dsa_attention.cc): one block per query gathers the
+// selected rows in tiles and never writes a score to memory. Forward returns (o [Lq, nh, C],
+// natural-log lse [Lq, nh] float32); backward (dq [Lq, nh, D], dkv [L, D] float32, accumulated
+// atomically). Supported: bf16/fp16 on CUDA, D and C multiples of 8, D up to 1152 and shared
+// memory for the backward's tiles.
+bool sparse_latent_supported(const at::Tensor& q, const at::Tensor& kv, int64_t C);
+std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
+                                                         double scale, int64_t C);
+std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q, const at::Tensor& kv,
+                                                          const at::Tensor& idx, const at::Tensor& o,
+                                                          const at::Tensor& lse, const at::Tensor& dout, double scale,
+                                                          int64_t C);
+}  // namespace v4::cuda
+#endif

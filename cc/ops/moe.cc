@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
 
@@ -17,7 +18,32 @@ Dispatch dispatch(const at::Tensor& idx, int64_t num_experts) {
   d.token = at::floor_divide(d.order, idx.size(1));
   d.counts = at::bincount(flat, /*weights=*/{}, num_experts);
   d.offsets = at::cumsum(d.counts, 0).to(at::kInt);
+  d.inverse = at::empty_like(d.order).scatter_(0, d.order, at::arange(d.order.size(0), d.order.options()));
   return d;
+}
+
+namespace {
+
+// y = x[perm], whose gradient is grad[inverse]: a gather both ways (index_select's own backward
+// scatters with atomics, slow in bf16 on the GPU).
+struct PermuteRows : public torch::autograd::Function<PermuteRows> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& perm,
+                            const at::Tensor& inverse) {
+    ctx->save_for_backward({inverse});
+    return x.index_select(0, perm);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0].index_select(0, ctx->get_saved_variables()[0]), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor dispatch_rows(const at::Tensor& x, const Dispatch& d) {
+  const int64_t k = d.order.size(0) / std::max<int64_t>(x.size(0), 1);
+  return PermuteRows::apply(x.unsqueeze(1).expand({x.size(0), k, x.size(1)}).reshape({-1, x.size(1)}), d.order,
+                            d.inverse);
 }
 
 namespace {
@@ -65,10 +91,10 @@ at::Tensor experts(const at::Tensor& x_rows, const Weights& weights, const std::
 }
 
 at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens) {
-  // Weighted in fp32, then in y's dtype, as the reference does; rows added in expert order.
-  const at::Tensor w = route_weights.reshape(-1).index_select(0, d.order).unsqueeze(1);
-  const at::Tensor weighted = (y_rows * w).to(y_rows.scalar_type());
-  return at::zeros({tokens, y_rows.size(1)}, y_rows.options()).index_add(0, d.token, weighted);
+  // Weighted in fp32, then in y's dtype, as the reference does; each token's k rows gathered back
+  // into its slots (in expert order, as the routing is sorted) and summed.
+  const at::Tensor y = PermuteRows::apply(y_rows, d.inverse, d.order).view({tokens, -1, y_rows.size(1)});
+  return (y * route_weights.unsqueeze(-1)).to(y_rows.scalar_type()).sum(1);
 }
 
 }  // namespace v4
@@ -141,6 +167,6 @@ std::tuple<at::Tensor, at::Tensor> v4_moe(const at::Tensor& x, const v4::Weights
 
   const at::Tensor shared = v4_mlp(x, weights, prefix + "shared_experts.", lora_scaling, lora_dropout);
   const v4::Dispatch d = v4::dispatch(idx, E);
-  const at::Tensor y_rows = v4::experts(x.index_select(0, d.token), weights, prefix + "experts.", lora, d, op);
+  const at::Tensor y_rows = v4::experts(v4::dispatch_rows(x, d), weights, prefix + "experts.", lora, d, op);
   return {v4::combine(y_rows, d, route_weights, T) + shared, idx};
 }

@@ -18,7 +18,12 @@ struct Dispatch {
   at::Tensor order;    // [T * k] int64: the row's position in the flat [T, k] routing
   at::Tensor counts;   // [E] int64: rows per expert
   at::Tensor offsets;  // [E] int32: the end of each expert's rows (at::_grouped_mm's offs)
+  at::Tensor inverse;  // [T * k] int64: the routed row of each (token, slot) of the flat routing
 };
+
+// The rows of x [T, in] in routed order, [T * k, in] (k = the slots per token): gathers both
+// ways (the gradient sums each token's k rows), no scatter.
+at::Tensor dispatch_rows(const at::Tensor& x, const Dispatch& d);
 
 Dispatch dispatch(const at::Tensor& idx, int64_t num_experts);
 

@@ -4,7 +4,7 @@ import torch
 
 from v4train.models import config_from_dict
 from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
+from v4train.ops.samples import RandomDraw, Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
 from v4train.reference.mla_dsa_attention import v4_mla_dsa_attention
 
 
@@ -94,6 +94,23 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
     return Sample(leaves, build, note=f"documents {lengths}, index_topk {cfg.index_topk}, shared {shared}, "
                                       f"rope {cfg.rope.type}, masked_max_len {masked_max_len}, cfg {cfg}")
+
+
+def glm5_width_sample(dtype: torch.dtype, device, tokens: int, top_k: int, seed_: int = 0) -> Sample:
+    """One document of `tokens` through GLM-5's own attention widths (64 heads, 512 latent + 64
+    rope dims, 32 indexer heads of 128) on a narrow hidden size, latent path (masked_max_len 0):
+    the shapes the CUDA kernels specialise for, which the drawn samples are too small to reach."""
+    cfg = config_from_dict(dict(model_type="glm_moe_dsa", num_hidden_layers=1, indexer_types=["full"],
+                                hidden_size=256, q_lora_rank=192, index_topk=top_k))
+    weights, scaling = attention_leaves(RandomDraw(seed_), cfg, dtype, device, seed_, indexer=True)
+    positions, cu = packed([tokens], device)
+    leaves = {"h": make_leaf((tokens, cfg.hidden_size), "contiguous", dtype, device, seed_ + 100), **weights}
+
+    def build(lv):
+        w = {k: v for k, v in lv.items() if k != "h"}
+        return (lv["h"], w, cfg, 0, positions, cu, None, scaling, 0.0, 0), {}
+
+    return Sample(leaves, build, note=f"GLM-5 widths, {tokens} tokens, index_topk {top_k}")
 
 
 def _cfg():

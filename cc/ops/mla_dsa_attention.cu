@@ -1,0 +1,643 @@
+// CUDA kernels of v4_mla_dsa_attention (built by tools/build_ext.py where nvcc and a CUDA torch
+// exist; the ATen path in mla_dsa_attention.cc serves everywhere else).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "cc/ops/mla_dsa_attention.h"
+
+namespace v4::cuda {
+namespace {
+
+// The indexer's score tile: 64 queries x 128 keys per block of 4 warps, each warp 32 x 64 as
+// 2 x 8 tensor-core tiles of 16 x 8 (mma.sync m16n8k16, fp32 accumulation).
+constexpr int kRows = 64, kCols = 128, kThreads = 128, kPad = 8;
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// rows x dp tile of `src` (row r at src + r * stride, `cols` valid columns) into shared memory
+// with row pitch dp + kPad; rows past `valid` and columns past `cols` are zero.
+template <typename T>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t stride, int rows, int valid, int cols, int dp,
+                                          bool vec) {
+  const int pitch = dp + kPad;
+  if (vec) {  // 16-byte loads: cols % 8 == 0 and 16-byte aligned rows
+    const int chunks = dp / 8;
+    for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
+      const int r = i / chunks, c = (i % chunks) * 8;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < valid && c < cols) v = *reinterpret_cast<const uint4*>(src + r * stride + c);
+      *reinterpret_cast<uint4*>(dst + r * pitch + c) = v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < rows * dp; i += kThreads) {
+      const int r = i / dp, c = i % dp;
+      dst[r * pitch + c] = (r < valid && c < cols) ? src[r * stride + c] : T(0.0f);
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t word(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// out[i, j] = scale * sum_h w[i, h] relu(q[i, h, :] . k[j, :]) for j <= first + i, else -inf.
+// q [B, n, d] (row stride q_stride, head stride d), k [Nk, d] (row stride k_stride), w [B, n] fp32.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) indexer_scores_kernel(const T* __restrict__ q, int64_t q_stride,
+                                                                  const T* __restrict__ k, int64_t k_stride,
+                                                                  const float* __restrict__ w, float* __restrict__ out,
+                                                                  int B, int Nk, int n, int d, int64_t first,
+                                                                  float scale, bool vec) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int dp = (d + 15) / 16 * 16, pitch = dp + kPad;
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sQ = sK + kCols * pitch;
+  float* sW = reinterpret_cast<float*>(sQ + kRows * pitch);
+  const int row0 = blockIdx.y * kRows, col0 = blockIdx.x * kCols;
+  const int rows_valid = min(kRows, B - row0), cols_valid = min(kCols, Nk - col0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wr = (warp / 2) * 32, wc = (warp % 2) * 64;  // the warp's corner in the tile
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  if (col0 > first + row0 + rows_valid - 1) {  // every key of the tile is after every query
+    for (int i = threadIdx.x; i < rows_valid * cols_valid; i += kThreads)
+      out[(row0 + i / cols_valid) * int64_t(Nk) + col0 + i % cols_valid] = kNegInf;
+    return;
+  }
+  load_tile(sK, k + col0 * k_stride, k_stride, kCols, cols_valid, d, dp, vec);
+  for (int i = threadIdx.x; i < kRows * n; i += kThreads)
+    sW[i] = (i / n < rows_valid) ? w[(row0 + i / n) * int64_t(n) + i % n] * scale : 0.0f;
+
+  float acc[2][8][4] = {};
+  for (int h = 0; h < n; ++h) {
+    __syncthreads();  // the previous head's sQ is read
+    load_tile(sQ, q + row0 * q_stride + h * d, q_stride, kRows, rows_valid, d, dp, vec);
+    __syncthreads();
+    float s[2][8][4] = {};
+    for (int kk = 0; kk < dp; kk += 16) {
+      uint32_t a[2][4], b[8][2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const T* base = sQ + (wr + m * 16 + g) * pitch + kk + 2 * t;
+        a[m][0] = word(base);
+        a[m][1] = word(base + 8 * pitch);
+        a[m][2] = word(base + 8);
+        a[m][3] = word(base + 8 * pitch + 8);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const T* base = sK + (wc + j * 8 + g) * pitch + kk + 2 * t;
+        b[j][0] = word(base);
+        b[j][1] = word(base + 8);
+      }
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) mma16816<T>(s[m][j], a[m], b[j]);
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const float w0 = sW[(wr + m * 16 + g) * n + h], w1 = sW[(wr + m * 16 + g + 8) * n + h];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        acc[m][j][0] += w0 * fmaxf(s[m][j][0], 0.0f);
+        acc[m][j][1] += w0 * fmaxf(s[m][j][1], 0.0f);
+        acc[m][j][2] += w1 * fmaxf(s[m][j][2], 0.0f);
+        acc[m][j][3] += w1 * fmaxf(s[m][j][3], 0.0f);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wr + m * 16 + g + (e >= 2 ? 8 : 0), c = wc + j * 8 + 2 * t + (e & 1);
+        if (r < rows_valid && c < cols_valid)
+          out[(row0 + r) * int64_t(Nk) + col0 + c] = (col0 + c > first + row0 + r) ? kNegInf : acc[m][j][e];
+      }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// ---- Sparse latent attention: one block per query and 64 heads; 8 warps; the selected keys in
+// tiles of 32, gathered into shared memory with cp.async one tile ahead of the math.
+constexpr int kHeads = 64, kKeys = 32, kWarps = 8, kSparseThreads = kWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x2_t(uint32_t (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+// 16 bytes global -> shared, or 16 zero bytes where !valid.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Shapes of one launch. dp: D rounded up to 32 (a warp's half of the columns is whole 16-column
+// steps); rows of shared tiles are dp + 8 wide (16-byte aligned rows, no ldmatrix bank conflicts).
+struct SparseShape {
+  int Lq, nh, D, C, K, dp, cp;  // cp: C rounded up to 32
+  __host__ __device__ int pitch() const { return dp + 8; }
+};
+
+// 64 rows (heads row0..) of a [rows, width] matrix at src (row stride `width`) into dst (pitch
+// `pitch`), zero past `valid` rows and past `width` columns up to `cols`.
+template <typename T>
+__device__ __forceinline__ void load_rows_async(T* dst, int pitch, const T* src, int width, int valid, int cols) {
+  const int chunks = cols / 8;
+  for (int i = threadIdx.x; i < kHeads * chunks; i += kSparseThreads) {
+    const int r = i / chunks, c = (i % chunks) * 8;
+    const bool ok = r < valid && c < width;
+    cp_async16(dst + r * pitch + c, ok ? src + int64_t(r) * width + c : src, ok);
+  }
+}
+
+// Key tile `tile` (slots tile*32..) of query `t`: rows of kv gathered by idx, zero for unused slots.
+template <typename T>
+__device__ __forceinline__ void load_keys_async(T* dst, int* keys, const T* kv, const int64_t* idx, const SparseShape& s,
+                                                int t, int tile) {
+  const int chunks = s.dp / 8, pitch = s.pitch();
+  for (int i = threadIdx.x; i < kKeys * chunks; i += kSparseThreads) {
+    const int r = i / chunks, c = (i % chunks) * 8, slot = tile * kKeys + r;
+    const int64_t key = slot < s.K ? idx[int64_t(t) * s.K + slot] : -1;
+    const bool ok = key >= 0 && c < s.D;
+    cp_async16(dst + r * pitch + c, ok ? kv + key * s.D + c : kv, ok);
+    if (c == 0) keys[r] = int(key);
+  }
+}
+
+// S (16 rows of warp row group wr, 16 keys from column kc) = A [rows, dims] . B[keys, dims]^T over
+// `depth` dims, both row-major in shared memory.
+template <typename T>
+__device__ __forceinline__ void scores16(float (&s)[2][4], const T* a, int a_pitch, const T* b, int b_pitch,
+                                         int depth, int lane) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+  // Unrolled so that the next steps' fragment loads issue while this step's products run.
+#pragma unroll 4
+  for (int kk = 0; kk < depth; kk += 16) {
+    uint32_t af[4], bf[4];
+    ldsm_x4(af, a + (lane % 16) * a_pitch + kk + (lane / 16) * 8);
+    ldsm_x4(bf, b + ((lane / 16) * 8 + lane % 8) * b_pitch + kk + ((lane / 8) % 2) * 8);
+    mma16816<T>(s[0], af, {bf[0], bf[1]});
+    mma16816<T>(s[1], af, {bf[2], bf[3]});
+  }
+}
+
+// acc[j] += A (16 rows x 32 keys, as fragments a[2]) . B[keys, cols col0 + 8j ..] (B row-major
+// [keys, cols] in shared memory, read transposed), for the `cols` columns from col0 (j < NT).
+template <typename T, int NT>
+__device__ __forceinline__ void accumulate_pv(float (&acc)[NT][4], const uint32_t (&a)[2][4], const T* b, int pitch,
+                                              int col0, int cols, int lane) {
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+      if (j * 8 >= cols) break;
+      uint32_t bf[4];
+      ldsm_x4_t(bf, b + (ks * 16 + lane % 8 + ((lane / 8) % 2) * 8) * pitch + col0 + j * 8 + (lane / 16) * 8);
+      mma16816<T>(acc[j], a[ks], {bf[0], bf[1]});
+      mma16816<T>(acc[j + 1], a[ks], {bf[2], bf[3]});
+    }
+}
+
+// o[t, h] = softmax_j(scale q[t, h] . kv[idx[t, j]]) kv[idx[t, j], :C]; lse[t, h] natural log.
+// Warp w: rows 16 (w % 4).., scores of keys 16 (w / 4).. of each tile, output columns
+// (w / 4) * cp / 2 .. of C. NT = cp / 16 output tiles of 8 columns per warp.
+template <typename T, int NT>
+__global__ void __launch_bounds__(kSparseThreads, 1)
+    sparse_forward_kernel(const T* __restrict__ q, const T* __restrict__ kv, const int64_t* __restrict__ idx,
+                          T* __restrict__ o, float* __restrict__ lse, SparseShape s, float scale) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int pitch = s.pitch(), t = blockIdx.x, row0 = blockIdx.y * kHeads, valid = min(kHeads, s.nh - row0);
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + kHeads * pitch;                                          // [2][kKeys][pitch]
+  float* sS = reinterpret_cast<float*>(sK + 2 * kKeys * pitch);       // [kHeads][kKeys + 4]
+  int* sKey = reinterpret_cast<int*>(sS + kHeads * (kKeys + 4));       // [2][kKeys]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int wr = (warp % 4) * 16, kc = (warp / 4) * 16, oc = (warp / 4) * (s.cp / 2);
+  const float sl2 = scale * kLog2e;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  load_rows_async(sQ, pitch, q + (int64_t(t) * s.nh + row0) * s.D, s.D, valid, s.dp);
+  load_keys_async(sK, sKey, kv, idx, s, t, 0);
+  cp_async_commit();
+  float acc[NT][4] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
+  const int tiles = (s.K + kKeys - 1) / kKeys;
+  for (int i = 0; i < tiles; ++i) {
+    const int buf = i % 2;
+    if (i + 1 < tiles) {
+      load_keys_async(sK + (buf ^ 1) * kKeys * pitch, sKey + (buf ^ 1) * kKeys, kv, idx, s, t, i + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* keys = sK + buf * kKeys * pitch;
+    float sc[2][4];
+    scores16(sc, sQ + wr * pitch, pitch, keys + kc * pitch, pitch, s.dp, lane);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kc + j * 8 + 2 * tq + (e & 1), row = wr + g + (e >= 2 ? 8 : 0);
+        sS[row * (kKeys + 4) + key] = sKey[buf * kKeys + key] >= 0 ? sc[j][e] * sl2 : kNegInf;
+      }
+    __syncthreads();
+    // Online softmax over this tile's 32 keys for rows g and g + 8 (the 4 lanes of a group hold a row).
+    float p[4][4], mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[j][e] = sS[(wr + g + (e >= 2 ? 8 : 0)) * (kKeys + 4) + j * 8 + 2 * tq + (e & 1)];
+        mx[e / 2] = fmaxf(mx[e / 2], p[j][e]);
+      }
+    float alpha[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffff, mx[x], 1));
+      mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffff, mx[x], 2));
+      const float m_new = fmaxf(m[x], mx[x]), base = m_new == kNegInf ? 0.0f : m_new;
+      alpha[x] = exp2f(m[x] - base);
+      m[x] = m_new;
+      mx[x] = base;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[j][e] = exp2f(p[j][e] - mx[e / 2]);
+        sum[e / 2] += p[j][e];
+      }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      sum[x] += __shfl_xor_sync(0xffffffff, sum[x], 1);
+      sum[x] += __shfl_xor_sync(0xffffffff, sum[x], 2);
+      l[x] = l[x] * alpha[x] + sum[x];
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      acc[j][0] *= alpha[0];
+      acc[j][1] *= alpha[0];
+      acc[j][2] *= alpha[1];
+      acc[j][3] *= alpha[1];
+    }
+    uint32_t a[2][4];
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {
+      a[ks][0] = pack2<T>(p[2 * ks][0], p[2 * ks][1]);
+      a[ks][1] = pack2<T>(p[2 * ks][2], p[2 * ks][3]);
+      a[ks][2] = pack2<T>(p[2 * ks + 1][0], p[2 * ks + 1][1]);
+      a[ks][3] = pack2<T>(p[2 * ks + 1][2], p[2 * ks + 1][3]);
+    }
+    accumulate_pv<T, NT>(acc, a, keys, pitch, oc, s.cp / 2, lane);
+    __syncthreads();  // sS and this buffer are rewritten next
+  }
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int row = wr + g + 8 * x;
+    if (row >= valid) continue;
+    const float inv = l[x] > 0.0f ? 1.0f / l[x] : 0.0f;
+    T* out = o + (int64_t(t) * s.nh + row0 + row) * s.C;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int col = oc + j * 8 + 2 * tq;
+      if (j * 8 < s.cp / 2 && col < s.C) *reinterpret_cast<uint32_t*>(out + col) = pack2<T>(acc[j][2 * x] * inv, acc[j][2 * x + 1] * inv);
+    }
+    if (tq == 0 && warp < 4) lse[int64_t(t) * s.nh + row0 + row] = l[x] > 0.0f ? (m[x] + log2f(l[x])) * kLn2 : kNegInf;
+  }
+}
+
+// dq[t] and the atomic dkv contributions of query t: with p = exp(scale s - lse), dp = dout . v,
+// ds = p (dp - delta) scale: dq = ds . k; dkv[idx] += ds^T q + (p^T dout on the value columns).
+// Warp w: scores of rows 16 (w % 4).. and keys 16 (w / 4)..; dq columns (w / 4) dp / 2 ..;
+// the dkv tile's keys 16 (w % 2).. and columns (w / 2) dp / 4 .., NQ = dp / 16 dq tiles per warp.
+template <typename T, int NQ>
+__global__ void __launch_bounds__(kSparseThreads, 1)
+    sparse_backward_kernel(const T* __restrict__ q, const T* __restrict__ kv, const int64_t* __restrict__ idx,
+                           const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                           T* __restrict__ dq, float* __restrict__ dkv, SparseShape s, float scale) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int pitch = s.pitch(), cpitch = s.cp + 8, t = blockIdx.x, row0 = blockIdx.y * kHeads,
+            valid = min(kHeads, s.nh - row0);
+  constexpr int kPP = kKeys + 8;  // pitch of the p and ds tiles
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sdO = sQ + kHeads * pitch;                 // [kHeads][cpitch]
+  T* sK = sdO + kHeads * cpitch;                // [2][kKeys][pitch]
+  T* sP = sK + 2 * kKeys * pitch;               // [kHeads][kPP]
+  T* sdS = sP + kHeads * kPP;                   // [kHeads][kPP]
+  float* sStat = reinterpret_cast<float*>(sdS + kHeads * kPP);  // lse * log2e, delta: [2][kHeads]
+  int* sKey = reinterpret_cast<int*>(sStat + 2 * kHeads);      // [2][kKeys]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+  const int wr = (warp % 4) * 16, kc = (warp / 4) * 16, qc = (warp / 4) * (s.dp / 2);
+  const int vk = (warp % 2) * 16, vc = (warp / 2) * (s.dp / 4);
+  const float sl2 = scale * kLog2e;
+
+  load_rows_async(sQ, pitch, q + (int64_t(t) * s.nh + row0) * s.D, s.D, valid, s.dp);
+  load_rows_async(sdO, cpitch, dout + (int64_t(t) * s.nh + row0) * s.C, s.C, valid, s.cp);
+  load_keys_async(sK, sKey, kv, idx, s, t, 0);
+  cp_async_commit();
+  for (int r = threadIdx.x; r < kHeads; r += kSparseThreads) {
+    const int64_t row = int64_t(t) * s.nh + row0 + r;
+    sStat[r] = r < valid ? lse[row] * kLog2e : std::numeric_limits<float>::infinity();  // p = 0 on padding rows
+    sStat[kHeads + r] = r < valid ? delta[row] : 0.0f;
+  }
+  float dqa[NQ][4] = {};
+  const int tiles = (s.K + kKeys - 1) / kKeys;
+  for (int i = 0; i < tiles; ++i) {
+    const int buf = i % 2;
+    if (i + 1 < tiles) {
+      load_keys_async(sK + (buf ^ 1) * kKeys * pitch, sKey + (buf ^ 1) * kKeys, kv, idx, s, t, i + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* keys = sK + buf * kKeys * pitch;
+    float sc[2][4], dp[2][4];
+    scores16(sc, sQ + wr * pitch, pitch, keys + kc * pitch, pitch, s.dp, lane);
+    scores16(dp, sdO + wr * cpitch, cpitch, keys + kc * pitch, pitch, s.cp, lane);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int key = kc + j * 8 + 2 * tq, row = wr + g + (e >= 2 ? 8 : 0);
+        float pv[2], ds[2];
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          const bool ok = sKey[buf * kKeys + key + x] >= 0;
+          pv[x] = ok ? exp2f(sc[j][e + x] * sl2 - sStat[row]) : 0.0f;
+          ds[x] = pv[x] * (dp[j][e + x] - sStat[kHeads + row]) * scale;
+        }
+        *reinterpret_cast<uint32_t*>(sP + row * kPP + key) = pack2<T>(pv[0], pv[1]);
+        *reinterpret_cast<uint32_t*>(sdS + row * kPP + key) = pack2<T>(ds[0], ds[1]);
+      }
+    __syncthreads();
+    // dq (rows wr.., columns qc..) += ds (rows wr.., 32 keys) . k (32 keys, columns qc..)
+    uint32_t a[2][4];
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) ldsm_x4(a[ks], sdS + (wr + lane % 16) * kPP + ks * 16 + (lane / 16) * 8);
+    accumulate_pv<T, NQ>(dqa, a, keys, pitch, qc, s.dp / 2, lane);
+    // dkv tile (keys vk.., columns vc.. in chunks of 8 tiles) = ds^T q + p^T dout
+    for (int c0 = vc; c0 < vc + s.dp / 4; c0 += 64) {
+      float kva[8][4] = {};
+#pragma unroll
+      for (int hs = 0; hs < kHeads / 16; ++hs) {
+        uint32_t dst[4], pt[4];
+        // A = ds^T / p^T: keys x heads, from the [heads, keys] tiles read transposed
+        const int mi = lane / 8;
+        ldsm_x4_t(dst, sdS + (hs * 16 + (mi / 2) * 8 + lane % 8) * kPP + vk + (mi % 2) * 8);
+        ldsm_x4_t(pt, sP + (hs * 16 + (mi / 2) * 8 + lane % 8) * kPP + vk + (mi % 2) * 8);
+        const int head = hs * 16 + lane % 8 + ((lane / 8) % 2) * 8, end = vc + s.dp / 4;
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {  // two column tiles per load where both exist
+          const int col = c0 + j * 8;
+          if (col >= end) break;
+          if (col + 8 < end) {
+            uint32_t bq[4];
+            ldsm_x4_t(bq, sQ + head * pitch + col + (lane / 16) * 8);
+            mma16816<T>(kva[j], dst, {bq[0], bq[1]});
+            mma16816<T>(kva[j + 1], dst, {bq[2], bq[3]});
+            if (col < s.cp) {  // cp is a multiple of 32: both tiles are value columns
+              uint32_t bo[4];
+              ldsm_x4_t(bo, sdO + head * cpitch + col + (lane / 16) * 8);
+              mma16816<T>(kva[j], pt, {bo[0], bo[1]});
+              mma16816<T>(kva[j + 1], pt, {bo[2], bo[3]});
+            }
+          } else {
+            uint32_t bq[2];
+            ldsm_x2_t(bq, sQ + head * pitch + col);
+            mma16816<T>(kva[j], dst, bq);
+            if (col < s.cp) {
+              uint32_t bo[2];
+              ldsm_x2_t(bo, sdO + head * cpitch + col);
+              mma16816<T>(kva[j], pt, bo);
+            }
+          }
+        }
+      }
+      // 16-byte atomics: lanes 2i and 2i + 1 swap halves, so that the even one holds 4 columns of
+      // row g and the odd one 4 columns of row g + 8.
+      const bool odd = tq & 1;
+      const int row = vk + g + (odd ? 8 : 0), key = sKey[buf * kKeys + row];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (c0 + j * 8 >= min(vc + s.dp / 4, s.D)) break;
+        const float r0 = __shfl_xor_sync(0xffffffff, odd ? kva[j][0] : kva[j][2], 1);
+        const float r1 = __shfl_xor_sync(0xffffffff, odd ? kva[j][1] : kva[j][3], 1);
+        const float4 v = odd ? make_float4(r0, r1, kva[j][2], kva[j][3]) : make_float4(kva[j][0], kva[j][1], r0, r1);
+        if (key >= 0) atomicAdd(reinterpret_cast<float4*>(dkv + int64_t(key) * s.D + c0 + j * 8 + 4 * (tq / 2)), v);
+      }
+    }
+    __syncthreads();  // sP, sdS and this buffer are rewritten next
+  }
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int row = wr + g + 8 * x;
+    if (row >= valid) continue;
+    T* out = dq + (int64_t(t) * s.nh + row0 + row) * s.D;
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+      const int col = qc + j * 8 + 2 * tq;
+      if (j * 8 < s.dp / 2 && col < s.D) *reinterpret_cast<uint32_t*>(out + col) = pack2<T>(dqa[j][2 * x], dqa[j][2 * x + 1]);
+    }
+  }
+}
+
+SparseShape sparse_shape(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, int64_t C) {
+  const int D = q.size(2);
+  return SparseShape{int(q.size(0)), int(q.size(1)), D, int(C), int(idx.size(1)), (D + 31) / 32 * 32,
+                     int((C + 31) / 32 * 32)};
+}
+
+size_t forward_smem(const SparseShape& s, size_t elem) {
+  return (size_t(kHeads) + 2 * kKeys) * s.pitch() * elem + kHeads * (kKeys + 4) * sizeof(float) + 2 * kKeys * sizeof(int);
+}
+
+size_t backward_smem(const SparseShape& s, size_t elem) {
+  return (size_t(kHeads) * s.pitch() + size_t(kHeads) * (s.cp + 8) + 2 * kKeys * s.pitch() + 2 * kHeads * (kKeys + 8)) * elem +
+         2 * kHeads * sizeof(float) + 2 * kKeys * sizeof(int);
+}
+
+int max_smem(const at::Tensor& t) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, t.get_device()));
+  return value;
+}
+
+// The template instance for n tiles of 8 columns per warp (the fewest that hold them).
+template <typename F>
+void with_tiles(int n, F&& f) {
+  if (n <= 4) f(std::integral_constant<int, 4>{});
+  else if (n <= 16) f(std::integral_constant<int, 16>{});
+  else if (n <= 32) f(std::integral_constant<int, 32>{});
+  else if (n <= 36) f(std::integral_constant<int, 36>{});
+  else TORCH_CHECK(false, "sparse latent attention kernel: ", n, " column tiles per warp is more than 36");
+}
+
+template <typename F>
+void with_type(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kBFloat16) f(__nv_bfloat16{});
+  else f(__half{});
+}
+
+}  // namespace
+
+bool sparse_latent_supported(const at::Tensor& q, const at::Tensor& kv, int64_t C) {
+  if (!q.is_cuda() || (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)) return false;
+  const int64_t D = q.size(2);
+  if (D % 8 != 0 || C % 8 != 0 || (D + 31) / 32 > 36 || kv.size(1) != D) return false;
+  const SparseShape s{0, 0, int(D), int(C), 0, int((D + 31) / 32 * 32), int((C + 31) / 32 * 32)};
+  return backward_smem(s, q.element_size()) <= size_t(max_smem(q));
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in, const at::Tensor& kv_in,
+                                                         const at::Tensor& idx_in, double scale, int64_t C) {
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous(), kv = kv_in.contiguous(), idx = idx_in.contiguous();
+  const SparseShape s = sparse_shape(q, kv, idx, C);
+  at::Tensor o = at::empty({s.Lq, s.nh, C}, q.options());
+  at::Tensor lse = at::empty({s.Lq, s.nh}, q.options().dtype(at::kFloat));
+  if (s.Lq == 0 || s.nh == 0) return {o, lse};
+  const size_t smem = forward_smem(s, q.element_size());
+  const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  with_type(q, [&](auto type) {
+    using T = decltype(type);
+    with_tiles(s.cp / 16, [&](auto nt) {
+      auto* kernel = sparse_forward_kernel<T, decltype(nt)::value>;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      kernel<<<grid, kSparseThreads, smem, stream>>>(
+          reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
+          idx.const_data_ptr<int64_t>(), reinterpret_cast<T*>(o.mutable_data_ptr()), lse.mutable_data_ptr<float>(), s,
+          float(scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in, const at::Tensor& kv_in,
+                                                          const at::Tensor& idx_in, const at::Tensor& o,
+                                                          const at::Tensor& lse, const at::Tensor& dout_in,
+                                                          double scale, int64_t C) {
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = q_in.contiguous(), kv = kv_in.contiguous(), idx = idx_in.contiguous();
+  const at::Tensor dout = dout_in.to(q.scalar_type()).contiguous(), lse_c = lse.contiguous();
+  const SparseShape s = sparse_shape(q, kv, idx, C);
+  const at::Tensor delta = (dout.to(at::kFloat) * o.to(at::kFloat)).sum(-1).contiguous();  // [Lq, nh]
+  at::Tensor dq = at::empty_like(q);
+  at::Tensor dkv = at::zeros({kv.size(0), s.D}, kv.options().dtype(at::kFloat));
+  if (s.Lq == 0 || s.nh == 0) return {dq, dkv};
+  const size_t smem = backward_smem(s, q.element_size());
+  const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  with_type(q, [&](auto type) {
+    using T = decltype(type);
+    with_tiles(s.dp / 16, [&](auto nq) {
+      auto* kernel = sparse_backward_kernel<T, decltype(nq)::value>;
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      kernel<<<grid, kSparseThreads, smem, stream>>>(
+          reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
+          idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()), lse_c.const_data_ptr<float>(),
+          delta.const_data_ptr<float>(), reinterpret_cast<T*>(dq.mutable_data_ptr()), dkv.mutable_data_ptr<float>(), s,
+          float(scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {dq, dkv};
+}
+
+at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, int64_t first,
+                          double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 2 && w.dim() == 2 && q.size(2) == k.size(1) && w.size(0) == q.size(0) &&
+                  w.size(1) == q.size(1) && w.scalar_type() == at::kFloat && q.scalar_type() == k.scalar_type(),
+              "indexer_scores: q [B, n, d], k [Nk, d], w [B, n] float32 expected, got ", q.sizes(), " ", k.sizes(),
+              " ", w.sizes(), " ", w.scalar_type());
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == 1, "indexer_scores: rows of q and k ",
+              "must be contiguous");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int B = q.size(0), n = q.size(1), d = q.size(2), Nk = k.size(0);
+  const at::Tensor wc = w.contiguous();
+  at::Tensor out = at::empty({B, Nk}, q.options().dtype(at::kFloat));
+  if (B == 0 || Nk == 0) return out;
+  const int dp = (d + 15) / 16 * 16;
+  const size_t smem = size_t(kCols + kRows) * (dp + kPad) * q.element_size() + size_t(kRows) * n * sizeof(float);
+  const dim3 grid((Nk + kCols - 1) / kCols, (B + kRows - 1) / kRows);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const bool vec = d % 8 == 0 && q.stride(0) % 8 == 0 && k.stride(0) % 8 == 0 && aligned16(q.const_data_ptr()) &&
+                   aligned16(k.const_data_ptr());
+  const auto launch = [&](auto* kernel, const auto* qp, const auto* kp) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    kernel<<<grid, kThreads, smem, stream>>>(qp, q.stride(0), kp, k.stride(0), wc.const_data_ptr<float>(),
+                                             out.mutable_data_ptr<float>(), B, Nk, n, d, first, float(scale), vec);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    launch(indexer_scores_kernel<__nv_bfloat16>, reinterpret_cast<const __nv_bfloat16*>(q.const_data_ptr()),
+           reinterpret_cast<const __nv_bfloat16*>(k.const_data_ptr()));
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kHalf, "indexer_scores: bfloat16 or float16 expected, got ", q.scalar_type());
+    launch(indexer_scores_kernel<__half>, reinterpret_cast<const __half*>(q.const_data_ptr()),
+           reinterpret_cast<const __half*>(k.const_data_ptr()));
+  }
+  return out;
+}
+
+}  // namespace v4::cuda
