@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace v4 {
 
@@ -51,6 +53,24 @@ inline void check_writable(const char* op, const char* name, const at::Tensor& t
   TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name, "[", i,
                     "] has elements that share memory (an expanded or overlapping view, strides ", t.strides(),
                     "): it cannot be updated in place");
+}
+
+// The documents of a packed batch: cu_seqlens int64 [N + 1] rising from 0 to T (on any device),
+// as (start, end) pairs.
+inline std::vector<std::pair<int64_t, int64_t>> documents(const char* op, const at::Tensor& cu_seqlens, int64_t T) {
+  TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op,
+                    ": cu_seqlens must be int64 [documents + 1], got ", cu_seqlens.scalar_type(), " ",
+                    cu_seqlens.sizes());
+  const at::Tensor cu = cu_seqlens.to(at::kCPU).contiguous();
+  const int64_t* p = cu.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> docs;
+  for (int64_t i = 0; i + 1 < cu.numel(); ++i) {
+    TORCH_CHECK_VALUE(p[i] == (i == 0 ? 0 : docs.back().second) && p[i + 1] >= p[i], op,
+                      ": cu_seqlens must rise from 0 to T=", T, ", got ", cu);
+    docs.emplace_back(p[i], p[i + 1]);
+  }
+  TORCH_CHECK_VALUE(p[0] == 0 && p[cu.numel() - 1] == T, op, ": cu_seqlens must end at T=", T, ", got ", cu);
+  return docs;
 }
 
 }  // namespace v4

@@ -37,14 +37,6 @@ constexpr double kLatentEps = 1e-6;
 // enough that a 64k-token document scores in a few hundred blocks, not thousands of launches.
 constexpr int64_t kBlockBytes = int64_t{1} << 30;
 
-std::vector<std::pair<int64_t, int64_t>> documents(const at::Tensor& cu_seqlens) {
-  const at::Tensor cu = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* p = cu.data_ptr<int64_t>();
-  std::vector<std::pair<int64_t, int64_t>> docs;
-  for (int64_t i = 0; i + 1 < cu.numel(); ++i) docs.emplace_back(p[i], p[i + 1]);
-  return docs;
-}
-
 // Each row's key positions ascending, the unused slots (-1) last.
 at::Tensor canonical(const at::Tensor& keys) {
   constexpr int64_t big = std::numeric_limits<int64_t>::max();
@@ -288,17 +280,7 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
   TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == T, op,
                     ": positions must be int64 [", T, "], got ", positions.scalar_type(), " ", positions.sizes());
   check_same_device(op, "positions", positions, "h", h);
-  TORCH_CHECK_VALUE(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 1, op,
-                    ": cu_seqlens must be int64 [documents + 1], got ", cu_seqlens.scalar_type(), " ",
-                    cu_seqlens.sizes());
-  const auto docs = documents(cu_seqlens);
-  int64_t previous = 0;
-  for (const auto& [start, end] : docs) {
-    TORCH_CHECK_VALUE(start == previous && end >= start, op, ": cu_seqlens must rise from 0 to T=", T, ", got ",
-                      cu_seqlens.to(at::kCPU));
-    previous = end;
-  }
-  TORCH_CHECK_VALUE(previous == T, op, ": cu_seqlens must end at T=", T, ", got ", cu_seqlens.to(at::kCPU));
+  const auto docs = documents(op, cu_seqlens, T);
   if (carry) {
     TORCH_CHECK_VALUE(carry->scalar_type() == at::kLong && carry->dim() == 2 && carry->size(0) == T &&
                           carry->size(1) == K,

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -454,11 +455,15 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
             ldsm_x4_t(bq, sQ + head * pitch + col + (lane / 16) * 8);
             mma16816<T>(kva[j], dst, {bq[0], bq[1]});
             mma16816<T>(kva[j + 1], dst, {bq[2], bq[3]});
-            if (col < s.cp) {  // cp is a multiple of 32: both tiles are value columns
+            if (col + 16 <= s.cp) {  // both tiles are value columns
               uint32_t bo[4];
               ldsm_x4_t(bo, sdO + head * cpitch + col + (lane / 16) * 8);
               mma16816<T>(kva[j], pt, {bo[0], bo[1]});
               mma16816<T>(kva[j + 1], pt, {bo[2], bo[3]});
+            } else if (col < s.cp) {  // the first only (col is a multiple of 8, not 16, of cp)
+              uint32_t bo[2];
+              ldsm_x2_t(bo, sdO + head * cpitch + col);
+              mma16816<T>(kva[j], pt, bo);
             }
           } else {
             uint32_t bq[2];
@@ -537,12 +542,21 @@ void with_type(const at::Tensor& t, F&& f) {
   else f(__half{});
 }
 
+// A contiguous tensor whose data starts 16-byte aligned (cp.async reads 16 bytes at a time).
+at::Tensor dense16(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return aligned16(c.const_data_ptr()) ? c : c.clone();
+}
+
 }  // namespace
 
 bool sparse_latent_supported(const at::Tensor& q, const at::Tensor& kv, int64_t C) {
   if (!q.is_cuda() || (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)) return false;
+  if (kv.device() != q.device() || kv.scalar_type() != q.scalar_type()) return false;
+  int major = 0;  // built for sm_90 (float4 atomics, the shared memory sizes)
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
   const int64_t D = q.size(2);
-  if (D % 8 != 0 || C % 8 != 0 || (D + 31) / 32 > 36 || kv.size(1) != D) return false;
+  if (major < 9 || D % 8 != 0 || C % 8 != 0 || C > D || (D + 31) / 32 > 36 || kv.size(1) != D) return false;
   const SparseShape s{0, 0, int(D), int(C), 0, int((D + 31) / 32 * 32), int((C + 31) / 32 * 32)};
   return backward_smem(s, q.element_size()) <= size_t(max_smem(q));
 }
@@ -550,8 +564,14 @@ bool sparse_latent_supported(const at::Tensor& q, const at::Tensor& kv, int64_t 
 std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in, const at::Tensor& kv_in,
                                                          const at::Tensor& idx_in, double scale, int64_t C) {
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = q_in.contiguous(), kv = kv_in.contiguous(), idx = idx_in.contiguous();
+  TORCH_CHECK(idx_in.dim() == 2 && idx_in.size(0) == q_in.size(0) && idx_in.scalar_type() == at::kLong,
+              "sparse_latent_forward: idx must be int64 [", q_in.size(0), ", K], got ", idx_in.sizes());
+  const at::Tensor q = dense16(q_in), kv = dense16(kv_in), idx = idx_in.contiguous();
   const SparseShape s = sparse_shape(q, kv, idx, C);
+  if (s.K == 0) {  // no key: nothing attended, as the ATen path gives
+    return {at::zeros({s.Lq, s.nh, C}, q.options()),
+            at::full({s.Lq, s.nh}, -std::numeric_limits<float>::infinity(), q.options().dtype(at::kFloat))};
+  }
   at::Tensor o = at::empty({s.Lq, s.nh, C}, q.options());
   at::Tensor lse = at::empty({s.Lq, s.nh}, q.options().dtype(at::kFloat));
   if (s.Lq == 0 || s.nh == 0) return {o, lse};
@@ -578,13 +598,18 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
                                                           const at::Tensor& lse, const at::Tensor& dout_in,
                                                           double scale, int64_t C) {
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = q_in.contiguous(), kv = kv_in.contiguous(), idx = idx_in.contiguous();
-  const at::Tensor dout = dout_in.to(q.scalar_type()).contiguous(), lse_c = lse.contiguous();
+  const at::Tensor q = dense16(q_in), kv = dense16(kv_in), idx = idx_in.contiguous();
+  const at::Tensor dout = dense16(dout_in.to(q.scalar_type())), lse_c = lse.contiguous();
   const SparseShape s = sparse_shape(q, kv, idx, C);
-  const at::Tensor delta = (dout.to(at::kFloat) * o.to(at::kFloat)).sum(-1).contiguous();  // [Lq, nh]
-  at::Tensor dq = at::empty_like(q);
   at::Tensor dkv = at::zeros({kv.size(0), s.D}, kv.options().dtype(at::kFloat));
-  if (s.Lq == 0 || s.nh == 0) return {dq, dkv};
+  if (s.Lq == 0 || s.nh == 0 || s.K == 0) return {at::zeros_like(q), dkv};
+  // delta = rowsum(dout * o) [Lq, nh] in float32, in blocks of queries (no [Lq, nh, C] float copies).
+  at::Tensor delta = at::empty({s.Lq, s.nh}, q.options().dtype(at::kFloat));
+  for (int64_t b0 = 0; b0 < s.Lq; b0 += 4096) {
+    const int64_t b1 = std::min<int64_t>(s.Lq, b0 + 4096);
+    delta.slice(0, b0, b1).copy_((dout.slice(0, b0, b1).to(at::kFloat) * o.slice(0, b0, b1).to(at::kFloat)).sum(-1));
+  }
+  at::Tensor dq = at::empty_like(q);
   const size_t smem = backward_smem(s, q.element_size());
   const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
   const auto stream = c10::cuda::getCurrentCUDAStream();

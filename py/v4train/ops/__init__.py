@@ -21,6 +21,8 @@ NAMES = (
     "v4_cross_entropy_loss",
     "v4_adam_step",
     "v4_clip_grad_norm",
+    "v4_causal_conv1d",
+    "v4_gated_delta_rule",
 )
 
 OPS: dict[str, OpInfo] = {name: importlib.import_module(f"v4train.ops.{name.removeprefix('v4_')}").OP for name in NAMES}

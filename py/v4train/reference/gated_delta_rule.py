@@ -5,7 +5,8 @@
 Both match transformers' torch_recurrent_gated_delta_rule / torch_chunk_gated_delta_rule.
 
 Shapes: q, k [B, L, Hk, Dk]; v [B, L, Hv, Dv]; g (log decay, <= 0), beta [B, L, Hv]; Hv a
-multiple of Hk (key head h serves value heads h*r .. h*r + r - 1). Everything runs in fp32;
+multiple of Hk (key head h serves value heads h*r .. h*r + r - 1). Everything runs in fp32
+(float64 for float64 inputs);
 q and k are L2-normalised (eps 1e-6) and q is scaled by Dk^-0.5. For each head:
     S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t
 Returns (o [B, L, Hv, Dv] in q's dtype, final state [B, Hv, Dk, Dv] fp32).
@@ -21,7 +22,8 @@ def _prepare(q, k, v, g, beta):
     rep = v.shape[2] // k.shape[2]
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    q, k, v, beta, g = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (q, k, v, beta, g)]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, beta, g = [x.transpose(1, 2).to(compute, memory_format=torch.contiguous_format) for x in (q, k, v, beta, g)]
     q = q * torch.rsqrt((q * q).sum(dim=-1, keepdim=True) + 1e-6)
     k = k * torch.rsqrt((k * k).sum(dim=-1, keepdim=True) + 1e-6)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
@@ -72,3 +74,19 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64):
         state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2).reshape(B, H, -1, Dv)[:, :, :L] if outs else v.new_zeros(B, H, 0, Dv)
     return o.transpose(1, 2).contiguous().to(out_dtype), state
+
+
+def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule over packed documents, each from a zero state: `chunked` per document.
+
+    q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens int64 [N + 1]. Returns o [T, Hv, Dv]
+    in q's dtype (fp32 math; float64 for float64 inputs, the parity suite's exact answer).
+    """
+    bounds = cu_seqlens.tolist()
+    outs = [chunked(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e])[0][0]
+            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    if not outs:  # no tokens: an empty result that is still a function of every input
+        compute = torch.promote_types(q.dtype, torch.float32)
+        return (v.to(compute) * 0 + (q.sum() + k.sum() + g.sum() + beta.sum()).to(compute) * 0).to(q.dtype)
+    return torch.cat(outs)

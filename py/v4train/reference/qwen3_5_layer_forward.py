@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as recompute
 
-from v4train.reference import gated_delta_rule
 from v4train.reference import rope as rope_ref
 from v4train.reference.attention import causal_attention, documents
 from v4train.reference.lora import Lora, linear
@@ -20,7 +19,7 @@ def _gated_rms_norm(x, gate, weight, eps):
     return (y * F.silu(gate.float())).to(x.dtype)
 
 
-def _gated_deltanet(h, w, cfg, docs, lora):
+def _gated_deltanet(h, w, cfg, cu_seqlens, lora, ops):
     """Gated DeltaNet (transformers' Qwen3_5MoeGatedDeltaNet), conv and state reset per document."""
     T = h.shape[0]
     nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -29,17 +28,9 @@ def _gated_deltanet(h, w, cfg, docs, lora):
     beta = linear(h, w, "linear_attn.in_proj_b.weight", lora).sigmoid()
     g = -w["linear_attn.A_log"].float().exp() * F.softplus(linear(h, w, "linear_attn.in_proj_a.weight", lora).float()
                                                             + w["linear_attn.dt_bias"])
-    conv_w = w["linear_attn.conv1d.weight"]  # [C, 1, K]: depthwise, causal
-    outs = []
-    for start, end in docs:
-        L = end - start
-        x = qkv[start:end].T[None].to(conv_w.dtype)
-        x = F.silu(F.conv1d(x, conv_w, padding=conv_w.shape[-1] - 1, groups=x.shape[1])[..., :L]).to(h.dtype)[0].T
-        q, k, v = torch.split(x, [nk * dk, nk * dk, nv * dv], dim=-1)
-        o, _ = gated_delta_rule.chunked(q.reshape(1, L, nk, dk), k.reshape(1, L, nk, dk), v.reshape(1, L, nv, dv),
-                                        g[None, start:end], beta[None, start:end])
-        outs.append(o[0])
-    core = torch.cat(outs, dim=0)  # [T, nv, dv]
+    x = ops.v4_causal_conv1d(qkv, w["linear_attn.conv1d.weight"], cu_seqlens)  # depthwise, causal, + SiLU
+    q, k, v = torch.split(x, [nk * dk, nk * dk, nv * dv], dim=-1)
+    core = ops.v4_gated_delta_rule(q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv), g, beta, cu_seqlens)
     core = _gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), w["linear_attn.norm.weight"], cfg.rms_norm_eps)
     return linear(core.reshape(T, nv * dv), w, "linear_attn.out_proj.weight", lora)
 
@@ -77,7 +68,7 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
     def forward(hidden):
         h = ops.v4_rms_norm(hidden, w["input_layernorm.weight"], eps, True)
         if cfg.layer_types[layer] == "linear_attention":
-            hidden = hidden + _gated_deltanet(h, w, cfg, docs, lora)
+            hidden = hidden + _gated_deltanet(h, w, cfg, cu_seqlens, lora, ops)
         else:
             hidden = hidden + _gated_attention(h, w, cfg, positions, docs, lora, ops)
         h = ops.v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps, True)

@@ -1,0 +1,59 @@
+"""v4_gated_delta_rule: the chunked gated delta rule of Gated DeltaNet over packed documents."""
+
+import torch
+
+from v4train.ops.mla_dsa_attention import packed
+from v4train.ops.registry import F64, ErrorCase, OpInfo
+from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout
+from v4train.reference.gated_delta_rule import v4_gated_delta_rule
+
+
+def chunk_documents(draw) -> list[int]:
+    """Document lengths around the chunk of 64 (1, 63, 64, 65, two chunks and a bit), empty ones,
+    at least one token."""
+    lengths = [draw.sampled_from([0, 1, 2, 63, 64, 65, 130, size(draw, 100)]) for _ in range(draw.integers(1, 3))]
+    return lengths if sum(lengths) else lengths + [1]
+
+
+def leaves_for(lengths: list[int], heads: int, rep: int, dk: int, dv: int, dtype, device, s: int, lay: str = "contiguous"):
+    """q, k, v, g (log decay <= 0, from Qwen3.5's -exp(A) softplus(a + dt_bias)), beta in (0, 1)."""
+    T, hv = sum(lengths), heads * rep
+    g = -torch.nn.functional.softplus(torch.randn(T, hv, generator=torch.Generator().manual_seed(s + 3))) * 0.5
+    beta = torch.rand(T, hv, generator=torch.Generator().manual_seed(s + 4))
+    return {"q": make_leaf((T, heads, dk), lay, dtype, device, s), "k": make_leaf((T, heads, dk), "contiguous", dtype, device, s + 1),
+            "v": make_leaf((T, hv, dv), lay, dtype, device, s + 2),
+            "g": g.to(device=device, dtype=dtype).requires_grad_(), "beta": beta.to(device=device, dtype=dtype).requires_grad_()}
+
+
+def samples(draw, dtype: torch.dtype, device) -> Sample:
+    lengths = chunk_documents(draw)
+    heads, rep, dk, dv = draw.integers(1, 3), draw.sampled_from([1, 2]), size(draw, 16), size(draw, 16)
+    lay, s = layout(draw), seed(draw)
+    leaves = leaves_for(lengths, heads, rep, dk, dv, dtype, device, s, lay)
+    _, cu = packed(lengths, device)
+
+    def build(lv):
+        return (view_as_layout(lv["q"], lay), lv["k"], view_as_layout(lv["v"], lay), lv["g"], lv["beta"], cu.to(device)), {}
+
+    return Sample(leaves, build, note=f"documents {lengths}, key heads {heads} x {rep}, dk {dk}, dv {dv}, layout {lay}")
+
+
+def _bench(device, dtype, tokens=4096):
+    """Qwen3.5-MoE's linear attention: 16 key heads, 32 value heads, 128 dims, one document."""
+    lv = leaves_for([tokens], 16, 2, 128, 128, dtype, device, 0)
+    return f"{tokens} tokens, 16 key heads x 2, dims 128", (lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"],
+                                                              torch.tensor([0, tokens], device=device))
+
+
+def _call(v=lambda: torch.zeros(5, 2, 4), cu=lambda: torch.tensor([0, 5])):
+    return lambda: (torch.zeros(5, 2, 4), torch.zeros(5, 2, 4), v(), torch.zeros(5, 2), torch.zeros(5, 2), cu())
+
+
+OP = OpInfo(
+    "v4_gated_delta_rule", v4_gated_delta_rule, samples=samples, benchmarks=(_bench,), dtypes=F64,
+    errors=(
+        ErrorCase("value heads not a multiple of key heads", _call(v=lambda: torch.zeros(5, 3, 4)),
+                  "a multiple of the 2 key heads"),
+        ErrorCase("cu_seqlens not ending at T", _call(cu=lambda: torch.tensor([0, 4])), "cu_seqlens must end at T=5"),
+    ),
+)
