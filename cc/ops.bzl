@@ -33,6 +33,7 @@ V4_OPS = {
     "v4_glm5_layer_forward": ["v4_rms_norm", "v4_mlp", "v4_moe", "v4_mla_dsa_attention"],
     "v4_causal_conv1d": [],
     "v4_gated_delta_rule": [],
+    "v4_qwen_moe": ["v4_mlp", "v4_moe"],
 }
 
 # Built like ops (cc/bind/<name>.cc), but no ops: modules that py/tests use.

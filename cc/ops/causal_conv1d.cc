@@ -14,19 +14,20 @@ at::Tensor v4_causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const
   v4::check_same_device(op, "weight", weight, "x", x);
   const int64_t T = x.size(0), K = weight.size(2);
   const auto docs = v4::documents(op, cu_seqlens, T);
-  // Each token's position in its document: tap j reaches back only where it is at least j.
-  std::vector<int64_t> pos(T);
-  for (const auto& [start, end] : docs) {
-    for (int64_t t = start; t < end; ++t) pos[t] = t - start;
-  }
-  const at::Tensor position = at::tensor(pos, x.options().dtype(at::kLong)).unsqueeze(1);
   const auto compute = v4::compute_dtype(x.scalar_type());
   const at::Tensor xf = x.to(compute), w = weight.to(compute).select(1, 0);  // [C, K]
   at::Tensor y = xf * w.select(1, K - 1);
-  for (int64_t j = 1; j < K && j < T; ++j) {
-    const at::Tensor earlier = at::constant_pad_nd(xf.slice(0, 0, T - j), {0, 0, j, 0});
-    // where, not a product with the mask: a value of another document (even inf) must not leak.
-    y = y + at::where(position >= j, earlier, 0) * w.select(1, K - 1 - j);
+  // Tap j adds w[:, K-1-j] x[t - j] to the tokens t at least j into their document, gathered by
+  // index: a tap outside the document is not computed at all (not multiplied by zero), so no inf
+  // or NaN of another document or of the weight reaches an output or gradient it does not touch.
+  for (int64_t j = 1; j < K; ++j) {
+    std::vector<int64_t> rows;
+    for (const auto& [start, end] : docs) {
+      for (int64_t t = start + j; t < end; ++t) rows.push_back(t);
+    }
+    if (rows.empty()) break;
+    const at::Tensor to = at::tensor(rows, x.options().dtype(at::kLong));
+    y = y.index_add(0, to, xf.index_select(0, to - j) * w.select(1, K - 1 - j));
   }
   return at::silu(y).to(x.scalar_type());
 }

@@ -97,10 +97,6 @@ at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor
   return (y * route_weights.unsqueeze(-1)).to(y_rows.scalar_type()).sum(1);
 }
 
-}  // namespace v4
-
-namespace {
-
 void check_experts(const char* op, const v4::Weights& weights, const std::string& prefix, const at::Tensor& x,
                    int64_t E) {
   const at::Tensor& gate_up = v4::get(weights, prefix + "experts.gate_up_proj", op);
@@ -115,7 +111,7 @@ void check_experts(const char* op, const v4::Weights& weights, const std::string
                     ", ", gate_up.size(1) / 2, "]");
 }
 
-}  // namespace
+}  // namespace v4
 
 std::tuple<at::Tensor, at::Tensor> v4_moe(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix,
                                           int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
@@ -137,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor> v4_moe(const at::Tensor& x, const v4::Weights
                     " experts (n_group must divide them into groups of at least 2, topk_group lie in [1, n_group])");
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= topk_group * (E / n_group), op, ": top_k=", top_k, " must lie in [1, ",
                     topk_group * (E / n_group), "] (the experts of topk_group groups)");
-  check_experts(op, weights, prefix, x, E);
+  v4::check_experts(op, weights, prefix, x, E);
   const int64_t T = x.size(0);
   const v4::Lora lora{lora_scaling, lora_dropout};
 

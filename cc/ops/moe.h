@@ -35,6 +35,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const Dispat
 at::Tensor experts(const at::Tensor& x_rows, const Weights& weights, const std::string& prefix, const Lora& lora,
                    const Dispatch& d, const char* op);
 
+// weights[prefix + "experts.gate_up_proj"] [E, 2I, H] and prefix + "experts.down_proj" [E, H, I]
+// exist and fit x [T, H] and E experts, else a ValueError naming op and tensor.
+void check_experts(const char* op, const Weights& weights, const std::string& prefix, const at::Tensor& x, int64_t E);
+
 // sum over k of route_weights[t, k] * y of token t's k-th row: [T, H] in y's dtype.
 at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens);
 

@@ -23,6 +23,7 @@ NAMES = (
     "v4_clip_grad_norm",
     "v4_causal_conv1d",
     "v4_gated_delta_rule",
+    "v4_qwen_moe",
 )
 
 OPS: dict[str, OpInfo] = {name: importlib.import_module(f"v4train.ops.{name.removeprefix('v4_')}").OP for name in NAMES}

@@ -9,7 +9,6 @@ from torch.utils.checkpoint import checkpoint as recompute
 from v4train.reference import rope as rope_ref
 from v4train.reference.attention import causal_attention, documents
 from v4train.reference.lora import Lora, linear
-from v4train.reference.moe import experts, route_softmax
 
 
 def _gated_rms_norm(x, gate, weight, eps):
@@ -74,9 +73,7 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
         h = ops.v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps, True)
         if not cfg.is_moe:
             return hidden + ops.v4_mlp(h, w, "mlp.", lora_scaling, lora_dropout)
-        rw, idx = route_softmax(h, w["mlp.gate.weight"], cfg.num_experts_per_tok)
-        shared = ops.v4_mlp(h, w, "mlp.shared_expert.", lora_scaling, lora_dropout)
-        return hidden + experts(h, idx, rw, w, lora) + torch.sigmoid(F.linear(h, w["mlp.shared_expert_gate.weight"])) * shared
+        return hidden + ops.v4_qwen_moe(h, w, "mlp.", cfg.num_experts_per_tok, True, lora_scaling, lora_dropout)[0]
 
     if checkpoint and torch.is_grad_enabled():
         return recompute(forward, hidden, use_reentrant=False), None

@@ -1,0 +1,52 @@
+#include "cc/ops/qwen_moe.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+
+#include "cc/common/checks.h"
+#include "cc/ops/mlp.h"
+#include "cc/ops/moe.h"
+
+std::tuple<at::Tensor, at::Tensor> v4_qwen_moe(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix,
+                                               int64_t top_k, bool norm_topk_prob, double lora_scaling,
+                                               double lora_dropout, const std::optional<at::Tensor>& routing) {
+  constexpr const char* op = "v4_qwen_moe";
+  v4::check_floating(op, "x", x, /*float64=*/true);
+  v4::check_dim(op, "x", x, 2);
+  v4::check_weights(op, weights, x);
+  const at::Tensor& gate = v4::get(weights, prefix + "gate.weight", op);
+  const at::Tensor& shared_gate = v4::get(weights, prefix + "shared_expert_gate.weight", op);
+  const int64_t E = gate.size(0), T = x.size(0);
+  TORCH_CHECK_VALUE(gate.dim() == 2 && gate.size(1) == x.size(1), op, ": ", prefix, "gate.weight has shape ",
+                    gate.sizes(), ", expected [experts, ", x.size(1), "]");
+  TORCH_CHECK_VALUE(shared_gate.dim() == 2 && shared_gate.size(0) == 1 && shared_gate.size(1) == x.size(1), op, ": ",
+                    prefix, "shared_expert_gate.weight has shape ", shared_gate.sizes(), ", expected [1, ", x.size(1),
+                    "]");
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= E, op, ": top_k=", top_k, " must lie in [1, ", E, "] (the experts)");
+  v4::check_experts(op, weights, prefix, x, E);
+
+  // The router: the reference's ATen calls in its order, so the choice is the same bit for bit.
+  const at::Tensor logits = at::linear(x, gate);
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  at::Tensor route_weights, idx;
+  if (routing) {
+    idx = *routing;
+    TORCH_CHECK_VALUE(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == T && idx.size(1) == top_k, op,
+                      ": routing must be int64 [", T, ", ", top_k, "], got ", idx.scalar_type(), " ", idx.sizes());
+    v4::check_same_device(op, "routing", idx, "x", x);
+    TORCH_CHECK_VALUE(T == 0 || (idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < E), op,
+                      ": routing must name experts in [0, ", E, ")");
+    route_weights = probs.gather(1, idx);
+  } else {
+    std::tie(route_weights, idx) = at::topk(probs, top_k, -1);
+  }
+  if (norm_topk_prob) route_weights = route_weights / route_weights.sum(-1, /*keepdim=*/true);
+  route_weights = route_weights.to(logits.scalar_type());
+
+  const v4::Lora lora{lora_scaling, lora_dropout};
+  const at::Tensor shared = v4_mlp(x, weights, prefix + "shared_expert.", lora_scaling, lora_dropout) *
+                            at::sigmoid(at::linear(x, shared_gate));
+  const v4::Dispatch d = v4::dispatch(idx, E);
+  const at::Tensor y_rows = v4::experts(v4::dispatch_rows(x, d), weights, prefix + "experts.", lora, d, op);
+  return {v4::combine(y_rows, d, route_weights, T) + shared, idx};
+}

@@ -1,0 +1,76 @@
+"""v4_qwen_moe: Qwen3.5-MoE's MoE block: softmax router, grouped-GEMM experts, sigmoid-gated shared expert."""
+
+import torch
+
+from v4train.ops.registry import F64, ErrorCase, OpInfo
+from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
+from v4train.reference.moe import v4_qwen_moe
+
+
+def samples(draw, dtype: torch.dtype, device) -> Sample:
+    """Routing covers experts with no token, all tokens on one expert (one router row dwarfs the
+    others), top_k = the number of experts, and a given routing (a recomputation's). The C++ router
+    runs the reference's ATen calls in the same order, so its choice is identical bit for bit,
+    near-ties included; the routing output is compared exactly."""
+    tokens, hidden, inter = size(draw, 40), width(draw, 24, dtype), width(draw, 24, dtype)
+    experts = draw.sampled_from([2, 3, 4, 8])
+    top_k = draw.sampled_from([1, 2, experts])
+    top_k = min(top_k, experts)
+    skew, given, norm = draw.booleans(), draw.booleans() and draw.booleans(), draw.booleans()
+    x_layout, s = layout(draw), seed(draw)
+    p = "mlp."
+    weights, scaling = weight_leaves(draw, {
+        p + "experts.gate_up_proj": (experts, 2 * inter, hidden), p + "experts.down_proj": (experts, hidden, inter),
+        p + "shared_expert.gate_proj.weight": (inter, hidden), p + "shared_expert.up_proj.weight": (inter, hidden),
+        p + "shared_expert.down_proj.weight": (hidden, inter)}, dtype, device, s)
+    gate = make_leaf((experts, hidden), "contiguous", dtype, device, s + 50)
+    if skew:  # x is positive-leaning below: a large row wins every token's first choice
+        with torch.no_grad():
+            gate[s % experts] = 3.0
+    weights[p + "gate.weight"] = gate
+    weights[p + "shared_expert_gate.weight"] = make_leaf((1, hidden), "contiguous", dtype, device, s + 51)
+    gen = torch.Generator().manual_seed(s)
+    routing = torch.rand(tokens, experts, generator=gen).argsort(-1)[:, :top_k].to(device) if given else None
+    leaves = {"x": make_leaf((tokens, hidden), x_layout, dtype, device, s + 100, shift=0.5 if skew else 0.0), **weights}
+
+    def build(lv):
+        w = {k: v for k, v in lv.items() if k != "x"}
+        return (view_as_layout(lv["x"], x_layout), w, p, top_k, norm, scaling, 0.0, routing), {}
+
+    return Sample(leaves, build, note=f"{experts} experts, top {top_k}, skewed {skew}, routing given {given}, norm {norm}")
+
+
+def _bench(device, dtype, tokens=4096):
+    """A Qwen3.5-MoE proxy layer's MoE (hidden 2048, 64 experts top-8, intermediate 512 + shared 512)."""
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: (0.02 * torch.randn(*s, generator=gen)).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
+    H, E, I = 2048, 64, 512
+    w = {"mlp.gate.weight": r(E, H), "mlp.experts.gate_up_proj": r(E, 2 * I, H), "mlp.experts.down_proj": r(E, H, I),
+         "mlp.shared_expert.gate_proj.weight": r(I, H), "mlp.shared_expert.up_proj.weight": r(I, H),
+         "mlp.shared_expert.down_proj.weight": r(H, I), "mlp.shared_expert_gate.weight": r(1, H)}
+    x = torch.randn(tokens, H, device=device, dtype=dtype, requires_grad=True)
+    return f"x [{tokens}, {H}], {E} experts top-8 (intermediate {I}) + gated shared", (x, w, "mlp.", 8, True, 0.0, 0.0, None)
+
+
+def _weights(E=4, H=8, I=6):
+    return {"mlp.gate.weight": torch.zeros(E, H), "mlp.shared_expert_gate.weight": torch.zeros(1, H),
+            "mlp.experts.gate_up_proj": torch.zeros(E, 2 * I, H), "mlp.experts.down_proj": torch.zeros(E, H, I),
+            "mlp.shared_expert.gate_proj.weight": torch.zeros(I, H), "mlp.shared_expert.up_proj.weight": torch.zeros(I, H),
+            "mlp.shared_expert.down_proj.weight": torch.zeros(H, I)}
+
+
+def _call(w=_weights, top_k=2, routing=None):
+    return lambda: (torch.zeros(5, 8), w(), "mlp.", top_k, True, 0.0, 0.0, routing and routing())
+
+
+OP = OpInfo(
+    "v4_qwen_moe", v4_qwen_moe, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+    errors=(
+        ErrorCase("top_k above the experts", _call(top_k=5), "top_k=5 must lie in [1, 4]"),
+        ErrorCase("a shared expert gate of the wrong shape",
+                  _call(w=lambda: {**_weights(), "mlp.shared_expert_gate.weight": torch.zeros(2, 8)}),
+                  "mlp.shared_expert_gate.weight has shape [2, 8], expected [1, 8]"),
+        ErrorCase("a routing of the wrong shape", _call(routing=lambda: torch.zeros(5, 3, dtype=torch.int64)),
+                  "routing must be int64 [5, 2]"),
+    ),
+)
