@@ -1,6 +1,6 @@
 """The share of a training step's FLOPs that runs in C++ ops (v4train.flops.FlopShare), printed.
 
-    PYTHONPATH=py:build/ext:. python3 tools/flop_share.py [--model bundled|glm5_layer] [--tokens N]
+    PYTHONPATH=py:build/ext:. python3 tools/flop_share.py [--model bundled|glm5_layer|qwen3_5_moe] [--tokens N]
 
 bundled: the GLM-5-architecture model of testdata/glm5_base, LoRA on attention and experts (what
 glm5.flags trains). glm5_layer: one GLM-5 MoE decoder layer at full width (hidden 6144, 64 heads,
@@ -29,10 +29,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLM5_LAYER = {"model_type": "glm_moe_dsa", "num_hidden_layers": 1, "vocab_size": 1024, "mlp_layer_types": ["sparse"],
               "indexer_types": ["full"], "n_routed_experts": 8, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1}
 
+QWEN3_5_MOE = {"model_type": "qwen3_5_moe", "num_hidden_layers": 4, "vocab_size": 1024, "hidden_size": 512,
+               "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 128,
+               "shared_expert_intermediate_size": 128, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+               "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "head_dim": 64}  # 3 Gated DeltaNet layers + 1 gated attention
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="bundled", choices=["bundled", "glm5_layer"])
+    parser.add_argument("--model", default="bundled", choices=["bundled", "glm5_layer", "qwen3_5_moe"])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--cpp_ops", default="all")
     args = parser.parse_args()
@@ -41,7 +47,8 @@ def main() -> int:
         dtype = torch.float32
     else:
         dtype = torch.bfloat16
-        model = CausalLM.random(config_from_dict(GLM5_LAYER), GLM5_LAYER, dtype)
+        spec = GLM5_LAYER if args.model == "glm5_layer" else QWEN3_5_MOE
+        model = CausalLM.random(config_from_dict(spec), spec, dtype)
     adapters = lora.add_adapters(model, lora.LoraConfig(16, 32, 0.0, model.family.attention_targets, True), dtype,
                                  "cpu", 0)
     gen = torch.Generator().manual_seed(0)

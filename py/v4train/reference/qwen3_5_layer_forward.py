@@ -3,35 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as recompute
 
 from v4train.reference import rope as rope_ref
 from v4train.reference.attention import causal_attention, documents
 from v4train.reference.lora import Lora, linear
-
-
-def _gated_rms_norm(x, gate, weight, eps):
-    """RMSNorm(x) * w * silu(gate) (transformers' Qwen3_5MoeRMSNormGated: w applied in x's dtype)."""
-    xf = x.float()
-    y = weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (y * F.silu(gate.float())).to(x.dtype)
-
-
-def _gated_deltanet(h, w, cfg, cu_seqlens, lora, ops):
-    """Gated DeltaNet (transformers' Qwen3_5MoeGatedDeltaNet), conv and state reset per document."""
-    T = h.shape[0]
-    nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv = linear(h, w, "linear_attn.in_proj_qkv.weight", lora)  # [T, 2*nk*dk + nv*dv]: [Q_all | K_all | V_all]
-    z = linear(h, w, "linear_attn.in_proj_z.weight", lora).view(T, nv, dv)
-    beta = linear(h, w, "linear_attn.in_proj_b.weight", lora).sigmoid()
-    g = -w["linear_attn.A_log"].float().exp() * F.softplus(linear(h, w, "linear_attn.in_proj_a.weight", lora).float()
-                                                            + w["linear_attn.dt_bias"])
-    x = ops.v4_causal_conv1d(qkv, w["linear_attn.conv1d.weight"], cu_seqlens)  # depthwise, causal, + SiLU
-    q, k, v = torch.split(x, [nk * dk, nk * dk, nv * dv], dim=-1)
-    core = ops.v4_gated_delta_rule(q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv), g, beta, cu_seqlens)
-    core = _gated_rms_norm(core.reshape(-1, dv), z.reshape(-1, dv), w["linear_attn.norm.weight"], cfg.rms_norm_eps)
-    return linear(core.reshape(T, nv * dv), w, "linear_attn.out_proj.weight", lora)
 
 
 def _gated_attention(h, w, cfg, positions, docs, lora, ops):
@@ -67,7 +43,9 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
     def forward(hidden):
         h = ops.v4_rms_norm(hidden, w["input_layernorm.weight"], eps, True)
         if cfg.layer_types[layer] == "linear_attention":
-            hidden = hidden + _gated_deltanet(h, w, cfg, cu_seqlens, lora, ops)
+            hidden = hidden + ops.v4_gated_deltanet(h, w, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                                    cfg.linear_key_head_dim, cfg.linear_value_head_dim, eps,
+                                                    cu_seqlens, lora_scaling, lora_dropout)
         else:
             hidden = hidden + _gated_attention(h, w, cfg, positions, docs, lora, ops)
         h = ops.v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps, True)
