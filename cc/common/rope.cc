@@ -73,4 +73,12 @@ at::Tensor rope_interleaved(const at::Tensor& x, const at::Tensor& cos, const at
   return at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1);
 }
 
+at::Tensor rope_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t d = cos.size(-1);
+  const at::Tensor rot = x.slice(-1, 0, d), rest = x.slice(-1, d);
+  const at::Tensor r1 = rot.slice(-1, 0, d / 2), r2 = rot.slice(-1, d / 2);
+  const at::Tensor rotated = rot * cos.unsqueeze(1) + at::cat({-r2, r1}, -1) * sin.unsqueeze(1);
+  return at::cat({rotated, rest}, -1);
+}
+
 }  // namespace v4

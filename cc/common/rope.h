@@ -20,4 +20,8 @@ double rope_softmax_scale_factor(const Rope& rope);
 // result lists the rotated even elements, then the odd ones.
 at::Tensor rope_interleaved(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
+// Qwen's partial RoPE on x [T, heads, head_dim]: rotate_half on the first cos.size(-1) dims, the
+// rest passed through.
+at::Tensor rope_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
 }  // namespace v4

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "cc/common/attention.h"
 #include "cc/common/checks.h"
 #include "cc/common/rope.h"
 #include "cc/ops/rms_norm.h"
@@ -130,34 +131,6 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
     }
   }
   return out;
-}
-
-// The view itself where its first element and every row (each stride but the last's) are
-// 16-byte aligned, else a contiguous copy: the flash, cuDNN and memory-efficient attention kernels
-// read 16 bytes at a time and check only the last dimension (v is a slice of kv_b's output, at
-// an odd offset or head stride when the head dims are odd; seen faulting in float32).
-at::Tensor aligned(const at::Tensor& t) {
-  bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(-1) == 1;
-  for (int64_t i = 0; ok && i + 1 < t.dim(); ++i) ok = (t.stride(i) * t.element_size()) % 16 == 0 || t.size(i) == 1;
-  return ok ? t : t.contiguous();
-}
-
-// softmax(q k^T * scale [+ mask]) v for one document, heads second: q [Lq, nh, D], k/v [Lk, nh, .].
-// SDPA's kernels compute float64 through float32 steps (1e-7 off); float64, the dtype the parity
-// suite checks the math in, is computed with explicit products instead.
-at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
-                const std::optional<at::Tensor>& mask = std::nullopt) {
-  const auto heads_first = [](const at::Tensor& t) { return aligned(t.transpose(0, 1).unsqueeze(0)); };
-  if (q.scalar_type() == at::kDouble) {
-    at::Tensor allowed = causal ? at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)).tril()
-                                : mask.value_or(at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)));
-    const at::Tensor s = at::matmul(heads_first(q), heads_first(k).transpose(-1, -2)) * scale;
-    const at::Tensor p = at::softmax(s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity()), -1);
-    return at::matmul(p, heads_first(v)).squeeze(0).transpose(0, 1);
-  }
-  const at::Tensor o = at::scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), mask, 0.0,
-                                                        causal, scale);
-  return o.squeeze(0).transpose(0, 1);
 }
 
 // Attention of queries q [Lq, nh, D] to the selected rows of one latent per key, kv [L, D]

@@ -1,6 +1,7 @@
 """How much of a training step's compute runs in C++ ops: measured with v4train.flops.FlopShare
 on the bundled GLM-5-architecture model (LoRA, as glm5.flags trains it), printed, and checked
-for what the architecture promises: no compute outside an op."""
+for what the architecture promises: no compute outside an op; and on a Qwen3.5-MoE-architecture
+model."""
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +10,8 @@ import train
 from golden_cases import BASE, CHAT
 from v4train import data, hf_checkpoint, lora, ops
 from v4train.flops import OUTSIDE, FlopShare
+from v4train.models import config_from_dict
+from v4train.models.causal_lm import CausalLM, Packed
 from v4train.optim import AdamW
 from v4train.tokenizer import Tokenizer
 
@@ -35,6 +38,29 @@ def test_share_of_a_training_step_in_cpp_ops():
     assert s["total"] == sum(s["by_op"].values())
     assert s["cpp_share"] >= 0.99, "GLM-5's step runs in C++ ops"
     assert _step_share("none")["cpp"] == 0
+
+
+QWEN3_5_MOE = {"model_type": "qwen3_5_moe", "num_hidden_layers": 4, "vocab_size": 256, "hidden_size": 64,
+               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16}  # 3 Gated DeltaNet layers + 1 gated attention
+
+
+def test_share_of_a_qwen3_5_moe_step_in_cpp_ops():
+    model = CausalLM.random(config_from_dict(QWEN3_5_MOE), QWEN3_5_MOE, torch.float32)
+    lora.add_adapters(model, lora.LoraConfig(8, 16, 0.0, model.family.attention_targets, True), torch.float32, "cpu", 0)
+    gen = torch.Generator().manual_seed(0)
+    batch = Packed.from_documents([torch.randint(0, 256, (n,), generator=gen).tolist() for n in (70, 30)])
+    with FlopShare(ops.resolve("all")) as share:
+        model.use_ops(share.table)
+        model.loss(batch, batch.num_targets).backward()
+    s = share.summary()
+    print(f"Qwen3.5-MoE-architecture model (3 Gated DeltaNet + 1 gated attention layers), LoRA, --cpp_ops=all: "
+          f"{100 * s['cpp_share']:.1f}% of {s['total'] / 1e9:.3f} GFLOP in C++ ops; by op (GFLOP): "
+          + ", ".join(f"{k} {v / 1e9:.3f}" for k, v in s["by_op"].items()))
+    assert OUTSIDE not in s["by_op"], f"compute outside any op: {s['by_op'][OUTSIDE]} FLOPs"
+    assert s["cpp_share"] >= 0.99, "Qwen3.5's step runs in C++ ops"
 
 
 def test_the_count_sees_compute_outside_the_ops():

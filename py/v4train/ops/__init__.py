@@ -25,6 +25,7 @@ NAMES = (
     "v4_gated_delta_rule",
     "v4_qwen_moe",
     "v4_gated_deltanet",
+    "v4_gated_attention",
 )
 
 OPS: dict[str, OpInfo] = {name: importlib.import_module(f"v4train.ops.{name.removeprefix('v4_')}").OP for name in NAMES}

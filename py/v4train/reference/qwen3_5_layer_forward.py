@@ -5,24 +5,6 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint as recompute
 
-from v4train.reference import rope as rope_ref
-from v4train.reference.attention import causal_attention, documents
-from v4train.reference.lora import Lora, linear
-
-
-def _gated_attention(h, w, cfg, positions, docs, lora, ops):
-    """Gated full attention (transformers' Qwen3_5MoeAttention): q/gate per head, q/k norm, partial RoPE."""
-    T, nh, nkv, hd = h.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    q, gate = linear(h, w, "self_attn.q_proj.weight", lora).view(T, nh, 2 * hd).chunk(2, dim=-1)
-    q = ops.v4_rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps, True)
-    k = ops.v4_rms_norm(linear(h, w, "self_attn.k_proj.weight", lora).view(T, nkv, hd), w["self_attn.k_norm.weight"],
-                    cfg.rms_norm_eps, True)
-    v = linear(h, w, "self_attn.v_proj.weight", lora).view(T, nkv, hd)
-    cos, sin = rope_ref.cos_sin(cfg.rope, positions, h.dtype)
-    q, k = rope_ref.apply_half(q, cos, sin), rope_ref.apply_half(k, cos, sin)
-    attn = torch.cat([causal_attention(q[s:e], k[s:e], v[s:e], hd**-0.5) for s, e in docs], dim=0)
-    attn = attn.reshape(T, nh * hd) * torch.sigmoid(gate.reshape(T, nh * hd))
-    return linear(attn, w, "self_attn.o_proj.weight", lora)
 
 
 def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int,
@@ -37,8 +19,7 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
     'full_attention' ones. MLP: softmax top-k MoE plus sigmoid(shared_expert_gate(x)) times the
     shared expert (qwen3_5_moe), or a SwiGLU MLP (qwen3_5).
     """
-    w, eps, lora = weights, cfg.rms_norm_eps, Lora(lora_scaling, lora_dropout)
-    docs = documents(cu_seqlens)
+    w, eps = weights, cfg.rms_norm_eps
 
     def forward(hidden):
         h = ops.v4_rms_norm(hidden, w["input_layernorm.weight"], eps, True)
@@ -47,7 +28,9 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
                                                     cfg.linear_key_head_dim, cfg.linear_value_head_dim, eps,
                                                     cu_seqlens, lora_scaling, lora_dropout)
         else:
-            hidden = hidden + _gated_attention(h, w, cfg, positions, docs, lora, ops)
+            hidden = hidden + ops.v4_gated_attention(h, w, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                     cfg.head_dim, cfg.rope, eps, positions, cu_seqlens,
+                                                     lora_scaling, lora_dropout)
         h = ops.v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps, True)
         if not cfg.is_moe:
             return hidden + ops.v4_mlp(h, w, "mlp.", lora_scaling, lora_dropout)
