@@ -45,6 +45,7 @@ def run(model, input_ids: torch.Tensor):
 
 REPO = os.path.dirname(os.path.dirname(ROOT))
 BASE = os.path.join(REPO, "testdata", "glm5_base")
+QWEN_BASE = os.path.join(REPO, "testdata", "qwen3_5_base")
 CHAT = os.path.join(REPO, "testdata", "sft", "chat.jsonl")
 CHAT_EVAL = os.path.join(REPO, "testdata", "sft", "chat_eval.jsonl")
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from golden_cases import BASE, CHAT, golden, last_json, run_cli
+from golden_cases import BASE, CHAT, QWEN_BASE, golden, last_json, run_cli
 from v4train.ops.compare import assert_rel_close
 from v4train import checkpoint, hf_checkpoint, lora, ops
 from v4train.models.causal_lm import Packed
@@ -49,6 +49,32 @@ def test_peft_loads_the_adapter_onto_transformers_with_the_same_logits(trained_a
     with torch.no_grad():
         expected = peft_model(input_ids=ids, labels=ids).loss
     assert_rel_close(torch.tensor(last_json(result.stdout)["loss"]), expected, "evaluate --adapter_dir loss")
+
+
+def test_qwen3_5_flags_train_the_bundled_model_and_peft_loads_its_adapter(tmp_path):
+    """The out-of-the-box Qwen3.5 recipe (py/flags/qwen3_5.flags: the bundled Qwen3.5-MoE-architecture
+    model, LoRA on the attention and linear-attention projections and the experts, the layers'
+    blocks in C++), shortened: the loss falls, and peft loads the adapter onto transformers'
+    Qwen3.5-MoE with v4train's logits."""
+    import transformers
+    from peft import PeftModel
+
+    out = tmp_path / "run"
+    result = run_cli("train.py", "--flagfile=qwen3_5.flags", "--max_steps=30", "--warmup_steps=2",
+                     "--eval_interval=30", "--save_interval=30", f"--output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = last_json(result.stdout)
+    assert summary["final_loss"] < 0.6 * summary["first_loss"], summary
+    adapter = str(out / "checkpoint-30")
+    ids = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(0))
+    model, _ = hf_checkpoint.load(QWEN_BASE)
+    lora.load_peft(model, adapter, torch.float32, "cpu")
+    with torch.no_grad():
+        ours = model.logits(Packed.from_rows(ids)).reshape(2, 40, -1)
+    base = transformers.AutoModelForCausalLM.from_pretrained(QWEN_BASE, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(base, adapter)(input_ids=ids).logits
+    assert_rel_close(ours, theirs, "v4train vs transformers + peft, Qwen3.5-MoE")
 
 
 def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
