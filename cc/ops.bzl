@@ -36,6 +36,7 @@ V4_OPS = {
     "v4_qwen_moe": ["v4_mlp", "v4_moe"],
     "v4_gated_deltanet": ["v4_causal_conv1d", "v4_gated_delta_rule"],
     "v4_gated_attention": ["v4_rms_norm"],
+    "v4_qwen3_5_layer_forward": ["v4_rms_norm", "v4_mlp", "v4_qwen_moe", "v4_gated_deltanet", "v4_gated_attention"],
 }
 
 # Built like ops (cc/bind/<name>.cc), but no ops: modules that py/tests use.

@@ -98,6 +98,26 @@ struct type_caster<v4::Glm5Config> {
   static handle from_cpp(const v4::Glm5Config&, rv_policy, cleanup_list*) noexcept { return handle(); }
 };
 
+template <>
+struct type_caster<v4::Qwen35Config> {
+  NB_TYPE_CASTER(v4::Qwen35Config, const_name("Qwen35Config"))
+
+  bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
+    return read_attr(src, "num_attention_heads", value.num_attention_heads) &&
+           read_attr(src, "num_key_value_heads", value.num_key_value_heads) &&
+           read_attr(src, "head_dim", value.head_dim) &&
+           read_attr(src, "linear_num_key_heads", value.linear_num_key_heads) &&
+           read_attr(src, "linear_num_value_heads", value.linear_num_value_heads) &&
+           read_attr(src, "linear_key_head_dim", value.linear_key_head_dim) &&
+           read_attr(src, "linear_value_head_dim", value.linear_value_head_dim) &&
+           read_attr(src, "num_experts_per_tok", value.num_experts_per_tok) && read_attr(src, "is_moe", value.is_moe) &&
+           read_attr(src, "rms_norm_eps", value.rms_norm_eps) && read_attr(src, "layer_types", value.layer_types) &&
+           read_attr(src, "rope", value.rope);
+  }
+
+  static handle from_cpp(const v4::Qwen35Config&, rv_policy, cleanup_list*) noexcept { return handle(); }
+};
+
 }  // namespace nanobind::detail
 
 namespace v4 {

@@ -47,4 +47,20 @@ struct Glm5Config {
   Rope rope;
 };
 
+// v4train.models.config.Qwen35Config: what the Qwen3.5 layer op needs of it.
+struct Qwen35Config {
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t linear_num_key_heads = 0;
+  int64_t linear_num_value_heads = 0;
+  int64_t linear_key_head_dim = 0;
+  int64_t linear_value_head_dim = 0;
+  int64_t num_experts_per_tok = 0;
+  bool is_moe = false;
+  double rms_norm_eps = 1e-6;
+  std::vector<std::string> layer_types;
+  Rope rope;
+};
+
 }  // namespace v4

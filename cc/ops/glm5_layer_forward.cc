@@ -1,16 +1,13 @@
 #include "cc/ops/glm5_layer_forward.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/custom_class.h>
 
-#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "cc/common/checkpoint.h"
 #include "cc/common/checks.h"
 #include "cc/ops/mla_dsa_attention.h"
 #include "cc/ops/mlp.h"
@@ -20,122 +17,57 @@
 namespace v4 {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
 // Documents up to this many tokens attend under a dense [queries, keys] mask; longer ones through
 // the latent space (v4_mla_dsa_attention).
 constexpr int64_t kMaskedMaxLen = 8192;
 
 // Everything a layer call needs besides its input and the weights that train: kept by a
-// checkpointed layer for its recomputation.
-struct LayerCall : torch::CustomClassHolder {
-  Weights weights;
+// checkpointed layer for its recomputation, with the first pass's choices (the DSA selection,
+// the MoE routing), which the recomputation repeats, and its sparse attention outputs, which the
+// recomputation takes instead of attending again (AttentionStash: the costliest part of a long
+// document's recomputation, [tokens, heads, 513] values per layer).
+struct LayerCall : CheckpointedCall {
   Glm5Config cfg;
   int64_t layer = 0;
   at::Tensor positions, cu_seqlens;
   std::optional<at::Tensor> carry;
   Lora lora;
-  // The first pass's choices, which the recomputation repeats, and its sparse attention outputs,
-  // which the recomputation takes instead of attending again.
-  at::Tensor selection, routing, rng_state;
+  at::Tensor selection, routing;
   AttentionStash stash;
-};
 
-struct LayerOut {
-  at::Tensor hidden, selection, routing;
-};
-
-LayerOut run(const LayerCall& c, const at::Tensor& hidden, const Weights& weights) {
-  const Glm5Config& cfg = c.cfg;
-  const bool shared = cfg.indexer_types[c.layer] == "shared";
-  std::optional<at::Tensor> given = shared ? c.carry : std::nullopt;
-  if (!shared && c.selection.defined()) given = c.selection;
-  const at::Tensor normed = v4_rms_norm(hidden, get(weights, "input_layernorm.weight", "v4_glm5_layer_forward"),
-                                        cfg.rms_norm_eps, false);
-  auto [attn, selection] = v4_mla_dsa_attention(normed, weights, cfg, c.layer, c.positions, c.cu_seqlens, given,
-                                                c.lora.scaling, c.lora.dropout, kMaskedMaxLen);
-  const at::Tensor mid = hidden + attn;
-  const at::Tensor h = v4_rms_norm(mid, get(weights, "post_attention_layernorm.weight", "v4_glm5_layer_forward"),
-                                   cfg.rms_norm_eps, false);
-  if (cfg.mlp_layer_types[c.layer] == "dense") {
-    return {mid + v4_mlp(h, weights, "mlp.", c.lora.scaling, c.lora.dropout), selection, at::Tensor()};
-  }
-  const std::optional<at::Tensor> routing = c.routing.defined() ? std::optional<at::Tensor>(c.routing) : std::nullopt;
-  auto [out, chosen] = v4_moe(h, weights, "mlp.", cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                              cfg.norm_topk_prob, cfg.routed_scaling_factor, c.lora.scaling, c.lora.dropout, routing);
-  return {mid + out, selection, chosen};
-}
-
-// The random generator a layer's dropout draws from, on the input's device.
-at::Generator generator(const at::Tensor& t) { return at::globalContext().defaultGenerator(t.device()); }
-
-// Activation checkpointing of a layer: the forward pass keeps the input, the trainable weights,
-// the first pass's choices and its sparse attention outputs (AttentionStash: the costliest part
-// of a long document's recomputation, [tokens, heads, 513] values per layer); the backward pass
-// recomputes the rest of the layer and differentiates it.
-struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, at::TensorList trained,
-                               const std::vector<std::string>& trained_names, c10::intrusive_ptr<LayerCall> call) {
-    if (call->lora.dropout > 0) {
-      at::Generator gen = generator(hidden);
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      call->rng_state = gen.get_state();
-    }
-    LayerOut out;
+  // {hidden, selection}
+  std::vector<at::Tensor> run(const at::Tensor& hidden, const Weights& weights, bool first) override {
+    stash.replay = !first;
+    stash.next = 0;
+    std::vector<at::Tensor> out;
     {
-      at::NoGradGuard no_grad;
-      StashScope record(&call->stash);
-      out = run(*call, hidden, call->weights);
+      StashScope scope(&stash);
+      out = forward(hidden, weights);
     }
-    call->selection = out.selection;
-    call->routing = out.routing;
-    ctx->save_for_backward({hidden});
-    ctx->saved_data["call"] = c10::IValue::make_capsule(call);
-    ctx->saved_data["names"] = trained_names;
-    ctx->mark_non_differentiable({out.selection});
-    return {out.hidden, out.selection};
+    if (!first) stash = AttentionStash{};
+    return out;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor hidden = ctx->get_saved_variables()[0];
-    auto call = c10::static_intrusive_pointer_cast<LayerCall>(ctx->saved_data["call"].toCapsule());
-    const auto names = ctx->saved_data["names"].toList();
-    at::Tensor current_rng;
-    at::Generator gen;
-    if (call->lora.dropout > 0) {  // the first pass's dropout masks
-      gen = generator(hidden);
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      current_rng = gen.get_state();
-      gen.set_state(call->rng_state);
+  std::vector<at::Tensor> forward(const at::Tensor& hidden, const Weights& weights) {
+    const bool shared = cfg.indexer_types[layer] == "shared";
+    std::optional<at::Tensor> given = shared ? carry : std::nullopt;
+    if (!shared && selection.defined()) given = selection;
+    const at::Tensor normed = v4_rms_norm(hidden, get(weights, "input_layernorm.weight", "v4_glm5_layer_forward"),
+                                          cfg.rms_norm_eps, false);
+    auto [attn, chosen_keys] = v4_mla_dsa_attention(normed, weights, cfg, layer, positions, cu_seqlens, given,
+                                                    lora.scaling, lora.dropout, kMaskedMaxLen);
+    selection = chosen_keys;
+    const at::Tensor mid = hidden + attn;
+    const at::Tensor h = v4_rms_norm(mid, get(weights, "post_attention_layernorm.weight", "v4_glm5_layer_forward"),
+                                     cfg.rms_norm_eps, false);
+    if (cfg.mlp_layer_types[layer] == "dense") {
+      return {mid + v4_mlp(h, weights, "mlp.", lora.scaling, lora.dropout), selection};
     }
-    at::Tensor h = hidden.detach().requires_grad_(true);
-    Weights weights = call->weights;
-    variable_list inputs{h};
-    for (const auto& name : names) {
-      at::Tensor w = weights.at(name.get().toStringRef()).detach().requires_grad_(true);
-      weights[name.get().toStringRef()] = w;
-      inputs.push_back(w);
-    }
-    LayerOut out;
-    {
-      at::AutoGradMode grad_mode(true);
-      call->stash.replay = true;
-      call->stash.next = 0;
-      StashScope replay(&call->stash);
-      out = run(*call, h, weights);
-    }
-    call->stash = AttentionStash{};
-    if (current_rng.defined()) {
-      std::lock_guard<std::mutex> lock(gen.mutex());
-      gen.set_state(current_rng);
-    }
-    variable_list result = torch::autograd::grad({out.hidden}, inputs, {grads[0]}, /*retain_graph=*/false,
-                                                 /*create_graph=*/false, /*allow_unused=*/true);
-    if (!hidden.requires_grad()) result[0] = at::Tensor();
-    result.emplace_back();  // trained_names
-    result.emplace_back();  // call
-    return result;
+    const std::optional<at::Tensor> given_routing = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;
+    auto [out, chosen] = v4_moe(h, weights, "mlp.", cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                cfg.norm_topk_prob, cfg.routed_scaling_factor, lora.scaling, lora.dropout, given_routing);
+    routing = chosen;
+    return {mid + out, selection};
   }
 };
 
@@ -157,6 +89,7 @@ std::tuple<at::Tensor, at::Tensor> v4_glm5_layer_forward(const at::Tensor& hidde
   TORCH_CHECK_VALUE(lora_dropout >= 0 && lora_dropout < 1, op, ": lora_dropout must lie in [0, 1), got ", lora_dropout);
   auto call = c10::make_intrusive<v4::LayerCall>();
   call->weights = weights;
+  call->lora_dropout = lora_dropout;
   call->cfg = cfg;
   call->layer = layer;
   call->positions = positions;
@@ -164,17 +97,9 @@ std::tuple<at::Tensor, at::Tensor> v4_glm5_layer_forward(const at::Tensor& hidde
   call->carry = carry;
   call->lora = {lora_scaling, lora_dropout};
   if (!(checkpoint && at::GradMode::is_enabled())) {
-    const v4::LayerOut out = v4::run(*call, hidden, weights);
-    return {out.hidden, out.selection};
+    const auto out = call->forward(hidden, weights);
+    return {out[0], out[1]};
   }
-  torch::autograd::variable_list trained;
-  std::vector<std::string> names;
-  for (const auto& [name, w] : weights) {
-    if (w.requires_grad()) {
-      trained.push_back(w);
-      names.push_back(name);
-    }
-  }
-  const auto out = v4::LayerCheckpoint::apply(hidden, at::TensorList(trained), names, call);
+  const auto out = v4::checkpointed(hidden, call);
   return {out[0], out[1]};
 }

@@ -1,18 +1,21 @@
-"""Qwen3.5's blocks on the C++ path (v4_gated_deltanet, v4_gated_attention, v4_qwen_moe, under the
-Python layer): transformers' goldens (logits, loss, every parameter's gradient) and training that
-follows the reference path step by step."""
+"""Qwen3.5 on the C++ path (v4_qwen3_5_layer_forward, one call per layer, with v4_gated_deltanet,
+v4_gated_attention and v4_qwen_moe inside): transformers' goldens (logits, loss, every
+parameter's gradient), activation checkpointing that repeats the first pass's dropout and routing,
+and training that follows the reference path step by step."""
 
 import pytest
 import torch
 
 import train
 from golden_cases import CASES, CHAT, QWEN_BASE, golden, run
+from v4train.models.causal_lm import Packed
 from v4train import data, hf_checkpoint, lora, ops
 from v4train.ops.compare import assert_close, assert_rel_close
 from v4train.optim import AdamW
 from v4train.tokenizer import Tokenizer
 
-QWEN_CPP = {"v4_gated_deltanet", "v4_gated_attention", "v4_qwen_moe", "v4_causal_conv1d", "v4_gated_delta_rule"}
+QWEN_CPP = {"v4_qwen3_5_layer_forward", "v4_gated_deltanet", "v4_gated_attention", "v4_qwen_moe", "v4_causal_conv1d",
+            "v4_gated_delta_rule"}
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("qwen3_5")])
@@ -29,6 +32,32 @@ def test_cpp_blocks_match_transformers(case):
     assert sorted(have) == sorted(meta["grads"])
     for n in sorted(have):
         assert_rel_close(have[n], meta["grads"][n], f"{case} gradient of {n}", truth=meta["grad64s"][n])
+
+
+def _lora_grads(model, batch, checkpointing, seed):
+    model.checkpointing = checkpointing
+    model.zero_grad()
+    torch.manual_seed(seed)  # the LoRA dropout masks
+    loss = model.loss(batch, 100.0)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_checkpointed_layer_recomputes_the_same_dropout_and_routing():
+    model_dir, tensors, _ = golden("qwen3_5_moe")
+    model, _ = hf_checkpoint.load(model_dir, torch.float32)
+    model.use_ops(ops.resolve("all"))
+    lora.add_adapters(model, lora.LoraConfig(4, 8, 0.3, model.family.attention_targets, True), torch.float32, "cpu", 0)
+    model.train()
+    batch = Packed.from_rows(tensors["input_ids"])
+    plain_loss, plain = _lora_grads(model, batch, False, seed=7)
+    ckpt_loss, ckpt = _lora_grads(model, batch, True, seed=7)
+    assert torch.equal(ckpt_loss, plain_loss)
+    assert sorted(ckpt) == sorted(plain)
+    for n in plain:
+        assert_close(ckpt[n], plain[n], f"checkpointed gradient of {n}")
+    _, other = _lora_grads(model, batch, True, seed=8)
+    assert any(not torch.equal(other[n], plain[n]) for n in plain), "dropout is on: another seed gives other gradients"
 
 
 def test_cpp_and_reference_paths_train_alike():

@@ -10,11 +10,13 @@ from v4train.ops.samples import Sample, layout, make_leaf, seed, view_as_layout,
 from v4train.reference.glm5_layer_forward import v4_glm5_layer_forward
 
 
-def layer_leaves(draw, cfg, layer: int, dtype, device, s):
-    """A layer's tensors from the GLM-5 weight table (fp32 where transformers keeps fp32), norms
-    around 1, the routing bias small, LoRA on a drawn subset of the projections and experts."""
-    specs = layer_specs(cfg, layer)
-    adaptable = {sp.name: sp.shape for sp in specs if len(sp.shape) >= 2 and not sp.fp32 and "indexer" not in sp.name}
+def layer_leaves(draw, cfg, layer: int, dtype, device, s, specs_of=layer_specs, excluded=("indexer",)):
+    """A layer's tensors from the family's weight table (GLM-5's by default; fp32 where
+    transformers keeps fp32), norms around 1, biases small, LoRA on a drawn subset of the
+    projections and experts (none on names containing one of `excluded`)."""
+    specs = specs_of(cfg, layer)
+    adaptable = {sp.name: sp.shape for sp in specs
+                 if len(sp.shape) >= 2 and not sp.fp32 and not any(x in sp.name for x in excluded)}
     weights, scaling = weight_leaves(draw, adaptable, dtype, device, s)
     for i, sp in enumerate(specs):
         if sp.name in weights:

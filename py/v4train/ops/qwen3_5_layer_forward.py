@@ -1,6 +1,61 @@
 """v4_qwen3_5_layer_forward: one Qwen3.5 decoder layer (Gated DeltaNet or gated attention, MoE or MLP)."""
 
-from v4train.ops.registry import OpInfo
+import torch
+
+from v4train.models import config_from_dict
+from v4train.models.qwen3_5 import FAMILY, layer_specs
+from v4train.ops.gated_delta_rule import chunk_documents
+from v4train.ops.glm5_layer_forward import layer_leaves
+from v4train.ops.mla_dsa_attention import packed
+from v4train.ops.registry import F64, ErrorCase, OpInfo
+from v4train.ops.samples import Sample, layout, make_leaf, seed, view_as_layout
 from v4train.reference.qwen3_5_layer_forward import v4_qwen3_5_layer_forward
 
-OP = OpInfo("v4_qwen3_5_layer_forward", v4_qwen3_5_layer_forward, has_cpp=False, composite=True)
+
+def small_config(draw, moe: bool):
+    """A Qwen3.5 config of drawn small dimensions: one Gated DeltaNet and one gated attention layer."""
+    nk = draw.integers(1, 2)
+    d = dict(model_type="qwen3_5_moe" if moe else "qwen3_5", num_hidden_layers=2, hidden_size=8 * draw.integers(1, 3),
+             layer_types=["linear_attention", "full_attention"], linear_num_key_heads=nk,
+             linear_num_value_heads=nk * draw.sampled_from([1, 2]), linear_key_head_dim=4 * draw.integers(1, 3),
+             linear_value_head_dim=4 * draw.integers(1, 3), linear_conv_kernel_dim=draw.integers(2, 4),
+             num_attention_heads=2, num_key_value_heads=draw.sampled_from([1, 2]), head_dim=8,
+             intermediate_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+             num_experts=draw.sampled_from([2, 4]), num_experts_per_tok=draw.integers(1, 2),
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                              "partial_rotary_factor": draw.sampled_from([0.5, 1.0])})
+    return config_from_dict(d)
+
+
+def samples(draw, dtype: torch.dtype, device) -> Sample:
+    moe, layer, checkpoint = draw.booleans(), draw.integers(0, 1), draw.booleans()
+    cfg = small_config(draw, moe)
+    lengths = chunk_documents(draw)
+    h_layout, s = layout(draw), seed(draw)
+    weights, scaling = layer_leaves(draw, cfg, layer, dtype, device, s, layer_specs, FAMILY.lora_excluded)
+    positions, cu = packed(lengths, device)
+    leaves = {"hidden": make_leaf((sum(lengths), cfg.hidden_size), h_layout, dtype, device, s + 100), **weights}
+
+    def build(lv):
+        w = {k: v for k, v in lv.items() if k != "hidden"}
+        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, positions, cu.to(device), None, scaling, 0.0,
+                checkpoint), {}
+
+    return Sample(leaves, build, note=f"documents {lengths}, {cfg.layer_types[layer]}, {'MoE' if moe else 'dense'}, "
+                                      f"checkpoint {checkpoint}, cfg {cfg}")
+
+
+def _call(layer=0, dropout=0.0):
+    def args():
+        cfg = config_from_dict({"model_type": "qwen3_5", "num_hidden_layers": 1, "hidden_size": 8})
+        return (torch.zeros(3, 8), {}, cfg, layer, torch.arange(3), torch.tensor([0, 3]), None, 0.0, dropout, False)
+    return args
+
+
+OP = OpInfo(
+    "v4_qwen3_5_layer_forward", v4_qwen3_5_layer_forward, samples=samples, composite=True, dtypes=F64,
+    errors=(
+        ErrorCase("a layer past the config's", _call(layer=3), "layer 3 is not one of the config's 1 layers"),
+        ErrorCase("lora_dropout of 1", _call(dropout=1.0), "lora_dropout must lie in [0, 1), got 1"),
+    ),
+)

@@ -1,0 +1,95 @@
+#include "cc/common/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <mutex>
+#include <string>
+
+namespace v4 {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The random generator a layer's dropout draws from, on the input's device.
+at::Generator generator(const at::Tensor& t) { return at::globalContext().defaultGenerator(t.device()); }
+
+struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, at::TensorList trained,
+                               const std::vector<std::string>& trained_names, c10::intrusive_ptr<CheckpointedCall> call) {
+    if (call->lora_dropout > 0) {
+      at::Generator gen = generator(hidden);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      call->rng_state = gen.get_state();
+    }
+    std::vector<at::Tensor> out;
+    {
+      at::NoGradGuard no_grad;
+      out = call->run(hidden, call->weights, /*first=*/true);
+    }
+    ctx->save_for_backward({hidden});
+    ctx->saved_data["call"] = c10::IValue::make_capsule(call);
+    ctx->saved_data["names"] = trained_names;
+    for (size_t i = 1; i < out.size(); ++i) {
+      if (out[i].defined()) ctx->mark_non_differentiable({out[i]});
+    }
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor hidden = ctx->get_saved_variables()[0];
+    auto call = c10::static_intrusive_pointer_cast<CheckpointedCall>(ctx->saved_data["call"].toCapsule());
+    const auto names = ctx->saved_data["names"].toList();
+    at::Tensor current_rng;
+    at::Generator gen;
+    if (call->lora_dropout > 0) {  // the first pass's dropout masks
+      gen = generator(hidden);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      current_rng = gen.get_state();
+      gen.set_state(call->rng_state);
+    }
+    at::Tensor h = hidden.detach().requires_grad_(true);
+    Weights weights = call->weights;
+    variable_list inputs{h};
+    for (const auto& name : names) {
+      at::Tensor w = weights.at(name.get().toStringRef()).detach().requires_grad_(true);
+      weights[name.get().toStringRef()] = w;
+      inputs.push_back(w);
+    }
+    std::vector<at::Tensor> out;
+    {
+      at::AutoGradMode grad_mode(true);
+      out = call->run(h, weights, /*first=*/false);
+    }
+    if (current_rng.defined()) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(current_rng);
+    }
+    variable_list result = torch::autograd::grad({out[0]}, inputs, {grads[0]}, /*retain_graph=*/false,
+                                                 /*create_graph=*/false, /*allow_unused=*/true);
+    if (!hidden.requires_grad()) result[0] = at::Tensor();
+    result.emplace_back();  // trained_names
+    result.emplace_back();  // call
+    return result;
+  }
+};
+
+}  // namespace
+
+std::vector<at::Tensor> checkpointed(const at::Tensor& hidden, const c10::intrusive_ptr<CheckpointedCall>& call) {
+  torch::autograd::variable_list trained;
+  std::vector<std::string> names;
+  for (const auto& [name, w] : call->weights) {
+    if (w.requires_grad()) {
+      trained.push_back(w);
+      names.push_back(name);
+    }
+  }
+  return LayerCheckpoint::apply(hidden, at::TensorList(trained), names, call);
+}
+
+}  // namespace v4
