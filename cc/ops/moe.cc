@@ -97,6 +97,15 @@ at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor
   return (y * route_weights.unsqueeze(-1)).to(y_rows.scalar_type()).sum(1);
 }
 
+void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, int64_t top_k, int64_t E) {
+  const int64_t T = x.size(0);
+  TORCH_CHECK_VALUE(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == T && idx.size(1) == top_k, op,
+                    ": routing must be int64 [", T, ", ", top_k, "], got ", idx.scalar_type(), " ", idx.sizes());
+  v4::check_same_device(op, "routing", idx, "x", x);
+  TORCH_CHECK_VALUE(T == 0 || (idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < E), op,
+                    ": routing must name experts in [0, ", E, ")");
+}
+
 void check_experts(const char* op, const v4::Weights& weights, const std::string& prefix, const at::Tensor& x,
                    int64_t E) {
   const at::Tensor& gate_up = v4::get(weights, prefix + "experts.gate_up_proj", op);
@@ -142,11 +151,7 @@ std::tuple<at::Tensor, at::Tensor> v4_moe(const at::Tensor& x, const v4::Weights
   at::Tensor idx;
   if (routing) {
     idx = *routing;
-    TORCH_CHECK_VALUE(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == T && idx.size(1) == top_k, op,
-                      ": routing must be int64 [", T, ", ", top_k, "], got ", idx.scalar_type(), " ", idx.sizes());
-    v4::check_same_device(op, "routing", idx, "x", x);
-    TORCH_CHECK_VALUE(T == 0 || (idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < E), op,
-                      ": routing must name experts in [0, ", E, ")");
+    v4::check_routing(op, idx, x, top_k, E);
   } else {
     at::NoGradGuard no_grad;
     at::Tensor choice = scores.detach() + bias.to(at::kFloat);

@@ -39,6 +39,9 @@ at::Tensor experts(const at::Tensor& x_rows, const Weights& weights, const std::
 // exist and fit x [T, H] and E experts, else a ValueError naming op and tensor.
 void check_experts(const char* op, const Weights& weights, const std::string& prefix, const at::Tensor& x, int64_t E);
 
+// A given routing (a recomputation's): int64 [T, top_k] on x's device, naming experts in [0, E).
+void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, int64_t top_k, int64_t E);
+
 // sum over k of route_weights[t, k] * y of token t's k-th row: [T, H] in y's dtype.
 at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens);
 

@@ -31,11 +31,7 @@ std::tuple<at::Tensor, at::Tensor> v4_qwen_moe(const at::Tensor& x, const v4::We
   at::Tensor route_weights, idx;
   if (routing) {
     idx = *routing;
-    TORCH_CHECK_VALUE(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.size(0) == T && idx.size(1) == top_k, op,
-                      ": routing must be int64 [", T, ", ", top_k, "], got ", idx.scalar_type(), " ", idx.sizes());
-    v4::check_same_device(op, "routing", idx, "x", x);
-    TORCH_CHECK_VALUE(T == 0 || (idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < E), op,
-                      ": routing must name experts in [0, ", E, ")");
+    v4::check_routing(op, idx, x, top_k, E);
     route_weights = probs.gather(1, idx);
   } else {
     std::tie(route_weights, idx) = at::topk(probs, top_k, -1);
