@@ -1,11 +1,17 @@
 """A training step of a model proxy in transformers and in v4train, side by side in one process.
 
     PYTHONPATH=py:build/ext:. python3 tools/bench_model.py --model glm5 --tokens 4096,16384,65536
+    PYTHONPATH=py:build/ext:. python3 tools/bench_model.py --model qwen3_5 --tokens 4096,16384,65536
 
-The GLM-5 proxy of ../shared/notes/baselines.md: GlmMoeDsaConfig's defaults (hidden 6144, 64 heads,
-MLA, DSA top-2048, vocabulary 154880) with 4 layers (1 dense + 3 MoE) and 32 routed experts top-8,
-bf16, random weights. transformers (sdpa attention, whatever version is installed) builds it;
-v4train gets the very same parameter tensors (no copy) and the same tokens, one sequence.
+The proxies of ../shared/notes/baselines.md, bf16, random weights:
+- glm5: GlmMoeDsaConfig's defaults (hidden 6144, 64 heads, MLA, DSA top-2048, vocabulary 154880)
+  with 4 layers (1 dense + 3 MoE) and 32 routed experts top-8;
+- qwen3_5: Qwen3_5MoeTextConfig's defaults (hidden 2048, 16 / 2 heads of 256, Gated DeltaNet 16
+  key / 32 value heads of 128, experts of 512 top-8 with a shared one of 512, vocabulary 248320)
+  with 4 layers (3 Gated DeltaNet + 1 gated attention) and 64 routed experts.
+transformers (sdpa attention; for Qwen3.5 its PyTorch delta rule unless flash-linear-attention is
+installed) builds it; v4train gets the very same parameter tensors (no copy) and the same tokens,
+one sequence.
 A step is forward + backward of the LM loss with every weight trainable (no optimizer), as in
 the baselines. Per sequence length: median step time over --steps after --warmup, tokens/s,
 the peak memory above the weights (gradients included), TFLOP/s (6 x active parameters per
@@ -13,7 +19,8 @@ token, attention not counted), and the loss difference; then, for v4train, the f
 each op call, the top CUDA kernels of one step (torch.profiler), and the share of the step's
 FLOPs that ran in C++ ops. A run that runs out of memory is reported as such. Activation
 checkpointing is used where --checkpointing says (auto: from 16,384 tokens for v4train; never
-for transformers, whose own checkpointing runs out of memory at 16,384, see baselines.md).
+for transformers, whose own checkpointing runs out of memory at 16,384 on the GLM-5 proxy, see
+baselines.md).
 Prints markdown rows and writes JSON to --out.
 """
 
@@ -40,20 +47,34 @@ from v4train.models.causal_lm import CausalLM, Packed  # noqa: E402
 GIB = 2**30
 
 
-def glm5_proxy():
+def glm5_proxy(**overrides):
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-    cfg = GlmMoeDsaConfig(num_hidden_layers=4, n_routed_experts=32, first_k_dense_replace=1)
-    return cfg, GlmMoeDsaForCausalLM
+    return GlmMoeDsaConfig(**{"num_hidden_layers": 4, "n_routed_experts": 32, "first_k_dense_replace": 1,
+                              **overrides}), GlmMoeDsaForCausalLM
 
 
-def build(model: str, dtype):
-    hf_cfg, cls = {"glm5": glm5_proxy}[model]()
+def qwen3_5_proxy(**overrides):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    layers = overrides.pop("num_hidden_layers", 4)
+    types = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4) + ["linear_attention"] * (layers % 4)
+    return Qwen3_5MoeTextConfig(**{"num_hidden_layers": layers, "layer_types": types, "num_experts": 64,
+                                   **overrides}), Qwen3_5MoeForCausalLM
+
+
+PROXIES = {"glm5": glm5_proxy, "qwen3_5": qwen3_5_proxy}
+
+
+def build(model: str, dtype, device="cuda", **overrides):
+    """(transformers' model, v4train's CausalLM on the same parameter tensors, v4train's config);
+    `overrides` change the proxy's config (a small one for the CPU test of this script)."""
+    hf_cfg, cls = PROXIES[model](**overrides)
     hf_cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
-    with torch.device("cuda"):
+    with torch.device(device):
         hf = cls(hf_cfg)
     torch.set_default_dtype(default)
     hf.train()
@@ -153,7 +174,7 @@ def profile(model, batch, top: int = 25) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="glm5", choices=["glm5"])
+    parser.add_argument("--model", default="glm5", choices=sorted(PROXIES))
     parser.add_argument("--tokens", default="4096,16384,65536")
     parser.add_argument("--impls", default="transformers,v4train")
     parser.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"])

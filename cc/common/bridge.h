@@ -57,7 +57,7 @@ struct type_caster<v4::Rope> {
   bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
     object factor = getattr(src, "attention_factor", none());
     if (!factor.is_none()) {
-      double f;
+      double f = 0;  // written by try_cast on success; the initialiser quiets -Wmaybe-uninitialized
       if (!try_cast<double>(factor, f)) return false;
       value.attention_factor = f;
     }

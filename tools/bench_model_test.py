@@ -1,0 +1,55 @@
+"""tools/bench_model.py compares like with like: on each proxy, shrunk to the bundled test
+model's config, v4train (every op in C++) gives transformers' loss and gradients on the very
+parameter tensors transformers holds."""
+
+import copy
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import bench_model  # noqa: E402
+from v4train import ops  # noqa: E402
+from v4train.models.causal_lm import Packed  # noqa: E402
+from v4train.ops.compare import assert_rel_close  # noqa: E402
+
+NOT_CONFIG = {"architectures", "model_type", "dtype"}
+
+
+@pytest.mark.parametrize("model", sorted(bench_model.PROXIES))
+def test_the_proxy_is_the_same_model_on_both_sides(model):
+    with open(os.path.join(ROOT, "testdata", "sft", f"{model}_config.json")) as f:
+        small = {k: v for k, v in json.load(f).items() if k not in NOT_CONFIG}
+    hf, ours, cfg = bench_model.build(model, torch.float32, "cpu", **small)
+    ours.use_ops(ops.resolve("all"))
+    theirs = {**dict(hf.named_parameters()), **dict(hf.named_buffers())}
+    not_shared = [n for n, p in ours.named_parameters() if n not in theirs or p.data_ptr() != theirs[n].data_ptr()]
+    assert not_shared == [], "v4train's tensors must be transformers' own (same name, same storage)"
+    # Longer than the GLM-5 test model's index_topk (64), so that its sparse attention selects.
+    ids = torch.randint(0, cfg.vocab_size, (1, 96), generator=torch.Generator().manual_seed(1))
+    # transformers in float64 arbitrates where fp32 rounding of either side exceeds the tolerance
+    # (DeltaNet's dt_bias and A_log gradients sum with heavy cancellation).
+    expected, hf_grads = loss_and_grads(hf, ids)
+    hf64 = copy.deepcopy(hf).double()
+    hf64.set_experts_implementation("eager")  # torch._grouped_mm has no float64
+    truth, truth_grads = loss_and_grads(hf64, ids)
+    batch = Packed.from_rows(ids)
+    loss = ours.loss(batch, batch.num_targets)
+    loss.backward()
+    assert_rel_close(loss, expected, f"{model} loss", truth)
+    for n, p in ours.named_parameters():
+        if p.requires_grad:
+            assert_rel_close(p.grad, hf_grads[n], f"{model} gradient of {n}", truth_grads[n])
+
+
+def loss_and_grads(hf, ids):
+    loss = hf(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
+    bench_model.zero_grads(hf)
+    return loss.detach(), grads
