@@ -33,7 +33,7 @@ fi
 if has tests; then
   python3 -m pytest -p no:cacheprovider -q py/tests/test_bridge.py py/tests/test_ops_selection.py \
     py/tests/test_goldens.py py/tests/test_packing.py py/tests/test_gated_delta_rule.py py/tests/test_data.py \
-    py/tests/test_train_step.py py/tests/test_flop_share.py py/tests/test_glm5_cpp.py >"$out/tests.log" 2>&1 || status=1
+    py/tests/test_train_step.py py/tests/test_flop_share.py py/tests/test_layers_cpp.py >"$out/tests.log" 2>&1 || status=1
   echo "tests: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -1)"
 fi
 if has model; then
