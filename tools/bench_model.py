@@ -177,6 +177,7 @@ def main() -> int:
     parser.add_argument("--model", default="glm5", choices=sorted(PROXIES))
     parser.add_argument("--tokens", default="4096,16384,65536")
     parser.add_argument("--impls", default="transformers,v4train")
+    parser.add_argument("--cpp_ops", default="all", help="v4train's --cpp_ops: the ops that run in C++ (the rest on the reference)")
     parser.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -184,8 +185,9 @@ def main() -> int:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     dtype = torch.bfloat16
+    table = ops.resolve(args.cpp_ops)
     hf, ours, cfg = build(args.model, dtype)
-    ours.use_ops(ops.resolve("all"))
+    ours.use_ops(table)
     weights_gib = torch.cuda.memory_allocated() / GIB
     flops_per_token = 6 * active_params(cfg)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
@@ -247,7 +249,7 @@ def main() -> int:
             with FlopShare(ours.ops) as share:
                 ours.use_ops(share.table)
                 ours.loss(batch, batch.num_targets).backward()
-            ours.use_ops(ops.resolve("all"))
+            ours.use_ops(table)
             zero_grads(ours)
             s = share.summary()
             print(f"FLOP share in C++ ops: {100 * s['cpp_share']:.2f}% of {s['total'] / 1e12:.1f} TFLOP")
