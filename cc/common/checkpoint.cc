@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "cc/common/checks.h"
+
 #include <mutex>
 #include <string>
 
@@ -21,7 +23,7 @@ at::Generator generator(const at::Tensor& t) { return at::globalContext().defaul
 struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, at::TensorList trained,
                                const std::vector<std::string>& trained_names, c10::intrusive_ptr<CheckpointedCall> call) {
-    if (call->lora_dropout > 0) {
+    if (call->lora.dropout > 0) {
       at::Generator gen = generator(hidden);
       std::lock_guard<std::mutex> lock(gen.mutex());
       call->rng_state = gen.get_state();
@@ -46,7 +48,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     const auto names = ctx->saved_data["names"].toList();
     at::Tensor current_rng;
     at::Generator gen;
-    if (call->lora_dropout > 0) {  // the first pass's dropout masks
+    if (call->lora.dropout > 0) {  // the first pass's dropout masks
       gen = generator(hidden);
       std::lock_guard<std::mutex> lock(gen.mutex());
       current_rng = gen.get_state();
@@ -80,7 +82,19 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
 
 }  // namespace
 
-std::vector<at::Tensor> checkpointed(const at::Tensor& hidden, const c10::intrusive_ptr<CheckpointedCall>& call) {
+void check_layer_call(const char* op, const at::Tensor& hidden, const Weights& weights, int64_t layer, int64_t layers,
+                      double lora_dropout) {
+  check_floating(op, "hidden", hidden, /*float64=*/true);
+  check_dim(op, "hidden", hidden, 2);
+  check_weights(op, weights, hidden);
+  TORCH_CHECK_VALUE(layer >= 0 && layer < layers, op, ": layer ", layer, " is not one of the config's ", layers,
+                    " layers");
+  TORCH_CHECK_VALUE(lora_dropout >= 0 && lora_dropout < 1, op, ": lora_dropout must lie in [0, 1), got ", lora_dropout);
+}
+
+std::vector<at::Tensor> run_layer(const at::Tensor& hidden, const c10::intrusive_ptr<CheckpointedCall>& call,
+                                  bool checkpoint) {
+  if (!(checkpoint && at::GradMode::is_enabled())) return call->forward(hidden, call->weights);
   torch::autograd::variable_list trained;
   std::vector<std::string> names;
   for (const auto& [name, w] : call->weights) {

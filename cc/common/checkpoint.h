@@ -6,27 +6,44 @@
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
+#include <utility>
 #include <vector>
 
 #include "cc/common/lora.h"
 
 namespace v4 {
 
-// One layer call that checkpointing can repeat. run() computes the layer from its input and
-// weights: {hidden, carries...}, the carries not differentiable. With first == true it is the
-// first pass (record the choices that must repeat: routing, selections); with false, the
-// recomputation (repeat them). The LoRA dropout masks repeat by restoring the random generator.
+// One layer call: what it needs besides its input (the weights, where it sits in the packed
+// batch, LoRA's settings), kept by a checkpointed call for the recomputation. forward() is a
+// plain pass: {hidden, carries...}, the carries not differentiable. run() is a pass of the
+// checkpoint: with first == true the first one (record the choices that must repeat: routing,
+// selections), with false the recomputation (repeat them); a plain pass unless overridden. The
+// LoRA dropout masks repeat by restoring the random generator.
 struct CheckpointedCall : torch::CustomClassHolder {
   Weights weights;
-  double lora_dropout = 0.0;
+  int64_t layer = 0;
+  at::Tensor positions, cu_seqlens;
+  Lora lora;
   at::Tensor rng_state;
+  CheckpointedCall(Weights weights, int64_t layer, at::Tensor positions, at::Tensor cu_seqlens, Lora lora)
+      : weights(std::move(weights)), layer(layer), positions(std::move(positions)), cu_seqlens(std::move(cu_seqlens)),
+        lora(lora) {}
   virtual ~CheckpointedCall() = default;
-  virtual std::vector<at::Tensor> run(const at::Tensor& hidden, const Weights& weights, bool first) = 0;
+  virtual std::vector<at::Tensor> forward(const at::Tensor& hidden, const Weights& weights) = 0;
+  virtual std::vector<at::Tensor> run(const at::Tensor& hidden, const Weights& weights, bool /*first*/) {
+    return forward(hidden, weights);
+  }
 };
 
-// call->run(hidden, call->weights, true) without keeping its activations for backward; the
-// backward pass runs it again (first == false) with gradients on hidden and the weights that
-// require them.
-std::vector<at::Tensor> checkpointed(const at::Tensor& hidden, const c10::intrusive_ptr<CheckpointedCall>& call);
+// The checks every layer op makes of its arguments (named in op's messages): hidden a floating
+// [tokens, hidden] tensor, the weights on its device, layer one of `layers`, dropout in [0, 1).
+void check_layer_call(const char* op, const at::Tensor& hidden, const Weights& weights, int64_t layer, int64_t layers,
+                      double lora_dropout);
+
+// call->forward(hidden, call->weights); or, with checkpoint under grad mode, the same without
+// keeping its activations for backward: the backward pass runs it again (run with first ==
+// false) with gradients on hidden and the weights that require them.
+std::vector<at::Tensor> run_layer(const at::Tensor& hidden, const c10::intrusive_ptr<CheckpointedCall>& call,
+                                  bool checkpoint);
 
 }  // namespace v4

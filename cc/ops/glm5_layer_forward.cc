@@ -1,7 +1,6 @@
 #include "cc/ops/glm5_layer_forward.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 
 #include <optional>
 #include <string>
@@ -27,11 +26,9 @@ constexpr int64_t kMaskedMaxLen = 8192;
 // recomputation takes instead of attending again (AttentionStash: the costliest part of a long
 // document's recomputation, [tokens, heads, 513] values per layer).
 struct LayerCall : CheckpointedCall {
+  using CheckpointedCall::CheckpointedCall;
   Glm5Config cfg;
-  int64_t layer = 0;
-  at::Tensor positions, cu_seqlens;
   std::optional<at::Tensor> carry;
-  Lora lora;
   at::Tensor selection, routing;
   AttentionStash stash;
 
@@ -48,7 +45,7 @@ struct LayerCall : CheckpointedCall {
     return out;
   }
 
-  std::vector<at::Tensor> forward(const at::Tensor& hidden, const Weights& weights) {
+  std::vector<at::Tensor> forward(const at::Tensor& hidden, const Weights& weights) override {
     const bool shared = cfg.indexer_types[layer] == "shared";
     std::optional<at::Tensor> given = shared ? carry : std::nullopt;
     if (!shared && selection.defined()) given = selection;
@@ -80,26 +77,14 @@ std::tuple<at::Tensor, at::Tensor> v4_glm5_layer_forward(const at::Tensor& hidde
                                                          const std::optional<at::Tensor>& carry, double lora_scaling,
                                                          double lora_dropout, bool checkpoint) {
   constexpr const char* op = "v4_glm5_layer_forward";
-  v4::check_floating(op, "hidden", hidden, /*float64=*/true);
-  v4::check_dim(op, "hidden", hidden, 2);
-  v4::check_weights(op, weights, hidden);
   const int64_t layers = static_cast<int64_t>(cfg.mlp_layer_types.size());
-  TORCH_CHECK_VALUE(layer >= 0 && layer < layers && static_cast<int64_t>(cfg.indexer_types.size()) == layers, op,
-                    ": layer ", layer, " is not one of the config's ", layers, " layers");
-  TORCH_CHECK_VALUE(lora_dropout >= 0 && lora_dropout < 1, op, ": lora_dropout must lie in [0, 1), got ", lora_dropout);
-  auto call = c10::make_intrusive<v4::LayerCall>();
-  call->weights = weights;
-  call->lora_dropout = lora_dropout;
+  v4::check_layer_call(op, hidden, weights, layer, layers, lora_dropout);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(cfg.indexer_types.size()) == layers, op, ": the config has ",
+                    cfg.indexer_types.size(), " indexer types for ", layers, " layers");
+  auto call = c10::make_intrusive<v4::LayerCall>(weights, layer, positions, cu_seqlens,
+                                                 v4::Lora{lora_scaling, lora_dropout});
   call->cfg = cfg;
-  call->layer = layer;
-  call->positions = positions;
-  call->cu_seqlens = cu_seqlens;
   call->carry = carry;
-  call->lora = {lora_scaling, lora_dropout};
-  if (!(checkpoint && at::GradMode::is_enabled())) {
-    const auto out = call->forward(hidden, weights);
-    return {out[0], out[1]};
-  }
-  const auto out = v4::checkpointed(hidden, call);
+  const auto out = v4::run_layer(hidden, call, checkpoint);
   return {out[0], out[1]};
 }
