@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from golden_cases import golden
+from golden_cases import CASES, golden
 from v4train.ops.compare import assert_rel_close
 
 EVALUATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evaluate.py")
@@ -25,9 +25,10 @@ def _write_rows(path, rows):
             f.write(json.dumps({"input_ids": r}) + "\n")
 
 
-@pytest.mark.parametrize("case", ["glm5", "glm5_yarn_fp8", "qwen3_5_moe"])
+@pytest.mark.parametrize("case", CASES)
 def test_loss_equals_transformers_forward(case, tmp_path):
-    """--cpp_ops=all (the default): GLM-5's layers run in C++."""
+    """--cpp_ops=all (the default): every layer runs in C++; each golden checkpoint (GLM-5 with
+    and without YaRN + FP8, Qwen3.5 dense, MoE, sharded and the VL checkpoint's text model)."""
     model_dir, tensors, meta = golden(case)
     data = tmp_path / "data.jsonl"
     _write_rows(data, tensors["input_ids"].tolist())
