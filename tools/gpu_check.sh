@@ -2,18 +2,18 @@
 # One full run on a machine with torch and a GPU but no Bazel (the H200 machine): build the op
 # modules with tools/build_ext.py; the parity suite's CUDA cases and the tests that need no
 # pinned transformers; the model benchmark side by side with transformers (with per-op times,
-# a kernel profile and the FLOP share); the op benchmarks; the out-of-the-box training run on
+# a kernel profile and the FLOP share); the op benchmarks; the out-of-the-box training runs on
 # CUDA in bf16. Logs go to ${OUT:-build/gpu_check}; the last lines printed are a summary.
 #   STAGES="build parity tests model ops train" (default: all) picks stages;
-#   TOKENS=4096,16384,65536 the model benchmark's sequence lengths.
+#   TOKENS=4096,16384,65536 the model benchmark's sequence lengths, MODELS="glm5 qwen3_5" its proxies.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
 stages=${STAGES:-build parity tests model ops train}
 mkdir -p "$out"
 export PYTHONPATH=py:py/tests:build/ext:. PYTHONUNBUFFERED=1
-# transformers 5.24 as a wheel carried in .whl/, where the machine's own lacks GLM-5.
-if ! python3 -c 'import transformers.models.glm_moe_dsa' 2>/dev/null && ls .whl/transformers-*.whl >/dev/null 2>&1; then
+# transformers 5.24 as a wheel carried in .whl/, where the machine's own lacks GLM-5 or Qwen3.5-MoE.
+if ! python3 -c 'import transformers.models.glm_moe_dsa, transformers.models.qwen3_5_moe' 2>/dev/null && ls .whl/transformers-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/transformers-*.whl &&
     export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
@@ -37,18 +37,22 @@ if has tests; then
   echo "tests: $(grep -E '[0-9]+ (passed|failed)' "$out/tests.log" | tail -1)"
 fi
 if has model; then
-  python3 tools/bench_model.py --profile --tokens "${TOKENS:-4096,16384,65536}" --out "$out/bench_model.json" \
-    >"$out/bench_model.log" 2>&1 || status=1
-  grep -E '^\|' "$out/bench_model.log"; grep -E 'loss difference|FLOP share' "$out/bench_model.log"
+  for model in ${MODELS:-glm5 qwen3_5}; do
+    python3 tools/bench_model.py --model "$model" --profile --tokens "${TOKENS:-4096,16384,65536}" \
+      --out "$out/bench_$model.json" >"$out/bench_$model.log" 2>&1 || status=1
+    echo "$model:"; grep -E '^\|' "$out/bench_$model.log"; grep -E 'loss difference|FLOP share' "$out/bench_$model.log"
+  done
 fi
 if has ops; then
   python3 tools/benchmark.py --reps 20 >"$out/benchmark.log" 2>&1 || status=1
 fi
 if has train; then
-  run=$(mktemp -d)
-  python3 py/train.py --flagfile=glm5.flags --dtype=bfloat16 --device=cuda --output_dir="$run" \
-    --log_interval=10 >"$out/train.log" 2>&1 || status=1
-  cp "$run/metrics.jsonl" "$out/train_metrics.jsonl" 2>/dev/null
-  echo "train: $(tail -1 "$out/train.log" | cut -c1-300)"
+  for model in glm5 qwen3_5; do
+    run=$(mktemp -d)
+    python3 py/train.py --flagfile=$model.flags --dtype=bfloat16 --device=cuda --output_dir="$run" \
+      --log_interval=10 >"$out/train_$model.log" 2>&1 || status=1
+    cp "$run/metrics.jsonl" "$out/train_${model}_metrics.jsonl" 2>/dev/null
+    echo "train $model: $(tail -1 "$out/train_$model.log" | cut -c1-300)"
+  done
 fi
 exit $status
