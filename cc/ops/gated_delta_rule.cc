@@ -90,8 +90,10 @@ at::Tensor v4_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const a
   // The UT transform: (I + strictly lower (diag(beta) K K^T * decay)) solved once per chunk.
   const at::Tensor system = at::matmul(k_beta, kc.transpose(-1, -2)) * decay;
   const at::Tensor intra = at::matmul(qc, kc.transpose(-1, -2)) * decay;
-  const at::Tensor u = at::linalg_solve_triangular(system, v_beta, /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
-  const at::Tensor w = at::linalg_solve_triangular(system, k_beta * gc.exp().unsqueeze(-1), false, true, true);
+  // u (values) and w (decayed keys) share the system: one solve over both right-hand sides.
+  const at::Tensor uw = at::linalg_solve_triangular(system, at::cat({v_beta, k_beta * gc.exp().unsqueeze(-1)}, -1),
+                                                    /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+  const at::Tensor u = uw.slice(-1, 0, Dv), w = uw.slice(-1, Dv);
   const at::Tensor q_in = qc * gc.exp().unsqueeze(-1);
   const at::Tensor k_out = kc * (gc.slice(-1, kChunk - 1) - gc).exp().unsqueeze(-1);
   const at::Tensor chunk_decay = gc.select(-1, kChunk - 1).exp().unsqueeze(-1).unsqueeze(-1);
