@@ -25,12 +25,14 @@ at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v
   const int64_t rep = q.size(1) / k_in.size(1);
   const at::Tensor k = rep > 1 ? k_in.repeat_interleave(rep, 1) : k_in, v = rep > 1 ? v_in.repeat_interleave(rep, 1) : v_in;
   const auto heads_first = [](const at::Tensor& t) { return aligned(t.transpose(0, 1).unsqueeze(0)); };
-  if (q.scalar_type() == at::kDouble) {
+  if (q.scalar_type() == at::kDouble || q.device().is_cpu()) {
+    const auto compute = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     at::Tensor allowed = causal ? at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)).tril()
                                 : mask.value_or(at::ones({q.size(0), k.size(0)}, q.options().dtype(at::kBool)));
-    const at::Tensor s = at::matmul(heads_first(q), heads_first(k).transpose(-1, -2)) * scale;
+    const at::Tensor s =
+        at::matmul(heads_first(q).to(compute), heads_first(k).to(compute).transpose(-1, -2)) * scale;
     const at::Tensor p = at::softmax(s.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity()), -1);
-    return at::matmul(p, heads_first(v)).squeeze(0).transpose(0, 1);
+    return at::matmul(p, heads_first(v).to(compute)).squeeze(0).transpose(0, 1).to(q.scalar_type());
   }
   const at::Tensor o = at::scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), mask, 0.0,
                                                         causal, scale);
