@@ -107,7 +107,7 @@ def _reshaped(t: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, str]:
     if t.dim() == 0:
         return t.reshape(1), "a dimension more"
     d = rng.randrange(t.dim())
-    if kind == "empty" or t.shape[d] == 1:
+    if kind == "empty" or t.shape[d] <= 1:
         return t.narrow(d, 0, 0), f"dim {d} empty"
     return t.narrow(d, 0, t.shape[d] - 1), f"dim {d} one shorter"
 
