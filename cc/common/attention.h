@@ -16,7 +16,9 @@ namespace v4 {
 // off), and its fused CPU backward takes softmax's row term from the bf16-rounded output, so
 // that a key gradient that cancels (a query attending almost only to one key, as in a document
 // of one or two tokens) came out 20% off in bf16 (found by the wide parity profile). The CPU
-// trains small models, where the [heads, queries, keys] scores this keeps are affordable.
+// trains small models, where the [heads, queries, keys] scores this keeps are affordable. Every
+// query must keep at least one key (causal rows keep their own; a mask row with none is NaN on
+// the CPU and 0 through SDPA).
 at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal,
                 const std::optional<at::Tensor>& mask = std::nullopt);
 

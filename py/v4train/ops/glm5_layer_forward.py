@@ -7,7 +7,7 @@ from v4train.models.glm5 import layer_specs
 from v4train.ops.mla_dsa_attention import documents, packed, random_selection, small_config
 from v4train.ops.registry import F64, ErrorCase, OpInfo
 from v4train.ops.samples import Sample, layout, make_leaf, seed, view_as_layout, weight_leaves, width
-from v4train.ops.ties import routing_near_tie
+from v4train.ops.ties import rerouted
 from v4train.reference.glm5_layer_forward import v4_glm5_layer_forward
 
 
@@ -52,8 +52,7 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
     return Sample(leaves, build, note=f"documents {lengths}, {'MoE' if moe else 'dense'}, shared {shared}, "
                                       f"checkpoint {checkpoint}, cfg {cfg}",
-                  near_tie=(lambda args, kwargs: routing_near_tie(v4_glm5_layer_forward, args, kwargs))
-                  if moe else None)
+                  reroute=(lambda args, kwargs, out: rerouted(v4_glm5_layer_forward, args, kwargs, out)) if moe else None)
 
 
 def proxy_config(layers: int = 4):

@@ -9,7 +9,7 @@ from v4train.ops.glm5_layer_forward import layer_leaves
 from v4train.ops.mla_dsa_attention import packed
 from v4train.ops.registry import F64, ErrorCase, OpInfo
 from v4train.ops.samples import Sample, layout, make_leaf, seed, view_as_layout
-from v4train.ops.ties import routing_near_tie
+from v4train.ops.ties import rerouted
 from v4train.reference.qwen3_5_layer_forward import v4_qwen3_5_layer_forward
 
 
@@ -44,8 +44,7 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
     return Sample(leaves, build, note=f"documents {lengths}, {cfg.layer_types[layer]}, {'MoE' if moe else 'dense'}, "
                                       f"checkpoint {checkpoint}, cfg {cfg}",
-                  near_tie=(lambda args, kwargs: routing_near_tie(v4_qwen3_5_layer_forward, args, kwargs))
-                  if moe else None)
+                  reroute=(lambda args, kwargs, out: rerouted(v4_qwen3_5_layer_forward, args, kwargs, out)) if moe else None)
 
 
 def _call(layer=0, dropout=0.0):

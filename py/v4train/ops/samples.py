@@ -110,15 +110,15 @@ class Sample:
     leaves: the tensors gradients are taken for (every floating input); parity compares the
       gradient of each, and for in-place ops the value each is left with.
     build: leaves -> (args, kwargs) for the op, making the views and adding the other arguments.
-    near_tie: (args, kwargs) -> where the op's discrete choices (a layer's MoE routing) came out
-      otherwise for the C++ ops than for the references, rounding at a near-tie, or "": a failed
-      comparison on such a sample is set aside (v4train.ops.ties).
+    reroute: (args, kwargs, the C++ op's first output) -> the reference routing a layer's MoE as
+      the C++ ops did, where they routed a token otherwise (rounding at a near-tie), or None
+      (v4train.ops.ties.rerouted).
     """
 
     def __init__(self, leaves: dict[str, torch.Tensor],
                  build: Callable[[dict[str, torch.Tensor]], tuple[tuple, dict]], note: str = "",
-                 near_tie: Callable[[tuple, dict], str] | None = None):
-        self.leaves, self.build, self.note, self.near_tie = leaves, build, note, near_tie
+                 reroute: Callable[[tuple, dict, torch.Tensor], Callable | None] | None = None):
+        self.leaves, self.build, self.note, self.reroute = leaves, build, note, reroute
 
     def __repr__(self) -> str:
         shapes_ = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.leaves.items())
