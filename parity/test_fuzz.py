@@ -209,13 +209,19 @@ def _tensors(args) -> list[torch.Tensor]:
     return [_get(args, s) for s in _tensor_slots(args)]
 
 
-def _double(x):
-    """x with its floating tensors (also in lists and dicts) in float64."""
+def _double(x, memo: dict):
+    """x with its floating tensors (also in lists and dicts) in float64; a tensor given twice (an
+    aliasing case) stays one tensor, so that the truth's gradient of it is the sum of both uses as
+    the compared runs' is."""
     if isinstance(x, (list, tuple)):
-        return [_double(t) for t in x]
+        return [_double(t, memo) for t in x]
     if isinstance(x, dict):
-        return {k: _double(t) for k, t in x.items()}
-    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        return {k: _double(t, memo) for k, t in x.items()}
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        if id(x) not in memo:
+            memo[id(x)] = x.double()
+        return memo[id(x)]
+    return x
 
 
 def _call(fn, op, seed: int, float64: bool = False):
@@ -223,7 +229,8 @@ def _call(fn, op, seed: int, float64: bool = False):
     inputs for a random upstream gradient, or for an in-place op every tensor it was given)."""
     args, kwargs, _ = make_case(op, seed)
     if float64:
-        args, kwargs = _double(args), {k: _double(v) for k, v in kwargs.items()}
+        memo = {}
+        args, kwargs = _double(args, memo), {k: _double(v, memo) for k, v in kwargs.items()}
     leaves = [] if op.inplace else [t for t in _tensors(args) if t.is_floating_point() and t.device.type != "meta"]
     for t in leaves:
         t.requires_grad_(True)

@@ -38,10 +38,14 @@ constexpr double kLatentEps = 1e-6;
 // enough that a 64k-token document scores in a few hundred blocks, not thousands of launches.
 constexpr int64_t kBlockBytes = int64_t{1} << 30;
 
-// Each row's key positions ascending, the unused slots (-1) last.
-at::Tensor canonical(const at::Tensor& keys) {
+// Each row's key positions ascending, the unused slots (-1) last; rows are the queries from
+// first_query on. A key after its query is unused: top-k picks one only where fewer than k causal
+// keys score above the masked future's -inf (scores of -inf or NaN from non-finite weights), and
+// no query may attend ahead of itself whatever its scores (the reference does the same).
+at::Tensor canonical(const at::Tensor& keys, int64_t first_query) {
   constexpr int64_t big = std::numeric_limits<int64_t>::max();
-  const at::Tensor ordered = std::get<0>(at::where(keys < 0, big, keys).sort(-1));
+  const at::Tensor query = at::arange(first_query, first_query + keys.size(0), keys.options()).unsqueeze(1);
+  const at::Tensor ordered = std::get<0>(at::where((keys < 0).logical_or(keys > query), big, keys).sort(-1));
   return at::where(ordered == big, -1, ordered);
 }
 
@@ -98,7 +102,7 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
       for (int64_t b0 = K; b0 < L; b0 += rows) {
         const int64_t b1 = std::min(L, b0 + rows);
         const at::Tensor scores = cuda::indexer_scores(ql.slice(0, b0, b1), kl.slice(0, 0, b1), wd.slice(0, b0, b1), b0, scale);
-        out.slice(0, start + b0, start + b1).copy_(canonical(std::get<1>(scores.topk(K, -1))));
+        out.slice(0, start + b0, start + b1).copy_(canonical(std::get<1>(scores.topk(K, -1)), b0));
       }
       continue;
     }
@@ -109,7 +113,7 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
       at::Tensor index_scores = at::matmul(wd.unsqueeze(-2), scores).squeeze(-2);           // [L, L]
       const at::Tensor causal = at::ones({L, L}, h.options().dtype(at::kBool)).tril();
       index_scores = index_scores.masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity());
-      out.slice(0, start + K, end).copy_(canonical(std::get<1>(index_scores.slice(0, K).topk(K, -1))));
+      out.slice(0, start + K, end).copy_(canonical(std::get<1>(index_scores.slice(0, K).topk(K, -1)), K));
       continue;
     }
     // Blocks of queries; the scores' products take the activations' dtype with fp32 accumulation
@@ -127,10 +131,29 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
       const at::Tensor key = at::arange(b1, longs), query = at::arange(b0, b1, longs);
       index_scores = index_scores.masked_fill(key.unsqueeze(0) > query.unsqueeze(1),
                                               -std::numeric_limits<double>::infinity());
-      out.slice(0, start + b0, start + b1).copy_(canonical(std::get<1>(index_scores.topk(K, -1))));
+      out.slice(0, start + b0, start + b1).copy_(canonical(std::get<1>(index_scores.topk(K, -1)), b0));
     }
   }
   return out;
+}
+
+// Every query of a document attends to its causal keys: all of them (its first index_topk
+// queries), or index_topk of them (the rest). A selection that leaves a later query with fewer,
+// or names a key after its query or outside its document, is refused here instead of being read
+// out of bounds: the indexer's own selection only over non-finite scores (NaN or inf in its
+// weights or input), a carry whenever its maker broke it. One [T, K] comparison and one read.
+void check_selection(const char* op, const at::Tensor& selection, const std::vector<std::pair<int64_t, int64_t>>& docs,
+                     int64_t K, bool carried) {
+  std::vector<int64_t> local(selection.size(0));  // each token's position in its document
+  for (const auto& [start, end] : docs) {
+    for (int64_t t = start; t < end; ++t) local[t] = t - start;
+  }
+  const at::Tensor query = at::tensor(local, selection.options().device(at::kCPU)).to(selection.device()).unsqueeze(1);
+  const at::Tensor ok = (selection <= query).logical_and((selection >= 0).logical_or((selection == -1).logical_and(query < K)));
+  TORCH_CHECK_VALUE(ok.all().item<bool>(), op, ": ", carried ? "carry" : "the DSA indexer's selection",
+                    " must name for each query keys of its own document at or before it, index_topk of them from ",
+                    "the document's query index_topk on",
+                    carried ? "" : " (its scores were not finite: NaN or inf in the indexer's weights or input)");
 }
 
 // Attention of queries q [Lq, nh, D] to the selected rows of one latent per key, kv [L, D]
@@ -288,6 +311,7 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
   };
   const auto [k, v] = any_long ? std::pair<at::Tensor, at::Tensor>{} : keys_values(0, T);
   const at::Tensor selection = carry ? *carry : select_keys(h, q_resid, weights, cfg, cos, sin, docs);
+  check_selection(op, selection, docs, K, carry.has_value());
 
   const double scale = std::pow(nope + r, -0.5) * rope_softmax_scale_factor(cfg.rope);
   std::vector<at::Tensor> outs;

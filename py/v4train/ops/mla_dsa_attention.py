@@ -157,5 +157,7 @@ OP = OpInfo(
         ErrorCase("int32 positions", _call(positions=lambda: torch.arange(5, dtype=torch.int32)), "positions must be int64 [5]"),
         ErrorCase("a carry of the wrong shape", _call(carry=lambda: torch.zeros(5, 3, dtype=torch.int64)),
                   "carry must be the int64 [5, 4] selection"),
+        ErrorCase("a carry naming a key after its query", _call(carry=lambda: torch.full((5, 4), 4)),
+                  "carry must name for each query keys of its own document at or before it"),
     ),
 )

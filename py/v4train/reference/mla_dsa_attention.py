@@ -15,10 +15,14 @@ from v4train.reference.lora import Lora, linear
 LATENT_EPS = 1e-6
 
 
-def canonical_selection(keys: torch.Tensor) -> torch.Tensor:
-    """Each row's selected key positions ascending, the unused slots (-1) last."""
+def canonical_selection(keys: torch.Tensor, first_query: int) -> torch.Tensor:
+    """Each row's selected key positions ascending, the unused slots (-1) last; rows are the
+    queries from first_query on. A key after its query is unused: top-k picks one only where
+    fewer than k causal keys score above the masked future's -inf (-inf or NaN scores from
+    non-finite weights), and no query attends ahead of itself whatever its scores."""
     big = torch.iinfo(torch.int64).max
-    ordered = torch.where(keys < 0, big, keys).sort(dim=-1).values
+    query = torch.arange(first_query, first_query + len(keys), device=keys.device)[:, None]
+    ordered = torch.where((keys < 0) | (keys > query), big, keys).sort(dim=-1).values
     return torch.where(ordered == big, -1, ordered)
 
 
@@ -54,7 +58,7 @@ def select_keys(h, q_resid, w, cfg, cos, sin, docs) -> torch.Tensor:
             index_scores = torch.matmul(head_weights[start:end].unsqueeze(-2), scores).squeeze(-2)  # [L, L]
             causal = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()
             index_scores = index_scores.masked_fill(~causal, float("-inf"))
-            out[start + K:end] = canonical_selection(index_scores[K:].topk(K, dim=-1).indices)
+            out[start + K:end] = canonical_selection(index_scores[K:].topk(K, dim=-1).indices, K)
     return out
 
 
