@@ -54,3 +54,23 @@ def test_without_a_flip_a_wrong_layer_fails():
     check_parity(OP, OP.cpp(), REFERENCE[NAME], sample, 0)
     with pytest.raises(AssertionError):
         check_parity(OP, _wrong, REFERENCE[NAME], sample, 0)
+
+
+@pytest.mark.parametrize("name", ["v4_glm5_layer_forward", "v4_qwen3_5_layer_forward"])
+def test_the_reference_takes_the_routing_it_is_given(name):
+    """ties._table hands each MoE call of a layer's reference the routing given (GLM-5's layer
+    passes its own `routing` argument positionally, Qwen3.5's not at all)."""
+    from v4train.ops import ties
+
+    op = OPS[name]
+    sample = next(s for s in (op.samples(RandomDraw(i), torch.float32, "cpu") for i in range(40)) if s.reroute)
+    args, kwargs = sample.build({k: v.detach() for k, v in sample.leaves.items()})
+    natural = []
+    with torch.no_grad():
+        op.reference(*args, **kwargs, ops=ties._table(REFERENCE, None, natural))
+    experts = natural[0].max().item() + 1
+    given = [(r + 1) % max(experts, 2) for r in natural]
+    seen = []
+    with torch.no_grad():
+        op.reference(*args, **kwargs, ops=ties._table(REFERENCE, given, seen))
+    assert [s.sort(-1).values.tolist() for s in seen] == [g.sort(-1).values.tolist() for g in given]

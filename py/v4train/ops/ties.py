@@ -8,13 +8,14 @@ routed as the C++ ops routed: a verdict on the rest of the layer, not an excuse.
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
 
 from v4train.ops.registry import OpTable
 
-ROUTERS = ("v4_moe", "v4_qwen_moe")
+ROUTERS = ("v4_moe", "v4_qwen_moe")  # their `routing` argument, given, replaces the router's choice
 
 
 def _table(base: OpTable, routings: list[torch.Tensor] | None, seen: list) -> OpTable:
@@ -27,7 +28,12 @@ def _table(base: OpTable, routings: list[torch.Tensor] | None, seen: list) -> Op
 
         def call(*a, **k):
             if routings is not None:  # a checkpointed layer's recomputation calls again, in the same order
-                k = {**k, "routing": routings[len(seen) % len(routings)].to(a[0].device)}
+                given = routings[len(seen) % len(routings)].to(a[0].device)
+                at = list(inspect.signature(base.ops[name].reference).parameters).index("routing")
+                if len(a) > at:
+                    a = a[:at] + (given,) + a[at + 1:]
+                else:
+                    k = {**k, "routing": given}
             out = fn(*a, **k)
             seen.append(out[1])
             return out
