@@ -29,9 +29,8 @@ def _moe_samples():
     """bf16 MoE samples of the op's own strategy: (those whose routing the C++ ops' rounding
     changes, those it does not). About one in ten changes on this CPU."""
     samples = [OP.samples(RandomDraw(i), torch.bfloat16, "cpu") for i in range(60)]
-    samples = [s for s in samples if s.reroute is not None]
-    flips = [s for s in samples if _flips(s)]
-    return flips, [s for s in samples if not _flips(s)]
+    flipped = [(s, _flips(s)) for s in samples if s.reroute is not None]
+    return [s for s, f in flipped if f], [s for s, f in flipped if not f]
 
 
 FLIPS, ALIKE = _moe_samples()

@@ -25,11 +25,11 @@ def _table(base: OpTable, routings: list[torch.Tensor] | None, seen: list) -> Op
     def wrap(name, fn, is_cpp):
         if name not in ROUTERS:
             return fn
+        at = list(inspect.signature(base.ops[name].reference).parameters).index("routing")
 
         def call(*a, **k):
             if routings is not None:  # a checkpointed layer's recomputation calls again, in the same order
                 given = routings[len(seen) % len(routings)].to(a[0].device)
-                at = list(inspect.signature(base.ops[name].reference).parameters).index("routing")
                 if len(a) > at:
                     a = a[:at] + (given,) + a[at + 1:]
                 else:
