@@ -96,3 +96,22 @@ def test_truth_accepts_bf16_rounding_noise_but_not_a_wrong_result():
     one_wrong[7] *= 1.01
     with pytest.raises(AssertionError, match="1 of 1000"):
         assert_close(one_wrong, exact.float(), "one wrong", truth=exact)
+
+
+def test_the_exact_answer_judges_within_the_rounding_spread():
+    """assert_rel_close with the float64 truth: an fp32 result that misses transformers' fp32 one
+    passes when it lies within SPREAD_FACTOR spreads of the truth, whatever the reference's own
+    error (here 50% off the truth); 1% off the truth, or the truth given without its spread, fails."""
+    from v4train.ops.compare import SPREAD_FACTOR, assert_rel_close
+
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.randn(50, generator=gen, dtype=torch.float64)
+    spread = 1e-4 * truth.norm().item()  # an ill-conditioned gradient
+    expected = (truth * 1.5).float()  # a reference far off the truth
+    noise = torch.randn(50, generator=gen, dtype=torch.float64)
+    close = (truth + noise / noise.norm() * 0.9 * SPREAD_FACTOR * spread).float()
+    assert_rel_close(close, expected, "close", truth=truth, spread=spread)
+    with pytest.raises(AssertionError, match="spread"):
+        assert_rel_close((truth * 1.01).float(), expected, "1% off", truth=truth, spread=spread)
+    with pytest.raises(ValueError, match="spread"):
+        assert_rel_close(close, expected, "no spread", truth=truth)

@@ -53,3 +53,21 @@ def test_no_state_crosses_a_boundary(device):
     a, b = OP(q, k, v, g, beta, cu), OP(q, k2, v2, g, beta, cu)
     assert not torch.equal(a[:first_end], b[:first_end])
     assert torch.equal(a[first_end:], b[first_end:]), "a later document's output depends on an earlier one"
+
+
+@pytest.mark.parametrize("device,dtype", [(d, t) for d in devices() for t in (torch.float32, torch.bfloat16)])
+def test_qwen_widths_across_document_and_chunk_boundaries(device, dtype):
+    """Qwen3.5's head widths (128; 2 key heads serving 4 value heads) over documents of 1, 63, 64,
+    65 and 4,097 tokens in one packed batch: the recurrence across chunks (on CUDA its kernel,
+    forward and backward) against the reference and its float64 truth, every gradient, g's and
+    beta's included (a Hopper backward can be wrong in one gradient only: fla issue 640)."""
+    from v4train.ops.check import check_parity
+    from v4train.ops.samples import Sample
+    from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
+
+    lengths = [1, 63, 64, 65, 4097]
+    leaves = leaves_for(lengths, 2, 2, 128, 128, dtype, device, 11)
+    cu = packed(lengths, device)[1]
+    sample = Sample(leaves, lambda lv: ((lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"], cu), {}),
+                    note=f"documents {lengths}, Qwen3.5 widths")
+    check_parity(OPS["v4_gated_delta_rule"], OP, reference, sample, seed=3)

@@ -246,6 +246,12 @@ def main() -> int:
             ours.checkpointing = {"on": True, "off": False, "auto": tokens >= 16384}[args.checkpointing]
             print(f"v4train at {tokens} tokens, forward ms per op (one step):",
                   {k: round(v, 2) for k, v in per_op_times(ours, batch).items()})
+            # The layer split: the layers composed from the same C++ ops, each sub-op timed.
+            layer_ops = {n for n in table.cpp if n.endswith("_layer_forward")}
+            ours.use_ops(ops.OpTable(table.ops, table.cpp - layer_ops))
+            print(f"v4train at {tokens} tokens, forward ms per sub-op of the layers (composed from the C++ ops):",
+                  {k: round(v, 2) for k, v in per_op_times(ours, batch).items()})
+            ours.use_ops(table)
             with FlopShare(ours.ops) as share:
                 ours.use_ops(share.table)
                 ours.loss(batch, batch.num_targets).backward()

@@ -44,21 +44,23 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--ops", default="", help="comma list of ops to time (default: all)")
+    parser.add_argument("--impl", default="reference,cpp", help="which implementations to time")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, dtype {args.dtype}, median of {args.reps}")
-    print("| op | shape | impl | forward ms | fwd+bwd ms | peak MiB (fwd+bwd) |")
-    print("|---|---|---|---|---|---|")
+    print("| op | shape | impl | forward ms | backward ms | fwd+bwd ms | peak MiB (fwd+bwd) |")
+    print("|---|---|---|---|---|---|---|")
     cases = [(name, case) for name, op in OPS.items() if op.has_cpp for case in op.benchmarks
              if not args.ops or name in args.ops.split(",")]
     for op_name, case in cases:
         op = OPS[op_name]
         shape, op_args = case(args.device, dtype)
-        for impl, fn in (("reference", REFERENCE[op_name]), ("cpp", op.cpp())):
+        impls = {"reference": lambda: REFERENCE[op_name], "cpp": op.cpp}
+        for impl, fn in ((i, impls[i]()) for i in args.impl.split(",")):
             if op.inplace:  # an optimizer op: no backward
                 ms = timed(lambda: fn(*op_args), args.device, args.reps)
-                print(f"| {op_name} | {shape} | {impl} | {ms:.3f} | - | - |", flush=True)
+                print(f"| {op_name} | {shape} | {impl} | {ms:.3f} | - | - | - |", flush=True)
                 continue
             grad = torch.randn_like(fn(*op_args))
 
@@ -79,7 +81,7 @@ def main():
                 torch.cuda.synchronize()
                 peak = f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.0f}"
             fb_ms = timed(fwd_bwd, args.device, args.reps)
-            print(f"| {op_name} | {shape} | {impl} | {fwd_ms:.3f} | {fb_ms:.3f} | {peak} |", flush=True)
+            print(f"| {op_name} | {shape} | {impl} | {fwd_ms:.3f} | {fb_ms - fwd_ms:.3f} | {fb_ms:.3f} | {peak} |", flush=True)
 
 
 if __name__ == "__main__":

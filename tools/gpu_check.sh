@@ -5,7 +5,9 @@
 # a kernel profile and the FLOP share); the op benchmarks; the out-of-the-box training runs on
 # CUDA in bf16. Logs go to ${OUT:-build/gpu_check}; the last lines printed are a summary.
 #   STAGES="build parity tests model ops train" (default: all) picks stages;
-#   TOKENS=4096,16384,65536 the model benchmark's sequence lengths, MODELS="glm5 qwen3_5" its proxies.
+#   TOKENS=4096,16384,65536 the model benchmark's sequence lengths, MODELS="glm5 qwen3_5" its proxies;
+#   OPS=v4_a,v4_b the op benchmarks to run (default: all), IMPL=cpp to time the C++ ops alone;
+#   PARITY_K="expr" the parity cases, as pytest -k (default: cuda, every CUDA case).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
@@ -27,7 +29,7 @@ if has build; then
 fi
 if has parity; then
   # The CPU cases run in CI; here the CUDA ones, every op and dtype.
-  python3 -m pytest -p no:cacheprovider -q --hypothesis-show-statistics parity -k cuda >"$out/parity.log" 2>&1 || status=1
+  python3 -m pytest -p no:cacheprovider -q --hypothesis-show-statistics parity -k "${PARITY_K:-cuda}" >"$out/parity.log" 2>&1 || status=1
   echo "parity (CUDA): $(grep -E '[0-9]+ (passed|failed)' "$out/parity.log" | tail -1)"
 fi
 if has tests; then
@@ -44,7 +46,8 @@ if has model; then
   done
 fi
 if has ops; then
-  python3 tools/benchmark.py --reps 20 >"$out/benchmark.log" 2>&1 || status=1
+  python3 tools/benchmark.py --reps 20 --ops "${OPS:-}" --impl "${IMPL:-reference,cpp}" >"$out/benchmark.log" 2>&1 || status=1
+  grep -E '^\|' "$out/benchmark.log"
 fi
 if has train; then
   for model in glm5 qwen3_5; do

@@ -10,4 +10,6 @@ NB_MODULE(v4_mla_dsa_attention, m) {
         nb::arg("lora_scaling") = 0.0, nb::arg("lora_dropout") = 0.0, nb::arg("masked_max_len") = 8192,
         nb::call_guard<nb::gil_scoped_release>(),
         "GLM-5 MLA attention over the DSA-selected keys of each packed document; returns (out, selection).");
+  m.def("set_block_bytes", &v4::set_block_bytes, nb::arg("bytes"),
+        "For tests: the bytes of scores a block of queries may hold (default 1 GiB); returns the previous value.");
 }

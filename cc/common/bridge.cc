@@ -1,6 +1,7 @@
 #include "cc/common/bridge.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/Exceptions.h>
 
 namespace v4 {
 namespace {
@@ -9,6 +10,10 @@ void translate(const std::exception_ptr& p, void*) {
   // Most derived first: every c10 error below is a c10::Error.
   try {
     std::rethrow_exception(p);
+  } catch (python_error& e) {
+    // A Python exception raised inside the op (an autograd hook: torch's checkpoint stops its
+    // recomputation early by raising one through the ops it recomputes) goes back as itself.
+    e.restore();
   } catch (const c10::ValueError& e) {
     PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
   } catch (const c10::TypeError& e) {

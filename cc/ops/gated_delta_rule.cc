@@ -1,22 +1,119 @@
 #include "cc/ops/gated_delta_rule.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <vector>
+#include <utility>
 
+#include "cc/common/backend.h"
 #include "cc/common/checks.h"
+
+// Named (not anonymous) so that autograd shows the nodes as CppNode<v4::gdr::...>.
+namespace v4::gdr {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 namespace {
 
-constexpr int64_t kChunk = 64;
-
 at::Tensor l2_normalised(const at::Tensor& x) { return x * at::rsqrt(x.square().sum(-1, /*keepdim=*/true) + 1e-6); }
 
+// The recurrence of gated_delta_rule.h on the host: one step per chunk position, for the
+// documents that reach it (a prefix), each step batched over them.
+void recurrence_aten(Recurrence& r, const Plan& plan) {
+  const int64_t positions = plan.reach.size();
+  const int64_t H = r.base.size(1), Dk = r.a.size(-1), Dv = r.base.size(-1);
+  at::Tensor state = at::zeros({plan.documents, H, Dk, Dv}, r.base.options());
+  for (int64_t step = 0; step < positions; ++step) {
+    const int64_t c = r.reverse ? positions - 1 - step : step;
+    const int64_t n = plan.reach[c], from = plan.offset[c], to = from + n;
+    at::Tensor s = state.slice(0, 0, n);  // a view: the updates below write `state`
+    r.state_out.slice(0, from, to).copy_(s);
+    at::Tensor x = r.x_out.slice(0, from, to);
+    at::add_out(x, r.base.slice(0, from, to), at::matmul(r.a.slice(0, from, to), s), r.sign_a);
+    s.mul_(r.decay.slice(0, from, to).view({n, H, 1, 1}));
+    if (r.add.defined()) s.add_(r.add.slice(0, from, to));
+    s.add_(at::matmul(r.b.slice(0, from, to).transpose(-1, -2), x), r.sign_b);
+  }
+}
+
+void run(Recurrence& r, const Plan& plan) {
+  r.state_out = at::empty({r.base.size(0), r.base.size(1), r.a.size(-1), r.base.size(-1)}, r.base.options());
+  r.x_out = at::empty_like(r.base);
+  if (r.base.size(0) == 0) return;
+  const auto kernel = Backend<RecurrenceKernel>::find(r.base.device().type());
+  if (kernel == nullptr || !kernel(r, plan)) recurrence_aten(r, plan);
+}
+
+Plan plan_from(const at::IValue& reach, const at::IValue& offset, const at::Tensor& chunks_of,
+               const at::Tensor& offset_device, int64_t documents) {
+  return {documents, reach.toIntVector(), offset.toIntVector(), chunks_of, offset_device};
+}
+
 }  // namespace
+
+// exp(G_i - G_j) for j <= i, 0 above the diagonal: the decay between the positions of a chunk,
+// from the cumulative log decay G [.., 64] in float64. Forward in the compute dtype from G split
+// into two compute-dtype parts (hi + lo, so the difference keeps G's digits); backward
+// accumulates dG in float64: dG_i = sum_j M_ij - sum_j M_ji with M = dD * D.
+struct DecayMatrix : public torch::autograd::Function<DecayMatrix> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& G, int64_t compute) {
+    const auto dtype = static_cast<at::ScalarType>(compute);
+    const at::Tensor hi = G.to(dtype), lo = (G - hi.to(at::kDouble)).to(dtype);
+    const at::Tensor upper = at::ones({kChunk, kChunk}, G.options().dtype(at::kBool)).triu(1);
+    const at::Tensor diff = (hi.unsqueeze(-1) - hi.unsqueeze(-2)) + (lo.unsqueeze(-1) - lo.unsqueeze(-2));
+    const at::Tensor decay = diff.masked_fill_(upper, -std::numeric_limits<double>::infinity()).exp_();
+    ctx->save_for_backward({decay});
+    return decay;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor m = grads[0] * ctx->get_saved_variables()[0];
+    return {m.sum(-1, false, at::kDouble) - m.sum(-2, false, at::kDouble), at::Tensor()};
+  }
+};
+
+// The recurrence across chunks as one autograd node: (u, w, k_out, chunk decay) -> (the state
+// at each chunk's start h [C, H, Dk, Dv], v_new = u - w h [C, H, 64, Dv]). Its backward runs the
+// recurrence in reverse on the gradients, so no per-chunk slice of any tensor is ever tracked.
+struct Scan : public torch::autograd::Function<Scan> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& u, const at::Tensor& w, const at::Tensor& k_out,
+                               const at::Tensor& decay, const at::Tensor& chunks_of, const at::Tensor& offset_device,
+                               std::vector<int64_t> reach, std::vector<int64_t> offset) {
+    const Plan plan{chunks_of.size(0), reach, offset, chunks_of, offset_device};
+    Recurrence r{u, w, k_out, at::Tensor(), decay, -1.0, 1.0, false};
+    run(r, plan);
+    ctx->save_for_backward({w, k_out, decay, r.state_out, r.x_out, chunks_of, offset_device});
+    ctx->saved_data["reach"] = std::move(reach);
+    ctx->saved_data["offset"] = std::move(offset);
+    return {r.state_out, r.x_out};
+  }
+
+  // With Sigma_{c+1} the gradient of the state after chunk c: dv_c = V_c + k_out_c Sigma_{c+1};
+  // Sigma_c = H_c + decay_c Sigma_{c+1} - w_c^T dv_c (the reverse recurrence); then
+  // du = dv, dw = -dv h^T, dk_out = v_new Sigma_{c+1}^T, d decay_c = <h_c, Sigma_{c+1}>.
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &w = saved[0], &k_out = saved[1], &decay = saved[2], &h = saved[3], &v_new = saved[4];
+    const Plan plan = plan_from(ctx->saved_data["reach"], ctx->saved_data["offset"], saved[5], saved[6], saved[5].size(0));
+    const at::Tensor dh = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(h);
+    const at::Tensor dv = grads[1].defined() ? grads[1].contiguous() : at::zeros_like(v_new);
+    Recurrence r{dv, k_out, w, dh, decay, 1.0, -1.0, true};
+    run(r, plan);
+    const at::Tensor& next = r.state_out;  // Sigma_{c+1}
+    return {r.x_out,
+            -at::matmul(r.x_out, h.transpose(-1, -2)),
+            at::matmul(v_new, next.transpose(-1, -2)),
+            (h * next).sum({-1, -2}),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace v4::gdr
 
 at::Tensor v4_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                const at::Tensor& beta, const at::Tensor& cu_seqlens) {
@@ -37,12 +134,25 @@ at::Tensor v4_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const a
                     ", a multiple of the ", Hk, " key heads, Dv]");
   TORCH_CHECK_VALUE(g.size(0) == T && g.size(1) == Hv && beta.sizes() == g.sizes(), op, ": g and beta must be [T=", T,
                     ", Hv=", Hv, "], got ", g.sizes(), " and ", beta.sizes());
+  // A growth (g > 0) makes the chunked form take exp of sums of up to 64 of them: its result is
+  // rounding noise in any precision but float64 (transformers' rule alike). One read back to the
+  // host; the Gated DeltaNet block, whose g is <= 0 by construction, calls the rule without it.
+  TORCH_CHECK_VALUE(!(g > 0).any().item<bool>(), op, ": g is a log decay and must be <= 0 (Gated DeltaNet's "
+                    "-exp(A_log) softplus(a + dt_bias)), got a largest value of ", g.max().item<double>());
+  return v4::gdr::gated_delta_rule(q, k, v, g, beta, cu_seqlens);
+}
+
+namespace v4::gdr {
+
+at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, const at::Tensor& cu_seqlens) {
+  constexpr const char* op = "v4_gated_delta_rule";
+  const int64_t T = q.size(0), Hk = q.size(1), Dk = q.size(2), Hv = v.size(1), Dv = v.size(2);
   const auto docs = v4::documents(op, cu_seqlens, T);
   const auto compute = v4::compute_dtype(q.scalar_type());
   const auto longs = q.options().dtype(at::kLong);
 
-  // Chunks in scan order: chunk position 0 of every document, then position 1 of those that have
-  // one, ...; documents longest first, so that the documents a position reaches are a prefix.
+  // Chunks in scan order (gdr::Plan): documents longest first.
   struct Live {
     int64_t start, end, chunks;
   };
@@ -50,66 +160,64 @@ at::Tensor v4_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const a
   for (const auto& [start, end] : docs) {
     if (end > start) live.push_back({start, end, (end - start + kChunk - 1) / kChunk});
   }
+  if (live.empty()) {  // no tokens: an empty result that is still a function of every input
+    return (v.to(compute) * 0 + (q.sum() + k.sum() + g.sum() + beta.sum()).to(compute) * 0).to(q.scalar_type());
+  }
   std::stable_sort(live.begin(), live.end(), [](const Live& a, const Live& b) { return a.chunks > b.chunks; });
-  const int64_t N = live.size(), positions = N ? live[0].chunks : 0;
-  std::vector<int64_t> reach(positions, 0);  // documents with a chunk at each position
-  for (const Live& d : live) for (int64_t c = 0; c < d.chunks; ++c) ++reach[c];
-  const int64_t chunks = std::accumulate(reach.begin(), reach.end(), int64_t{0});
+  const int64_t N = live.size(), positions = live[0].chunks;
+  std::vector<int64_t> reach(positions, 0), offset(positions, 0), chunks_of(N);
+  for (int64_t d = 0; d < N; ++d) {
+    chunks_of[d] = live[d].chunks;
+    for (int64_t c = 0; c < live[d].chunks; ++c) ++reach[c];
+  }
+  std::exclusive_scan(reach.begin(), reach.end(), offset.begin(), int64_t{0});
+  const int64_t chunks = offset.back() + reach.back();
   std::vector<int64_t> gather(chunks * kChunk, T);  // the token of each chunk slot; T: padding
   std::vector<int64_t> scatter(T, 0);               // the slot of each token
-  int64_t slot = 0;
   for (int64_t c = 0; c < positions; ++c) {
-    for (int64_t i = 0; i < reach[c]; ++i, slot += kChunk) {
-      for (int64_t t = live[i].start + c * kChunk, s = 0; s < kChunk && t < live[i].end; ++s, ++t) {
+    for (int64_t d = 0; d < reach[c]; ++d) {
+      const int64_t slot = (offset[c] + d) * kChunk;
+      for (int64_t t = live[d].start + c * kChunk, s = 0; s < kChunk && t < live[d].end; ++s, ++t) {
         gather[slot + s] = t;
         scatter[t] = slot + s;
       }
     }
   }
-  if (N == 0) {  // no tokens: an empty result that is still a function of every input
-    return (v.to(compute) * 0 + (q.sum() + k.sum() + g.sum() + beta.sum()).to(compute) * 0).to(q.scalar_type());
-  }
   const at::Tensor gather_idx = at::tensor(gather, longs), scatter_idx = at::tensor(scatter, longs);
 
-  // Per token, fp32 (or fp64), key heads repeated to value heads; then into chunk slots
+  // Per token, in the compute dtype, key heads repeated to value heads; then into chunk slots
   // [chunks, Hv, 64, D] with zero padding (k = v = beta = g = 0: the state passes unchanged).
   const int64_t rep = Hv / Hk;
-  at::Tensor qf = l2_normalised(q.to(compute).repeat_interleave(rep, 1)) * std::pow(Dk, -0.5);
-  at::Tensor kf = l2_normalised(k.to(compute).repeat_interleave(rep, 1));
+  const at::Tensor qf = l2_normalised(q.to(compute).repeat_interleave(rep, 1)) * std::pow(Dk, -0.5);
+  const at::Tensor kf = l2_normalised(k.to(compute).repeat_interleave(rep, 1));
   const auto chunked = [&](const at::Tensor& x) {  // [T, Hv(, D)] -> [chunks, Hv, 64(, D)]
     const at::Tensor padded = at::cat({x, at::zeros_like(x.slice(0, 0, 1))}).index_select(0, gather_idx);
     const at::Tensor c = padded.view({chunks, kChunk, Hv, -1}).transpose(1, 2);
     return x.dim() == 2 ? c.squeeze(-1) : c;
   };
   const at::Tensor qc = chunked(qf), kc = chunked(kf), vc = chunked(v.to(compute));
-  const at::Tensor bc = chunked(beta.to(compute)), gc = chunked(g.to(compute)).cumsum(-1);  // cumulative log decay
+  const at::Tensor bc = chunked(beta.to(compute));
+  const at::Tensor G = chunked(g.to(at::kDouble)).cumsum(-1);  // the cumulative log decay, float64
+  const at::Tensor G_last = G.slice(-1, kChunk - 1);
+  const at::Tensor decay = DecayMatrix::apply(G, static_cast<int64_t>(compute));
   const at::Tensor k_beta = kc * bc.unsqueeze(-1), v_beta = vc * bc.unsqueeze(-1);
-  const at::Tensor upper = at::ones({kChunk, kChunk}, longs.dtype(at::kBool)).triu(1);
-  const at::Tensor decay =
-      (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(upper, -std::numeric_limits<double>::infinity()).exp();
-  // The UT transform: (I + strictly lower (diag(beta) K K^T * decay)) solved once per chunk.
+  const at::Tensor to_chunk_start = G.exp().to(compute).unsqueeze(-1);
+  // The UT transform: (I + strictly lower (diag(beta) K K^T * decay)) solved once per chunk, for
+  // the values (u) and the decayed keys (w) at once.
   const at::Tensor system = at::matmul(k_beta, kc.transpose(-1, -2)) * decay;
   const at::Tensor intra = at::matmul(qc, kc.transpose(-1, -2)) * decay;
-  // u (values) and w (decayed keys) share the system: one solve over both right-hand sides.
-  const at::Tensor uw = at::linalg_solve_triangular(system, at::cat({v_beta, k_beta * gc.exp().unsqueeze(-1)}, -1),
+  const at::Tensor uw = at::linalg_solve_triangular(system, at::cat({v_beta, k_beta * to_chunk_start}, -1),
                                                     /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
-  const at::Tensor u = uw.slice(-1, 0, Dv), w = uw.slice(-1, Dv);
-  const at::Tensor q_in = qc * gc.exp().unsqueeze(-1);
-  const at::Tensor k_out = kc * (gc.slice(-1, kChunk - 1) - gc).exp().unsqueeze(-1);
-  const at::Tensor chunk_decay = gc.select(-1, kChunk - 1).exp().unsqueeze(-1).unsqueeze(-1);
+  const at::Tensor u = uw.slice(-1, 0, Dv).contiguous(), w = uw.slice(-1, Dv).contiguous();
+  const at::Tensor k_out = (kc * (G_last - G).exp().to(compute).unsqueeze(-1)).contiguous();
+  const at::Tensor chunk_decay = G_last.squeeze(-1).exp().to(compute).contiguous();
 
-  // The scan: one step per chunk position, for the documents that reach it (a prefix).
-  at::Tensor state = at::zeros({N, Hv, Dk, Dv}, qc.options());
-  std::vector<at::Tensor> outs;
-  int64_t at_chunk = 0;
-  for (int64_t c = 0; c < positions; ++c) {
-    const int64_t a = reach[c], next = at_chunk + a;
-    state = state.slice(0, 0, a);
-    const at::Tensor v_new = u.slice(0, at_chunk, next) - at::matmul(w.slice(0, at_chunk, next), state);
-    outs.push_back(at::matmul(q_in.slice(0, at_chunk, next), state) + at::matmul(intra.slice(0, at_chunk, next), v_new));
-    state = state * chunk_decay.slice(0, at_chunk, next) + at::matmul(k_out.slice(0, at_chunk, next).transpose(-1, -2), v_new);
-    at_chunk = next;
-  }
-  const at::Tensor o = at::cat(outs).transpose(1, 2).reshape({chunks * kChunk, Hv, Dv});  // slot-major
-  return o.index_select(0, scatter_idx).to(q.scalar_type());
+  const auto scanned = Scan::apply(u, w, k_out, chunk_decay, at::tensor(chunks_of, longs),
+                                            at::tensor(offset, longs), reach, offset);
+  const at::Tensor& h = scanned[0];
+  const at::Tensor& v_new = scanned[1];
+  const at::Tensor o = at::matmul(qc * to_chunk_start, h) + at::matmul(intra, v_new);  // [chunks, Hv, 64, Dv]
+  return o.transpose(1, 2).reshape({chunks * kChunk, Hv, Dv}).index_select(0, scatter_idx).to(q.scalar_type());
 }
+
+}  // namespace v4::gdr

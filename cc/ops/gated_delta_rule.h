@@ -2,6 +2,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <vector>
+
 // The gated delta rule of Gated DeltaNet over packed documents, chunked (transformers'
 // torch_chunk_gated_delta_rule; py/v4train/reference/gated_delta_rule.py has the math): per value
 // head, with q, k L2-normalised (eps 1e-6), q scaled by Dk^-0.5 and key heads repeated to value
@@ -11,11 +14,56 @@
 // float64).
 //
 // Chunks of 64: every document is cut into chunks (its last one padded); the work inside a chunk
-// (the UT transform, a triangular solve) runs for all chunks of all documents at once; the scan
-// across chunks runs once per chunk position for all documents that reach it, so the loop is as
-// long as the longest document's chunks, never per document or per token. Autograd keeps per-chunk
-// tensors and chunk-boundary states only. g is a log decay, <= 0 as Gated DeltaNet makes it
-// (-exp(A_log) softplus(a + dt_bias)); a positive g (growth) is not refused, but the chunked form
-// then takes exp of sums up to 64 g, and it and the reference part by 2e-4 in float64 at g = 0.5.
+// (the UT transform, a triangular solve, the intra-chunk products) runs for all chunks of all
+// documents at once as batched matrix products; what crosses chunks is one recurrence on the
+// [Dk, Dv] state (gdr::Recurrence below), forward and backward, a CUDA kernel on the GPU
+// (cc/ops/gated_delta_rule.cu) and a loop over chunk positions elsewhere. Memory is linear in T.
+// The cumulative log decay inside a chunk is summed and differenced in float64, and its gradient
+// accumulated in float64: in fp32 the differences of sums of up to 64 log decays lose digits, and
+// the A_log / dt_bias gradients that sum them with cancellation came out up to 19% off the exact
+// answer (transformers' fp32 rule gives the same), against 1e-6 now. g may be float64 (Gated
+// DeltaNet passes it so). g is a log decay, <= 0 as Gated DeltaNet makes it (-exp(A_log)
+// softplus(a + dt_bias)); a positive g is refused (ValueError): the chunked form would take exp of
+// sums of up to 64 of them, rounding noise in any precision but float64.
 at::Tensor v4_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                const at::Tensor& beta, const at::Tensor& cu_seqlens);
+
+namespace v4::gdr {
+
+constexpr int64_t kChunk = 64;
+
+// v4_gated_delta_rule without its checks of the arguments' sizes and of g's sign (one read back to
+// the host): for callers that made them, the Gated DeltaNet block.
+at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, const at::Tensor& cu_seqlens);
+
+// Where the chunks lie: [chunks, heads, 64, D] tensors hold chunk position 0 of every document,
+// then position 1 of those that have one, ... (documents longest first), so that the documents
+// reaching a position are a prefix: chunk c of document d is at offset[c] + d, for d < reach[c].
+struct Plan {
+  int64_t documents = 0;
+  std::vector<int64_t> reach, offset;  // per chunk position
+  at::Tensor chunks_of;                // int64 [documents] on the device: each document's chunks
+  at::Tensor offset_device;            // int64 [positions] on the device
+};
+
+// The recurrence that crosses chunks, for each document and head, over its chunks in order
+// (`reverse`: last to first), from S = 0 [Dk, Dv]:
+//   state_out[c] = S;  x_out[c] = base[c] + sign_a * a[c] S;  S = decay[c] S + add[c] + sign_b * b[c]^T x_out[c]
+// base, x_out [C, H, 64, Dv]; a, b [C, H, 64, Dk]; add (or undefined), state_out [C, H, Dk, Dv];
+// decay [C, H]; all of the compute dtype, contiguous. The forward pass is (base u, a w, -1;
+// b k_out, +1): the states at each chunk's start and the corrected values v_new. The backward
+// is the same recurrence in reverse on the gradients (base dv_new, a k_out, +1; add dh, b w, -1).
+struct Recurrence {
+  at::Tensor base, a, b, add, decay;
+  double sign_a = 1.0, sign_b = 1.0;
+  bool reverse = false;
+  at::Tensor state_out, x_out;
+};
+
+// The device kernel of the recurrence (v4::Backend): returns false where it does not cover r.
+struct RecurrenceKernel {
+  using Fn = bool (*)(Recurrence& r, const Plan& plan);
+};
+
+}  // namespace v4::gdr

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cmath>
 #include <limits>
@@ -36,7 +37,8 @@ constexpr const char* kOp = "v4_mla_dsa_attention";
 constexpr double kLatentEps = 1e-6;
 // Scores a block of queries may hold at once (indexer and sparse attention), in bytes: large
 // enough that a 64k-token document scores in a few hundred blocks, not thousands of launches.
-constexpr int64_t kBlockBytes = int64_t{1} << 30;
+// Tests shrink it (set_block_bytes) to run the blocked paths on small documents.
+std::atomic<int64_t> block_bytes{int64_t{1} << 30};
 
 // Each row's key positions ascending, the unused slots (-1) last; rows are the queries from
 // first_query on. A key after its query is unused: top-k picks one only where fewer than k causal
@@ -60,8 +62,8 @@ at::Tensor bmm_f32(const at::Tensor& a, const at::Tensor& b) {
 
 at::ScalarType at_least_float(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// Queries per block so that `per_query` bytes each stay within kBlockBytes.
-int64_t block_rows(int64_t per_query) { return std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(per_query, 1)); }
+// Queries per block so that `per_query` bytes each stay within block_bytes.
+int64_t block_rows(int64_t per_query) { return std::max<int64_t>(1, block_bytes / std::max<int64_t>(per_query, 1)); }
 
 // The DSA selection (v4train/reference/mla_dsa_attention.py:select_keys, the same ATen calls in
 // the same order, so a document small enough to score at once selects exactly what the
@@ -107,7 +109,7 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
       continue;
     }
 #endif
-    if (L * n * L * 4 <= kBlockBytes) {  // all at once, as the reference
+    if (L * n * L * 4 <= block_bytes) {  // all at once, as the reference
       const at::Tensor qd = q.slice(0, start, end).to(at::kFloat), kd = k.slice(0, start, end).to(at::kFloat);
       const at::Tensor scores = at::relu(at::matmul(qd, kd.t()) * scale);                 // [L, n, L]
       at::Tensor index_scores = at::matmul(wd.unsqueeze(-2), scores).squeeze(-2);           // [L, L]
@@ -256,6 +258,12 @@ at::Tensor latent_attention(const at::Tensor& q_in, const at::Tensor& latent_in,
 }
 
 }  // namespace
+
+int64_t set_block_bytes(int64_t bytes) {
+  TORCH_CHECK_VALUE(bytes > 0, kOp, ": the block size must be > 0 bytes, got ", bytes);
+  return block_bytes.exchange(bytes);
+}
+
 }  // namespace v4
 
 std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, const v4::Weights& weights,

@@ -46,6 +46,11 @@ struct AttentionStash {
   bool replay = false;
 };
 
+// The bytes of scores a block of queries may hold at once in the indexer and the sparse attention
+// (1 GiB); returns the previous value. For tests: a small value runs the blocked paths, which
+// otherwise start beyond a few thousand tokens.
+int64_t set_block_bytes(int64_t bytes);
+
 class StashScope {
  public:
   explicit StashScope(AttentionStash* stash);

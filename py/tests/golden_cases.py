@@ -20,10 +20,12 @@ def golden(case: str):
         meta = json.load(f)
     tensors = load_file(os.path.join(d, "golden.safetensors"))
     # Each parameter's gradient, by v4train's name (the VL wrapper's model.language_model.* is
-    # model.*): transformers' fp32 result, and the exact one (transformers in float64).
-    for kind in ("grad", "grad64"):
+    # model.*): transformers' fp32 result, the exact one (transformers in float64), and how far one
+    # unit of fp32 roundoff in the weights moves the exact one (compare.assert_rel_close).
+    for kind in ("grad", "grad64", "spread"):
         meta[kind + "s"] = {hf_checkpoint.canonical_key(k.removeprefix(kind + ".")): v for k, v in tensors.items()
                             if k.startswith(kind + ".")}
+    meta["spreads"] = {k: v.item() for k, v in meta["spreads"].items()}
     return d, tensors, meta
 
 

@@ -25,7 +25,7 @@ def test_logits_loss_and_gradients_match_transformers(case):
     # Each parameter's gradient on its own: a small parameter's gradient (A_log, dt_bias) or a
     # sign error cannot hide behind a large one. Where fp32 rounding is large, the float64
     # evaluation of transformers arbitrates (assert_rel_close).
-    rel_grads = {n: assert_rel_close(have[n], meta["grads"][n], f"{case} gradient of {n}", truth=meta["grad64s"][n])
+    rel_grads = {n: assert_rel_close(have[n], meta["grads"][n], f"{case} gradient of {n}", truth=meta["grad64s"][n], spread=meta["spreads"][n])
                  for n in sorted(have)}
     worst = max(rel_grads, key=rel_grads.get)
     print(f"{case}: relative error logits {rel_logits:.2e}, loss {rel_loss:.2e}, "
@@ -47,10 +47,10 @@ def test_the_goldens_would_catch_a_wrong_small_gradient():
     for name in ("model.layers.0.linear_attn.A_log", "model.layers.0.linear_attn.dt_bias",
                  "model.layers.1.linear_attn.in_proj_a.weight"):
         grad = model.get_parameter(name).grad
-        assert_rel_close(grad, meta["grads"][name], name, truth=meta["grad64s"][name])
+        assert_rel_close(grad, meta["grads"][name], name, truth=meta["grad64s"][name], spread=meta["spreads"][name])
         for wrong in (1.01 * grad, -grad):
             with pytest.raises(AssertionError, match="relative error norm"):
-                assert_rel_close(wrong, meta["grads"][name], name, truth=meta["grad64s"][name])
+                assert_rel_close(wrong, meta["grads"][name], name, truth=meta["grad64s"][name], spread=meta["spreads"][name])
 
 
 def _logits_rel_error(case, **cfg_changes):

@@ -26,13 +26,16 @@ def random_upstream(outputs, seed: int) -> list[torch.Tensor]:
             for o in outputs]
 
 
-def forward_backward(fn: Callable, sample: Sample, upstream: Callable):
+def forward_backward(fn: Callable, sample: Sample, upstream: Callable, seed: int = 0):
     """Outputs of fn on the sample, and the gradient of every leaf for upstream(outputs).
 
-    Leaves are fresh copies, so the implementations never share autograd state.
+    Leaves are fresh copies, so the implementations never share autograd state. The random
+    generators start from `seed`, so that every implementation draws the same LoRA dropout masks
+    (on the CPU a mask does not depend on the dtype).
     """
     leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in sample.leaves.items()}
     args, kwargs = sample.build(leaves)
+    torch.manual_seed(seed)
     outputs = _outputs(fn(*args, **kwargs))
     grads_out = upstream(outputs)
     differentiable = [(o, g) for o, g in zip(outputs, grads_out) if o.requires_grad]
@@ -83,9 +86,11 @@ LOW_PRECISION_FACTOR = 10
 def judge(op: OpInfo, actual, expected, truth, name: str) -> None:
     """assert_close; and for an op whose math the suite also checks in float64 (F64 in its
     dtypes), a low-precision result that misses it still passes when its error norm against the
-    exact answer is within LOW_PRECISION_FACTOR of the reference's, or the reference itself misses
-    the exact answer by more than its dtype's rtol (the tensor is ill-conditioned in that dtype:
-    its rounding says nothing about either implementation)."""
+    exact answer is at most LOW_PRECISION_FACTOR times the reference's own, plus the dtype's floor
+    (rtol of the truth's norm and atol per element): the C++ result is always judged, against the
+    scale of rounding the reference shows on this very tensor. (An ill-conditioned tensor, where
+    the reference itself misses the truth by far more than the floor, widens the bound with the
+    reference's error; it never waives it: a result 12x off passed that way before.)"""
     try:
         assert_close(actual, expected, name, truth=truth)
     except AssertionError:
@@ -98,8 +103,7 @@ def judge(op: OpInfo, actual, expected, truth, name: str) -> None:
         a, e, t = a[finite], e[finite], t[finite]
         tol = TOLERANCES[expected.dtype]
         floor = tol.rtol * t.norm() + tol.atol * t.numel() ** 0.5
-        reference_error = (e - t).norm()
-        if reference_error > floor or (a - t).norm() <= LOW_PRECISION_FACTOR * max(reference_error, floor):
+        if (a - t).norm() <= LOW_PRECISION_FACTOR * (e - t).norm() + floor:
             return
         raise
 
@@ -122,20 +126,20 @@ def check_parity(op: OpInfo, cpp: Callable, reference: Callable, sample: Sample,
             grads = random_upstream(outputs, seed)
         return [None if g is None else g.to(o.dtype) for g, o in zip(grads, outputs)]
 
-    ref_out, ref_grads = forward_backward(reference, sample, upstream)
-    cpp_out, cpp_grads = forward_backward(cpp, sample, upstream)
-    true_out, true_grads = forward_backward(reference, in_float64(sample), upstream)
+    ref_out, ref_grads = forward_backward(reference, sample, upstream, seed)
+    cpp_out, cpp_grads = forward_backward(cpp, sample, upstream, seed)
+    true_out, true_grads = forward_backward(reference, in_float64(sample), upstream, seed)
     try:
         _compare(op, sample, cpp_out, cpp_grads, ref_out, ref_grads, true_out, true_grads)
     except AssertionError:
-        routed = (sample.reroute(*sample.build({k: v.detach() for k, v in sample.leaves.items()}), cpp_out[0])
+        routed = (sample.reroute(*sample.build({k: v.detach() for k, v in sample.leaves.items()}), cpp_out[0], seed)
                   if sample.reroute else None)
         if routed is None:
             raise
         # The C++ ops routed a token otherwise (rounding at a near-tie): judge against the
         # reference, and its float64 truth, routed as they did.
-        ref_out, ref_grads = forward_backward(routed, sample, upstream)
-        true_out, true_grads = forward_backward(routed, in_float64(sample), upstream)
+        ref_out, ref_grads = forward_backward(routed, sample, upstream, seed)
+        true_out, true_grads = forward_backward(routed, in_float64(sample), upstream, seed)
         _compare(op, sample, cpp_out, cpp_grads, ref_out, ref_grads, true_out, true_grads)
 
 

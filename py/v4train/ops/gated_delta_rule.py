@@ -1,5 +1,7 @@
 """v4_gated_delta_rule: the chunked gated delta rule of Gated DeltaNet over packed documents."""
 
+import functools
+
 import torch
 
 from v4train.ops.mla_dsa_attention import packed
@@ -39,21 +41,25 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
 
 def _bench(device, dtype, tokens=4096):
-    """Qwen3.5-MoE's linear attention: 16 key heads, 32 value heads, 128 dims, one document."""
+    """Qwen3.5-35B's linear attention: 16 key heads, 32 value heads, 128 dims, one document (the
+    shape of the published fla and FlashQLA times: 8,192 and 32,768 tokens)."""
     lv = leaves_for([tokens], 16, 2, 128, 128, dtype, device, 0)
     return f"{tokens} tokens, 16 key heads x 2, dims 128", (lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"],
                                                               torch.tensor([0, tokens], device=device))
 
 
-def _call(v=lambda: torch.zeros(5, 2, 4), cu=lambda: torch.tensor([0, 5])):
-    return lambda: (torch.zeros(5, 2, 4), torch.zeros(5, 2, 4), v(), torch.zeros(5, 2), torch.zeros(5, 2), cu())
+def _call(v=lambda: torch.zeros(5, 2, 4), cu=lambda: torch.tensor([0, 5]), g=lambda: torch.zeros(5, 2)):
+    return lambda: (torch.zeros(5, 2, 4), torch.zeros(5, 2, 4), v(), g(), torch.zeros(5, 2), cu())
 
 
 OP = OpInfo(
-    "v4_gated_delta_rule", v4_gated_delta_rule, samples=samples, benchmarks=(_bench,), dtypes=F64,
+    "v4_gated_delta_rule", v4_gated_delta_rule, samples=samples, dtypes=F64,
+    benchmarks=(_bench, functools.partial(_bench, tokens=8192), functools.partial(_bench, tokens=32768)),
     errors=(
         ErrorCase("value heads not a multiple of key heads", _call(v=lambda: torch.zeros(5, 3, 4)),
                   "a multiple of the 2 key heads"),
         ErrorCase("cu_seqlens not ending at T", _call(cu=lambda: torch.tensor([0, 4])), "cu_seqlens must end at T=5"),
+        ErrorCase("a growth (g > 0)", _call(g=lambda: torch.full((5, 2), 0.5)),
+                  "g is a log decay and must be <= 0"),
     ),
 )

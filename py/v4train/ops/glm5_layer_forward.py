@@ -6,7 +6,7 @@ from v4train.models import config_from_dict
 from v4train.models.glm5 import layer_specs
 from v4train.ops.mla_dsa_attention import documents, packed, random_selection, small_config
 from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, view_as_layout, weight_leaves, width
+from v4train.ops.samples import Sample, layout, lora_dropout, make_leaf, seed, view_as_layout, weight_leaves, width
 from v4train.ops.ties import rerouted
 from v4train.reference.glm5_layer_forward import v4_glm5_layer_forward
 
@@ -41,6 +41,7 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     lengths = documents(draw, cfg.index_topk)
     checkpoint = draw.booleans()
     h_layout, s = layout(draw), seed(draw)
+    dropout = lora_dropout(draw, checkpoint, device)
     weights, scaling = layer_leaves(draw, cfg, layer, dtype, device, s)
     positions, cu = packed(lengths, device)
     carry = random_selection(lengths, cfg.index_topk, torch.Generator().manual_seed(s)).to(device) if shared else None
@@ -48,11 +49,11 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
     def build(lv):
         w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, positions, cu, carry, scaling, 0.0, checkpoint), {}
+        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, positions, cu, carry, scaling, dropout, checkpoint), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, {'MoE' if moe else 'dense'}, shared {shared}, "
-                                      f"checkpoint {checkpoint}, cfg {cfg}",
-                  reroute=(lambda args, kwargs, out: rerouted(v4_glm5_layer_forward, args, kwargs, out)) if moe else None)
+                                      f"checkpoint {checkpoint}, dropout {dropout}, cfg {cfg}",
+                  reroute=(lambda args, kwargs, out, seed: rerouted(v4_glm5_layer_forward, args, kwargs, out, seed)) if moe else None)
 
 
 def proxy_config(layers: int = 4):

@@ -8,7 +8,7 @@ from v4train.ops.gated_delta_rule import chunk_documents
 from v4train.ops.glm5_layer_forward import layer_leaves
 from v4train.ops.mla_dsa_attention import packed
 from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, view_as_layout
+from v4train.ops.samples import Sample, layout, lora_dropout, make_leaf, seed, view_as_layout
 from v4train.ops.ties import rerouted
 from v4train.reference.qwen3_5_layer_forward import v4_qwen3_5_layer_forward
 
@@ -30,6 +30,7 @@ def small_config(draw, moe: bool):
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
     moe, layer, checkpoint = draw.booleans(), draw.integers(0, 1), draw.booleans()
+    dropout = lora_dropout(draw, checkpoint, device)
     cfg = small_config(draw, moe)
     lengths = chunk_documents(draw)
     h_layout, s = layout(draw), seed(draw)
@@ -39,12 +40,12 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
     def build(lv):
         w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, positions, cu.to(device), None, scaling, 0.0,
+        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, positions, cu.to(device), None, scaling, dropout,
                 checkpoint), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, {cfg.layer_types[layer]}, {'MoE' if moe else 'dense'}, "
-                                      f"checkpoint {checkpoint}, cfg {cfg}",
-                  reroute=(lambda args, kwargs, out: rerouted(v4_qwen3_5_layer_forward, args, kwargs, out)) if moe else None)
+                                      f"checkpoint {checkpoint}, dropout {dropout}, cfg {cfg}",
+                  reroute=(lambda args, kwargs, out, seed: rerouted(v4_qwen3_5_layer_forward, args, kwargs, out, seed)) if moe else None)
 
 
 def _call(layer=0, dropout=0.0):

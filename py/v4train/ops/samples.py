@@ -70,6 +70,13 @@ def layout(draw: Draw, writable: bool = False) -> str:
     return draw.sampled_from(WRITABLE_LAYOUTS if writable else LAYOUTS)
 
 
+def lora_dropout(draw: Draw, checkpoint: bool, device) -> float:
+    """A layer sample's LoRA dropout: drawn > 0 only where the layer checkpoints (the recomputation
+    must replay the first pass's masks) and on the CPU, where a mask is the same in every dtype
+    (the parity run seeds each implementation alike; CUDA's fused dropout draws per dtype)."""
+    return draw.sampled_from([0.0, 0.25]) if checkpoint and torch.device(device).type == "cpu" else 0.0
+
+
 def seed(draw: Draw) -> int:
     return draw.integers(0, 2**31 - 1)
 
@@ -110,14 +117,14 @@ class Sample:
     leaves: the tensors gradients are taken for (every floating input); parity compares the
       gradient of each, and for in-place ops the value each is left with.
     build: leaves -> (args, kwargs) for the op, making the views and adding the other arguments.
-    reroute: (args, kwargs, the C++ op's first output) -> the reference routing a layer's MoE as
-      the C++ ops did, where they routed a token otherwise (rounding at a near-tie), or None
-      (v4train.ops.ties.rerouted).
+    reroute: (args, kwargs, the C++ op's first output, the seed its run started from) -> the
+      reference routing a layer's MoE as the C++ ops did, where they routed a token otherwise
+      (rounding at a near-tie), or None (v4train.ops.ties.rerouted).
     """
 
     def __init__(self, leaves: dict[str, torch.Tensor],
                  build: Callable[[dict[str, torch.Tensor]], tuple[tuple, dict]], note: str = "",
-                 reroute: Callable[[tuple, dict, torch.Tensor], Callable | None] | None = None):
+                 reroute: Callable[[tuple, dict, torch.Tensor, int], Callable | None] | None = None):
         self.leaves, self.build, self.note, self.reroute = leaves, build, note, reroute
 
     def __repr__(self) -> str:

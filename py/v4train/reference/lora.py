@@ -36,10 +36,3 @@ def linear(x: torch.Tensor, w: dict, name: str, lora: Lora) -> torch.Tensor:
     a_name, b_name = adapter_names(name)
     y = F.linear(x, w[name])
     return y + _update(x, lora, w[a_name], w[b_name]) if a_name in w else y
-
-
-def expert_linear(x: torch.Tensor, w: dict, name: str, e: int, lora: Lora) -> torch.Tensor:
-    """x W_e^T for expert e of the fused tensor `name` (+ expert e's LoRA update)."""
-    a_name, b_name = adapter_names(name)
-    y = F.linear(x, w[name][e])
-    return y + _update(x, lora, w[a_name][e], w[b_name][e]) if a_name in w else y

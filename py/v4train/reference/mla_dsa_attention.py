@@ -13,6 +13,8 @@ from v4train.reference.lora import Lora, linear
 # transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with eps 1e-6,
 # whatever rms_norm_eps says.
 LATENT_EPS = 1e-6
+# transformers scores the indexer in fp32 (a test scores in float64 to judge a selection).
+SCORE_DTYPE = torch.float32
 
 
 def canonical_selection(keys: torch.Tensor, first_query: int) -> torch.Tensor:
@@ -47,19 +49,26 @@ def select_keys(h, q_resid, w, cfg, cos, sin, docs) -> torch.Tensor:
                          w["self_attn.indexer.k_norm.bias"], LATENT_EPS)
         k = torch.cat([rope_ref.apply_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]], dim=-1)
         head_weights = F.linear(h.to(w["self_attn.indexer.weights_proj.weight"].dtype),
-                                w["self_attn.indexer.weights_proj.weight"]).float() * n**-0.5
+                                w["self_attn.indexer.weights_proj.weight"]).to(SCORE_DTYPE) * n**-0.5
     for start, end in docs:
         L = end - start
         first = min(L, K)  # queries 0 .. K-1 have at most K causal keys: all of them
         p = torch.arange(first, device=h.device)
         out[start:start + first] = torch.where(pos[None, :] <= p[:, None], pos[None, :], -1)
         if L > K:
-            scores = torch.relu(torch.matmul(q[start:end].float(), k[start:end].float().T) * d**-0.5)  # [L, n, L]
-            index_scores = torch.matmul(head_weights[start:end].unsqueeze(-2), scores).squeeze(-2)  # [L, L]
-            causal = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()
-            index_scores = index_scores.masked_fill(~causal, float("-inf"))
-            out[start + K:end] = canonical_selection(index_scores[K:].topk(K, dim=-1).indices, K)
+            scores = index_scores(q[start:end].to(SCORE_DTYPE), k[start:end].to(SCORE_DTYPE), head_weights[start:end], d)
+            out[start + K:end] = canonical_selection(scores[K:].topk(K, dim=-1).indices, K)
     return out
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The indexer's scores of one document [L, L] in q's dtype (SCORE_DTYPE), -inf after each query:
+    sum_h head_weights[s, h] * relu(q[s, h] . k[t] * head_dim^-0.5)."""
+    L = q.shape[0]
+    scores = torch.relu(torch.matmul(q, k.T) * head_dim**-0.5)  # [L, n, L]
+    scores = torch.matmul(head_weights.to(q.dtype).unsqueeze(-2), scores).squeeze(-2)  # [L, L]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~causal, float("-inf"))
 
 
 def v4_mla_dsa_attention(h: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int, positions: torch.Tensor,

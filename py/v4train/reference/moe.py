@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from v4train.reference.lora import Lora, expert_linear, linear
+from v4train.reference.lora import Lora, adapter_names, linear
 
 
 def route_sigmoid_grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -60,27 +60,36 @@ def experts(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w: dict, lora:
 
     w[prefix + "gate_up_proj"] [E, 2I, H] (gate rows first, then up: transformers' fused
     layout), w[prefix + "down_proj"] [E, H, I], each with its optional per-expert LoRA.
-    Tokens are grouped by expert (a stable sort), one matmul pair per expert that got tokens.
-    x [T, H] -> [T, H] in x's dtype.
+    The routed rows are grouped by expert (a stable sort), one matmul pair per expert that got
+    tokens; the LoRA dropout draws one mask over all routed rows per projection (the C++ op's
+    order of random draws, so that both drop the same elements). x [T, H] -> [T, H] in x's dtype.
     """
     T, k = idx.shape
-    gate_up, down = prefix + "gate_up_proj", prefix + "down_proj"
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w[gate_up].shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=w[prefix + "gate_up_proj"].shape[0]).tolist()
     token = order // k
-    weight = rw.reshape(-1)[order]
-    out = torch.zeros_like(x)
-    start = 0
+    gate, up = _grouped(x[token], w, prefix + "gate_up_proj", counts, lora).chunk(2, dim=-1)
+    y = _grouped(F.silu(gate) * up, w, prefix + "down_proj", counts, lora) * rw.reshape(-1)[order][:, None]
+    return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+
+
+def _grouped(rows: torch.Tensor, w: dict, name: str, counts: list[int], lora: Lora) -> torch.Tensor:
+    """Rows grouped by expert (counts[e] rows for expert e, in order) through expert e of the fused
+    tensor `name`, with its LoRA update (dropout: one mask over all rows)."""
+    a_name, b_name = adapter_names(name)
+    adapted = a_name in w
+    dropped = F.dropout(rows, p=lora.dropout, training=True) if adapted and lora.dropout else rows
+    outs, start = [], 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        tok, wt = token[start:start + n], weight[start:start + n]
+        y = F.linear(rows[start:start + n], w[name][e])
+        if adapted:
+            y = y + F.linear(F.linear(dropped[start:start + n], w[a_name][e]), w[b_name][e]) * lora.scaling
+        outs.append(y)
         start += n
-        gate, up = expert_linear(x[tok], w, gate_up, e, lora).chunk(2, dim=-1)
-        y = expert_linear(F.silu(gate) * up, w, down, e, lora) * wt[:, None]
-        out = out.index_add(0, tok, y.to(x.dtype))
-    return out
+    return torch.cat(outs) if outs else rows.new_zeros(0, w[name].shape[1])
 
 
 def v4_moe(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, top_k: int, n_group: int,

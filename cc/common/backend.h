@@ -1,0 +1,40 @@
+// Device implementations of an op's kernels, chosen by the device of its tensors. A kernel file
+// (cc/ops/<op>.cu) registers its implementation once, when its module loads; the op's ATen code
+// asks for the implementation of its tensors' device and computes itself where none is registered
+// (the CPU, a build without the kernel) or where the kernel declines the inputs (returns false).
+// Adding a kernel is one registration; the op's code has no #ifdef.
+#pragma once
+
+#include <c10/core/DeviceType.h>
+
+#include <array>
+
+namespace v4 {
+
+// Kernel: a struct naming one kernel of an op, with `using Fn = bool (*)(...)`: the function
+// returns false where it does not cover the inputs.
+template <typename Kernel>
+class Backend {
+ public:
+  using Fn = typename Kernel::Fn;
+
+  // The implementation for `device`, or nullptr.
+  static Fn find(c10::DeviceType device) {
+    const auto i = static_cast<size_t>(device);
+    return i < kSlots ? slots()[i] : nullptr;
+  }
+
+  // static const v4::Backend<K>::Register registered(c10::DeviceType::CUDA, &fn);  in the kernel file.
+  struct Register {
+    Register(c10::DeviceType device, Fn fn) { slots().at(static_cast<size_t>(device)) = fn; }
+  };
+
+ private:
+  static constexpr size_t kSlots = static_cast<size_t>(c10::DeviceType::COMPILE_TIME_MAX_DEVICE_TYPES);
+  static std::array<Fn, kSlots>& slots() {
+    static std::array<Fn, kSlots> fns{};
+    return fns;
+  }
+};
+
+}  // namespace v4
