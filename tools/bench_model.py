@@ -124,6 +124,20 @@ def timed_steps(step, warmup: int, steps: int) -> tuple[float, float]:
     return statistics.median(times), torch.cuda.max_memory_allocated() - base
 
 
+def exact_loss(hf, ids) -> float:
+    """transformers' loss on a float64 copy of its weights (the answer both bf16 runs round)."""
+    import copy
+
+    hf64 = copy.deepcopy(hf).double()
+    hf64.set_experts_implementation("eager")  # torch._grouped_mm has no float64
+    with torch.no_grad():
+        loss = hf64(input_ids=ids, labels=ids).loss.item()
+    del hf64
+    gc.collect()
+    torch.cuda.empty_cache()
+    return loss
+
+
 def zero_grads(model):
     for p in model.parameters():
         p.grad = None
@@ -182,6 +196,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="per-op times, kernel table and FLOP share at every length")
+    parser.add_argument("--exact", action="store_true",
+                        help="also the loss in float64 (transformers on the same weights) up to 8,192 tokens: which side rounds less")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     dtype = torch.bfloat16
@@ -242,6 +258,10 @@ def main() -> int:
             results.append(row)
         if len(losses) == 2:
             print(f"loss difference at {tokens} tokens: {abs(losses['transformers'] - losses['v4train']):.2e}")
+        if args.exact and tokens <= 8192:  # transformers in float64 runs out of memory beyond
+            exact = exact_loss(hf, ids)
+            print(f"loss in float64 at {tokens} tokens: {exact:.6f}; distance of " +
+                  ", ".join(f"{impl} {abs(loss - exact):.2e}" for impl, loss in losses.items()))
         if args.profile and "v4train" in args.impls:
             ours.checkpointing = {"on": True, "off": False, "auto": tokens >= 16384}[args.checkpointing]
             print(f"v4train at {tokens} tokens, forward ms per op (one step):",

@@ -6,6 +6,7 @@
 # CUDA in bf16. Logs go to ${OUT:-build/gpu_check}; the last lines printed are a summary.
 #   STAGES="build parity tests model ops train" (default: all) picks stages;
 #   TOKENS=4096,16384,65536 the model benchmark's sequence lengths, MODELS="glm5 qwen3_5" its proxies;
+#   BENCH_ARGS="--exact" more arguments of tools/bench_model.py;
 #   OPS=v4_a,v4_b the op benchmarks to run (default: all), IMPL=cpp to time the C++ ops alone;
 #   PARITY_K="expr" the parity cases, as pytest -k (default: cuda, every CUDA case).
 set -uo pipefail
@@ -40,9 +41,9 @@ if has tests; then
 fi
 if has model; then
   for model in ${MODELS:-glm5 qwen3_5}; do
-    python3 tools/bench_model.py --model "$model" --profile --tokens "${TOKENS:-4096,16384,65536}" \
+    python3 tools/bench_model.py --model "$model" --profile --tokens "${TOKENS:-4096,16384,65536}" ${BENCH_ARGS:-} \
       --out "$out/bench_$model.json" >"$out/bench_$model.log" 2>&1 || status=1
-    echo "$model:"; grep -E '^\|' "$out/bench_$model.log"; grep -E 'loss difference|FLOP share' "$out/bench_$model.log"
+    echo "$model:"; grep -E '^\|' "$out/bench_$model.log"; grep -E 'loss difference|loss in float64|FLOP share' "$out/bench_$model.log"
   done
 fi
 if has ops; then
