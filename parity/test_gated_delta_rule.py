@@ -66,7 +66,7 @@ def test_qwen_widths_across_document_and_chunk_boundaries(device, dtype):
     from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
 
     lengths = [1, 63, 64, 65, 4097]
-    leaves = leaves_for(lengths, 2, 2, 128, 128, dtype, device, 11)
+    leaves = leaves_for(lengths, 2, 2, 128, 128, dtype, device, 11, decay=0.01)  # the state crosses chunks
     cu = packed(lengths, device)[1]
     sample = Sample(leaves, lambda lv: ((lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"], cu), {}),
                     note=f"documents {lengths}, Qwen3.5 widths")

@@ -11,8 +11,19 @@ nothing in the result. The last line printed is one JSON object with at least `l
 
 from __future__ import annotations
 
-import json
 import os
+import signal
+
+
+def _interrupted_at_start(signum, frame):  # until main() starts: no traceback from inside an import
+    os.write(2, b"\nevaluate: interrupted before the run started; nothing was written\n")
+    os._exit(128 + signum)
+
+
+signal.signal(signal.SIGINT, _interrupted_at_start)
+signal.signal(signal.SIGTERM, _interrupted_at_start)
+
+import json
 import sys
 import time
 
@@ -55,6 +66,9 @@ def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_bat
 
 
 def main(argv):
+    # From here a SIGINT is a KeyboardInterrupt again, so the output directory's claim is released.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     for name in ("model_dir", "data"):
@@ -76,4 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run_app("evaluate", main, sys.argv)

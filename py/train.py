@@ -2,20 +2,30 @@
 
     tools/bazel run //py:train -- --flagfile=glm5.flags
 
-Reads top to bottom: flags and paths checked -> the output directory claimed -> op table and
-self-check -> tokenizer -> model (loaded, or random from a config) -> LoRA -> data -> optimizer
--> resume -> the step loop -> final save. Every flag is defined, with its help text, in
+Reads top to bottom: flags and paths checked -> config, tokenizer and data read -> the output
+directory claimed -> op table and self-check -> model (loaded, or random from a config) -> LoRA
+-> optimizer -> resume -> the step loop -> final save. Every flag is defined, with its help text, in
 v4train/flags.py (`--helpfull` lists them). What a user gets on each kind of fault:
 docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+
+
+def _interrupted_at_start(signum, frame):  # until main() starts: no traceback from inside an import
+    os.write(2, b"\ntrain: interrupted before the run started; nothing was written\n")
+    os._exit(128 + signum)
+
+
+signal.signal(signal.SIGINT, _interrupted_at_start)
+signal.signal(signal.SIGTERM, _interrupted_at_start)
+
 import dataclasses
 import json
 import math
-import os
-import signal
 import sys
 import time
 
@@ -52,11 +62,16 @@ def resolve_flagfiles(argv: list[str]) -> list[str]:
             for candidate in (os.path.join(cli.user_dir(), name), os.path.join(FLAGFILE_DIR, name)):
                 if os.path.exists(candidate):
                     arg = "--flagfile=" + os.path.abspath(candidate)
-                    with open(candidate) as f:
-                        SOURCES.update({flag: name for flag in _flag_names(f)})
+                    try:
+                        text = cli.read_text(candidate, f"--flagfile={name}")
+                    except ValueError as e:
+                        print(f"train: {e}", file=sys.stderr)
+                        sys.exit(2)
+                    SOURCES.update({flag: name for flag in _flag_names(text.splitlines())})
                     break
             else:
-                sys.exit(f"train: --flagfile={name}: not found in {cli.user_dir()} or {FLAGFILE_DIR}")
+                print(f"train: --flagfile={name}: not found in {cli.user_dir()} or {FLAGFILE_DIR}", file=sys.stderr)
+                sys.exit(2)
         else:
             for flag in _flag_names([arg]):
                 SOURCES.pop(flag, None)
@@ -164,6 +179,9 @@ def resume_path(output_dir: str) -> str | None:
 
 
 def main(argv):
+    # From here a SIGINT is a KeyboardInterrupt again, so the output directory's claim is released.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
@@ -190,6 +208,23 @@ def train() -> int:
     output_dir = cli.output_path(FLAGS.output_dir)
     resume = resume_path(output_dir)
 
+    # The config, the tokenizer and the data, before any heavy work: a bad file costs no model
+    # load. Data is cut to --seq_len, or to the model's max_position_embeddings when that is
+    # shorter (positions past it were never trained).
+    hf_config, model_cfg = hf_checkpoint.read_config(os.path.join(model_dir, "config.json") if model_dir else config_path)
+    tokenizer = Tokenizer(tokenizer_dir) if os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")) else None
+    vocab = model_cfg.vocab_size
+    max_positions = hf_config.get("text_config", hf_config).get("max_position_embeddings")
+    max_len = min(FLAGS.seq_len, max_positions or FLAGS.seq_len)
+    limit = f"--seq_len={FLAGS.seq_len}" if max_len == FLAGS.seq_len else \
+        f"the model's max_position_embeddings={max_positions}, below --seq_len={FLAGS.seq_len}"
+    train_set = data.fit_to_length(data.read_records(data_path, tokenizer, vocab), max_len, FLAGS.overlong, limit)
+    eval_records = data.read_records(eval_path, tokenizer, vocab) if eval_path else None
+    too_long = sum(len(r.input_ids) > max_positions for r in eval_records or []) if max_positions else 0
+    if too_long:
+        say(f"{too_long} of the {len(eval_records)} --eval_data records are longer than the model's "
+            f"max_position_embeddings={max_positions}: their loss reads positions it never trained")
+
     # From here on this run owns output_dir (run_dir.py): no other run writes it meanwhile.
     with run_dir.Claim(output_dir, resume, FLAGS.overwrite_output_dir) as claim:
         for note in claim.notes:
@@ -205,10 +240,8 @@ def train() -> int:
         if model_dir:
             model, _ = hf_checkpoint.load(model_dir, dtype, device)  # every weight checked finite
         else:
-            hf_config, cfg = hf_checkpoint.read_config(config_path)
-            model = CausalLM.random(cfg, hf_config, dtype, device, FLAGS.seed)
+            model = CausalLM.random(model_cfg, hf_config, dtype, device, FLAGS.seed)
             model_dir = os.path.dirname(config_path)
-        tokenizer = Tokenizer(tokenizer_dir) if os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json")) else None
         model.use_ops(table)
         model.checkpointing = FLAGS.gradient_checkpointing
 
@@ -229,19 +262,6 @@ def train() -> int:
         for w in trainable.values():
             w.requires_grad_(True)
 
-        # Data, cut to --seq_len, or to the model's max_position_embeddings when that is shorter
-        # (positions past it were never trained).
-        vocab = model.cfg.vocab_size
-        max_positions = model.hf_config.get("text_config", model.hf_config).get("max_position_embeddings")
-        max_len = min(FLAGS.seq_len, max_positions or FLAGS.seq_len)
-        limit = f"--seq_len={FLAGS.seq_len}" if max_len == FLAGS.seq_len else \
-            f"the model's max_position_embeddings={max_positions}, below --seq_len={FLAGS.seq_len}"
-        train_set = data.fit_to_length(data.read_records(data_path, tokenizer, vocab), max_len, FLAGS.overlong, limit)
-        eval_records = data.read_records(eval_path, tokenizer, vocab) if eval_path else None
-        too_long = sum(len(r.input_ids) > max_positions for r in eval_records or []) if max_positions else 0
-        if too_long:
-            say(f"{too_long} of the {len(eval_records)} --eval_data records are longer than the model's "
-                f"max_position_embeddings={max_positions}: their loss reads positions it never trained")
         loader = data.Loader(train_set.examples, FLAGS.seq_len, FLAGS.packing, FLAGS.micro_batch_size, FLAGS.seed)
         total_steps = FLAGS.max_steps or max(1, math.ceil(FLAGS.epochs * loader.batches_per_epoch / FLAGS.grad_accum))
         if FLAGS.warmup_steps > total_steps:
@@ -252,9 +272,24 @@ def train() -> int:
         start_step = 0
         if resume:
             state = checkpoint.load(resume, model=model, adapters=adapters, lcfg=lcfg, optimizer=optimizer)
-            loader.load_state(state["loader"])
+            try:
+                loader.load_state(state["loader"])
+            except ValueError as e:
+                raise checkpoint.CheckpointError(f"{resume}/{checkpoint.STATE}: field loader: {e}") from None
             start_step = state["step"]
+            if start_step > total_steps:
+                raise FlagError(f"--resume_from={resume}: it is step {start_step}, past the {total_steps} steps of this "
+                                "run; give a --max_steps of at least that to continue it")
         metrics = MetricsLog(output_dir, start_step)
+        if resume and start_step == total_steps:  # nothing left: say so, and end as a finished run does
+            progress = Progress(total_steps, start_step)
+            progress.message(f"train: the run is finished: {resume} is its last step ({total_steps} of {total_steps}); "
+                             "nothing to train. To train further, resume with a larger --max_steps")
+            last = next((r for r in reversed(metrics.rows) if "loss" in r), {})
+            print(json.dumps({"steps": total_steps, "first_loss": None, "final_loss": last.get("loss"),
+                              "eval_loss": last.get("eval_loss"), "nonfinite_skips": 0, "tokens_per_s": 0.0,
+                              "wall_s": 0.0, "output_dir": output_dir, "checkpoint": resume, "finished": True}))
+            return 0
         progress = Progress(total_steps, start_step)
         n_trainable = sum(w.numel() for w in trainable.values())
         progress.message(
@@ -323,7 +358,10 @@ def train() -> int:
 
         wall = time.time() - t_start
         if metrics.rows:
-            metrics.plot(os.path.join(output_dir, "loss.png"))
+            try:
+                metrics.plot(os.path.join(output_dir, "loss.png"))
+            except OSError as e:  # a full disk: the plot is a convenience, metrics.jsonl holds the numbers
+                say(f"could not write {output_dir}/loss.png ({e.strerror or e}); the metrics are in metrics.jsonl")
         summary = {"steps": total_steps, "first_loss": first_loss, "final_loss": last.get("loss"),
                    "eval_loss": eval_loss, "nonfinite_skips": skipped,
                    "tokens_per_s": round(last.get("tokens_per_s", 0.0), 1), "wall_s": round(wall, 1),
@@ -333,4 +371,4 @@ def train() -> int:
 
 
 if __name__ == "__main__":
-    app.run(main, argv=resolve_flagfiles(sys.argv))
+    cli.run_app("train", main, resolve_flagfiles(sys.argv))

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -55,6 +56,16 @@ inline void check_writable(const char* op, const char* name, const at::Tensor& t
                     "): it cannot be updated in place");
 }
 
+// A small integer tensor as the list a user would write ("[0, 5, 8]"; at most 16 values, then
+// "..."): streaming a tensor into a message prints its repr over several lines ("got  0").
+inline std::string as_list(const at::Tensor& t) {
+  const at::Tensor flat = t.to(at::kCPU).reshape({-1}).to(at::kLong);
+  std::string out = "[";
+  const int64_t n = flat.numel(), shown = std::min<int64_t>(n, 16);
+  for (int64_t i = 0; i < shown; ++i) out += (i ? ", " : "") + std::to_string(flat[i].item<int64_t>());
+  return out + (n > shown ? ", ...]" : "]");
+}
+
 // The documents of a packed batch: cu_seqlens int64 [N + 1] rising from 0 to T (on any device),
 // as (start, end) pairs.
 inline std::vector<std::pair<int64_t, int64_t>> documents(const char* op, const at::Tensor& cu_seqlens, int64_t T) {
@@ -66,10 +77,10 @@ inline std::vector<std::pair<int64_t, int64_t>> documents(const char* op, const 
   std::vector<std::pair<int64_t, int64_t>> docs;
   for (int64_t i = 0; i + 1 < cu.numel(); ++i) {
     TORCH_CHECK_VALUE(p[i] == (i == 0 ? 0 : docs.back().second) && p[i + 1] >= p[i], op,
-                      ": cu_seqlens must rise from 0 to T=", T, ", got ", cu);
+                      ": cu_seqlens must rise from 0 to T=", T, ", got ", as_list(cu));
     docs.emplace_back(p[i], p[i + 1]);
   }
-  TORCH_CHECK_VALUE(p[0] == 0 && p[cu.numel() - 1] == T, op, ": cu_seqlens must end at T=", T, ", got ", cu);
+  TORCH_CHECK_VALUE(p[0] == 0 && p[cu.numel() - 1] == T, op, ": cu_seqlens must end at T=", T, ", got ", as_list(cu));
   return docs;
 }
 

@@ -128,7 +128,7 @@ at::Tensor v4_gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const a
     v4::check_dim(op, name, *t, 2);
     v4::check_same_device(op, name, *t, "q", q);
   }
-  const int64_t T = q.size(0), Hk = q.size(1), Dk = q.size(2), Hv = v.size(1), Dv = v.size(2);
+  const int64_t T = q.size(0), Hk = q.size(1), Hv = v.size(1);
   TORCH_CHECK_VALUE(k.sizes() == q.sizes(), op, ": k has shape ", k.sizes(), ", expected q's ", q.sizes());
   TORCH_CHECK_VALUE(v.size(0) == T && Hk >= 1 && Hv % Hk == 0, op, ": v has shape ", v.sizes(), ", expected [T=", T,
                     ", a multiple of the ", Hk, " key heads, Dv]");

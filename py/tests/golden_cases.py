@@ -128,3 +128,31 @@ def last_json(stdout: str) -> dict:
 def metrics(output_dir: str) -> list[dict]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+# A run of 4 steps with a checkpoint every 2, stopped after step 2: what the resume tests continue.
+RUN = [*SMALL, "--max_steps=4", "--save_interval=2"]
+
+
+def _stopped_run(tmp_path_factory):
+    """RUN stopped after step 2: checkpoint-2 and metrics rows 1, 2 (module-scoped: run once)."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    result = run_train(*RUN, f"--output_dir={out}", "--stop_at_step=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _run_copy(stopped_run, tmp_path):
+    """A copy of the stopped run for one test to change."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(stopped_run, out)
+    return out
+
+
+# pytest fixtures of the tests that resume a stopped run (import them by name).
+import pytest  # noqa: E402
+
+stopped_run = pytest.fixture(scope="module", name="stopped_run")(_stopped_run)
+run_copy = pytest.fixture(name="run_copy")(_run_copy)

@@ -4,11 +4,12 @@ the flag, file or tensor, never a traceback. Each case failed on the code before
 checkpoint files at resume are in test_reliability.py."""
 
 import gzip
+import json
 import os
 
 import pytest
 
-from golden_cases import CHAT, SMALL, copy_model, error_line, run_cli, run_train
+from golden_cases import BASE, CHAT, SMALL, copy_model, error_line, run_cli, run_train
 
 
 def _sys_or_readonly(tmp_path) -> str:
@@ -69,12 +70,24 @@ BAD_INPUTS = {
     "malformed index": (lambda tmp: ["--model_dir=" + _sharded_index(tmp)], "model.safetensors.index.json: not valid JSON"),
     "hidden_size a string": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(hidden_size="128"))],
                              'config.json: hidden_size must be an integer, got "128"'),
+    # Issue 15, 8: config.json values out of range or of the wrong kind, named once at load.
+    "hidden_size 0": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(hidden_size=0))],
+                      "config.json: hidden_size must be an integer >= 1, got 0"),
+    "top-k above the experts": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(num_experts_per_tok=99))],
+                                "config.json: num_experts_per_tok must be at most n_routed_experts="),
+    "negative eps": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(rms_norm_eps=-1e-5))],
+                     "config.json: rms_norm_eps must be a finite number > 0, got -1e-05"),
+    "a string for a dict": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(rope_parameters="yarn"))],
+                            'config.json: rope_parameters must be an object, got "yarn"'),
     # 9. Flag values.
     "lr nan": (lambda tmp: ["--lr=nan"], "--lr=nan: expected a finite number"),
     "lr inf": (lambda tmp: ["--lr=inf"], "--lr=inf: expected a finite number"),
     "adam_beta2 1": (lambda tmp: ["--adam_beta2=1"], "--adam_beta2=1.0: expected a value below 1"),
     "adam_eps 0": (lambda tmp: ["--adam_eps=0"], "--adam_eps=0.0: expected a value > 0"),
     "max_grad_norm inf": (lambda tmp: ["--max_grad_norm=inf"], "--max_grad_norm=inf: expected a finite number"),
+    # Issue 15, 6: settings that make training a no-op.
+    "lora_alpha 0": (lambda tmp: ["--lora_alpha=0"], "--lora_alpha=0.0: expected a value > 0"),
+    "lr 0": (lambda tmp: ["--lr=0"], "--lr=0.0: expected a value > 0 (a learning rate of 0 trains nothing)"),
 }
 
 
@@ -110,3 +123,146 @@ def test_9_a_warmup_longer_than_the_run_names_the_flagfile(tmp_path):
     assert "--warmup_steps=5 (from glm5.flags) is more than the 3 steps of this run (--max_steps=3)" in message
     assert "pass a smaller --warmup_steps on the command line after the --flagfile" in message
     assert os.listdir(tmp_path) == []
+
+
+# Issue 15, 9: flagfiles, tokenizers and data lines: one line naming the file (and the data line).
+
+def _tokenizer_dir(tmp, edit) -> str:
+    """The bundled base's tokenizer files in tmp/tok, tokenizer_config.json edited by `edit`
+    (a callable on the parsed dict, or the raw text to write)."""
+    import shutil
+
+    d = os.path.join(str(tmp), "tok")
+    os.makedirs(d, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(BASE, name), d)
+    path = os.path.join(d, "tokenizer_config.json")
+    if isinstance(edit, str):
+        text = edit
+    else:
+        config = json.load(open(path))
+        edit(config)
+        text = json.dumps(config)
+    with open(path, "w") as f:
+        f.write(text)
+    return d
+
+
+STARTUP_INPUTS = {
+    "flagfile a directory": (lambda tmp: [f"--flagfile={tmp}"], "is a directory, expected a text file"),
+    "flagfile binary": (lambda tmp: [f"--flagfile={_data_file(tmp, bytes(range(128, 256)))}"],
+                        "is not a text file (byte 0x"),
+    "tokenizer config not JSON": (lambda tmp: [f"--tokenizer_dir={_tokenizer_dir(tmp, '{not json')}"],
+                                  "tok/tokenizer_config.json: not valid JSON"),
+    "template does not compile": (
+        lambda tmp: [f"--tokenizer_dir={_tokenizer_dir(tmp, lambda c: c.update(chat_template='{{ x }'))}"],
+        "tok/tokenizer_config.json: its chat_template does not compile"),
+    "template raises": (
+        lambda tmp: [f"--tokenizer_dir={_tokenizer_dir(tmp, lambda c: c.update(chat_template=RAISES))}"],
+        "chat.jsonl:1 (and 1199 more line(s) alike): the chat template of"),
+    "deeply nested JSON": (lambda tmp: ["--data=" + _data_file(tmp, b"[" * 100000 + b"]" * 100000)],
+                           "d.jsonl:3: nested too deeply to read"),
+    "no tokenizer": (lambda tmp: [f"--tokenizer_dir={tmp}"],
+                     "chat.jsonl: 1200 'messages' record(s), the first at line 1, need a tokenizer"),
+}
+RAISES = "{{ raise_exception('this template takes no system message') }}"
+
+
+@pytest.mark.parametrize("case", sorted(STARTUP_INPUTS))
+def test_15_9_each_bad_file_is_one_line_naming_it_before_the_model_loads(case, tmp_path):
+    make_args, message = STARTUP_INPUTS[case]
+    result = run_train(*SMALL, "--max_steps=2", f"--output_dir={tmp_path / 'out'}", *make_args(tmp_path))
+    assert message in error_line(result)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+    assert not (tmp_path / "out").exists(), "nothing is left behind"
+
+
+# Issue 15, 10 and 11: start-up and messages.
+
+def test_15_10_a_run_that_fails_at_start_up_leaves_nothing_that_blocks_the_rerun(tmp_path):
+    broken = copy_model(tmp_path, tensors=lambda t: t.pop("model.norm.weight"))
+    out = tmp_path / "out"
+    failed = run_train(*SMALL, "--max_steps=1", f"--model_dir={broken}", f"--output_dir={out}")
+    assert "missing tensor model.norm.weight" in error_line(failed)
+    assert not out.exists() or os.listdir(out) == []
+    out.mkdir(exist_ok=True)
+    (out / "metrics.jsonl").write_text("")  # what an earlier version left at start-up
+    rerun = run_train(*SMALL, "--max_steps=1", f"--output_dir={out}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+
+
+def test_15_10_a_plot_that_cannot_be_written_does_not_fail_the_run(tmp_path):
+    out = tmp_path / "out"
+    assert run_train(*SMALL, "--max_steps=2", "--save_interval=1", f"--output_dir={out}",
+                     "--stop_at_step=1").returncode == 0
+    os.remove(out / "loss.png")
+    (out / "loss.png").mkdir()  # the write fails as on a full disk: an OSError
+    result = run_train(*SMALL, "--max_steps=2", "--save_interval=1", f"--output_dir={out}", "--resume_from=latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"could not write {out}/loss.png" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_15_10_full_fine_tuning_from_a_lora_flagfile(tmp_path):
+    """--finetune=full after --flagfile=glm5.flags wins over the flagfile's --lora_* flags."""
+    result = run_cli("train.py", "--flagfile=glm5.flags", "--finetune=full", "--max_steps=6", "--noself_check",
+                     f"--output_dir={tmp_path / 'out'}", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.exists(tmp_path / "out" / "checkpoint-6" / "model.safetensors")
+
+
+def test_15_10_an_interrupt_during_start_up_is_one_line(tmp_path):
+    import signal
+    import time
+
+    from golden_cases import start_cli
+
+    proc = start_cli("train.py", *SMALL, "--max_steps=1", f"--output_dir={tmp_path / 'out'}")
+    time.sleep(0.5)  # inside its imports
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-2000:]
+    assert "Traceback" not in stderr and "interrupted before the run started" in stderr
+
+
+@pytest.mark.parametrize("args,message", [(["--lr=-1"], "flag --lr=-1: -1.0 is not a non-negative number"), (["--nonsense=1"], "nonsense")])
+def test_15_11_flags_absl_refuses_exit_2(args, message, tmp_path):
+    result = run_cli("train.py", *args, cwd=str(tmp_path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+
+
+def test_15_11_a_missing_shard_is_named_once(tmp_path):
+    import shutil
+
+    from golden_cases import ROOT
+
+    model = tmp_path / "model"
+    shutil.copytree(os.path.join(ROOT, "qwen3_5_moe_sharded"), model)
+    os.remove(model / "model-00003-of-00022.safetensors")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    result = run_cli("evaluate.py", f"--model_dir={model}", f"--data={data}")
+    line = error_line(result)
+    assert f"{model}/model-00003-of-00022.safetensors (" in line and "tensors) is missing" in line
+    assert line.count("is missing") == 1 and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("damage,truncated", [("cut", True), ("header", False)])
+def test_15_11_truncation_is_said_only_of_a_truncated_file(tmp_path, damage, truncated):
+    def edit(path):
+        raw = open(path, "rb").read()
+        open(path, "wb").write(raw[: len(raw) // 2] if damage == "cut" else raw[:9] + b"#" + raw[10:])
+
+    model = copy_model(tmp_path)
+    edit(os.path.join(model, "model.safetensors"))
+    result = run_train(*SMALL, "--max_steps=1", f"--model_dir={model}", f"--output_dir={tmp_path / 'out'}")
+    line = error_line(result)
+    assert "model.safetensors" in line and ("truncated:" in line) == truncated, line
+
+
+def test_15_9_the_data_is_read_before_the_model_loads(tmp_path):
+    """A bad --data is reported even where the model would fail to load: it is read first."""
+    broken = copy_model(tmp_path, tensors=lambda t: t.pop("model.norm.weight"))
+    result = run_train(*SMALL, "--max_steps=1", f"--model_dir={broken}", f"--output_dir={tmp_path / 'out'}",
+                       "--data=" + _data_file(tmp_path, b"{broken"))
+    assert "d.jsonl:3: not valid JSON" in error_line(result)

@@ -57,7 +57,7 @@ def test_malformed_lines_are_all_reported_with_their_line(tmp_path):
 
 
 def test_text_records_without_a_tokenizer_are_an_error(tmp_path):
-    with pytest.raises(data.DataError, match="'text' records need a tokenizer"):
+    with pytest.raises(data.DataError, match="1 'text' record\\(s\\), the first at line 1, need a tokenizer: give --tokenizer_dir"):
         data.read_records(_write(tmp_path, {"text": "x"}), None)
 
 

@@ -56,7 +56,7 @@ def test_malformed_lines_are_reported_with_file_and_line(tmp_path):
     assert result.returncode == 2
     assert f"{data}:2: not valid JSON" in result.stderr
     assert f"{data}:3: input_ids must lie in [0, 160)" in result.stderr
-    assert f"{data}:4: 'text' records need a tokenizer" in result.stderr
+    assert f"{data}: 1 'text' record(s), the first at line 4, need a tokenizer" in result.stderr
     assert "Traceback" not in result.stderr
 
 

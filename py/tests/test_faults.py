@@ -17,7 +17,7 @@ from v4train.ops.compare import assert_close
 
 # Dropout, and checkpoints every 2 of 8 steps, 2 kept: the RNG state and the rotation matter.
 ARGS = [*SMALL, "--max_steps=8", "--save_interval=2", "--save_total_limit=2", "--lora_dropout=0.1"]
-REQUIRED = {"adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "rng_state.pt",
+REQUIRED = {"adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "rng_state.safetensors", "rng_state.json",
             "trainer_state.json"}
 
 

@@ -15,15 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from golden_cases import (BASE, CHAT, CHAT_EVAL, SMALL, copy_model, error_line, last_json, metrics, run_cli,
-                          run_train, start_cli)
+from golden_cases import (BASE, CHAT, CHAT_EVAL, RUN, SMALL, copy_model, error_line, last_json, metrics,  # noqa: F401
+                          run_cli, run_copy, run_train, start_cli, stopped_run)  # run_copy, stopped_run: fixtures
 from v4train import data
 from v4train.tokenizer import Tokenizer
 
-# A run of 4 steps with a checkpoint every 2: what the resume tests continue.
-RUN = [*SMALL, "--max_steps=4", "--save_interval=2"]
-CHECKPOINT_FILES = {"adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors", "rng_state.pt",
-                    "trainer_state.json"}
+CHECKPOINT_FILES = {"adapter_config.json", "adapter_model.safetensors", "optimizer.safetensors",
+                    "rng_state.safetensors", "rng_state.json", "trainer_state.json"}
 
 
 def snapshot(folder) -> dict[str, bytes]:
@@ -42,22 +40,6 @@ def wait_for_rows(out, n: int, proc) -> None:
         assert proc.poll() is None, "the run ended early"
         time.sleep(0.1)
     raise AssertionError("the run wrote no metrics in 300 s")
-
-
-@pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory):
-    """A run of RUN stopped after step 2: checkpoint-2 and metrics rows 1, 2."""
-    out = tmp_path_factory.mktemp("stopped") / "run"
-    result = run_train(*RUN, f"--output_dir={out}", "--stop_at_step=2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
-
-
-@pytest.fixture
-def run_copy(stopped_run, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(stopped_run, out)
-    return out
 
 
 # 1. A fresh run never mixes with an earlier one; two runs never write one output_dir.
@@ -181,12 +163,13 @@ def test_8_a_malformed_trainer_state_is_named(run_copy):
 # 5. Checkpoints complete or absent; temporary folders of a killed write removed.
 
 def test_5_the_next_run_removes_the_temporary_folders_of_a_killed_write(run_copy):
-    stale = run_copy / ".tmp-checkpoint-4-x1y2z3"
-    stale.mkdir()
-    (stale / "adapter_model.safetensors").write_bytes(b"half")
+    stale = run_copy / ".tmp-checkpoint-4-x1y2z3w4"  # as v4train names and marks them (v4train.atomic)
+    (stale / "content").mkdir(parents=True)
+    (stale / ".v4train-temporary").write_text("")
+    (stale / "content" / "adapter_model.safetensors").write_bytes(b"half")
     result = run_train(*RUN, f"--output_dir={run_copy}", "--resume_from=latest")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "removed 1 temporary folder(s) of an interrupted write: .tmp-checkpoint-4-x1y2z3" in result.stderr
+    assert "removed 1 temporary folder(s) of an interrupted write: .tmp-checkpoint-4-x1y2z3w4" in result.stderr
     assert sorted(os.listdir(run_copy)) == ["checkpoint-2", "checkpoint-4", "loss.png", "metrics.jsonl"]
 
 
@@ -208,7 +191,7 @@ def test_5_a_checkpoint_missing_a_file_is_incomplete_whatever_else_it_holds(run_
 
 # 7. Resume: damaged files and changed flags are one line naming the file; a torn metrics line is dropped.
 
-@pytest.mark.parametrize("name", ["optimizer.safetensors", "adapter_model.safetensors", "rng_state.pt"])
+@pytest.mark.parametrize("name", ["optimizer.safetensors", "adapter_model.safetensors", "rng_state.safetensors"])
 def test_7_resume_from_a_truncated_file_names_it(name, run_copy):
     path = run_copy / "checkpoint-2" / name
     size = path.stat().st_size
@@ -298,3 +281,47 @@ def test_10_examples_are_cut_at_max_position_embeddings_and_long_eval_records_re
         in result.stderr
     assert f"train: {over_eval} of the {len(eval_lengths)} --eval_data records are longer than the model's " \
            "max_position_embeddings=64" in result.stderr
+
+
+# Issue 15, 7: restored state is checked before it is used.
+
+@pytest.mark.parametrize("field,value,message", [
+    ("step", -1, "field step: expected the folder's step 2 (an integer >= 1), got -1"),
+    ("step", "2", "field step: expected the folder's step 2 (an integer >= 1), got '2'"),
+    ("optimizer_steps", 5, "field optimizer_steps: expected an integer in [0, step=2], got 5"),
+    ("loader", {"epoch": 0, "cursor": 3}, "field loader: cursor 3 is not a position of this data"),
+    ("loader", {"epoch": -1, "cursor": 0}, "field loader: expected {\"epoch\", \"cursor\"} of integers >= 0"),
+])
+def test_15_7_a_restored_value_out_of_range_names_the_file_and_field(run_copy, field, value, message):
+    path = run_copy / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(path.read_text())
+    state[field] = value
+    _rewrite(run_copy / "checkpoint-2", "trainer_state.json", json.dumps(state).encode())
+    result = run_train(*RUN, f"--output_dir={run_copy}", "--resume_from=latest")
+    assert f"{path}: {message}" in error_line(result)
+
+
+def test_15_7_a_nonfinite_optimizer_moment_is_refused(run_copy):
+    from safetensors.torch import save_file
+
+    path = run_copy / "checkpoint-2" / "optimizer.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(k for k in tensors if k.endswith(".exp_avg"))[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, str(path))
+    _rewrite(run_copy / "checkpoint-2", "optimizer.safetensors", path.read_bytes())
+    result = run_train(*RUN, f"--output_dir={run_copy}", "--resume_from=latest")
+    assert f"{path}: {name}: holds NaN or infinite values" in error_line(result)
+
+
+def test_15_7_resuming_a_finished_run_says_it_is_finished(tmp_path):
+    out = tmp_path / "run"
+    assert run_train(*RUN, f"--output_dir={out}").returncode == 0
+    again = run_train(*RUN, f"--output_dir={out}", "--resume_from=latest")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"the run is finished: {out}/checkpoint-4 is its last step (4 of 4); nothing to train" in again.stderr
+    summary = last_json(again.stdout)
+    assert summary["finished"] is True and summary["final_loss"] is not None
+    past = run_train(*SMALL, "--max_steps=3", f"--output_dir={out}", "--resume_from=latest")
+    assert f"it is step 4, past the 3 steps of this run; give a --max_steps of at least that" in error_line(past)

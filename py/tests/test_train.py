@@ -50,7 +50,7 @@ def test_lora_run_writes_metrics_plot_checkpoints_and_summary(tmp_path):
     adapter = json.loads((out / "checkpoint-6" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == os.path.abspath(BASE)
     assert adapter["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-    assert {"adapter_model.safetensors", "optimizer.safetensors", "rng_state.pt", "trainer_state.json",
+    assert {"adapter_model.safetensors", "optimizer.safetensors", "rng_state.safetensors", "rng_state.json", "trainer_state.json",
             "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out / "checkpoint-6"))
 
 
@@ -109,3 +109,37 @@ def test_lora_from_a_config_saves_a_loadable_base(tmp_path):
 
     model, _ = hf_checkpoint.load(adapter["base_model_name_or_path"])
     lora.load_peft(model, str(out / "checkpoint-1"), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("schedule,warmup,total,expected", [
+    # Hugging Face's decay (progress (step - 1 - warmup) / (total - warmup)), by hand:
+    ("cosine", 0, 4, [1.0, 0.5 * (1 + 0.7071067811865476), 0.5, 0.5 * (1 - 0.7071067811865476)]),
+    ("linear", 0, 4, [1.0, 0.75, 0.5, 0.25]),
+    ("cosine", 2, 4, [0.5, 1.0, 1.0, 0.5]),
+    ("linear", 1, 3, [1.0, 1.0, 0.5]),
+    ("cosine", 0, 1, [1.0]),
+    ("constant", 3, 5, [1 / 3, 2 / 3, 1.0, 1.0, 1.0]),
+])
+def test_every_step_of_a_schedule_trains(schedule, warmup, total, expected):
+    """With min_lr 0, every step of the run has lr > 0: the last one too, and a run of one step
+    trains at --lr (the schedule gave the last step min_lr before)."""
+    from v4train.optim import lr_at
+
+    got = [lr_at(step, 1.0, 0.0, warmup, total, schedule) for step in range(1, total + 1)]
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert all(lr > 0 for lr in got)
+
+
+def test_the_first_and_the_last_step_change_the_adapter(tmp_path):
+    """--max_steps=2, a checkpoint after each step: step 1 moves the adapter away from its
+    initialisation (B = 0), step 2 (the last) moves it again."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    result = run_cli("train.py", *SMALL, f"--output_dir={out}", "--max_steps=2", "--save_interval=1",
+                     "--save_total_limit=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, last = (load_file(str(out / f"checkpoint-{s}" / "adapter_model.safetensors")) for s in (1, 2))
+    b_names = [n for n in first if "lora_B" in n]
+    assert b_names and any(first[n].abs().sum() > 0 for n in b_names), "step 1 left every B at zero"
+    assert any(not torch.equal(first[n], last[n]) for n in first), "the last step changed nothing"

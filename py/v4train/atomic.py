@@ -1,7 +1,9 @@
 """Atomic writes and removals, so that a process killed at any moment leaves every folder whole
 or absent: a folder is built in a temporary sibling and renamed into place; a folder is renamed
-away before it is deleted. What a killed process leaves behind are temporary siblings (`.tmp-*`,
-`.old-*`), which `remove_temporaries` clears under the run's lock (v4train.run_dir).
+away before it is deleted. What a killed process leaves behind are temporary siblings
+(`.tmp-NAME-XXXXXXXX`, `.old-NAME-XXXXXXXX`, each holding the marker file `.v4train-temporary`),
+which `remove_temporaries` clears under the run's lock (v4train.run_dir). Nothing else is ever
+deleted there: a user's `.tmp-notes/` has neither the exact name nor the marker.
 
 `kill_point` is the fault-injection hook of the tests: V4TRAIN_KILL_AT=NAME[:N] SIGKILLs the
 process the N-th time (default the first) it passes the point NAME.
@@ -11,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import tempfile
 
-TEMPORARY = (".tmp-", ".old-")  # prefixes of the siblings made here
+MARKER = ".v4train-temporary"  # inside every temporary sibling made here
+_OWN = re.compile(r"^\.(tmp|old)-.+-[a-z0-9_]{8}$")  # their names: tempfile.mkdtemp's 8 random characters
 _passes: dict[str, int] = {}
 
 
@@ -44,7 +48,18 @@ def _fsync_tree(root: str) -> None:
 
 
 def _sibling(path: str, prefix: str) -> str:
-    return tempfile.mkdtemp(prefix=prefix + os.path.basename(path) + "-", dir=os.path.dirname(path))
+    """A new temporary sibling folder of `path`, marked as v4train's own."""
+    folder = tempfile.mkdtemp(prefix=prefix + os.path.basename(path) + "-", dir=os.path.dirname(path))
+    with open(os.path.join(folder, MARKER), "w") as f:
+        f.write("a temporary folder of v4train: a write or deletion that did not finish\n")
+    return folder
+
+
+def is_temporary(path: str) -> bool:
+    """Whether `path` is a temporary sibling that v4train made: the exact name and the marker
+    inside, a real folder (not a link)."""
+    return (bool(_OWN.match(os.path.basename(path))) and os.path.isdir(path) and not os.path.islink(path)
+            and os.path.isfile(os.path.join(path, MARKER)) and not os.path.islink(os.path.join(path, MARKER)))
 
 
 def _move_away(path: str) -> str:
@@ -63,19 +78,22 @@ def remove_dir(path: str) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(final: str):
-    """Yields a temporary folder beside `final`; on success it becomes `final` (replacing an old
-    one), on any error it is removed and `final` is left as it was. A process killed midway
-    leaves only a `.tmp-*` folder, never a half-written `final`."""
+    """Yields a new folder inside a temporary sibling of `final`; on success it becomes `final`
+    (replacing an old one), on any error the sibling is removed and `final` is left as it was. A
+    process killed midway leaves only the `.tmp-*` sibling, never a half-written `final`."""
     final = os.path.abspath(final)
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
     tmp = _sibling(final, ".tmp-")
+    content = os.path.join(tmp, "content")
     try:
-        yield tmp
-        _fsync_tree(tmp)
+        os.mkdir(content)
+        yield content
+        _fsync_tree(content)
         old = _move_away(final) if os.path.exists(final) else None
-        os.rename(tmp, final)
+        os.rename(content, final)
         _fsync(parent)
+        shutil.rmtree(tmp)
         if old:
             shutil.rmtree(old)
     except BaseException:
@@ -84,26 +102,21 @@ def atomic_dir(final: str):
 
 
 def replace_file(path: str, text: str) -> None:
-    """Writes `path` with `text` atomically (a temporary sibling renamed over it)."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=os.path.dirname(path))
+    """Writes `path` with `text` atomically (written in a temporary sibling folder, renamed over it)."""
+    tmp = _sibling(path, ".tmp-")
     try:
-        with os.fdopen(fd, "w") as f:
+        with open(os.path.join(tmp, "content"), "w") as f:
             f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+        os.replace(os.path.join(tmp, "content"), path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def remove_temporaries(parent: str) -> list[str]:
-    """Removes the temporary siblings that killed writers left in `parent`; returns their names.
-    Only for a folder no live writer uses (the caller holds its lock)."""
-    found = sorted(name for name in os.listdir(parent) if name.startswith(TEMPORARY))
+    """Removes the temporary siblings that killed writers left in `parent` (is_temporary: the
+    exact name and the marker, never a name prefix alone); returns their names. Only for a folder
+    no live writer uses (the caller holds its lock)."""
+    found = sorted(name for name in os.listdir(parent) if is_temporary(os.path.join(parent, name)))
     for name in found:
-        path = os.path.join(parent, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
+        shutil.rmtree(os.path.join(parent, name))
     return found

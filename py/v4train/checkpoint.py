@@ -2,8 +2,10 @@
 
 A checkpoint holds what a user loads (a PEFT adapter, or full weights in Hugging Face layout,
 plus the tokenizer files) and what an exact resume needs: optimizer moments
-(optimizer.safetensors), RNG states (rng_state.pt) and the step and data position
-(trainer_state.json). manifest.json, written last, lists every file with its size and sha256: a
+(optimizer.safetensors), the random generators' states (rng_state.safetensors for torch's,
+rng_state.json for Python's) and the step and data position (trainer_state.json). Nothing in a
+checkpoint is unpickled: a checkpoint can carry no code (an older one's rng_state.pt is read with
+torch.load(weights_only=True), which refuses anything but tensors and plain values). manifest.json, written last, lists every file with its size and sha256: a
 checkpoint is complete when its manifest is there and every file has its listed size, and a
 resume checks the checksums too. Writes go through a temporary folder renamed into place, and
 the rotation renames a checkpoint away before deleting it, so a run killed at any moment leaves
@@ -143,10 +145,7 @@ def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer, state:
                     shutil.copy(os.path.join(tokenizer_dir, name), tmp)
             save_file({k: v.detach().cpu().contiguous() for k, v in optimizer.state_tensors().items()},
                       os.path.join(tmp, "optimizer.safetensors"))
-            rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-            if torch.cuda.is_available():
-                rng["cuda"] = torch.cuda.get_rng_state_all()
-            torch.save(rng, os.path.join(tmp, "rng_state.pt"))
+            _save_rng(tmp)
             with open(os.path.join(tmp, STATE), "w") as f:
                 json.dump(dict(state, step=step, optimizer_steps=optimizer.step_count), f, indent=1, sort_keys=True)
             _write_manifest(tmp)  # last: a folder with a manifest is complete
@@ -181,6 +180,13 @@ def load(path: str, *, model, adapters, lcfg, optimizer) -> dict:
     missing = [k for k in ("step", "optimizer_steps", "loader") if k not in state]
     if missing:
         raise CheckpointError(f"{state_path}: lacks {', '.join(missing)}")
+    step, optimizer_steps = state["step"], state["optimizer_steps"]
+    if not _count(step) or step < 1 or step != step_of(path) and step_of(path) is not None:
+        raise CheckpointError(f"{state_path}: field step: expected the folder's step"
+                              f"{f' {step_of(path)}' if step_of(path) is not None else ''} (an integer >= 1), got {step!r}")
+    if not _count(optimizer_steps) or optimizer_steps > step:
+        raise CheckpointError(f"{state_path}: field optimizer_steps: expected an integer in [0, step={step}], "
+                              f"got {optimizer_steps!r}")
     with torch.no_grad():
         if adapters is not None:
             if not os.path.exists(os.path.join(path, lora.ADAPTER_CONFIG)):
@@ -200,9 +206,69 @@ def load(path: str, *, model, adapters, lcfg, optimizer) -> dict:
         optimizer.load_state(load_file(os.path.join(path, "optimizer.safetensors")), state["optimizer_steps"])
     except ValueError as e:
         raise CheckpointError(f"{os.path.join(path, 'optimizer.safetensors')}: {e}") from None
-    rng = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    _load_rng(path)
     return state
+
+
+RNG_TENSORS, RNG_PYTHON, RNG_PICKLE = "rng_state.safetensors", "rng_state.json", "rng_state.pt"
+
+
+def _save_rng(folder: str) -> None:
+    """torch's generator states as uint8 tensors, Python's as JSON: no pickle."""
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(states, os.path.join(folder, RNG_TENSORS))
+    version, internal, gauss = random.getstate()
+    with open(os.path.join(folder, RNG_PYTHON), "w") as f:
+        json.dump({"version": version, "state": list(internal), "gauss_next": gauss}, f)
+
+
+def _load_rng(path: str) -> None:
+    """Restores the generators, each state checked first; every problem a CheckpointError naming
+    the file and the field."""
+    tensors_path = os.path.join(path, RNG_TENSORS)
+    if os.path.exists(tensors_path):
+        try:
+            states = load_file(tensors_path)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{tensors_path}: cannot be read ({e})") from None
+        python_path = os.path.join(path, RNG_PYTHON)
+        saved = read_json(python_path)
+        python = (saved.get("version"), saved.get("state"), saved.get("gauss_next"))
+        torch_state = states.get("torch")
+        cuda = [states[k] for k in sorted((k for k in states if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
+    else:  # a checkpoint of an earlier version: a pickle, read without running any code
+        python_path = tensors_path = os.path.join(path, RNG_PICKLE)
+        try:
+            rng = torch.load(tensors_path, weights_only=True)
+        except Exception as e:  # weights_only refuses a pickle that would build objects or call code
+            raise CheckpointError(f"{tensors_path}: refused: not plain tensors and values ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200]})") from None
+        if not isinstance(rng, dict):
+            raise CheckpointError(f"{tensors_path}: expected a dict of generator states")
+        python, torch_state, cuda = rng.get("python"), rng.get("torch"), rng.get("cuda") or []
+    expected = torch.get_rng_state()
+    if not (isinstance(torch_state, torch.Tensor) and torch_state.dtype == torch.uint8
+            and torch_state.shape == expected.shape):
+        raise CheckpointError(f"{tensors_path}: field torch: expected a uint8 tensor of {tuple(expected.shape)}, got "
+                              f"{_describe(torch_state)}")
+    version, internal, gauss = python if isinstance(python, (tuple, list)) and len(python) == 3 else (None, None, None)
+    if not (version == 3 and isinstance(internal, (list, tuple)) and len(internal) == 625
+            and all(isinstance(x, int) and 0 <= x < 2**32 for x in internal[:624]) and isinstance(internal[624], int)
+            and 0 <= internal[624] <= 624 and (gauss is None or isinstance(gauss, float))):
+        raise CheckpointError(f"{python_path}: field python: not a state of Python's random generator")
+    torch.set_rng_state(torch_state)
+    random.setstate((version, tuple(internal), gauss))
+    if cuda and torch.cuda.is_available():
+        if not all(isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda):
+            raise CheckpointError(f"{tensors_path}: field cuda: expected uint8 tensors")
+        torch.cuda.set_rng_state_all(cuda[:torch.cuda.device_count()])
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _describe(x) -> str:
+    return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

@@ -4,6 +4,7 @@ device, and the mean loss over a dataset."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -12,6 +13,37 @@ from v4train.models.causal_lm import CausalLM, Packed
 
 REPO = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
+
+
+def run_app(name: str, main, argv: list[str]) -> None:
+    """absl's app.run(main), with the exit codes docs/reliability.md gives: a flag absl itself
+    refuses (a value out of its bounds, an unknown flag) is one line `NAME: message` and exit 2,
+    as every other bad input (absl's own parser prints its usage and exits 1)."""
+    from absl import app, flags
+
+    def parse(args):
+        try:
+            return flags.FLAGS(args)
+        except flags.Error as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    app.run(main, argv=argv, flags_parser=parse)
+
+
+def read_text(path: str, what: str) -> str:
+    """The UTF-8 text of a file the user named (`what`, e.g. '--flagfile=x'): a directory, an
+    unreadable or a binary file is a ValueError of one line naming it."""
+    if os.path.isdir(path):
+        raise ValueError(f"{what}: {path} is a directory, expected a text file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: {path} is not a text file (byte 0x{e.object[e.start]:02x} at byte {e.start} is not "
+                         "UTF-8)") from None
+    except OSError as e:
+        raise ValueError(f"{what}: {path} cannot be read ({e.strerror})") from None
 
 
 def user_dir() -> str:

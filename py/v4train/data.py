@@ -55,7 +55,7 @@ def _parse(obj, tokenizer) -> tuple[list[int], list[int]]:
     if form is None:
         raise ValueError(f"expected one of messages, prompt/completion, text, input_ids; got keys {sorted(obj)}")
     if tokenizer is None:
-        raise ValueError(f"'{form}' records need a tokenizer; give pre-tokenized 'input_ids'")
+        raise _NeedsTokenizer(form)
     eos = [tokenizer.token_id(tokenizer.eos_token)] if tokenizer.eos_token else []
     if form == "messages":
         msgs = obj["messages"]
@@ -77,6 +77,10 @@ def _parse(obj, tokenizer) -> tuple[list[int], list[int]]:
     return ids, list(ids)
 
 
+class _NeedsTokenizer(ValueError):
+    """A text record without a tokenizer: one problem of the file, reported once."""
+
+
 def _text(raw: bytes) -> str:
     """A line as text; raises ValueError saying where it is not UTF-8."""
     try:
@@ -94,8 +98,19 @@ def _no_lone_surrogates(obj) -> None:
         raise ValueError(f"a string holds a lone surrogate (U+{ord(e.object[e.start]):04X}), which is not text") from None
 
 
+def _grouped(problems: list[str], path: str) -> list[str]:
+    """'path:LINE: message' problems with the same message as one: 'path:FIRST (and N more lines):
+    message' (a chat template that refuses every record is one problem, not one per line)."""
+    by_message: dict[str, list[str]] = {}
+    for p in problems:
+        where, sep, message = p.partition(": ") if p.startswith(path + ":") else (p, "", "")
+        by_message.setdefault(message if sep else p, []).append(where if sep else "")
+    return [f"{wheres[0]} (and {len(wheres) - 1} more line(s) alike): {m}" if len(wheres) > 1 and wheres[0] else
+            (f"{wheres[0]}: {m}" if wheres[0] else m) for m, wheres in by_message.items()]
+
+
 def read_records(path: str, tokenizer=None, vocab_size: int | None = None) -> list[Record]:
-    records, problems = [], []
+    records, problems, untokenized = [], [], {}
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -121,15 +136,25 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None) -> li
             except json.JSONDecodeError as e:
                 problems.append(f"{where}: not valid JSON ({e.msg})")
                 continue
+            except RecursionError:
+                problems.append(f"{where}: nested too deeply to read (a record is an object of lists and strings)")
+                continue
+            except _NeedsTokenizer as e:
+                untokenized.setdefault(str(e), []).append(n)
+                continue
             except ValueError as e:
                 problems.append(f"{where}: {e}")
                 continue
             records.append(Record(ids, labels, where))
+    for form, lines in untokenized.items():
+        problems.insert(0, f"{path}: {len(lines)} '{form}' record(s), the first at line {lines[0]}, need a tokenizer: give "
+                           "--tokenizer_dir (a folder with tokenizer.json), or pre-tokenized 'input_ids' records")
+    count, problems = len(problems) + sum(len(lines) - 1 for lines in untokenized.values()), _grouped(problems, path)
     if len(problems) == 1:
         raise DataError(problems[0])
     if problems:
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise DataError(f"{path}: {len(problems)} malformed records:\n  " + "\n  ".join(problems[:20]) + more)
+        raise DataError(f"{path}: {count} malformed records:\n  " + "\n  ".join(problems[:20]) + more)
     if not records:
         raise DataError(f"{path}: no records")
     return records
@@ -216,5 +241,20 @@ class Loader:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state(self, state: dict) -> None:
-        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        """A position saved by state(), checked against this loader's data and batch size
+        (ValueError naming the field)."""
+        epoch, cursor = (state.get("epoch"), state.get("cursor")) if isinstance(state, dict) else (None, None)
+        if not _count(epoch) or not _count(cursor):
+            raise ValueError(f"expected {{\"epoch\", \"cursor\"}} of integers >= 0, got {state!r}")
+        self.epoch = epoch
         self._rows = self._epoch_rows()
+        if cursor % self.batch_rows or cursor >= len(self._rows) + self.batch_rows:
+            raise ValueError(f"cursor {cursor} is not a position of this data in micro-batches of {self.batch_rows} "
+                             f"({len(self._rows)} rows an epoch): was the checkpoint made with other --data, "
+                             "--seq_len or --micro_batch_size?")
+        self.cursor = cursor
+
+
+def _count(x) -> bool:
+    """An integer >= 0 (not a bool, not a float)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

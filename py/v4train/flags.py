@@ -107,6 +107,11 @@ def validate(f=FLAGS) -> None:
                             "and AdamW's bias correction divides by zero)")
     if f.adam_eps <= 0:
         raise FlagError(f"{shown('adam_eps', f)}: expected a value > 0 (it keeps AdamW's denominator from zero)")
+    if f.lr == 0:
+        raise FlagError(f"{shown('lr', f)}: expected a value > 0 (a learning rate of 0 trains nothing)")
+    if f.finetune == "lora" and f.lora_alpha == 0:
+        raise FlagError(f"{shown('lora_alpha', f)}: expected a value > 0 (the adapters' update is scaled by "
+                        "alpha / r: 0 trains adapters that change nothing)")
     if f.lora_dropout >= 1:
         raise FlagError(f"{shown('lora_dropout', f)}: expected a value below 1 (1 drops every LoRA input: nothing "
                         "would train)")
@@ -122,8 +127,14 @@ def validate(f=FLAGS) -> None:
         raise FlagError(f"--min_lr={f.min_lr} is above --lr={f.lr}")
     if f.max_steps and f.warmup_steps > f.max_steps:
         raise FlagError(warmup_too_long(f.max_steps, shown("max_steps", f), f))
-    if f.finetune == "full" and (f["lora_target_modules"].present or f["lora_r"].present or f["lora_experts"].present):
-        raise FlagError("--lora_* flags contradict --finetune=full")
+    # --finetune=full after a LoRA flagfile (--flagfile=glm5.flags --finetune=full) wins over the
+    # flagfile's --lora_* flags; --lora_* flags typed beside --finetune=full contradict it.
+    lora_typed = [n for n in ("lora_target_modules", "lora_r", "lora_alpha", "lora_dropout", "lora_experts")
+                  if f[n].present and n not in SOURCES]
+    if f.finetune == "full" and lora_typed and "finetune" not in SOURCES:
+        raise FlagError(f"--lora_* flags contradict --finetune=full (--{lora_typed[0]} given)")
+    if f.finetune == "full" and "finetune" in SOURCES and any(f[n].present for n in lora_typed):
+        raise FlagError(f"--lora_* flags contradict --finetune=full (from {SOURCES['finetune']})")
     if f.finetune == "lora" and not f.lora_target_modules and not f.lora_experts:
         raise FlagError("--lora_target_modules is empty and --nolora_experts: nothing to adapt")
     if f.eval_interval and not f.eval_data:

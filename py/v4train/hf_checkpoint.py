@@ -14,6 +14,7 @@ model.safetensors.index.json, written to a temporary folder and renamed into pla
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -99,7 +100,7 @@ def _files(model_dir: str) -> dict[str, str]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: expected a weight_map of tensor name -> file name")
-        return {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+        return {k: inside(model_dir, v, index) for k, v in weight_map.items()}
     single = os.path.join(model_dir, SINGLE)
     if not os.path.exists(single):
         raise CheckpointError(f"{model_dir}: neither {SINGLE} nor {INDEX} found")
@@ -107,11 +108,37 @@ def _files(model_dir: str) -> dict[str, str]:
         return {k: single for k in f.keys()}
 
 
+def inside(directory: str, name: str, source: str) -> str:
+    """directory/name, where `name` was read from the file `source`: a relative path that stays in
+    the directory (no absolute path, no '..'), else a CheckpointError naming the file. Links the
+    directory holds are the user's (a Hugging Face cache links its blobs): only the written name is
+    judged."""
+    parts = name.replace("\\", "/").split("/")
+    if not name or os.path.isabs(name) or ".." in parts:
+        raise CheckpointError(f"{source}: names the file {name!r}, which is not inside {directory}; refusing to read it")
+    return os.path.join(directory, name)
+
+
 def _open(path: str):
     try:
         return safe_open(path, framework="pt")
     except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-        raise CheckpointError(f"{path}: cannot read safetensors file ({e}); is it truncated?") from None
+        raise CheckpointError(f"{path}: cannot read safetensors file ({e}){_truncation(path)}") from None
+
+
+def _truncation(path: str) -> str:
+    """'; truncated: ...' where the file is shorter than its own header says, else ''."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 + n:
+                return f"; truncated: {size} bytes, shorter than its {n}-byte header"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return ""
+    return f"; truncated: {size} bytes, its header describes {8 + n + end}" if size < 8 + n + end else ""
 
 
 _SKIP = [
@@ -137,6 +164,10 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tu
     hf_config, cfg = read_config(os.path.join(model_dir, "config.json"))
     files = _files(model_dir)
     handles: dict[str, object] = {}
+    absent = collections.Counter(p for p in files.values() if not os.path.exists(p))
+    if absent:  # one line per missing file, not one per tensor it holds
+        listed = "; ".join(f"{p} ({n} tensors) is missing" for p, n in sorted(absent.items()))
+        raise CheckpointError(f"{model_dir}: {listed}; {INDEX} lists {'it' if len(absent) == 1 else 'them'}")
 
     def read(key):
         path = files[key]
@@ -147,7 +178,7 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tu
         try:
             return handles[path].get_tensor(key)
         except Exception as e:
-            raise CheckpointError(f"{path}: cannot read tensor {key} ({e}); is the file truncated?") from None
+            raise CheckpointError(f"{path}: cannot read tensor {key} ({e}){_truncation(path)}") from None
 
     available = {}  # canonical key -> checkpoint key
     skipped: dict[str, int] = {}

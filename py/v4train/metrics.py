@@ -79,9 +79,9 @@ class MetricsLog:
     def __init__(self, output_dir: str, resume_step: int):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.rows = []
-        if os.path.exists(self.path):
+        if os.path.exists(self.path):  # written by the first row: a run that failed before it leaves none
             self.rows = [r for r in _read_rows(self.path) if r["step"] <= resume_step]
-        replace_file(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
+            replace_file(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
 
     def write(self, row: dict) -> None:
         self.rows.append(row)

@@ -10,13 +10,19 @@ from v4train.ops import OpTable
 
 
 def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, schedule: str) -> float:
-    """The learning rate of step (1-based): linear warmup from base_lr / warmup to base_lr over
-    `warmup` steps, then `schedule` (cosine, linear or constant) down to min_lr at `total`."""
+    """The learning rate of step (1-based) of a run of `total` steps: a linear warmup reaching
+    base_lr at step `warmup` (base_lr * step / warmup), then `schedule` (cosine, linear or constant)
+    from base_lr towards min_lr, as Hugging Face's get_cosine_schedule_with_warmup /
+    get_linear_schedule_with_warmup decay: progress (step - 1 - warmup) / (total - warmup), so
+    the last step still trains (at min_lr + (base_lr - min_lr) * (1 + cos(pi (total - 1 - warmup) /
+    (total - warmup))) / 2, above min_lr) and a run of one step trains at base_lr. (Transformers'
+    warmup starts at 0, so its first step trains nothing; here the first step trains at
+    base_lr / warmup.)"""
     if warmup and step <= warmup:
         return base_lr * step / warmup
     if schedule == "constant" or total <= warmup:
         return base_lr
-    progress = min(1.0, (step - warmup) / (total - warmup))
+    progress = min(1.0, (step - 1 - warmup) / (total - warmup))
     if schedule == "linear":
         return base_lr - (base_lr - min_lr) * progress
     return min_lr + (base_lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -75,6 +81,20 @@ class AdamW:
         missing = [n for n in self.names if n + ".exp_avg" not in tensors]
         if missing:
             raise ValueError(f"optimizer state lacks {missing[:3]} (was the checkpoint made with other trainable weights?)")
+        if not isinstance(step_count, int) or isinstance(step_count, bool) or step_count < 0:
+            raise ValueError(f"optimizer_steps must be an integer >= 0, got {step_count!r}")
+        for i, (n, m) in enumerate(zip(self.names, self.exp_avgs)):
+            for field in ("exp_avg", "exp_avg_sq") + ((".master",) if i in self.masters else ()):
+                key = n + (field if field.startswith(".") else "." + field)
+                t = tensors.get(key)
+                if t is None:
+                    continue  # a master weight absent: a checkpoint of fp32 weights (see below)
+                if t.shape != m.shape or not t.is_floating_point():
+                    raise ValueError(f"{key}: {t.dtype} {tuple(t.shape)}, expected a floating tensor of {tuple(m.shape)}")
+                if not torch.isfinite(t).all():
+                    raise ValueError(f"{key}: holds NaN or infinite values")
+                if field == "exp_avg_sq" and (t < 0).any():
+                    raise ValueError(f"{key}: holds negative values (a second moment is >= 0)")
         with torch.no_grad():
             for i, (n, m, v) in enumerate(zip(self.names, self.exp_avgs, self.exp_avg_sqs)):
                 m.copy_(tensors[n + ".exp_avg"])

@@ -12,12 +12,14 @@ the one it resumes. Under the lock, the temporary folders of interrupted saves a
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
+import stat
 
 from v4train import checkpoint
-from v4train.atomic import TEMPORARY, remove_dir, remove_temporaries
+from v4train.atomic import is_temporary, remove_dir, remove_temporaries
 
 LOCK = ".lock"
 RUN_OUTPUTS = re.compile(r"^(checkpoint-\d+|metrics\.jsonl|loss\.png|base_model)$")  # what --overwrite_output_dir deletes
@@ -58,7 +60,18 @@ class Claim:
         try:
             os.makedirs(d, exist_ok=True)
             while True:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                # Never through a link: a `.lock` that is a symlink to a user's file would be truncated.
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+                except OSError as e:
+                    if e.errno != errno.ELOOP:
+                        raise
+                    raise ValueError(f"--output_dir={d}: {LOCK} is a symbolic link, not v4train's lock file; "
+                                     "remove it, or choose another --output_dir") from None
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise ValueError(f"--output_dir={d}: {LOCK} is not a regular file; remove it, or choose another "
+                                     "--output_dir")
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -83,7 +96,10 @@ class Claim:
 
     def _check_outputs(self) -> None:
         d = self.output_dir
-        names = sorted(n for n in os.listdir(d) if n != LOCK and not n.startswith(TEMPORARY))
+        # A metrics.jsonl with no row is no earlier run (one that failed before its first step, in
+        # an earlier version that wrote it at start-up).
+        names = sorted(n for n in os.listdir(d) if n != LOCK and not is_temporary(os.path.join(d, n))
+                       and not (n == "metrics.jsonl" and os.path.getsize(os.path.join(d, n)) == 0))
         resumes_here = self.resume_path is not None and os.path.dirname(os.path.abspath(self.resume_path)) == d
         resume_step = checkpoint.step_of(self.resume_path) if resumes_here else None
         if resume_step is None:

@@ -6,12 +6,19 @@ from __future__ import annotations
 import json
 import os
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+from v4train.hf_checkpoint import read_json
 
 
 class TokenizerError(ValueError):
     pass
+
+
+def _raise_exception(message):
+    raise TemplateError(message)
 
 
 class Tokenizer:
@@ -24,13 +31,21 @@ class Tokenizer:
         except Exception as e:
             raise TokenizerError(f"{path}: cannot load ({e})") from None
         config_path = os.path.join(directory, "tokenizer_config.json")
-        self.config = json.load(open(config_path)) if os.path.exists(config_path) else {}
+        self.config = read_json(config_path, TokenizerError) if os.path.exists(config_path) else {}
         self.directory = directory
         template = self.config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{config_path}: chat_template must be a string, got {type(template).__name__}")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template = env.from_string(template) if template else None
+        env.globals["raise_exception"] = _raise_exception  # as transformers' apply_chat_template provides it
+        try:
+            self._template = env.from_string(template) if template else None
+        except TemplateError as e:
+            line = f" (line {e.lineno} of the template)" if getattr(e, "lineno", None) else ""
+            raise TokenizerError(f"{config_path}: its chat_template does not compile: {e}{line}") from None
         self.eos_token = self._special("eos_token")
         self.bos_token = self._special("bos_token")
 
@@ -54,8 +69,11 @@ class Tokenizer:
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         if self._template is None:
             raise TokenizerError(f"{self.directory}/tokenizer_config.json has no chat_template")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:  # the template's own raise_exception(), or an error while rendering
+            raise ValueError(f"the chat template of {self.directory} refused this conversation: {e}") from None
 
     def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
         """Token ids of the rendered conversation and, per token, whether it is assistant output.

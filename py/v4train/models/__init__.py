@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from v4train.models import glm5, qwen3_5
-from v4train.models.config import ConfigError, ModelConfig
+from v4train.models.config import ConfigError, ModelConfig, check_shapes, check_values
 from v4train.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (glm5.FAMILY, qwen3_5.FAMILY)}
@@ -24,7 +24,12 @@ def config_from_dict(d: dict[str, Any], source: str = "config") -> ModelConfig:
     model_type = d.get("model_type")
     if model_type not in _BY_TYPE:
         raise ConfigError(f"{source}: model_type={model_type!r} is not supported; expected one of {tuple(_BY_TYPE)}")
-    return _BY_TYPE[model_type].parse(d, model_type, source)
+    check_shapes(d, source)
+    if isinstance(d.get("text_config"), dict):
+        check_shapes(d["text_config"], f"{source} (text_config)")
+    cfg = _BY_TYPE[model_type].parse(d, model_type, source)
+    check_values(cfg, source)
+    return cfg
 
 
 def load_config(model_dir: str) -> ModelConfig:

@@ -99,6 +99,64 @@ class Qwen35Config:
 
 ModelConfig = Glm5Config | Qwen35Config
 
+# The config.json keys that hold an object, and those that hold a list of strings.
+_OBJECT_KEYS = ("rope_parameters", "rope_scaling", "text_config", "quantization_config")
+_STRING_LISTS = ("layer_types", "mlp_layer_types", "indexer_types")
+
+
+def check_shapes(d: dict, source: str) -> None:
+    """An object or a list of strings where config.json holds one (a string where a dict belongs
+    fails here naming the key, not deep inside the parser)."""
+    for key in _OBJECT_KEYS:
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ConfigError(f"{source}: {key} must be an object, got {json.dumps(d[key])[:80]}")
+    for key in _STRING_LISTS:
+        if d.get(key) is not None and not (isinstance(d[key], list) and all(isinstance(x, str) for x in d[key])):
+            raise ConfigError(f"{source}: {key} must be a list of strings, got {json.dumps(d[key])[:80]}")
+
+
+def check_values(cfg: ModelConfig, source: str) -> None:
+    """Every size, count and constant of the parsed config in its range, checked once at load:
+    a zero or negative size, a top-k above the experts, a negative eps each fail here naming the
+    file and the key, not as a shape mismatch inside an op at step 1."""
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            value = getattr(cfg, key, None)
+            raise ConfigError(f"{source}: {key} must be {what}, got {value!r}")
+
+    import math
+
+    positive = [f.name for f in dataclasses.fields(cfg) if f.type == "int"]
+    optional = {"n_shared_experts"} | ({"intermediate_size"} if getattr(cfg, "is_moe", False) else
+                                       {"moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+                                        "num_experts_per_tok"} if isinstance(cfg, Qwen35Config) else set())
+    for key in positive:
+        need(getattr(cfg, key) >= (0 if key in optional else 1), key, "an integer >= 0" if key in optional else "an integer >= 1")
+    need(math.isfinite(cfg.rms_norm_eps) and cfg.rms_norm_eps > 0, "rms_norm_eps", "a finite number > 0")
+    need(math.isfinite(cfg.rope.theta) and cfg.rope.theta > 0, "rope", "rope_theta a finite number > 0")
+    if isinstance(cfg, Glm5Config):
+        need(cfg.num_experts_per_tok <= cfg.n_routed_experts, "num_experts_per_tok",
+             f"at most n_routed_experts={cfg.n_routed_experts}")
+        need(cfg.topk_group <= cfg.n_group, "topk_group", f"at most n_group={cfg.n_group}")
+        need(cfg.num_experts_per_tok <= cfg.topk_group * (cfg.n_routed_experts // cfg.n_group), "num_experts_per_tok",
+             f"at most the experts of topk_group groups ({cfg.topk_group * (cfg.n_routed_experts // cfg.n_group)})")
+        need(cfg.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "even (RoPE rotates pairs)")
+        need(math.isfinite(cfg.routed_scaling_factor) and cfg.routed_scaling_factor > 0, "routed_scaling_factor",
+             "a finite number > 0")
+        for i, (mlp, indexer) in enumerate(zip(cfg.mlp_layer_types, cfg.indexer_types)):
+            need(mlp in ("dense", "sparse"), "mlp_layer_types", f"'dense' or 'sparse' (entry {i} is {mlp!r})")
+            need(indexer in ("full", "shared"), "indexer_types", f"'full' or 'shared' (entry {i} is {indexer!r})")
+    else:
+        need(cfg.linear_num_value_heads % cfg.linear_num_key_heads == 0, "linear_num_value_heads",
+             f"a multiple of linear_num_key_heads={cfg.linear_num_key_heads}")
+        need(cfg.num_attention_heads % cfg.num_key_value_heads == 0, "num_attention_heads",
+             f"a multiple of num_key_value_heads={cfg.num_key_value_heads}")
+        need(cfg.rope.dim % 2 == 0 and 0 < cfg.rope.dim <= cfg.head_dim, "rope",
+             f"a rotary dimension (head_dim x partial_rotary_factor) even and in (0, head_dim={cfg.head_dim}], "
+             f"got {cfg.rope.dim}")
+        if cfg.is_moe:
+            need(cfg.num_experts_per_tok <= cfg.num_experts, "num_experts_per_tok", f"at most num_experts={cfg.num_experts}")
+
 def _rope(params: dict | None, legacy: dict, dim: int, max_pos: int, default_theta: float) -> Rope:
     p = dict(params or {})
     for key in ("rope_theta", "rope_scaling"):  # configs written before rope_parameters existed

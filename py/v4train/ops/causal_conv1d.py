@@ -45,6 +45,6 @@ OP = OpInfo(
         ErrorCase("integer x", _call(x=lambda: torch.zeros(5, 8, dtype=torch.int64)), "x must be"),
         ErrorCase("weight of the wrong shape", _call(w=lambda: torch.ones(8, 4)),
                   "weight has shape [8, 4], expected [C=8, 1, kernel size]"),
-        ErrorCase("cu_seqlens not ending at T", _call(cu=lambda: torch.tensor([0, 4])), "cu_seqlens must end at T=5"),
+        ErrorCase("cu_seqlens not ending at T", _call(cu=lambda: torch.tensor([0, 4])), "cu_seqlens must end at T=5, got [0, 4]"),
     ),
 )

@@ -17,10 +17,13 @@ def chunk_documents(draw) -> list[int]:
     return lengths if sum(lengths) else lengths + [1]
 
 
-def leaves_for(lengths: list[int], heads: int, rep: int, dk: int, dv: int, dtype, device, s: int, lay: str = "contiguous"):
-    """q, k, v, g (log decay <= 0, from Qwen3.5's -exp(A) softplus(a + dt_bias)), beta in (0, 1)."""
+def leaves_for(lengths: list[int], heads: int, rep: int, dk: int, dv: int, dtype, device, s: int, lay: str = "contiguous",
+               decay: float = 0.5):
+    """q, k, v, g (log decay <= 0, from Qwen3.5's -exp(A) softplus(a + dt_bias), times `decay`: at
+    0.5 a chunk of 64 tokens keeps about exp(-22) of the state it starts with, at 0.01 most of it,
+    as the long-memory heads of a trained model do), beta in (0, 1)."""
     T, hv = sum(lengths), heads * rep
-    g = -torch.nn.functional.softplus(torch.randn(T, hv, generator=torch.Generator().manual_seed(s + 3))) * 0.5
+    g = -torch.nn.functional.softplus(torch.randn(T, hv, generator=torch.Generator().manual_seed(s + 3))) * decay
     beta = torch.rand(T, hv, generator=torch.Generator().manual_seed(s + 4))
     return {"q": make_leaf((T, heads, dk), lay, dtype, device, s), "k": make_leaf((T, heads, dk), "contiguous", dtype, device, s + 1),
             "v": make_leaf((T, hv, dv), lay, dtype, device, s + 2),
@@ -30,14 +33,15 @@ def leaves_for(lengths: list[int], heads: int, rep: int, dk: int, dv: int, dtype
 def samples(draw, dtype: torch.dtype, device) -> Sample:
     lengths = chunk_documents(draw)
     heads, rep, dk, dv = draw.integers(1, 3), draw.sampled_from([1, 2]), size(draw, 16), size(draw, 16)
-    lay, s = layout(draw), seed(draw)
-    leaves = leaves_for(lengths, heads, rep, dk, dv, dtype, device, s, lay)
+    lay, s, decay = layout(draw), seed(draw), draw.sampled_from([0.5, 0.01])  # 0.01: the state crosses chunks
+    leaves = leaves_for(lengths, heads, rep, dk, dv, dtype, device, s, lay, decay)
     _, cu = packed(lengths, device)
 
     def build(lv):
         return (view_as_layout(lv["q"], lay), lv["k"], view_as_layout(lv["v"], lay), lv["g"], lv["beta"], cu.to(device)), {}
 
-    return Sample(leaves, build, note=f"documents {lengths}, key heads {heads} x {rep}, dk {dk}, dv {dv}, layout {lay}")
+    return Sample(leaves, build, note=f"documents {lengths}, key heads {heads} x {rep}, dk {dk}, dv {dv}, layout {lay}, "
+                                      f"decay {decay}")
 
 
 def _bench(device, dtype, tokens=4096):
@@ -58,7 +62,7 @@ OP = OpInfo(
     errors=(
         ErrorCase("value heads not a multiple of key heads", _call(v=lambda: torch.zeros(5, 3, 4)),
                   "a multiple of the 2 key heads"),
-        ErrorCase("cu_seqlens not ending at T", _call(cu=lambda: torch.tensor([0, 4])), "cu_seqlens must end at T=5"),
+        ErrorCase("cu_seqlens not ending at T", _call(cu=lambda: torch.tensor([0, 4])), "cu_seqlens must end at T=5, got [0, 4]"),
         ErrorCase("a growth (g > 0)", _call(g=lambda: torch.full((5, 2), 0.5)),
                   "g is a log decay and must be <= 0"),
     ),

@@ -153,7 +153,7 @@ OP = OpInfo(
     errors=(
         ErrorCase("a shared layer without carry", _call(), "is a 'shared' indexer layer but no earlier layer's selection"),
         ErrorCase("h of the wrong width", _call(h=lambda: torch.zeros(5, 12)), "h has shape [5, 12], expected [T, hidden_size=16]"),
-        ErrorCase("cu_seqlens not ending at T", _call(cu=lambda: torch.tensor([0, 4])), "cu_seqlens must end at T=5"),
+        ErrorCase("cu_seqlens not ending at T", _call(cu=lambda: torch.tensor([0, 4])), "cu_seqlens must end at T=5, got [0, 4]"),
         ErrorCase("int32 positions", _call(positions=lambda: torch.arange(5, dtype=torch.int32)), "positions must be int64 [5]"),
         ErrorCase("a carry of the wrong shape", _call(carry=lambda: torch.zeros(5, 3, dtype=torch.int64)),
                   "carry must be the int64 [5, 4] selection"),

@@ -1,0 +1,176 @@
+"""Mutation check of the parity suite: applies realistic kernel bugs to the C++ sources one at a
+time, rebuilds the ops (tools/build_ext.py, into build/mutants), runs the parity tests that
+should catch each, and reports caught or survived. Every mutation must be caught: a survivor is a
+missing test, not a mutation to drop. docs/testing.md lists them and what catches each.
+
+    tools/bazel run //tools:mutants                  # all (about 20 minutes on 2 cores)
+    tools/bazel run //tools:mutants -- --only rms_norm_backward_projection,moe_slot_off_by_one
+
+Each source is restored after its mutation, whatever happens; the unmutated build must pass
+the same tests first (else every mutation would look caught).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "build", "mutants")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    path: str  # relative to the repository
+    find: str  # must occur exactly once
+    replace: str
+    tests: tuple[str, ...]  # pytest arguments: files and an --op, or node ids
+
+
+def parity(op: str, *extra: str) -> tuple[str, ...]:
+    """The op's own parity target, as `tools/bazel test //parity:<op>` runs it."""
+    special = os.path.join("parity", f"test_{op}.py")
+    files = ["parity/test_ops.py"] + ([special] if os.path.exists(os.path.join(ROOT, special)) else [])
+    return (*files, f"--op=v4_{op}", *extra)
+
+
+MUTATIONS = (
+    Mutation("rms_norm_backward_projection", "backward only: the norm's backward drops the projection on x",
+             "cc/ops/rms_norm.cc", "dx = gs.sub_(xhat.mul_(dot)).mul_(rstd)", "dx = gs.mul_(rstd)", parity("rms_norm")),
+    Mutation("rms_norm_backward_eps", "backward only: the norm's backward recomputes rstd without eps",
+             "cc/ops/rms_norm.cc", "const at::Tensor& rstd = saved[2];",
+             "const at::Tensor rstd = at::rsqrt(compute_copy(x, v4::compute_dtype(x.scalar_type())).square()"
+             ".mean(-1, true));", parity("rms_norm")),
+    Mutation("cross_entropy_backward_normalizer", "backward only: the loss gradient not divided by the normalizer",
+             "cc/ops/cross_entropy_loss.cc", 'grads[0].to(at::kFloat) / ctx->saved_data["normalizer"].toDouble()',
+             "grads[0].to(at::kFloat)", parity("cross_entropy_loss")),
+    Mutation("adam_stand_ins_not_written_back", "AdamW updates float32 stand-ins of non-contiguous or bf16 "
+             "tensors and never writes them back", "cc/ops/adam_step.cc",
+             "for (auto& [target, stand_in] : w.write_back) target.copy_(stand_in);", "", parity("adam_step")),
+    Mutation("moe_slot_off_by_one", "an off-by-one in the experts' row offsets (each expert's rows start one late)",
+             "cc/ops/moe.cc", "const at::Tensor start = d.offsets.to(at::kLong) - d.counts;",
+             "const at::Tensor start = d.offsets.to(at::kLong) - d.counts + 1;", parity("moe")),
+    Mutation("conv_document_boundary", "an off-by-one at a document boundary of cu_seqlens (a tap reaches the "
+             "previous document)", "cc/ops/causal_conv1d.cc", "for (int64_t t = start + j; t < end; ++t)",
+             "for (int64_t t = start + (j > 0 ? j - 1 : 0); t < end; ++t)", parity("causal_conv1d")),
+    Mutation("delta_rule_decay_twice", "the decay applied once too often at a chunk boundary",
+             "cc/ops/gated_delta_rule.cc", "s.mul_(r.decay.slice(0, from, to).view({n, H, 1, 1}));",
+             "s.mul_(r.decay.slice(0, from, to).view({n, H, 1, 1}).square());", parity("gated_delta_rule")),
+    Mutation("delta_rule_backward_state_gradient", "backward only: the reverse recurrence drops the state's own "
+             "gradient (dh)", "cc/ops/gated_delta_rule.cc", "Recurrence r{dv, k_out, w, dh, decay, 1.0, -1.0, true};",
+             "Recurrence r{dv, k_out, w, at::Tensor(), decay, 1.0, -1.0, true};", parity("gated_delta_rule")),
+    Mutation("delta_rule_backward_decay_gradient", "backward only: the chunk decay's gradient dropped (g's gradient "
+             "wrong alone, fla issue 640's kind)", "cc/ops/gated_delta_rule.cc", "(h * next).sum({-1, -2}),",
+             "at::zeros_like(decay),", parity("gated_delta_rule")),
+    Mutation("decay_matrix_backward_column", "backward only: the decay matrix's gradient misses the column sums",
+             "cc/ops/gated_delta_rule.cc", "return {m.sum(-1, false, at::kDouble) - m.sum(-2, false, at::kDouble), at::Tensor()};",
+             "return {m.sum(-1, false, at::kDouble), at::Tensor()};", parity("gated_delta_rule")),
+    Mutation("latent_backward_softmax_scale", "backward only: the latent sparse attention's backward drops the "
+             "softmax scale (survived the judge's old exit)", "cc/ops/mla_dsa_attention.cc",
+             "const at::Tensor ds = (p * (dp - delta.slice(0, b0, b1).unsqueeze(-1)) * scale).to(q.scalar_type());",
+             "const at::Tensor ds = (p * (dp - delta.slice(0, b0, b1).unsqueeze(-1))).to(q.scalar_type());",
+             parity("mla_dsa_attention")),
+    Mutation("blocked_selection_causal_mask", "the blocked DSA selection lets a query select itself out: its "
+             "causal mask off by one", "cc/ops/mla_dsa_attention.cc",
+             "index_scores = index_scores.masked_fill(key.unsqueeze(0) > query.unsqueeze(1),",
+             "index_scores = index_scores.masked_fill(key.unsqueeze(0) >= query.unsqueeze(1),",
+             parity("mla_dsa_attention")),
+    Mutation("router_second_best", "the router sends every third token to its next-best expert instead of its best",
+             "cc/ops/qwen_moe.cc", "std::tie(route_weights, idx) = at::topk(probs, top_k, -1);",
+             "idx = std::get<1>(at::topk(probs - (probs == std::get<0>(probs.max(-1, true))).to(probs.scalar_type()) * "
+             "(at::arange(probs.size(0), probs.options()).remainder(3) == 0).unsqueeze(-1).to(probs.scalar_type()), "
+             "top_k, -1)); route_weights = probs.gather(1, idx);",
+             parity("qwen3_5_layer_forward", "parity/test_ties.py")),
+    Mutation("recompute_redraws_dropout", "the checkpointed recomputation draws new dropout masks",
+             "cc/common/checkpoint.cc", "      gen.set_state(call->rng_state);\n", "",
+             parity("qwen3_5_layer_forward")),
+    Mutation("recompute_reroutes_glm5", "GLM-5's checkpointed recomputation routes again",
+             "cc/ops/glm5_layer_forward.cc",
+             "const std::optional<at::Tensor> given_routing = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;",
+             "const std::optional<at::Tensor> given_routing = std::nullopt;", parity("glm5_layer_forward")),
+    Mutation("recompute_reselects_glm5", "GLM-5's checkpointed recomputation selects its DSA keys again",
+             "cc/ops/glm5_layer_forward.cc", "if (!shared && selection.defined()) given = selection;", "",
+             parity("glm5_layer_forward")),
+    Mutation("recompute_reroutes_qwen", "Qwen3.5's checkpointed recomputation routes again",
+             "cc/ops/qwen3_5_layer_forward.cc",
+             "const std::optional<at::Tensor> given = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;",
+             "const std::optional<at::Tensor> given = std::nullopt;", parity("qwen3_5_layer_forward")),
+)
+
+
+def build() -> None:
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_ext.py"), "--out", OUT, "--no-cuda"],
+                            cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(result.stdout[-2000:] + result.stderr[-4000:])
+
+
+def run_tests(tests: tuple[str, ...]) -> tuple[bool, str]:
+    """(passed, the first failure's line) of pytest on `tests`, against the modules in OUT."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "py"), os.path.join(ROOT, "py", "tests"), OUT, ROOT]),
+               OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                            cwd=ROOT, capture_output=True, text=True, env=env)
+    failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return result.returncode == 0, (failed[0][:300] if failed else result.stdout.strip().splitlines()[-1][:300])
+
+
+def apply(m: Mutation) -> str:
+    """Writes the mutated source; returns the original text."""
+    path = os.path.join(ROOT, m.path)
+    with open(path) as f:
+        text = f.read()
+    if text.count(m.find) != 1:
+        raise ValueError(f"{m.name}: expected the text to mutate exactly once in {m.path}, found it "
+                         f"{text.count(m.find)} times: {m.find!r}")
+    with open(path, "w") as f:
+        f.write(text.replace(m.find, m.replace))
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma list of mutation names")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only.split(",")]
+    unknown = set(filter(None, args.only.split(","))) - {m.name for m in MUTATIONS}
+    if unknown:
+        sys.exit(f"mutants: unknown mutation(s) {', '.join(sorted(unknown))}")
+    print(f"mutants: the unmutated build first, then {len(chosen)} mutation(s)", flush=True)
+    build()
+    for tests in sorted({m.tests for m in chosen}):
+        ok, line = run_tests(tests)
+        if not ok:
+            sys.exit(f"mutants: the unmutated sources fail {' '.join(tests)}: {line}")
+    survivors = []
+    print("| mutation | what | caught by |", flush=True)
+    print("|---|---|---|", flush=True)
+    for m in chosen:
+        start = time.time()
+        original = apply(m)
+        try:
+            build()
+            ok, line = run_tests(m.tests)
+        except RuntimeError as e:  # a mutation that does not compile is no test of the suite
+            ok, line = True, f"did not build: {str(e)[-300:]}"
+        finally:
+            with open(os.path.join(ROOT, m.path), "w") as f:
+                f.write(original)
+        verdict = "SURVIVED" if ok else line.removeprefix("FAILED ").split(" - ")[0]
+        if ok:
+            survivors.append(m.name)
+        print(f"| {m.name} | {m.what} | {verdict} ({time.time() - start:.0f} s) |", flush=True)
+    build()  # the restored sources
+    print(f"mutants: {len(chosen) - len(survivors)} of {len(chosen)} caught"
+          + (f"; survived: {', '.join(survivors)}" if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
