@@ -115,3 +115,24 @@ def test_the_exact_answer_judges_within_the_rounding_spread():
         assert_rel_close((truth * 1.01).float(), expected, "1% off", truth=truth, spread=spread)
     with pytest.raises(ValueError, match="spread"):
         assert_rel_close(close, expected, "no spread", truth=truth)
+
+
+def test_judge_bounds_the_result_even_where_the_reference_misses_the_truth():
+    """check.judge for an op checked in float64: a reference far from the exact answer (above the
+    dtype's floor) widens the bound to 10 times its own error, but a result 100 times off still
+    fails (before 2026-12-01 such a reference waived the judgement: a latent attention backward
+    12x off passed)."""
+    from v4train.ops import OPS
+    from v4train.ops.check import LOW_PRECISION_FACTOR, judge
+
+    op = OPS["v4_glm5_layer_forward"]  # an op whose math is also checked in float64
+    gen = torch.Generator().manual_seed(3)
+    truth = torch.randn(400, generator=gen, dtype=torch.float64)
+    noise = torch.randn(400, generator=gen, dtype=torch.float64)
+    expected = (truth + 1e-3 * noise).float()  # the reference: 1e-3 off, far above fp32's floor
+    judge(op, (truth + 2e-3 * torch.randn(400, generator=gen, dtype=torch.float64)).float(), expected, truth, "rounding")
+    with pytest.raises(AssertionError):
+        judge(op, (truth + 100 * 1e-3 * noise).float(), expected, truth, "100x off")
+    with pytest.raises(AssertionError):
+        judge(op, (truth * 13).float(), expected, truth, "13x the answer")
+    assert LOW_PRECISION_FACTOR == 10
