@@ -6,7 +6,7 @@ model."""
 import torch
 import torch.nn.functional as F
 
-import train
+from v4train import trainer as train
 from golden_cases import BASE, CHAT
 from v4train import data, hf_checkpoint, lora, ops
 from v4train.flops import OUTSIDE, FlopShare

@@ -6,7 +6,7 @@ training that follows the reference path step by step."""
 import pytest
 import torch
 
-import train
+from v4train import trainer as train
 from golden_cases import BASE, CASES, CHAT, QWEN_BASE, golden, run
 from v4train import data, hf_checkpoint, lora, ops
 from v4train.models.causal_lm import Packed

@@ -143,3 +143,20 @@ def test_the_first_and_the_last_step_change_the_adapter(tmp_path):
     b_names = [n for n in first if "lora_B" in n]
     assert b_names and any(first[n].abs().sum() > 0 for n in b_names), "step 1 left every B at zero"
     assert any(not torch.equal(first[n], last[n]) for n in first), "the last step changed nothing"
+
+
+def test_a_trainer_runs_from_a_run_config_without_flags(tmp_path, capsys):
+    """v4train.trainer: a RunConfig built directly (no absl), a Trainer run: what a library user,
+    or a distributed launcher, does."""
+    import signal
+
+    from v4train.trainer import RunConfig, Trainer
+
+    before = signal.getsignal(signal.SIGINT)
+    cfg = RunConfig(data=CHAT, output_dir=str(tmp_path / "out"), model_dir=BASE, dtype=torch.float32, max_steps=2,
+                    seq_len=128, micro_batch_size=2, lr=2e-3, lora_r=4, lora_alpha=8, self_check=False)
+    assert Trainer(cfg).run() == 0
+    summary = last_json(capsys.readouterr().out)
+    assert summary["steps"] == 2 and summary["checkpoint"] == str(tmp_path / "out" / "checkpoint-2")
+    assert summary["final_loss"] < summary["first_loss"] + 1.0
+    assert signal.getsignal(signal.SIGINT) is before, "the run leaves the signal handlers as it found them"

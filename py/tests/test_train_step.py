@@ -14,7 +14,7 @@ import os
 import torch
 from torch.overrides import TorchFunctionMode
 
-import train
+from v4train import trainer as train
 from golden_cases import BASE, CHAT, REPO
 from v4train import data, hf_checkpoint, lora, ops
 from v4train.optim import AdamW

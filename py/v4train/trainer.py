@@ -1,0 +1,415 @@
+"""The trainer: a typed run configuration (RunConfig, read once from the flags, or built directly
+by a test) and the Trainer it builds: the data, the model, the trainable tensors, the optimizer,
+the checkpointer and the logger, then the step loop (torchtitan's shape).
+
+Reads top to bottom: RunConfig.from_flags (flags and paths checked) -> Trainer(config) (the model
+config, the tokenizer and the data read, before any heavy work) -> Trainer.run(): the output
+directory claimed -> op self-check -> model (loaded, or random from a config) -> LoRA ->
+optimizer -> resume -> the step loop -> final save. What a user gets on each kind of fault:
+docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from v4train import checkpoint, cli, data, hf_checkpoint, lora, ops, run_dir
+from v4train.flags import FLAGS, FlagError, validate, warmup_too_long
+from v4train.metrics import MetricsLog, Progress, peak_memory_mib
+from v4train.models.causal_lm import CausalLM, Packed
+from v4train.ops.check import self_check
+from v4train.optim import AdamW, lr_at
+from v4train.tokenizer import Tokenizer
+
+
+def say(text: str) -> None:
+    print(f"train: {text}", file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run is told, typed; paths absolute. `from_flags` reads absl's flags once
+    (the command-line interface); tests build one directly."""
+
+    data: str
+    output_dir: str
+    model_dir: str | None = None  # a checkpoint to fine-tune, or
+    model_config: str | None = None  # a config.json to start from random weights
+    tokenizer_dir: str | None = None  # default: the model's folder
+    eval_data: str | None = None
+    resume_from: str | None = None  # a checkpoint folder (already resolved from 'latest')
+    eval_interval: int = 0
+    seq_len: int = 1024
+    overlong: str = "truncate"
+    packing: bool = True
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cpu"
+    cpp_ops: str = "all"
+    self_check: bool = True
+    gradient_checkpointing: bool = False
+    micro_batch_size: int = 4
+    grad_accum: int = 1
+    max_steps: int = 0
+    epochs: float = 1.0
+    lr: float = 2e-4
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    finetune: str = "lora"
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = ("attention",)
+    lora_experts: bool = True
+    save_interval: int = 0
+    save_total_limit: int = 2
+    log_interval: int = 1
+    stop_at_step: int = 0
+    overwrite_output_dir: bool = False
+    on_nonfinite: str = "stop"
+    max_nonfinite_skips: int = 10
+
+    @staticmethod
+    def from_flags(f=FLAGS) -> "RunConfig":
+        """The flags, validated (FlagError / ValueError naming the flag), paths resolved as the
+        user means them (relative to where they ran the command, else the repository's)."""
+        validate(f)
+        path = lambda flag, directory=False: cli.input_path(flag, f[flag].value, directory)  # noqa: E731
+        model_dir = path("model_dir", True) if f.model_dir else None
+        config_path = None if model_dir else path("model_config")
+        output_dir = cli.output_path(f.output_dir)
+        return RunConfig(
+            data=path("data"), output_dir=output_dir, model_dir=model_dir, model_config=config_path,
+            tokenizer_dir=path("tokenizer_dir", True) if f.tokenizer_dir else None,
+            eval_data=path("eval_data") if f.eval_data else None,
+            resume_from=resume_path(f.resume_from, output_dir), eval_interval=f.eval_interval, seq_len=f.seq_len,
+            overlong=f.overlong, packing=f.packing, dtype=getattr(torch, f.dtype), device=cli.pick_device(f.device),
+            cpp_ops=f.cpp_ops, self_check=f.self_check, gradient_checkpointing=f.gradient_checkpointing,
+            micro_batch_size=f.micro_batch_size, grad_accum=f.grad_accum, max_steps=f.max_steps, epochs=f.epochs,
+            lr=f.lr, min_lr=f.min_lr, warmup_steps=f.warmup_steps, lr_schedule=f.lr_schedule,
+            weight_decay=f.weight_decay, betas=(f.adam_beta1, f.adam_beta2), adam_eps=f.adam_eps,
+            max_grad_norm=f.max_grad_norm, seed=f.seed, finetune=f.finetune, lora_r=f.lora_r, lora_alpha=f.lora_alpha,
+            lora_dropout=f.lora_dropout, lora_target_modules=tuple(f.lora_target_modules), lora_experts=f.lora_experts,
+            save_interval=f.save_interval, save_total_limit=f.save_total_limit, log_interval=f.log_interval,
+            stop_at_step=f.stop_at_step, overwrite_output_dir=f.overwrite_output_dir, on_nonfinite=f.on_nonfinite,
+            max_nonfinite_skips=f.max_nonfinite_skips)
+
+
+def resume_path(resume_from: str | None, output_dir: str) -> str | None:
+    """The checkpoint --resume_from names (latest: the newest complete one in output_dir)."""
+    if not resume_from:
+        return None
+    if resume_from != "latest":
+        return cli.input_path("resume_from", resume_from, directory=True)
+    complete, incomplete = checkpoint.scan(output_dir)
+    skipped = "; ".join(f"{os.path.basename(p)} is incomplete: {why}" for p, why in sorted(incomplete.items()))
+    if not complete:
+        raise FlagError(f"--resume_from=latest: no complete checkpoint in {output_dir}"
+                        + (f" ({skipped})" if skipped else "")
+                        + "; start afresh without --resume_from (and with --overwrite_output_dir if it holds a run)")
+    if skipped:
+        say(skipped)
+    return complete[-1][1]
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float
+    grad_norm: float  # before clipping
+    tokens: int
+    nonfinite: list[str]  # trainable tensors whose gradient holds NaN/inf, when the step is not finite
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+
+def train_step(model: CausalLM, optimizer: AdamW, micro: list[list[data.Record]], lr: float, max_grad_norm: float,
+               device: str) -> StepResult:
+    """One optimizer step over the micro-batches (lists of documents): forward and backward of
+    each, the loss normalised by the step's target tokens so that accumulation gives the mean,
+    then clipping and AdamW. A step whose loss or gradient norm is NaN or inf applies no update
+    and names the gradients that hold them.
+
+    Only data movement, backward, scalar reads and op calls happen here: every computation is
+    an op (C++ or its reference), which py/tests/test_train_step.py checks.
+    """
+    normalizer = max(1, sum(d.num_targets for docs in micro for d in docs))
+    loss_value, tokens = 0.0, 0
+    for docs in micro:
+        batch = Packed.from_documents([d.input_ids for d in docs], [d.labels for d in docs], device)
+        loss = model.loss(batch, normalizer)
+        loss.backward()
+        loss_value += loss.item()
+        tokens += sum(len(d.input_ids) for d in docs)
+    # The norm first, without clipping: clipping by a NaN norm would turn every gradient to NaN
+    # and hide where the non-finite values are.
+    grads = optimizer.grads()
+    result = StepResult(loss_value, optimizer.ops.v4_clip_grad_norm(grads, 0.0).item(), tokens, [])
+    if result.finite:
+        if max_grad_norm > 0:
+            optimizer.ops.v4_clip_grad_norm(grads, max_grad_norm)
+        optimizer.step(lr)
+    else:
+        result.nonfinite = optimizer.nonfinite_grads()
+    optimizer.zero_grad()
+    return result
+
+
+def nonfinite_report(step: int, result: StepResult, micro: list[list[data.Record]]) -> str:
+    """What was not finite at `step`, the first gradient that holds it, and the step's data."""
+    what = " and ".join(f"the {name} is {value}" for name, value in (("loss", result.loss), ("gradient norm",
+                        result.grad_norm)) if not math.isfinite(value))
+    grads = (f"; NaN/inf in the gradient of {len(result.nonfinite)} trainable tensor(s), first "
+             f"{result.nonfinite[0]}" if result.nonfinite else "")
+    where = sorted({d.where for docs in micro for d in docs})
+    return f"step {step}: {what}{grads} (data: {', '.join(where[:3])}{', ...' if len(where) > 3 else ''})"
+
+
+class StopSignal:
+    """SIGINT and SIGTERM: the first asks for a checkpoint at the end of the current step and an
+    exit (a preemption); a second exits at once (atomic writes keep every checkpoint complete or
+    absent). Writes with os.write: a handler may interrupt a print."""
+
+    def __init__(self):
+        self.signum = None
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        """The handlers as they were (a Trainer run from a test or a notebook leaves none behind)."""
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            os.write(2, f"\ntrain: {name} again: exiting now without saving; the checkpoints written so far are "
+                        "complete\n".encode())
+            os._exit(128 + signum)
+        self.signum = signum
+        os.write(2, f"\ntrain: {name}: stopping at the end of this step, with a checkpoint (send {name} again to "
+                    "exit at once)\n".encode())
+
+
+class Trainer:
+    """One run of `config`. Construction reads the model's config, the tokenizer and the data
+    (a bad file costs no model load); run() does the rest and returns the exit status, printing
+    the final JSON line. The parts a distributed run will make rank-aware are its attributes:
+    the model, the loader, the optimizer, the checkpointer (`save`) and the logger."""
+
+    def __init__(self, config: RunConfig):
+        c = self.config = config
+        self.table = ops.resolve(c.cpp_ops)  # the ops of this run, resolved once
+        self.config_path = os.path.join(c.model_dir, "config.json") if c.model_dir else c.model_config
+        self.tokenizer_dir = c.tokenizer_dir or c.model_dir or os.path.dirname(c.model_config)
+        self.hf_config, self.model_cfg = hf_checkpoint.read_config(self.config_path)
+        tok_file = os.path.join(self.tokenizer_dir, "tokenizer.json")
+        self.tokenizer = Tokenizer(self.tokenizer_dir) if os.path.exists(tok_file) else None
+        # Data cut to --seq_len, or to the model's max_position_embeddings when that is shorter
+        # (positions past it were never trained).
+        vocab = self.model_cfg.vocab_size
+        max_positions = self.hf_config.get("text_config", self.hf_config).get("max_position_embeddings")
+        max_len = min(c.seq_len, max_positions or c.seq_len)
+        self.limit = f"--seq_len={c.seq_len}" if max_len == c.seq_len else \
+            f"the model's max_position_embeddings={max_positions}, below --seq_len={c.seq_len}"
+        self.train_set = data.fit_to_length(data.read_records(c.data, self.tokenizer, vocab), max_len, c.overlong,
+                                            self.limit)
+        self.eval_records = data.read_records(c.eval_data, self.tokenizer, vocab) if c.eval_data else None
+        too_long = sum(len(r.input_ids) > max_positions for r in self.eval_records or []) if max_positions else 0
+        if too_long:
+            say(f"{too_long} of the {len(self.eval_records)} --eval_data records are longer than the model's "
+                f"max_position_embeddings={max_positions}: their loss reads positions it never trained")
+
+    # -- the parts, built in run() in this order ------------------------------------------------
+
+    def build_model(self) -> None:
+        """The model (a checkpoint, or random weights from a config, saved as the adapter's base
+        for LoRA) and what trains: LoRA adapters (every target must match a module) or every weight."""
+        c = self.config
+        if c.model_dir:
+            self.model, _ = hf_checkpoint.load(c.model_dir, c.dtype, c.device)  # every weight checked finite
+            self.base_model_dir = c.model_dir
+        else:
+            self.model = CausalLM.random(self.model_cfg, self.hf_config, c.dtype, c.device, c.seed)
+        model = self.model
+        model.use_ops(self.table)
+        model.checkpointing = c.gradient_checkpointing
+        self.adapters, self.lcfg = None, None
+        if c.finetune == "lora":
+            targets = lora.expand_targets(model, list(c.lora_target_modules))
+            self.lcfg = lora.LoraConfig(c.lora_r, c.lora_alpha, c.lora_dropout, targets, c.lora_experts)
+            self.adapters = lora.add_adapters(model, self.lcfg, c.dtype, c.device, c.seed)
+            if not c.model_dir:  # the adapter needs a loadable base
+                self.base_model_dir = os.path.join(c.output_dir, "base_model")
+                hf_checkpoint.save(model, self.base_model_dir)
+            self.trainable = self.adapters
+        else:
+            self.base_model_dir = c.model_dir or os.path.dirname(c.model_config)
+            self.trainable = {n: w for n, w in model.weights().items() if not model.family.is_frozen(n)}
+        for w in model.parameters():
+            w.requires_grad_(False)
+        for w in self.trainable.values():
+            w.requires_grad_(True)
+
+    def build_optimizer(self) -> None:
+        """The loader, the number of steps, AdamW; restored from the checkpoint resumed."""
+        c = self.config
+        self.loader = data.Loader(self.train_set.examples, c.seq_len, c.packing, c.micro_batch_size, c.seed)
+        batches = self.loader.batches_per_epoch
+        self.total_steps = c.max_steps or max(1, math.ceil(c.epochs * batches / c.grad_accum))
+        if c.warmup_steps > self.total_steps:
+            raise FlagError(warmup_too_long(self.total_steps, f"--epochs={c.epochs} of {batches} micro-batches, "
+                                                              f"--grad_accum={c.grad_accum}"))
+        self.optimizer = AdamW(self.trainable, self.table, c.betas, c.adam_eps, c.weight_decay)
+        self.start_step = 0
+        if c.resume_from:
+            state = checkpoint.load(c.resume_from, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
+                                    optimizer=self.optimizer)
+            try:
+                self.loader.load_state(state["loader"])
+            except ValueError as e:
+                raise checkpoint.CheckpointError(f"{c.resume_from}/{checkpoint.STATE}: field loader: {e}") from None
+            self.start_step = state["step"]
+            if self.start_step > self.total_steps:
+                raise FlagError(f"--resume_from={c.resume_from}: it is step {self.start_step}, past the "
+                                f"{self.total_steps} steps of this run; give a --max_steps of at least that to "
+                                "continue it")
+
+    def save(self, step: int) -> None:
+        """The checkpointer: checkpoint-STEP of the adapters or weights, optimizer, RNG and data position."""
+        c = self.config
+        checkpoint.save(c.output_dir, step, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
+                        optimizer=self.optimizer, state={"loader": self.loader.state(), "finetune": c.finetune},
+                        base_model_dir=self.base_model_dir,
+                        tokenizer_dir=self.tokenizer_dir if self.tokenizer else None, keep=c.save_total_limit)
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        c = self.config
+        # From here on this run owns output_dir (run_dir.py): no other run writes it meanwhile.
+        with run_dir.Claim(c.output_dir, c.resume_from, c.overwrite_output_dir) as claim:
+            for note in claim.notes:
+                say(note)
+            self.stop_signal = StopSignal()  # from here SIGINT/SIGTERM stop the run at the end of a step
+            try:
+                return self._run()
+            finally:
+                self.stop_signal.restore()
+
+    def _run(self) -> int:
+        c = self.config
+        torch.manual_seed(c.seed)
+        # Each C++ op checked against its reference on samples of its parity strategy, in this
+        # run's dtype and on its device.
+        if c.self_check:
+            self_check(self.table, ops.REFERENCE, c.dtype, c.device)
+        self.build_model()
+        self.build_optimizer()
+        self.metrics = MetricsLog(c.output_dir, self.start_step)
+        self.progress = Progress(self.total_steps, self.start_step)
+        if c.resume_from and self.start_step == self.total_steps:
+            return self._finished()
+        self._announce()
+        if self.stop_signal.signum is not None:
+            say(f"stopped by {signal.Signals(self.stop_signal.signum).name} before the first step; nothing new to save")
+            return 128 + self.stop_signal.signum
+        return self._loop()
+
+    def _announce(self) -> None:
+        c, model, ts = self.config, self.model, self.train_set
+        n_trainable = sum(w.numel() for w in self.trainable.values())
+        self.progress.message(
+            f"train: {model.cfg.model_type}, {c.finetune} ({n_trainable:,} trainable of "
+            f"{sum(w.numel() for w in model.parameters()):,} weights), {str(c.dtype).removeprefix('torch.')} on "
+            f"{c.device}; {len(ts.examples)} examples ({ts.truncated} truncated, {ts.dropped} dropped at "
+            f"{self.limit}), {ts.num_targets:,} target tokens; {self.total_steps} steps; "
+            f"C++ ops: {', '.join(sorted(self.table.cpp)) or 'none'}; router bias/aux-loss updates: off")
+
+    def _finished(self) -> int:
+        """A resumed run that was already at its last step: say so, and end as a finished run does."""
+        c = self.config
+        self.progress.message(f"train: the run is finished: {c.resume_from} is its last step ({self.total_steps} of "
+                              f"{self.total_steps}); nothing to train. To train further, resume with a larger "
+                              "--max_steps")
+        last = next((r for r in reversed(self.metrics.rows) if "loss" in r), {})
+        print(json.dumps({"steps": self.total_steps, "first_loss": None, "final_loss": last.get("loss"),
+                          "eval_loss": last.get("eval_loss"), "nonfinite_skips": 0, "tokens_per_s": 0.0,
+                          "wall_s": 0.0, "output_dir": c.output_dir, "checkpoint": c.resume_from, "finished": True}))
+        return 0
+
+    def _loop(self) -> int:
+        """The step loop: Python picks the batch, the ops compute, autograd walks their graph."""
+        c, progress, metrics, loader = self.config, self.progress, self.metrics, self.loader
+        t_start, first_loss, last, eval_loss, skipped, in_a_row = time.time(), None, {}, None, 0, 0
+        exit_code = 0
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            t0 = time.time()
+            lr = lr_at(step, c.lr, c.min_lr, c.warmup_steps, self.total_steps, c.lr_schedule)
+            micro = [loader.next() for _ in range(c.grad_accum)]
+            result = train_step(self.model, self.optimizer, micro, lr, c.max_grad_norm, c.device)
+            if not result.finite:  # no update was applied
+                skipped, in_a_row = skipped + 1, in_a_row + 1
+                report = nonfinite_report(step, result, micro)
+                metrics.write({"step": step, "lr": lr, "nonfinite": report})
+                if c.on_nonfinite == "stop" or in_a_row >= c.max_nonfinite_skips:
+                    latest = checkpoint.latest(c.output_dir)
+                    why = "--on_nonfinite=stop" if c.on_nonfinite == "stop" else \
+                        f"{in_a_row} non-finite steps in a row, --max_nonfinite_skips={c.max_nonfinite_skips}"
+                    kept = f"the last checkpoint, {latest}, is kept" if latest else "no checkpoint was written"
+                    progress.message(f"train: stopped ({why}) at {report}. No update was applied; {kept}. A lower "
+                                     "--lr, or --on_nonfinite=skip for rare bad batches, may help")
+                    return 1
+                progress.message(f"train: skipped {report} ({in_a_row} in a row; --max_nonfinite_skips="
+                                 f"{c.max_nonfinite_skips})")
+            else:
+                in_a_row = 0
+                if c.device == "cuda":
+                    torch.cuda.synchronize()
+                tokens_per_s = result.tokens / (time.time() - t0)
+                first_loss = result.loss if first_loss is None else first_loss
+                last = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                        "tokens_per_s": tokens_per_s, "peak_mem_mib": round(peak_memory_mib(c.device), 1),
+                        "epoch": loader.epoch}
+                if self.eval_records and ((c.eval_interval and step % c.eval_interval == 0) or step == self.total_steps):
+                    eval_loss = last["eval_loss"] = cli.mean_loss(self.model, self.eval_records,
+                                                                  c.seq_len * c.micro_batch_size, c.device)[0]
+                if step % c.log_interval == 0 or step == self.total_steps or "eval_loss" in last:
+                    metrics.write(last)
+                    progress.update(step, result.loss, lr, tokens_per_s,
+                                    f" eval {eval_loss:.4f}" if "eval_loss" in last else "")
+            signum = self.stop_signal.signum
+            stop = step == c.stop_at_step or signum is not None
+            if (c.save_interval and step % c.save_interval == 0) or step == self.total_steps or stop:
+                self.save(step)
+            if stop:
+                why = "--stop_at_step" if signum is None else signal.Signals(signum).name
+                progress.message(f"train: stopped after step {step} ({why}), saved in {c.output_dir}/checkpoint-{step}; "
+                                 "resume with --resume_from=latest")
+                exit_code = 0 if signum is None else 128 + signum
+                break
+
+        wall = time.time() - t_start
+        if metrics.rows:
+            try:
+                metrics.plot(os.path.join(c.output_dir, "loss.png"))
+            except OSError as e:  # a full disk: the plot is a convenience, metrics.jsonl holds the numbers
+                say(f"could not write {c.output_dir}/loss.png ({e.strerror or e}); the metrics are in metrics.jsonl")
+        print(json.dumps({"steps": self.total_steps, "first_loss": first_loss, "final_loss": last.get("loss"),
+                          "eval_loss": eval_loss, "nonfinite_skips": skipped,
+                          "tokens_per_s": round(last.get("tokens_per_s", 0.0), 1), "wall_s": round(wall, 1),
+                          "output_dir": c.output_dir, "checkpoint": checkpoint.latest(c.output_dir)}))
+        return exit_code
