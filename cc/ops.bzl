@@ -16,7 +16,8 @@ V4_COPTS = ["-std=c++20", "-fvisibility=hidden", "-O2", "-Wall", "-Wno-unused-fu
 V4_NANOBIND_EXTRA_COPTS = ["-fno-strict-aliasing"]
 
 # The CUDA kernels (cc/ops/<op>.cu) are built by tools/build_ext.py where nvcc and a CUDA torch
-# exist, with -DV4_CUDA on every source; the Bazel build (CPU) is the ATen path alone.
+# exist; each registers its kernels for CUDA tensors (cc/common/backend.h), so no source needs a
+# CUDA #define, and the Bazel build (CPU) is the ATen path alone.
 V4_NVCC_FLAGS = ["-std=c++20", "-O3", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "--expt-relaxed-constexpr",
                  "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden", "-Xptxas=-warn-spills"]
 

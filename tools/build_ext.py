@@ -114,11 +114,10 @@ def main() -> int:
     toolkit = "" if args.no_cuda else cuda_toolkit(env)
     cuda_libs = []
     if toolkit:
-        flags.append("-DV4_CUDA")
-        nvcc_flags = bzl["V4_NVCC_FLAGS"] + ["-DV4_CUDA", f"-D_GLIBCXX_USE_CXX11_ABI={env['torch_cxx11_abi']}"] + includes
+        nvcc_flags = bzl["V4_NVCC_FLAGS"] + [f"-D_GLIBCXX_USE_CXX11_ABI={env['torch_cxx11_abi']}"] + includes
         cuda_lib = os.path.join(toolkit, "lib64")
         cuda_libs = ["-L" + cuda_lib, "-Wl,-rpath," + cuda_lib, "-lc10_cuda", "-ltorch_cuda", "-lcudart"]
-    objdir = os.path.join(args.out, "obj-cuda" if toolkit else "obj")  # -DV4_CUDA changes every object
+    objdir = os.path.join(args.out, "obj-cuda" if toolkit else "obj")  # the CUDA torch's headers differ
     if args.clean:
         subprocess.run(["rm", "-rf", objdir], check=True)
     modules = read_modules()

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cc/common/attention.h"
+#include "cc/common/backend.h"
 #include "cc/common/checks.h"
 #include "cc/common/rope.h"
 #include "cc/ops/rms_norm.h"
@@ -90,25 +91,25 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
     head_weights = at::linear(h.to(wp.scalar_type()), wp).to(at::kFloat) * std::pow(n, -0.5);
   }
   const double scale = std::pow(d, -0.5);
+  const auto scores_kernel = Backend<dsa::IndexerScores>::find(h.device().type());
   for (const auto& [start, end] : docs) {
     const int64_t L = end - start, first = std::min(L, K);
     const at::Tensor p = at::arange(first, longs);
     out.slice(0, start, start + first).copy_(at::where(pos.unsqueeze(0) <= p.unsqueeze(1), pos.unsqueeze(0), -1));
     if (L <= K) continue;
     const at::Tensor wd = head_weights.slice(0, start, end);
-#ifdef V4_CUDA
-    if (h.is_cuda() && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf)) {
-      // Fused on the tensor cores: only the [queries, keys] scores reach memory.
+    if (scores_kernel) {  // fused on the device: only the [queries, keys] scores reach memory
       const at::Tensor ql = q.slice(0, start, end), kl = k.slice(0, start, end);
       const int64_t rows = block_rows(L * 4);
-      for (int64_t b0 = K; b0 < L; b0 += rows) {
+      bool covered = true;
+      for (int64_t b0 = K; covered && b0 < L; b0 += rows) {
         const int64_t b1 = std::min(L, b0 + rows);
-        const at::Tensor scores = cuda::indexer_scores(ql.slice(0, b0, b1), kl.slice(0, 0, b1), wd.slice(0, b0, b1), b0, scale);
-        out.slice(0, start + b0, start + b1).copy_(canonical(std::get<1>(scores.topk(K, -1)), b0));
+        at::Tensor scores;
+        covered = scores_kernel(ql.slice(0, b0, b1), kl.slice(0, 0, b1), wd.slice(0, b0, b1), b0, scale, scores);
+        if (covered) out.slice(0, start + b0, start + b1).copy_(canonical(std::get<1>(scores.topk(K, -1)), b0));
       }
-      continue;
+      if (covered) continue;
     }
-#endif
     if (L * n * L * 4 <= block_bytes) {  // all at once, as the reference
       const at::Tensor qd = q.slice(0, start, end).to(at::kFloat), kd = k.slice(0, start, end).to(at::kFloat);
       const at::Tensor scores = at::relu(at::matmul(qd, kd.t()) * scale);                 // [L, n, L]
@@ -182,15 +183,12 @@ struct SparseLatentAttention : public torch::autograd::Function<SparseLatentAtte
   // (o, log-sum-exp): on the GPU's kernels where they apply, else ATen in blocks of queries.
   static std::pair<at::Tensor, at::Tensor> attend(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
                                                   double scale, int64_t value_dims) {
-#ifdef V4_CUDA
-    if (cuda::sparse_latent_supported(q, kv, value_dims)) {
-      auto [o, lse] = cuda::sparse_latent_forward(q, kv, idx, scale, value_dims);
-      return {o, lse};
-    }
-#endif
+    at::Tensor o, lse;
+    const auto kernel = Backend<dsa::SparseForward>::find(q.device().type());
+    if (kernel && kernel(q, kv, idx, scale, value_dims, o, lse)) return {o, lse};
     const int64_t Lq = q.size(0), nh = q.size(1), D = q.size(2), K = idx.size(1);
-    at::Tensor o = at::empty({Lq, nh, value_dims}, q.options());
-    at::Tensor lse = at::empty({Lq, nh}, q.options().dtype(at_least_float(q.scalar_type())));
+    o = at::empty({Lq, nh, value_dims}, q.options());
+    lse = at::empty({Lq, nh}, q.options().dtype(at_least_float(q.scalar_type())));
     const int64_t rows = block_rows(K * D * 2 + nh * K * 4 * 3);
     for (int64_t b0 = 0; b0 < Lq; b0 += rows) {
       const int64_t b1 = std::min(Lq, b0 + rows), B = b1 - b0;
@@ -209,12 +207,13 @@ struct SparseLatentAttention : public torch::autograd::Function<SparseLatentAtte
     const at::Tensor &q = saved[0], &kv = saved[1], &idx = saved[2], &lse = saved[3], &o = saved[4];
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t C = ctx->saved_data["value_dims"].toInt();
-#ifdef V4_CUDA
-    if (cuda::sparse_latent_supported(q, kv, C)) {
-      auto [dq, dkv] = cuda::sparse_latent_backward(q, kv, idx, o, lse, grads[0], scale, C);
-      return {dq, dkv.to(kv.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+    {
+      at::Tensor dq, dkv;
+      const auto kernel = Backend<dsa::SparseBackward>::find(q.device().type());
+      if (kernel && kernel(q, kv, idx, o, lse, grads[0], scale, C, dq, dkv)) {
+        return {dq, dkv.to(kv.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+      }
     }
-#endif
     const at::Tensor dout = grads[0].to(q.scalar_type());
     const int64_t Lq = q.size(0), nh = q.size(1), D = q.size(2), K = idx.size(1);
     const auto acc = at_least_float(q.scalar_type());

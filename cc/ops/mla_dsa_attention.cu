@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "cc/common/backend.h"
 #include "cc/ops/mla_dsa_attention.h"
 
 namespace v4::cuda {
@@ -665,4 +666,33 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Te
   return out;
 }
 
+namespace {
+
+bool indexer_scores_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, int64_t first, double scale,
+                           at::Tensor& out) {
+  if (!q.is_cuda() || (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)) return false;
+  out = indexer_scores(q, k, w, first, scale);
+  return true;
+}
+
+bool sparse_forward_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, double scale, int64_t C,
+                           at::Tensor& o, at::Tensor& lse) {
+  if (!sparse_latent_supported(q, kv, C)) return false;
+  std::tie(o, lse) = sparse_latent_forward(q, kv, idx, scale, C);
+  return true;
+}
+
+bool sparse_backward_kernel(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& o,
+                            const at::Tensor& lse, const at::Tensor& dout, double scale, int64_t C, at::Tensor& dq,
+                            at::Tensor& dkv) {
+  if (!sparse_latent_supported(q, kv, C)) return false;
+  std::tie(dq, dkv) = sparse_latent_backward(q, kv, idx, o, lse, dout, scale, C);
+  return true;
+}
+
+const Backend<dsa::IndexerScores>::Register indexer_registered(c10::DeviceType::CUDA, &indexer_scores_kernel);
+const Backend<dsa::SparseForward>::Register forward_registered(c10::DeviceType::CUDA, &sparse_forward_kernel);
+const Backend<dsa::SparseBackward>::Register backward_registered(c10::DeviceType::CUDA, &sparse_backward_kernel);
+
+}  // namespace
 }  // namespace v4::cuda

@@ -64,26 +64,31 @@ class StashScope {
 
 }  // namespace v4
 
-#ifdef V4_CUDA
-namespace v4::cuda {
-// The indexer's scores of a block of queries on the tensor cores (cc/ops/mla_dsa_attention.cu):
+namespace v4::dsa {
+// The device kernels of v4_mla_dsa_attention (v4::Backend; cc/ops/mla_dsa_attention.cu registers
+// CUDA's): each returns false where it does not cover its inputs, and the op's ATen code computes.
+
+// The indexer's scores of a block of queries (on the tensor cores: bf16 or fp16):
 // out[i, j] = scale * sum_h w[i, h] relu(q[i, h] . k[j]), -inf where key j comes after query
-// first + i. q [B, n, d] and k [Nk, d] bf16 or fp16 with contiguous rows, w [B, n] float32;
-// returns [B, Nk] float32, no [B, n, Nk] tensor.
-at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, int64_t first, double scale);
+// first + i. q [B, n, d] and k [Nk, d] with contiguous rows, w [B, n] float32; out [B, Nk]
+// float32, no [B, n, Nk] tensor.
+struct IndexerScores {
+  using Fn = bool (*)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, int64_t first, double scale,
+                      at::Tensor& out);
+};
 
 // Attention of q [Lq, nh, D] to the rows idx [Lq, K] (-1: unused) of kv [L, D], values the first
-// C columns (SparseLatentAttention in mla_dsa_attention.cc): one block per query gathers the
-// selected rows in tiles and never writes a score to memory. Forward returns (o [Lq, nh, C],
-// natural-log lse [Lq, nh] float32); backward (dq [Lq, nh, D], dkv [L, D] float32, accumulated
-// atomically). Supported: bf16/fp16 on CUDA, D and C multiples of 8, D up to 1152 and shared
-// memory for the backward's tiles.
-bool sparse_latent_supported(const at::Tensor& q, const at::Tensor& kv, int64_t C);
-std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx,
-                                                         double scale, int64_t C);
-std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q, const at::Tensor& kv,
-                                                          const at::Tensor& idx, const at::Tensor& o,
-                                                          const at::Tensor& lse, const at::Tensor& dout, double scale,
-                                                          int64_t C);
-}  // namespace v4::cuda
-#endif
+// C columns (SparseLatentAttention in mla_dsa_attention.cc), one block per query gathering the
+// selected rows in tiles, no score written to memory. Forward: o [Lq, nh, C] and the natural-log
+// lse [Lq, nh] float32; backward: dq [Lq, nh, D] and dkv [L, D] float32 (accumulated atomically).
+// CUDA's: bf16/fp16, D and C multiples of 8, D up to 1152 and shared memory for the tiles.
+struct SparseForward {
+  using Fn = bool (*)(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, double scale, int64_t C,
+                      at::Tensor& o, at::Tensor& lse);
+};
+struct SparseBackward {
+  using Fn = bool (*)(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, const at::Tensor& o,
+                      const at::Tensor& lse, const at::Tensor& dout, double scale, int64_t C, at::Tensor& dq,
+                      at::Tensor& dkv);
+};
+}  // namespace v4::dsa
