@@ -2,11 +2,13 @@
 tools/build_ext.py (the Bazel-free build for machines without Bazel) both read. Keep every
 assignment a plain literal: build_ext.py parses this file as Python.
 
-An op `v4_<op>` lives at fixed paths: cc/ops/<op>.{h,cc} (ATen compute, no nanobind) and
-cc/bind/<op>.cc (NB_MODULE(v4_<op>, m)). Its entry here lists the ops whose C++ it calls
-directly (a layer op calls its sub-ops); their libraries are linked into its module.
-py/tests and parity/test_registry.py check that this list equals the C++ ops of the Python
-registry (py/v4train/ops).
+An op `v4_<op>` lives in a folder of cc/: cc/ops for the blocks the families share,
+cc/models/<family> for a family's own (its layer op, its attention, its router). In that folder
+DIR: DIR/<op>.{h,cc} (ATen compute, no nanobind), DIR/<op>.cu (CUDA kernels, if any) and
+DIR/bind/<op>.cc (NB_MODULE(v4_<op>, m)). Its entry here is (DIR, the ops whose C++ it calls
+directly: a layer op calls its sub-ops; their libraries are linked into its module).
+tools/tools_test.py checks that this list equals the C++ ops of the Python registry
+(py/v4train/ops).
 """
 
 # C++20 as torch's own extensions use; hidden visibility so that only PyInit_* is exported.
@@ -21,26 +23,27 @@ V4_NANOBIND_EXTRA_COPTS = ["-fno-strict-aliasing"]
 V4_NVCC_FLAGS = ["-std=c++20", "-O3", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "--expt-relaxed-constexpr",
                  "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden", "-Xptxas=-warn-spills"]
 
-# op name -> the ops it calls.
+# op name -> (its folder under cc/, the ops it calls).
 V4_OPS = {
-    "v4_rms_norm": [],
-    "v4_embedding": [],
-    "v4_cross_entropy_loss": [],
-    "v4_adam_step": [],
-    "v4_clip_grad_norm": [],
-    "v4_mlp": [],
-    "v4_moe": ["v4_mlp"],
-    "v4_mla_dsa_attention": ["v4_rms_norm"],
-    "v4_glm5_layer_forward": ["v4_rms_norm", "v4_mlp", "v4_moe", "v4_mla_dsa_attention"],
-    "v4_causal_conv1d": [],
-    "v4_gated_delta_rule": [],
-    "v4_qwen_moe": ["v4_mlp", "v4_moe"],
-    "v4_gated_deltanet": ["v4_causal_conv1d", "v4_gated_delta_rule"],
-    "v4_gated_attention": ["v4_rms_norm"],
-    "v4_qwen3_5_layer_forward": ["v4_rms_norm", "v4_mlp", "v4_qwen_moe", "v4_gated_deltanet", "v4_gated_attention"],
+    "v4_rms_norm": ("ops", []),
+    "v4_embedding": ("ops", []),
+    "v4_cross_entropy_loss": ("ops", []),
+    "v4_adam_step": ("ops", []),
+    "v4_clip_grad_norm": ("ops", []),
+    "v4_mlp": ("ops", []),
+    "v4_causal_conv1d": ("ops", []),
+    "v4_gated_delta_rule": ("ops", []),
+    "v4_glm5_moe": ("models/glm5", ["v4_mlp"]),
+    "v4_mla_dsa_attention": ("models/glm5", ["v4_rms_norm"]),
+    "v4_glm5_layer_forward": ("models/glm5", ["v4_rms_norm", "v4_mlp", "v4_glm5_moe", "v4_mla_dsa_attention"]),
+    "v4_qwen3_5_moe": ("models/qwen3_5", ["v4_mlp"]),
+    "v4_gated_deltanet": ("models/qwen3_5", ["v4_causal_conv1d", "v4_gated_delta_rule"]),
+    "v4_gated_attention": ("models/qwen3_5", ["v4_rms_norm"]),
+    "v4_qwen3_5_layer_forward": ("models/qwen3_5", ["v4_rms_norm", "v4_mlp", "v4_qwen3_5_moe", "v4_gated_deltanet",
+                                                    "v4_gated_attention"]),
 }
 
-# Built like ops (cc/bind/<name>.cc), but no ops: modules that py/tests use.
+# Built like ops, but no ops: modules that py/tests use.
 V4_TEST_MODULES = {
-    "v4_bridge_test": [],
+    "v4_bridge_test": ("ops", []),
 }

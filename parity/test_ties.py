@@ -84,7 +84,7 @@ def test_the_reference_takes_the_routing_it_is_given(name):
     assert [s.sort(-1).values.tolist() for _, _, s in seen] == [g.sort(-1).values.tolist() for g in given]
 
 
-ROUTER_OF = {"v4_glm5_layer_forward": "v4_moe", "v4_qwen3_5_layer_forward": "v4_qwen_moe"}
+ROUTER_OF = {"v4_glm5_layer_forward": "v4_glm5_moe", "v4_qwen3_5_layer_forward": "v4_qwen3_5_moe"}
 
 
 @pytest.mark.parametrize("name", sorted(ROUTER_OF))

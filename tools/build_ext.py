@@ -37,8 +37,8 @@ def read_bzl(path: str = os.path.join(ROOT, "cc", "ops.bzl")) -> dict:
     return env
 
 
-def read_modules() -> dict[str, list[str]]:
-    """module name -> the ops it calls: V4_OPS and V4_TEST_MODULES of cc/ops.bzl."""
+def read_modules() -> dict[str, tuple[str, list[str]]]:
+    """module name -> (its folder under cc/, the ops it calls): V4_OPS and V4_TEST_MODULES of cc/ops.bzl."""
     bzl = read_bzl()
     return {**bzl["V4_OPS"], **bzl["V4_TEST_MODULES"]}
 
@@ -46,9 +46,9 @@ def read_modules() -> dict[str, list[str]]:
 def sources(name: str, cuda: bool = False) -> tuple[str, list[str]]:
     """(the binding, the op's own sources: ATen, and its CUDA kernels where `cuda`) of module
     `name`, by the naming rule of cc/ops.bzl."""
-    op = name.removeprefix("v4_")
-    own = [os.path.join(ROOT, "cc", "ops", op + ext) for ext in ([".cc", ".cu"] if cuda else [".cc"])]
-    return os.path.join(ROOT, "cc", "bind", op + ".cc"), [f for f in own if os.path.exists(f)]
+    op, folder = name.removeprefix("v4_"), os.path.join(ROOT, "cc", read_modules()[name][0])
+    own = [os.path.join(folder, op + ext) for ext in ([".cc", ".cu"] if cuda else [".cc"])]
+    return os.path.join(folder, "bind", op + ".cc"), [f for f in own if os.path.exists(f)]
 
 
 def closure(name: str, modules: dict[str, list[str]]) -> list[str]:
@@ -58,7 +58,7 @@ def closure(name: str, modules: dict[str, list[str]]) -> list[str]:
         n = todo.pop()
         if n not in out:
             out.append(n)
-            todo += modules[n]
+            todo += modules[n][1]
     return out
 
 

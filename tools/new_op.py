@@ -2,7 +2,7 @@
 
 Creates, by the naming rule every op follows,
   cc/ops/foo.{h,cc}              the ATen compute: argument checks, then "not implemented yet"
-  cc/bind/foo.cc                 NB_MODULE(v4_foo, m)
+  cc/ops/bind/foo.cc             NB_MODULE(v4_foo, m)
   py/v4train/reference/foo.py    the pure-PyTorch reference (a placeholder: y = x * weight)
   py/v4train/ops/foo.py          its OpInfo: samples, an error case, a benchmark shape
 and adds v4_foo to the two lists of op names (py/v4train/ops/__init__.py, cc/ops.bzl). The result
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     name = "v4_" + op
     doc = args.doc or f"{name} (describe what it computes)"
     files = {
-        f"cc/ops/{op}.h": H, f"cc/ops/{op}.cc": CC, f"cc/bind/{op}.cc": BIND,
+        f"cc/ops/{op}.h": H, f"cc/ops/{op}.cc": CC, f"cc/ops/bind/{op}.cc": BIND,
         f"py/v4train/reference/{op}.py": REFERENCE, f"py/v4train/ops/{op}.py": OPINFO,
     }
     existing = [p for p in files if os.path.exists(os.path.join(args.root, p))]
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.root, path), "w") as f:
             f.write(template.format(name=name, op=op, doc=doc))
     _append(os.path.join(args.root, "py", "v4train", "ops", "__init__.py"), "NAMES = (", f'    "{name}",')
-    _append(os.path.join(args.root, "cc", "ops.bzl"), "V4_OPS = {", f'    "{name}": [],')
+    _append(os.path.join(args.root, "cc", "ops.bzl"), "V4_OPS = {", f'    "{name}": ("ops", []),')
     print(f"new_op: wrote {', '.join(files)}; added {name} to py/v4train/ops/__init__.py and cc/ops.bzl.\n"
           f"Next: write the math in py/v4train/reference/{op}.py and cc/ops/{op}.cc, then\n"
           f"  tools/bazel test //parity:{op}")

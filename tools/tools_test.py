@@ -20,10 +20,10 @@ def test_the_module_list_is_the_registry_s_cpp_ops():
         "cc/ops.bzl's V4_OPS must list exactly the ops whose OpInfo has has_cpp=True"
     modules = build_ext.read_modules()
     assert "v4_bridge_test" in modules
-    for name, deps in modules.items():
+    for name, (folder, deps) in modules.items():
         bind, own = build_ext.sources(name)
         assert os.path.exists(bind), f"{name}: {bind} (paths follow the op name)"
-        assert name in bzl["V4_TEST_MODULES"] or own, f"{name}: no cc/ops/{name.removeprefix('v4_')}.cc"
+        assert name in bzl["V4_TEST_MODULES"] or own, f"{name}: no cc/{folder}/{name.removeprefix('v4_')}.cc"
         assert set(deps) <= set(bzl["V4_OPS"]), f"{name} calls unknown ops {set(deps) - set(bzl['V4_OPS'])}"
 
 

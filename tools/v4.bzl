@@ -3,25 +3,28 @@
 load("@rules_cc//cc:defs.bzl", "cc_binary", "cc_library")
 load("//cc:ops.bzl", "V4_COPTS")
 
-def v4_op_module(name, deps = []):
+def v4_op_module(name, folder, deps = []):
     """The op `name` (v4_<op>) as an importable nanobind module `name.so`.
 
-    Sources follow the name: ops/<op>.{h,cc} become the cc_library `<op>` (absent for test
-    modules), bind/<op>.cc holds NB_MODULE(name, m). `deps` are the op names whose libraries
+    Sources follow the name in `folder` (under cc/: "ops" for shared blocks, "models/<family>"):
+    FOLDER/<op>.{h,cc} become the cc_library `<op>` (absent for test modules), with the folder's
+    other headers (a family's config.h); FOLDER/bind/<op>.cc holds NB_MODULE(name, m), with the
+    folder's bind headers (a family's config caster). `deps` are the op names whose libraries
     this op's code calls.
 
     Args:
       name: the module name, e.g. "v4_rms_norm" (also the name of the Python function).
+      folder: where its sources are, under cc/.
       deps: op names whose C++ this op calls.
     """
     op = name[len("v4_"):]
-    srcs = native.glob(["ops/%s.cc" % op])
+    srcs = native.glob(["%s/%s.cc" % (folder, op)])
     lib_deps = [":" + d[len("v4_"):] for d in deps]
     if srcs:
         cc_library(
             name = op,
             srcs = srcs,
-            hdrs = ["ops/%s.h" % op],
+            hdrs = native.glob(["%s/*.h" % folder]),
             copts = V4_COPTS,
             linkstatic = 1,
             deps = ["//cc/common:checks", "//cc/common:compute", "@v4_python//:torch"] + lib_deps,
@@ -29,7 +32,7 @@ def v4_op_module(name, deps = []):
         lib_deps = [":" + op]
     cc_binary(
         name = name + ".so",
-        srcs = ["bind/%s.cc" % op],
+        srcs = ["%s/bind/%s.cc" % (folder, op)] + native.glob(["%s/bind/*.h" % folder]),
         copts = V4_COPTS,
         linkshared = 1,
         deps = lib_deps + [

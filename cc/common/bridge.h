@@ -72,8 +72,6 @@ inline bool read_attr(handle src, const char* name, std::optional<double>& out) 
   };
 
 V4_CONFIG_CASTER(Rope, V4_ROPE_FIELDS)
-V4_CONFIG_CASTER(Glm5Config, V4_GLM5_CONFIG_FIELDS)
-V4_CONFIG_CASTER(Qwen35Config, V4_QWEN35_CONFIG_FIELDS)
 
 }  // namespace nanobind::detail
 

@@ -1,7 +1,7 @@
 """The model configs are written once per language, and these must agree: every field the C++
-layer ops read (cc/common/config.h's X(type, name, default) lists, which both declare the C++
-structs and drive the casters of bridge.h) is a field of the Python dataclass of the same name,
-of the matching kind."""
+layer ops read (the X(type, name, default) lists of cc/common/config.h and cc/models/<family>/
+config.h, which both declare the C++ structs and drive the casters) is a field of the Python
+dataclass of the same name, of the matching kind."""
 
 from __future__ import annotations
 
@@ -13,18 +13,19 @@ import pytest
 
 from v4train.models import config
 
-HEADER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "cc", "common",
-                      "config.h")
+CC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "cc")
 # C++ field type -> the annotation of the Python dataclass field
 KINDS = {"int64_t": "int", "double": "float", "bool": "bool", "std::string": "str",
          "std::vector<std::string>": "tuple[str, ...]", "std::optional<double>": "float | None", "Rope": "Rope"}
-LISTS = {"V4_ROPE_FIELDS": config.Rope, "V4_GLM5_CONFIG_FIELDS": config.Glm5Config,
-         "V4_QWEN35_CONFIG_FIELDS": config.Qwen35Config}
+# the X list -> (the header that holds it, the Python dataclass)
+LISTS = {"V4_ROPE_FIELDS": ("common/config.h", config.Rope),
+         "V4_GLM5_CONFIG_FIELDS": ("models/glm5/config.h", config.Glm5Config),
+         "V4_QWEN35_CONFIG_FIELDS": ("models/qwen3_5/config.h", config.Qwen35Config)}
 
 
 def cpp_fields(macro: str) -> list[tuple[str, str]]:
-    """(C++ type, name) of each X(...) entry of the #define `macro` in config.h."""
-    text = open(HEADER).read()
+    """(C++ type, name) of each X(...) entry of the #define `macro`."""
+    text = open(os.path.join(CC, LISTS[macro][0])).read()
     body = re.search(rf"#define {macro}\(X\)(.*?)\n\n", text, re.S).group(1)
     return [(t.strip(), n.strip()) for t, n in re.findall(r"X\(([^,]+(?:<[^>]*>)?),\s*(\w+),", body)]
 
@@ -42,8 +43,8 @@ def disagreements(macro: str, cls) -> list[str]:
 
 @pytest.mark.parametrize("macro", sorted(LISTS))
 def test_every_cpp_field_is_a_python_field_of_its_kind(macro):
-    assert cpp_fields(macro), f"no X(...) entries found for {macro} in {HEADER}"
-    assert disagreements(macro, LISTS[macro]) == []
+    assert cpp_fields(macro), f"no X(...) entries found for {macro} in cc/{LISTS[macro][0]}"
+    assert disagreements(macro, LISTS[macro][1]) == []
 
 
 def test_a_disagreement_is_found():

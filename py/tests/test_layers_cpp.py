@@ -16,8 +16,8 @@ from v4train.tokenizer import Tokenizer
 
 # family: (the C++ ops its layers run on, the golden case with LoRA dropout to checkpoint, the bundled base)
 FAMILIES = {
-    "glm5": ({"v4_glm5_layer_forward", "v4_mla_dsa_attention", "v4_moe", "v4_mlp"}, "glm5", BASE),
-    "qwen3_5": ({"v4_qwen3_5_layer_forward", "v4_gated_deltanet", "v4_gated_attention", "v4_qwen_moe",
+    "glm5": ({"v4_glm5_layer_forward", "v4_mla_dsa_attention", "v4_glm5_moe", "v4_mlp"}, "glm5", BASE),
+    "qwen3_5": ({"v4_qwen3_5_layer_forward", "v4_gated_deltanet", "v4_gated_attention", "v4_qwen3_5_moe",
                  "v4_causal_conv1d", "v4_gated_delta_rule"}, "qwen3_5_moe", QWEN_BASE),
 }
 

@@ -14,7 +14,7 @@ NAMES = (
     "v4_embedding",
     "v4_rms_norm",
     "v4_mlp",
-    "v4_moe",
+    "v4_glm5_moe",
     "v4_mla_dsa_attention",
     "v4_glm5_layer_forward",
     "v4_qwen3_5_layer_forward",
@@ -23,7 +23,7 @@ NAMES = (
     "v4_clip_grad_norm",
     "v4_causal_conv1d",
     "v4_gated_delta_rule",
-    "v4_qwen_moe",
+    "v4_qwen3_5_moe",
     "v4_gated_deltanet",
     "v4_gated_attention",
 )

@@ -10,7 +10,7 @@ rounding. Where elements still miss, the tensor passes when its error against th
 norm, is at most twice the reference's own (the criterion FlashAttention's tests use) or the
 dtype's rtol relative to the truth's norm (the table's tolerance, for the tensor as a whole): in
 bf16 a result that sums rounded terms with cancellation carries an error of the size of the
-terms, element by element a coin toss between two correct orders of summation (v4_moe's input
+terms, element by element a coin toss between two correct orders of summation (v4_glm5_moe's input
 gradient: over 300 samples the C++ op's error norm was 0.97-1.47x the reference's, yet single
 elements 2.9x; a LoRA A gradient, a projection of its weight's gradient, amplifies the rounding
 of either side). A wrong result is far outside it: a single wrong element of a float32 tensor,

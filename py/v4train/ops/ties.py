@@ -49,7 +49,7 @@ def _chosen(routing: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 def _softmax_reachable(call: dict, routing: torch.Tensor) -> torch.Tensor:
-    """Per token: whether the softmax top-k router (v4_qwen_moe) picks `routing` for some logits
+    """Per token: whether the softmax top-k router (v4_qwen3_5_moe) picks `routing` for some logits
     within their rounding (softmax is monotone in the logits: raise the chosen, lower the rest)."""
     logits, delta = _logit_bounds(call["x"], call["weights"][call["prefix"] + "gate.weight"], call["x"].dtype)
     want = _chosen(routing.to(logits.device), logits.shape[1])
@@ -57,7 +57,7 @@ def _softmax_reachable(call: dict, routing: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped_sigmoid_reachable(call: dict, routing: torch.Tensor) -> torch.Tensor:
-    """The same for GLM-5's router (v4_moe): sigmoid scores plus the correction bias, the best
+    """The same for GLM-5's router (v4_glm5_moe): sigmoid scores plus the correction bias, the best
     topk_group groups by the sum of their two best, then the top_k experts among them. The
     groups of the chosen experts are raised for the group choice, the chosen experts for theirs."""
     w = call["weights"]
@@ -82,8 +82,8 @@ def _grouped_sigmoid_reachable(call: dict, routing: torch.Tensor) -> torch.Tenso
 # The MoE ops whose `routing` argument, given, replaces the router's choice; and, per op, the
 # per-token test of whether a routing is the router's choice within rounding.
 ROUTERS: dict[str, Callable[[dict, torch.Tensor], torch.Tensor]] = {
-    "v4_moe": _grouped_sigmoid_reachable,
-    "v4_qwen_moe": _softmax_reachable,
+    "v4_glm5_moe": _grouped_sigmoid_reachable,
+    "v4_qwen3_5_moe": _softmax_reachable,
 }
 
 

@@ -24,7 +24,7 @@ def v4_glm5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor]
     ops: the OpTable the building blocks are called through.
     Returns (hidden [T, H], this layer's DSA selection [T, index_topk]: the next layer's carry).
 
-    x = x + v4_mla_dsa_attention(RMSNorm(x)); x = x + v4_mlp or v4_moe(RMSNorm(x)).
+    x = x + v4_mla_dsa_attention(RMSNorm(x)); x = x + v4_mlp or v4_glm5_moe(RMSNorm(x)).
     """
     w, eps = weights, cfg.rms_norm_eps
     first = {}  # the first pass's selection and routing, which a recomputation reuses
@@ -38,7 +38,7 @@ def v4_glm5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor]
         if cfg.mlp_layer_types[layer] == "dense":
             out = ops.v4_mlp(h, w, "mlp.", lora_scaling, lora_dropout)
         else:
-            out, first["routing"] = ops.v4_moe(h, w, "mlp.", cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+            out, first["routing"] = ops.v4_glm5_moe(h, w, "mlp.", cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                                                cfg.norm_topk_prob, cfg.routed_scaling_factor, lora_scaling,
                                                lora_dropout, first.get("routing"))
         first["selection"] = selection

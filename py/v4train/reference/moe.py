@@ -1,5 +1,5 @@
 """MoE: routing (GLM-5 sigmoid/grouped, Qwen3.5 softmax), the routed experts, and the GLM-5 MoE
-block (v4_moe)."""
+block (v4_glm5_moe)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def _grouped(rows: torch.Tensor, w: dict, name: str, counts: list[int], lora: Lo
     return torch.cat(outs) if outs else rows.new_zeros(0, w[name].shape[1])
 
 
-def v4_moe(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, top_k: int, n_group: int,
+def v4_glm5_moe(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, top_k: int, n_group: int,
            topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float, lora_scaling: float = 0.0,
            lora_dropout: float = 0.0, routing: torch.Tensor | None = None, *, ops) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM-5's MoE block (transformers' GlmMoeDsaMoE): the sigmoid group-limited router
@@ -111,7 +111,7 @@ def v4_moe(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, top_k
     return experts(x, idx, rw, weights, lora, prefix + "experts.") + shared, idx
 
 
-def v4_qwen_moe(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, top_k: int, norm_topk_prob: bool = True,
+def v4_qwen3_5_moe(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, top_k: int, norm_topk_prob: bool = True,
                 lora_scaling: float = 0.0, lora_dropout: float = 0.0, routing: torch.Tensor | None = None, *,
                 ops) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3.5-MoE's sparse MoE block (transformers' Qwen3_5MoeSparseMoeBlock): the softmax router

@@ -34,7 +34,7 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
         h = ops.v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps, True)
         if not cfg.is_moe:
             return hidden + ops.v4_mlp(h, w, "mlp.", lora_scaling, lora_dropout)
-        return hidden + ops.v4_qwen_moe(h, w, "mlp.", cfg.num_experts_per_tok, True, lora_scaling, lora_dropout)[0]
+        return hidden + ops.v4_qwen3_5_moe(h, w, "mlp.", cfg.num_experts_per_tok, True, lora_scaling, lora_dropout)[0]
 
     if checkpoint and torch.is_grad_enabled():
         return recompute(forward, hidden, use_reentrant=False), None

@@ -5,11 +5,11 @@
 #include <optional>
 #include <tuple>
 
-#include "cc/common/config.h"
+#include "cc/models/glm5/config.h"
 #include "cc/common/lora.h"
 
 // One GLM-5 decoder layer over packed tokens, in one call (transformers' GlmMoeDsaDecoderLayer):
-//   x = x + v4_mla_dsa_attention(RMSNorm(x)); x = x + v4_mlp or v4_moe(RMSNorm(x)).
+//   x = x + v4_mla_dsa_attention(RMSNorm(x)); x = x + v4_mlp or v4_glm5_moe(RMSNorm(x)).
 // hidden [T, H]; weights: the layer's tensors by their transformers names, LoRA adapters beside
 // the weights they adapt; carry: the DSA selection of the last 'full' indexer layer (used by a
 // 'shared' one). With checkpoint, only the layer's input is kept for the backward pass, which

@@ -12,7 +12,7 @@ namespace v4 {
 
 // The MoE seam, in three steps, so that expert parallelism can put an all-to-all between them:
 // dispatch (tokens grouped by expert), expert compute (grouped GEMMs), combine (weighted sum back
-// into token order). Shared by GLM-5's v4_moe and Qwen3.5's MoE.
+// into token order). Shared by GLM-5's v4_glm5_moe and Qwen3.5's MoE.
 struct Dispatch {
   at::Tensor token;    // [T * k] int64: the token of each routed row, rows grouped by expert (stable)
   at::Tensor order;    // [T * k] int64: the row's position in the flat [T, k] routing
@@ -46,13 +46,3 @@ void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, i
 at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens);
 
 }  // namespace v4
-
-// GLM-5's MoE block (transformers' GlmMoeDsaMoE): the sigmoid router with correction bias and
-// group-limited top-k (fp32 logits; the bias chooses, the unbiased scores weigh, normalised when
-// norm_topk_prob, times routed_scaling_factor), the routed experts through grouped GEMMs, plus
-// the shared expert (weights[prefix + "shared_experts.*"]). `routing` [T, top_k]: route as
-// given (a recomputation). Returns (out [T, H] in x's dtype, routing [T, top_k] int64 ascending).
-std::tuple<at::Tensor, at::Tensor> v4_moe(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix,
-                                          int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
-                                          double routed_scaling_factor, double lora_scaling, double lora_dropout,
-                                          const std::optional<at::Tensor>& routing);

@@ -1,5 +1,5 @@
-#include "cc/common/bridge.h"
-#include "cc/ops/glm5_layer_forward.h"
+#include "cc/models/glm5/bind/config.h"
+#include "cc/models/glm5/glm5_layer_forward.h"
 
 namespace nb = nanobind;
 

@@ -2,7 +2,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "cc/common/config.h"
+#include "cc/models/qwen3_5/config.h"
 #include "cc/common/lora.h"
 
 // Qwen3.5's gated full attention (transformers' Qwen3_5MoeAttention) over packed documents, in one

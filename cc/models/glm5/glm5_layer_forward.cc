@@ -1,4 +1,4 @@
-#include "cc/ops/glm5_layer_forward.h"
+#include "cc/models/glm5/glm5_layer_forward.h"
 
 #include <ATen/ATen.h>
 
@@ -8,9 +8,9 @@
 
 #include "cc/common/checkpoint.h"
 #include "cc/common/checks.h"
-#include "cc/ops/mla_dsa_attention.h"
+#include "cc/models/glm5/glm5_moe.h"
+#include "cc/models/glm5/mla_dsa_attention.h"
 #include "cc/ops/mlp.h"
-#include "cc/ops/moe.h"
 #include "cc/ops/rms_norm.h"
 
 namespace v4 {
@@ -61,7 +61,7 @@ struct LayerCall : CheckpointedCall {
       return {mid + v4_mlp(h, weights, "mlp.", lora.scaling, lora.dropout), selection};
     }
     const std::optional<at::Tensor> given_routing = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;
-    auto [out, chosen] = v4_moe(h, weights, "mlp.", cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+    auto [out, chosen] = v4_glm5_moe(h, weights, "mlp.", cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                                 cfg.norm_topk_prob, cfg.routed_scaling_factor, lora.scaling, lora.dropout, given_routing);
     routing = chosen;
     return {mid + out, selection};

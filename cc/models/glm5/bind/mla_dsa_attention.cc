@@ -1,5 +1,5 @@
-#include "cc/common/bridge.h"
-#include "cc/ops/mla_dsa_attention.h"
+#include "cc/models/glm5/bind/config.h"
+#include "cc/models/glm5/mla_dsa_attention.h"
 
 namespace nb = nanobind;
 

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "cc/common/config.h"
+#include "cc/models/glm5/config.h"
 #include "cc/common/lora.h"
 
 // GLM-5's attention (transformers' GlmMoeDsaAttention + GlmMoeDsaIndexer) over packed documents:

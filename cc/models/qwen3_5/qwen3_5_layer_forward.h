@@ -5,13 +5,13 @@
 #include <optional>
 #include <tuple>
 
-#include "cc/common/config.h"
+#include "cc/models/qwen3_5/config.h"
 #include "cc/common/lora.h"
 
 // One Qwen3.5 / Qwen3.6 decoder layer (transformers' Qwen3_5MoeDecoderLayer, Qwen3_5DecoderLayer)
 // over packed tokens, in one call: x = x + Mixer(RMSNorm0(x)); x = x + MLP(RMSNorm0(x)), RMSNorm0
 // the zero-centred norm. Mixer: v4_gated_deltanet on 'linear_attention' layers, v4_gated_attention
-// on 'full_attention' ones; MLP: v4_qwen_moe (qwen3_5_moe) or v4_mlp (qwen3_5). LoRA adapters
+// on 'full_attention' ones; MLP: v4_qwen3_5_moe (qwen3_5_moe) or v4_mlp (qwen3_5). LoRA adapters
 // beside the weights apply inside. checkpoint: keep only the input (and the MoE routing) and
 // recompute the layer in the backward pass, routing as the first pass did.
 // hidden [T, H]; positions [T]; cu_seqlens [N + 1]; carry must be None (nothing crosses layers).

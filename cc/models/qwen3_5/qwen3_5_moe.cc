@@ -1,16 +1,16 @@
-#include "cc/ops/qwen_moe.h"
+#include "cc/models/qwen3_5/qwen3_5_moe.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
 #include "cc/common/checks.h"
+#include "cc/common/experts.h"
 #include "cc/ops/mlp.h"
-#include "cc/ops/moe.h"
 
-std::tuple<at::Tensor, at::Tensor> v4_qwen_moe(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix,
+std::tuple<at::Tensor, at::Tensor> v4_qwen3_5_moe(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix,
                                                int64_t top_k, bool norm_topk_prob, double lora_scaling,
                                                double lora_dropout, const std::optional<at::Tensor>& routing) {
-  constexpr const char* op = "v4_qwen_moe";
+  constexpr const char* op = "v4_qwen3_5_moe";
   v4::check_floating(op, "x", x, /*float64=*/true);
   v4::check_dim(op, "x", x, 2);
   v4::check_weights(op, weights, x);

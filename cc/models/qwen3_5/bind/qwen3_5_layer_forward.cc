@@ -1,5 +1,5 @@
-#include "cc/common/bridge.h"
-#include "cc/ops/qwen3_5_layer_forward.h"
+#include "cc/models/qwen3_5/bind/config.h"
+#include "cc/models/qwen3_5/qwen3_5_layer_forward.h"
 
 namespace nb = nanobind;
 

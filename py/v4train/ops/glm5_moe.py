@@ -1,10 +1,10 @@
-"""v4_moe: GLM-5's MoE block: sigmoid group-limited router, grouped-GEMM experts, shared expert."""
+"""v4_glm5_moe: GLM-5's MoE block: sigmoid group-limited router, grouped-GEMM experts, shared expert."""
 
 import torch
 
 from v4train.ops.registry import F64, ErrorCase, OpInfo
 from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
-from v4train.reference.moe import v4_moe
+from v4train.reference.moe import v4_glm5_moe
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
@@ -72,7 +72,7 @@ def _call(x=lambda: torch.zeros(5, 8), w=_weights, top_k=2, n_group=1, topk_grou
 
 
 OP = OpInfo(
-    "v4_moe", v4_moe, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+    "v4_glm5_moe", v4_glm5_moe, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
     errors=(
         ErrorCase("top_k above the experts", _call(top_k=5), "top_k=5 must lie in [1, 4]"),
         ErrorCase("groups that do not divide the experts", _call(n_group=3), "n_group=3, topk_group=1 do not fit 4 experts"),

@@ -1,10 +1,10 @@
-"""v4_qwen_moe: Qwen3.5-MoE's MoE block: softmax router, grouped-GEMM experts, sigmoid-gated shared expert."""
+"""v4_qwen3_5_moe: Qwen3.5-MoE's MoE block: softmax router, grouped-GEMM experts, sigmoid-gated shared expert."""
 
 import torch
 
 from v4train.ops.registry import F64, ErrorCase, OpInfo
 from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
-from v4train.reference.moe import v4_qwen_moe
+from v4train.reference.moe import v4_qwen3_5_moe
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
@@ -64,7 +64,7 @@ def _call(w=_weights, top_k=2, routing=None):
 
 
 OP = OpInfo(
-    "v4_qwen_moe", v4_qwen_moe, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+    "v4_qwen3_5_moe", v4_qwen3_5_moe, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
     errors=(
         ErrorCase("top_k above the experts", _call(top_k=5), "top_k=5 must lie in [1, 4]"),
         ErrorCase("a shared expert gate of the wrong shape",

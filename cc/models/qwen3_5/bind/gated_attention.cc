@@ -1,5 +1,5 @@
-#include "cc/common/bridge.h"
-#include "cc/ops/gated_attention.h"
+#include "cc/models/qwen3_5/bind/config.h"
+#include "cc/models/qwen3_5/gated_attention.h"
 
 namespace nb = nanobind;
 

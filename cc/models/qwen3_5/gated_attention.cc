@@ -1,4 +1,4 @@
-#include "cc/ops/gated_attention.h"
+#include "cc/models/qwen3_5/gated_attention.h"
 
 #include <ATen/ATen.h>
 

@@ -1,4 +1,4 @@
-#include "cc/ops/gated_deltanet.h"
+#include "cc/models/qwen3_5/gated_deltanet.h"
 
 #include <ATen/ATen.h>
 

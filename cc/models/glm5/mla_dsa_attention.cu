@@ -12,7 +12,7 @@
 #include <limits>
 
 #include "cc/common/backend.h"
-#include "cc/ops/mla_dsa_attention.h"
+#include "cc/models/glm5/mla_dsa_attention.h"
 
 namespace v4::cuda {
 namespace {

@@ -1,4 +1,4 @@
-#include "cc/ops/qwen3_5_layer_forward.h"
+#include "cc/models/qwen3_5/qwen3_5_layer_forward.h"
 
 #include <ATen/ATen.h>
 
@@ -6,10 +6,10 @@
 
 #include "cc/common/checkpoint.h"
 #include "cc/common/checks.h"
-#include "cc/ops/gated_attention.h"
-#include "cc/ops/gated_deltanet.h"
+#include "cc/models/qwen3_5/gated_attention.h"
+#include "cc/models/qwen3_5/gated_deltanet.h"
 #include "cc/ops/mlp.h"
-#include "cc/ops/qwen_moe.h"
+#include "cc/models/qwen3_5/qwen3_5_moe.h"
 #include "cc/ops/rms_norm.h"
 
 namespace v4 {
@@ -38,7 +38,7 @@ struct QwenLayerCall : CheckpointedCall {
     const at::Tensor h2 = v4_rms_norm(mid, get(weights, "post_attention_layernorm.weight", kOp), eps, true);
     if (!cfg.is_moe) return {mid + v4_mlp(h2, weights, "mlp.", lora.scaling, lora.dropout)};
     const std::optional<at::Tensor> given = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;
-    auto [out, chosen] = v4_qwen_moe(h2, weights, "mlp.", cfg.num_experts_per_tok, true, lora.scaling, lora.dropout, given);
+    auto [out, chosen] = v4_qwen3_5_moe(h2, weights, "mlp.", cfg.num_experts_per_tok, true, lora.scaling, lora.dropout, given);
     routing = chosen;
     return {mid + out};
   }

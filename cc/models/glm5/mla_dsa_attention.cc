@@ -1,4 +1,4 @@
-#include "cc/ops/mla_dsa_attention.h"
+#include "cc/models/glm5/mla_dsa_attention.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
