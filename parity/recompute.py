@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from v4train.ops.compare import assert_rel_close
-from v4train.ops.samples import Sample
+from v4train.testing.compare import assert_rel_close
+from v4train.testing.samples import Sample
 
 
 def gradients(layer: Callable, sample: Sample, change: Callable[[dict], None] | None = None):

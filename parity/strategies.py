@@ -1,5 +1,5 @@
 """Hypothesis's side of the parity suite: the profiles, and the Draw that feeds an op's samples
-(v4train.ops.samples) from hypothesis, so a failing sample shrinks to a small one.
+(v4train.testing.samples) from hypothesis, so a failing sample shrinks to a small one.
 
 Profiles: `ci` (the default) is deterministic (derandomize, no example database) with 60
 examples per test; `wide` draws fresh random examples, 1000 per test, for kernel work. Pick one
@@ -25,7 +25,7 @@ settings.load_profile(PROFILE)
 
 
 class HypothesisDraw:
-    """A v4train.ops.samples.Draw on hypothesis's `st.data()`."""
+    """A v4train.testing.samples.Draw on hypothesis's `st.data()`."""
 
     def __init__(self, data):
         self.data = data

@@ -7,12 +7,14 @@ import math
 import pytest
 import torch
 
-from v4train.ops import OPS, REFERENCE, OpInfo, OpTable
-from v4train.ops.check import check_parity, self_check
-from v4train.ops.compare import assert_close
-from v4train.ops.samples import RandomDraw
+from v4train.op import Op, OpTable
+from v4train.ops import REFERENCE
+from v4train.testing.cases import CASES
+from v4train.testing.check import check_parity, self_check
+from v4train.testing.compare import assert_close
+from v4train.testing.samples import RandomDraw
 
-OP = OPS["v4_adam_step"]
+OP = CASES["v4_adam_step"]
 IMPLS = {"reference": OP.reference, "cpp": OP.cpp()}
 
 
@@ -119,9 +121,9 @@ def test_parity_catches_a_wrong_update(change, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("change", MUTANTS)
 def test_self_check_catches_a_wrong_update(change, dtype, monkeypatch):
-    real = OpInfo.cpp
-    monkeypatch.setattr(OpInfo, "cpp", lambda op: _wrong(change) if op.name == "v4_adam_step" else real(op))
-    table = OpTable(OPS, ["v4_adam_step"])
+    real = Op.cpp
+    monkeypatch.setattr(Op, "cpp", lambda op: _wrong(change) if op.name == "v4_adam_step" else real(op))
+    table = OpTable(CASES, ["v4_adam_step"])
     with pytest.raises(ValueError, match="self-check: the C\\+\\+ op v4_adam_step differs from its reference"):
         self_check(table, REFERENCE, dtype, "cpu")
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from v4train.ops.compare import assert_close
+from v4train.testing.compare import assert_close
 from v4train.ops import OPS
 
 OP = OPS["v4_clip_grad_norm"]

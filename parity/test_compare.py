@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from v4train.ops.compare import TOLERANCES, assert_close
+from v4train.testing.compare import TOLERANCES, assert_close
 
 
 def test_equal_tensors_pass_with_zero_error():
@@ -102,7 +102,7 @@ def test_the_exact_answer_judges_within_the_rounding_spread():
     """assert_rel_close with the float64 truth: an fp32 result that misses transformers' fp32 one
     passes when it lies within SPREAD_FACTOR spreads of the truth, whatever the reference's own
     error (here 50% off the truth); 1% off the truth, or the truth given without its spread, fails."""
-    from v4train.ops.compare import SPREAD_FACTOR, assert_rel_close
+    from v4train.testing.compare import SPREAD_FACTOR, assert_rel_close
 
     gen = torch.Generator().manual_seed(0)
     truth = torch.randn(50, generator=gen, dtype=torch.float64)
@@ -123,7 +123,7 @@ def test_judge_bounds_the_result_even_where_the_reference_misses_the_truth():
     fails (before 2026-12-01 such a reference waived the judgement: a latent attention backward
     12x off passed)."""
     from v4train.ops import OPS
-    from v4train.ops.check import LOW_PRECISION_FACTOR, judge
+    from v4train.testing.check import LOW_PRECISION_FACTOR, judge
 
     op = OPS["v4_glm5_layer_forward"]  # an op whose math is also checked in float64
     gen = torch.Generator().manual_seed(3)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from v4train.ops.compare import assert_close
+from v4train.testing.compare import assert_close
 from v4train.ops import OPS
 
 OP = OPS["v4_cross_entropy_loss"]

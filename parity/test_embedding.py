@@ -1,9 +1,9 @@
-"""v4_embedding: rows of the weight, gradients summed per id, an empty batch (bad ids: the error cases of its OpInfo)."""
+"""v4_embedding: rows of the weight, gradients summed per id, an empty batch (bad ids: the error cases of its test case)."""
 
 import pytest
 import torch
 
-from v4train.ops.compare import assert_close
+from v4train.testing.compare import assert_close
 from v4train.ops import OPS
 
 OP = OPS["v4_embedding"]

@@ -9,7 +9,7 @@ NaN/inf (or out-of-range integers) in its values, an aliased tensor, a list one 
 scalar made NaN, inf, 0 or negative (an integer also huge). Where the C++ call returns, its
 outputs (and the gradients of its floating inputs, or the tensors an in-place op updates) are
 compared with the reference's on the same case through the one comparison helper
-(v4train.ops.compare).
+(v4train.testing.compare).
 
 Each op's cases run in a subprocess (this file, run as a script), which prints every case before
 calling it: a crash shows as the subprocess's exit status, with the case that caused it.
@@ -27,12 +27,13 @@ import traceback
 import pytest
 import torch
 
-from v4train.ops import OPS, REFERENCE
-from v4train.ops.check import judge, random_upstream
-from v4train.ops.samples import RandomDraw
+from v4train.ops import REFERENCE
+from v4train.testing.cases import CASES
+from v4train.testing.check import judge, random_upstream
+from v4train.testing.samples import RandomDraw
 
 PROFILE = os.environ.get("V4TRAIN_HYPOTHESIS_PROFILE") or "ci"
-CASES = 1000 if PROFILE == "wide" else 120  # per op; `ci` fixed seeds, `wide` fresh ones
+COUNT = 1000 if PROFILE == "wide" else 120  # cases per op; `ci` fixed seeds, `wide` fresh ones
 
 
 # ---- the cases ---------------------------------------------------------------------------------
@@ -254,7 +255,7 @@ def _nonfinite_inputs(op, seed: int) -> bool:
 
 
 def _compare(op, ours: list, theirs: list, truth: list | None, what: str, nonfinite_in: bool) -> None:
-    """Every tensor through the parity suite's judgement (v4train.ops.check.judge). With NaN/inf
+    """Every tensor through the parity suite's judgement (v4train.testing.check.judge). With NaN/inf
     among the inputs, which non-finite value an element gets depends on the order of operations
     (ATen's fused AdamW interpolates moments with lerp, the reference multiplies and adds: inf
     there, NaN here), so NaN and inf are not told apart: an element must be non-finite in both, or
@@ -310,7 +311,7 @@ def run_case(op, seed: int) -> str:
 def worker(name: str, seeds: list[int]) -> int:
     """Runs the cases of one op, printing each before its call; prints a JSON summary last.
     Exit status 1 when a result differed from the reference's."""
-    op = OPS[name]
+    op = CASES[name]
     outcomes, failures = {}, []
     for seed in seeds:
         print(f"case {seed}: {make_case(op, seed)[2]}", flush=True)
@@ -326,14 +327,14 @@ def worker(name: str, seeds: list[int]) -> int:
 
 # ---- the test ----------------------------------------------------------------------------------
 
-CPP_OPS = sorted(name for name, op in OPS.items() if op.has_cpp)
+CPP_OPS = sorted(name for name, op in CASES.items() if op.has_cpp)
 
 
 @pytest.mark.parametrize("name", CPP_OPS)
 def test_fuzzed_calls_raise_or_match_the_reference_and_never_crash(name):
     start = 0 if PROFILE == "ci" else random.randrange(2**31)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p) for p in sys.path))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), name, str(start), str(CASES)],
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), name, str(start), str(COUNT)],
                           capture_output=True, text=True, env=env, timeout=900)
     lines = proc.stdout.strip().splitlines()
     last_case = next((line for line in reversed(lines) if line.startswith("case ")), "before the first case")

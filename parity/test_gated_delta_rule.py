@@ -8,9 +8,9 @@ import torch
 
 from parity.strategies import devices
 from v4train.ops import OPS
-from v4train.ops.compare import assert_close
-from v4train.ops.gated_delta_rule import leaves_for
-from v4train.ops.mla_dsa_attention import packed
+from v4train.testing.compare import assert_close
+from v4train.testing.cases.gated_delta_rule import leaves_for
+from v4train.testing.cases.mla_dsa_attention import packed
 from v4train.reference import gated_delta_rule
 
 OP = OPS["v4_gated_delta_rule"].cpp()
@@ -61,8 +61,8 @@ def test_qwen_widths_across_document_and_chunk_boundaries(device, dtype):
     65 and 4,097 tokens in one packed batch: the recurrence across chunks (on CUDA its kernel,
     forward and backward) against the reference and its float64 truth, every gradient, g's and
     beta's included (a Hopper backward can be wrong in one gradient only: fla issue 640)."""
-    from v4train.ops.check import check_parity
-    from v4train.ops.samples import Sample
+    from v4train.testing.check import check_parity
+    from v4train.testing.samples import Sample
     from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
 
     lengths = [1, 63, 64, 65, 4097]

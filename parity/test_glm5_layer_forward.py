@@ -7,11 +7,11 @@ import torch
 
 from parity.recompute import assert_recomputation_repeats_choices
 from v4train.ops import OPS, REFERENCE
-from v4train.ops.check import check_parity
-from v4train.ops.compare import assert_close
-from v4train.ops.glm5_layer_forward import layer_leaves
-from v4train.ops.mla_dsa_attention import packed, small_config
-from v4train.ops.samples import RandomDraw, Sample, make_leaf
+from v4train.testing.check import check_parity
+from v4train.testing.compare import assert_close
+from v4train.testing.cases.glm5_layer_forward import layer_leaves
+from v4train.testing.cases.mla_dsa_attention import packed, small_config
+from v4train.testing.samples import RandomDraw, Sample, make_leaf
 
 NAME = "v4_glm5_layer_forward"
 TOKENS = 8200  # past the layer's masked-attention limit of 8192

@@ -9,8 +9,8 @@ import torch
 
 from parity.strategies import devices
 from v4train.ops import OPS, REFERENCE
-from v4train.ops.check import check_parity
-from v4train.ops.mla_dsa_attention import glm5_width_sample
+from v4train.testing.check import check_parity
+from v4train.testing.cases.mla_dsa_attention import glm5_width_sample
 
 NAME = "v4_mla_dsa_attention"
 CASES = [("cpu", torch.float32)] + [("cuda", dt) for dt in (torch.bfloat16, torch.float32) if "cuda" in devices()]
@@ -28,8 +28,8 @@ SMALL_BLOCKS = 64 * 1024  # bytes of scores per block: a few queries each at the
 
 def _scores64(sample) -> dict[int, torch.Tensor]:
     """The indexer's scores of the sample's documents in float64, by document start."""
-    from v4train.ops.check import in_float64
-    from v4train.reference import mla_dsa_attention as ref
+    from v4train.testing.check import in_float64
+    from v4train.models.glm5 import attention as ref
 
     recorded, plain = [], ref.index_scores
 
@@ -62,7 +62,7 @@ def test_the_blocked_selection_selects_keys_of_the_same_scores():
     keys of equal score, ReLU zeros among them, may be picked either way). A selection with one
     key swapped for the next-best fails that comparison."""
     import v4_mla_dsa_attention as module
-    from v4train.ops.compare import assert_close
+    from v4train.testing.compare import assert_close
 
     tokens, top_k = 300, 64
     sample = glm5_width_sample(torch.float32, "cpu", tokens, top_k)

@@ -7,11 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from parity.strategies import HypothesisDraw, devices, seeds
-from v4train.ops import OPS, REFERENCE
-from v4train.ops.check import check_parity
+from v4train.ops import REFERENCE
+from v4train.testing.cases import CASES
+from v4train.testing.check import check_parity
 
-CPP_OPS = {name: op for name, op in OPS.items() if op.has_cpp}
-CASES = [(name, dtype, device) for name, op in CPP_OPS.items() for dtype in op.dtypes for device in devices()]
+CPP_OPS = {name: op for name, op in CASES.items() if op.has_cpp}
+PARAMS = [(name, dtype, device) for name, op in CPP_OPS.items() for dtype in op.dtypes for device in devices()]
 ERRORS = [(name, case) for name, op in CPP_OPS.items() for case in op.errors]
 
 
@@ -20,10 +21,10 @@ def test_every_cpp_op_has_samples_and_error_cases():
     assert [n for n, op in CPP_OPS.items() if not op.errors] == []
 
 
-@pytest.mark.parametrize("name,dtype,device", CASES, ids=[f"{n}-{str(d).removeprefix('torch.')}-{v}" for n, d, v in CASES])
+@pytest.mark.parametrize("name,dtype,device", PARAMS, ids=[f"{n}-{str(d).removeprefix('torch.')}-{v}" for n, d, v in PARAMS])
 @given(data=st.data())
 def test_parity(name, dtype, device, data):
-    op = OPS[name]
+    op = CASES[name]
     sample = op.samples(HypothesisDraw(data), dtype, device)
     check_parity(op, op.cpp(), REFERENCE[name], sample, data.draw(seeds(), label="grad seed"))
 
@@ -31,7 +32,7 @@ def test_parity(name, dtype, device, data):
 @pytest.mark.parametrize("name,case", ERRORS, ids=[f"{n}-{c.what}" for n, c in ERRORS])
 def test_bad_arguments_name_the_op_and_what_is_wrong(name, case):
     with pytest.raises(case.exc) as info:
-        OPS[name].cpp()(*case.args())
+        CASES[name].cpp()(*case.args())
     message = str(info.value)
     assert message.startswith(f"{name}: "), message
     assert case.message in message, message

@@ -4,12 +4,14 @@ repeats the first pass's routing (parity/recompute.py)."""
 import torch
 
 from parity.recompute import assert_recomputation_repeats_choices
-from v4train.ops import OPS, REFERENCE, ties
-from v4train.ops.glm5_layer_forward import layer_leaves
-from v4train.ops.mla_dsa_attention import packed
-from v4train.ops.qwen3_5_layer_forward import small_config
-from v4train.models.qwen3_5 import FAMILY, layer_specs
-from v4train.ops.samples import RandomDraw, Sample, make_leaf
+from v4train.ops import OPS, REFERENCE
+from v4train.testing import ties
+from v4train.testing.cases.glm5_layer_forward import layer_leaves
+from v4train.testing.cases.mla_dsa_attention import packed
+from v4train.testing.cases.qwen3_5_layer_forward import small_config
+from v4train.models.qwen3_5 import FAMILY
+from v4train.models.qwen3_5.weights import layer_specs
+from v4train.testing.samples import RandomDraw, Sample, make_leaf
 
 NAME = "v4_qwen3_5_layer_forward"
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from v4train.ops.compare import assert_close
+from v4train.testing.compare import assert_close
 from parity.strategies import devices
 from v4train.ops import OPS
 

@@ -1,16 +1,17 @@
 """Where rounding at a router near-tie sends a token of a layer op's MoE to another expert in the
 C++ ops than in the references, the layer is judged against the reference routed as the C++ ops
-routed (v4train.ops.ties): the correct layer passes there, a wrong one still fails."""
+routed (v4train.testing.ties): the correct layer passes there, a wrong one still fails."""
 
 import pytest
 import torch
 
-from v4train.ops import OPS, REFERENCE
-from v4train.ops.check import check_parity
-from v4train.ops.samples import RandomDraw, Sample
+from v4train.ops import REFERENCE
+from v4train.testing.cases import CASES
+from v4train.testing.check import check_parity
+from v4train.testing.samples import RandomDraw, Sample
 
 NAME = "v4_qwen3_5_layer_forward"
-OP = OPS[NAME]
+OP = CASES[NAME]
 
 
 def _wrong(*args, **kwargs):
@@ -68,9 +69,9 @@ def test_without_a_flip_a_wrong_layer_fails():
 def test_the_reference_takes_the_routing_it_is_given(name):
     """ties._table hands each MoE call of a layer's reference the routing given (GLM-5's layer
     passes its own `routing` argument positionally, Qwen3.5's not at all)."""
-    from v4train.ops import ties
+    from v4train.testing import ties
 
-    op = OPS[name]
+    op = CASES[name]
     sample = next(s for s in (op.samples(RandomDraw(i), torch.float32, "cpu") for i in range(40)) if s.reroute)
     args, kwargs = sample.build({k: v.detach() for k, v in sample.leaves.items()})
     natural = []
@@ -98,13 +99,13 @@ def test_a_router_that_picks_another_expert_without_a_tie_fails(monkeypatch, nam
     import importlib
     import inspect
 
-    from v4train.ops import ties
-    from v4train.ops.registry import OpTable
+    from v4train.testing import ties
+    from v4train.op import OpTable
 
-    op, router = OPS[name], ROUTER_OF[name]
+    op, router = CASES[name], ROUTER_OF[name]
     module = importlib.import_module(router)
     real = getattr(module, router)
-    signature = inspect.signature(OPS[router].reference)
+    signature = inspect.signature(CASES[router].reference)
 
     def wrong(*a, **k):
         bound = signature.bind_partial(*a, **k)
@@ -118,7 +119,7 @@ def test_a_router_that_picks_another_expert_without_a_tie_fails(monkeypatch, nam
         return real(*bound.args, **bound.kwargs)
 
     monkeypatch.setattr(module, router, wrong)
-    layer = functools.partial(op.reference, ops=OpTable(OPS, frozenset(n for n, o in OPS.items() if o.has_cpp)))
+    layer = functools.partial(op.reference, ops=OpTable(CASES, frozenset(n for n, o in CASES.items() if o.has_cpp)))
     # (not checkpointed: the reference's torch checkpoint would run the wrong router's extra call again)
     samples = [s for s in (op.samples(RandomDraw(i), dtype, "cpu") for i in range(60))
                if s.reroute is not None and "checkpoint False" in s.note]
@@ -131,7 +132,7 @@ def test_a_router_that_picks_another_expert_without_a_tie_fails(monkeypatch, nam
 
 def _routes_some_token(sample, layer) -> bool:
     """Whether the wrong router of the test above changes some token's experts on this sample."""
-    from v4train.ops import ties
+    from v4train.testing import ties
 
     args, kwargs = sample.build({k: v.detach() for k, v in sample.leaves.items()})
     theirs, ours = [], []

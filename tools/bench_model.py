@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from v4train import ops  # noqa: E402
 from v4train.flops import FlopShare  # noqa: E402
 from v4train.models import config_from_dict  # noqa: E402
-from v4train.models.causal_lm import CausalLM, Packed  # noqa: E402
+from v4train.model import CausalLM, Packed  # noqa: E402
 
 GIB = 2**30
 
@@ -91,7 +91,7 @@ def build(model: str, dtype, device="cuda", **overrides):
 
 def active_params(cfg) -> int:
     """Parameters one token multiplies with (experts: top-k of them); embeddings excluded."""
-    from v4train.models.causal_lm import all_specs
+    from v4train.model import all_specs
 
     total = 0
     for s in all_specs(cfg):

@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import bench_model  # noqa: E402
 from v4train import ops  # noqa: E402
-from v4train.models.causal_lm import Packed  # noqa: E402
-from v4train.ops.compare import assert_rel_close, rounding_spread  # noqa: E402
+from v4train.model import Packed  # noqa: E402
+from v4train.testing.compare import assert_rel_close, rounding_spread  # noqa: E402
 
 NOT_CONFIG = {"architectures", "model_type", "dtype"}
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=py:build/ext:. python3 tools/benchmark.py [--device cuda] [--dtype bfloat16] [--ops v4_a,v4_b]
 
-The cases are the `benchmarks` of each op's OpInfo (py/v4train/ops/<op>.py), at the shapes of the
+The cases are the `benchmarks` of each op's test case (py/v4train/testing/cases/<op>.py), at the shapes of the
 models' hot paths (GLM-5: 4096 tokens x hidden 6144). Prints one markdown table row per case and
 implementation; docs/benchmarks.md records what it printed.
 """
@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from v4train.ops import OPS, REFERENCE
+from v4train.ops import REFERENCE
+from v4train.testing.cases import CASES
 
 
 def timed(fn, device, reps):
@@ -51,10 +52,10 @@ def main():
     print(f"device {name}, torch {torch.__version__}, dtype {args.dtype}, median of {args.reps}")
     print("| op | shape | impl | forward ms | backward ms | fwd+bwd ms | peak MiB (fwd+bwd) |")
     print("|---|---|---|---|---|---|---|")
-    cases = [(name, case) for name, op in OPS.items() if op.has_cpp for case in op.benchmarks
+    cases = [(name, case) for name, op in CASES.items() if op.has_cpp for case in op.benchmarks
              if not args.ops or name in args.ops.split(",")]
     for op_name, case in cases:
-        op = OPS[op_name]
+        op = CASES[op_name]
         shape, op_args = case(args.device, dtype)
         impls = {"reference": lambda: REFERENCE[op_name], "cpp": op.cpp}
         for impl, fn in ((i, impls[i]()) for i in args.impl.split(",")):

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from v4train import hf_checkpoint, lora, ops  # noqa: E402
 from v4train.flops import FlopShare  # noqa: E402
 from v4train.models import config_from_dict  # noqa: E402
-from v4train.models.causal_lm import CausalLM, Packed  # noqa: E402
+from v4train.model import CausalLM, Packed  # noqa: E402
 from v4train.optim import AdamW  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,7 +27,7 @@ from transformers import (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, Qwen3_5Config, 
                           Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "py"))  # outside Bazel
-from v4train.ops.compare import rounding_spread  # noqa: E402
+from v4train.testing.compare import rounding_spread  # noqa: E402
 
 GLM5 = dict(vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
@@ -173,7 +173,7 @@ def make(name: str, out_root: str) -> None:
     # small DeltaNet gradients), v4train must be as close to them as transformers' fp32 run is.
     grads64 = {"grad64." + n: g.float().contiguous() for n, g in float64_gradients(model, input_ids).items()}
     # How far rounding the weights and every module's output to fp32 moves each exact gradient (the
-    # rounding any fp32 evaluation carries; v4train.ops.compare.assert_rel_close).
+    # rounding any fp32 evaluation carries; v4train.testing.compare.assert_rel_close).
     exact = copy.deepcopy(model).double()
     spreads = {"spread." + n: torch.tensor(v, dtype=torch.float64)
                for n, v in rounding_spread(exact, lambda m: float64_gradients(m, input_ids)).items()}

@@ -4,8 +4,9 @@ Creates, by the naming rule every op follows,
   cc/ops/foo.{h,cc}              the ATen compute: argument checks, then "not implemented yet"
   cc/ops/bind/foo.cc             NB_MODULE(v4_foo, m)
   py/v4train/reference/foo.py    the pure-PyTorch reference (a placeholder: y = x * weight)
-  py/v4train/ops/foo.py          its OpInfo: samples, an error case, a benchmark shape
-and adds v4_foo to the two lists of op names (py/v4train/ops/__init__.py, cc/ops.bzl). The result
+  py/v4train/testing/cases/foo.py  its test case: samples, an error case, a benchmark shape
+and adds v4_foo to the lists of ops (its record in py/v4train/ops/__init__.py, its case in
+py/v4train/testing/cases/__init__.py, its module in cc/ops.bzl). The result
 builds, and `tools/bazel test //parity:foo` fails saying what to implement. Write the math in
 the reference and the same math in cc/ops/foo.cc until that test passes.
 """
@@ -74,13 +75,13 @@ def {name}(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.to(compute) * weight.to(compute)).to(x.dtype)
 '''
 
-OPINFO = '''"""{name}: {doc}"""
+CASE = '''"""{name}: {doc}"""
 
 import torch
 
-from v4train.ops.registry import ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, shape, size, view_as_layout
-from v4train.reference.{op} import {name}
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, shape, size, view_as_layout
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
@@ -99,8 +100,8 @@ def _bench(device, dtype):
     return "x [4096, 6144]", (x, torch.randn(6144, device=device, dtype=dtype, requires_grad=True))
 
 
-OP = OpInfo(
-    "{name}", {name}, samples=samples, benchmarks=(_bench,),
+CASE = OpCase(
+    OPS["{name}"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("integer x", lambda: (torch.zeros(2, 8, dtype=torch.int64), torch.ones(8)),
                   "x must be float32, bfloat16 or float16, got Long"),
@@ -109,16 +110,15 @@ OP = OpInfo(
 '''
 
 
-def _append(path: str, opener: str, line: str) -> None:
-    """Adds `line` as the last entry of the block that starts with the line `opener` and ends at
-    the next line that is a lone closing bracket."""
+def _insert(path: str, line: str, before: str | None = None, after_last: str | None = None) -> None:
+    """Adds `line` before the first line equal to `before`, or after the last line that starts
+    with `after_last`."""
     lines = open(path).read().split("\n")
     try:
-        start = lines.index(opener)
-        end = next(i for i in range(start + 1, len(lines)) if lines[i] in (")", "}"))
-    except (ValueError, StopIteration):
-        sys.exit(f"new_op: cannot find the block {opener!r} in {path}")
-    lines.insert(end, line)
+        at = lines.index(before) if before else max(i for i, x in enumerate(lines) if x.startswith(after_last)) + 1
+    except ValueError:
+        sys.exit(f"new_op: cannot find where to add {line.strip()!r} in {path}")
+    lines.insert(at, line)
     with open(path, "w") as f:
         f.write("\n".join(lines))
 
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     doc = args.doc or f"{name} (describe what it computes)"
     files = {
         f"cc/ops/{op}.h": H, f"cc/ops/{op}.cc": CC, f"cc/ops/bind/{op}.cc": BIND,
-        f"py/v4train/reference/{op}.py": REFERENCE, f"py/v4train/ops/{op}.py": OPINFO,
+        f"py/v4train/reference/{op}.py": REFERENCE, f"py/v4train/testing/cases/{op}.py": CASE,
     }
     existing = [p for p in files if os.path.exists(os.path.join(args.root, p))]
     if existing:
@@ -145,9 +145,15 @@ def main(argv=None) -> int:
     for path, template in files.items():
         with open(os.path.join(args.root, path), "w") as f:
             f.write(template.format(name=name, op=op, doc=doc))
-    _append(os.path.join(args.root, "py", "v4train", "ops", "__init__.py"), "NAMES = (", f'    "{name}",')
-    _append(os.path.join(args.root, "cc", "ops.bzl"), "V4_OPS = {", f'    "{name}": ("ops", []),')
-    print(f"new_op: wrote {', '.join(files)}; added {name} to py/v4train/ops/__init__.py and cc/ops.bzl.\n"
+    ops_init = os.path.join(args.root, "py", "v4train", "ops", "__init__.py")
+    _insert(ops_init, f"from v4train.reference import {op}", after_last="from v4train.reference import ")
+    _insert(ops_init, f'    Op("{name}", {op}.{name}),', before="    # the families' own ops")
+    cases_init = os.path.join(args.root, "py", "v4train", "testing", "cases", "__init__.py")
+    _insert(cases_init, f"from v4train.testing.cases import {op}", after_last="from v4train.testing.cases import ")
+    _insert(cases_init, f"    {op},", before=")")
+    _insert(os.path.join(args.root, "cc", "ops.bzl"), f'    "{name}": ("ops", []),', before="}")
+    print(f"new_op: wrote {', '.join(files)}; added {name} to py/v4train/ops/__init__.py, "
+          f"py/v4train/testing/cases/__init__.py and cc/ops.bzl.\n"
           f"Next: write the math in py/v4train/reference/{op}.py and cc/ops/{op}.cc, then\n"
           f"  tools/bazel test //parity:{op}")
     return 0

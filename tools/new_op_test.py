@@ -34,10 +34,11 @@ def test_scaffold_fails_saying_what_to_implement_then_passes_once_implemented(re
     made = _run([sys.executable, "tools/new_op.py", "--name=toy_scale", "--doc=x times a per-channel weight"], repo)
     assert made.returncode == 0, made.stderr
     for path in ("cc/ops/toy_scale.h", "cc/ops/toy_scale.cc", "cc/ops/bind/toy_scale.cc", "py/v4train/reference/toy_scale.py",
-                 "py/v4train/ops/toy_scale.py"):
+                 "py/v4train/testing/cases/toy_scale.py"):
         assert (repo / path).exists(), path
     assert '"v4_toy_scale": ("ops", []),' in (repo / "cc" / "ops.bzl").read_text()
-    assert '"v4_toy_scale",' in (repo / "py" / "v4train" / "ops" / "__init__.py").read_text()
+    assert 'Op("v4_toy_scale", toy_scale.v4_toy_scale),' in (repo / "py" / "v4train" / "ops" / "__init__.py").read_text()
+    assert "    toy_scale," in (repo / "py" / "v4train" / "testing" / "cases" / "__init__.py").read_text()
     again = _run([sys.executable, "tools/new_op.py", "--name=toy_scale"], repo)
     assert again.returncode != 0 and "already exist" in again.stderr
 

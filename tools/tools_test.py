@@ -17,7 +17,7 @@ from v4train.ops import OPS  # noqa: E402
 def test_the_module_list_is_the_registry_s_cpp_ops():
     bzl = build_ext.read_bzl()
     assert set(bzl["V4_OPS"]) == {n for n, op in OPS.items() if op.has_cpp}, \
-        "cc/ops.bzl's V4_OPS must list exactly the ops whose OpInfo has has_cpp=True"
+        "cc/ops.bzl's V4_OPS must list exactly the ops whose Op has has_cpp=True"
     modules = build_ext.read_modules()
     assert "v4_bridge_test" in modules
     for name, (folder, deps) in modules.items():

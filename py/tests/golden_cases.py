@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from v4train import hf_checkpoint
-from v4train.models.causal_lm import Packed
+from v4train.model import Packed
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "testdata", "models")
 CASES = sorted(d for d in os.listdir(ROOT) if os.path.exists(os.path.join(ROOT, d, "golden.json")))

@@ -12,6 +12,8 @@ import re
 import pytest
 
 from v4train.models import config
+from v4train.models.glm5.config import Glm5Config
+from v4train.models.qwen3_5.config import Qwen35Config
 
 CC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "cc")
 # C++ field type -> the annotation of the Python dataclass field
@@ -19,8 +21,8 @@ KINDS = {"int64_t": "int", "double": "float", "bool": "bool", "std::string": "st
          "std::vector<std::string>": "tuple[str, ...]", "std::optional<double>": "float | None", "Rope": "Rope"}
 # the X list -> (the header that holds it, the Python dataclass)
 LISTS = {"V4_ROPE_FIELDS": ("common/config.h", config.Rope),
-         "V4_GLM5_CONFIG_FIELDS": ("models/glm5/config.h", config.Glm5Config),
-         "V4_QWEN35_CONFIG_FIELDS": ("models/qwen3_5/config.h", config.Qwen35Config)}
+         "V4_GLM5_CONFIG_FIELDS": ("models/glm5/config.h", Glm5Config),
+         "V4_QWEN35_CONFIG_FIELDS": ("models/qwen3_5/config.h", Qwen35Config)}
 
 
 def cpp_fields(macro: str) -> list[tuple[str, str]]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from golden_cases import CASES, golden
-from v4train.ops.compare import assert_rel_close
+from v4train.testing.compare import assert_rel_close
 
 EVALUATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evaluate.py")
 

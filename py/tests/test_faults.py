@@ -13,7 +13,7 @@ import signal
 import torch
 
 from golden_cases import SMALL, metrics, run_train
-from v4train.ops.compare import assert_close
+from v4train.testing.compare import assert_close
 
 # Dropout, and checkpoints every 2 of 8 steps, 2 kept: the RNG state and the rotation matter.
 ARGS = [*SMALL, "--max_steps=8", "--save_interval=2", "--save_total_limit=2", "--lora_dropout=0.1"]

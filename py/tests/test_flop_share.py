@@ -11,7 +11,7 @@ from golden_cases import BASE, CHAT
 from v4train import data, hf_checkpoint, lora, ops
 from v4train.flops import OUTSIDE, FlopShare
 from v4train.models import config_from_dict
-from v4train.models.causal_lm import CausalLM, Packed
+from v4train.model import CausalLM, Packed
 from v4train.optim import AdamW
 from v4train.tokenizer import Tokenizer
 

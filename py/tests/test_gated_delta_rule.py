@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from v4train.ops.compare import assert_close
+from v4train.testing.compare import assert_close
 from v4train.reference import gated_delta_rule
 
 

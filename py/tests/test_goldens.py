@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from v4train.ops.compare import assert_rel_close
+from v4train.testing.compare import assert_rel_close
 from golden_cases import CASES, golden, run
 from v4train import hf_checkpoint
-from v4train.models.causal_lm import Packed
+from v4train.model import Packed
 
 
 def test_every_required_case_is_there():

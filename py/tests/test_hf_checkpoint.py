@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from golden_cases import golden
-from v4train.ops.compare import assert_rel_close
+from v4train.testing.compare import assert_rel_close
 from v4train import hf_checkpoint
-from v4train.models.causal_lm import CausalLM, Packed
+from v4train.model import CausalLM, Packed
 from v4train.models import load_config
 from v4train.models.config import ConfigError
 

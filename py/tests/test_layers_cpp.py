@@ -9,8 +9,8 @@ import torch
 from v4train import trainer as train
 from golden_cases import BASE, CASES, CHAT, QWEN_BASE, golden, run
 from v4train import data, hf_checkpoint, lora, ops
-from v4train.models.causal_lm import Packed
-from v4train.ops.compare import assert_close, assert_rel_close
+from v4train.model import Packed
+from v4train.testing.compare import assert_close, assert_rel_close
 from v4train.optim import AdamW
 from v4train.tokenizer import Tokenizer
 

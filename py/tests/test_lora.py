@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from golden_cases import BASE, CHAT, QWEN_BASE, golden, last_json, run_cli
-from v4train.ops.compare import assert_rel_close
+from v4train.testing.compare import assert_rel_close
 from v4train import checkpoint, hf_checkpoint, lora, ops
-from v4train.models.causal_lm import Packed
-from v4train.ops.check import self_check
+from v4train.model import Packed
+from v4train.op import Op
+from v4train.testing.check import self_check
 from v4train.optim import AdamW
 
 
@@ -123,9 +124,9 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(case):
 def test_self_check_passes_the_real_ops_and_stops_on_a_mismatch_naming_the_op(dtype, monkeypatch):
     self_check(ops.resolve("all"), ops.REFERENCE, dtype, "cpu")  # the real pairs agree
     # An rms_norm that ignores zero_centered: the self-check's samples include zero-centred ones.
-    real = ops.OpInfo.cpp
+    real = Op.cpp
     plain = lambda x, w, eps, zero_centered=False: real(ops.OPS["v4_rms_norm"])(x, w, eps, False)  # noqa: E731
-    monkeypatch.setattr(ops.OpInfo, "cpp", lambda op: plain if op.name == "v4_rms_norm" else real(op))
+    monkeypatch.setattr(Op, "cpp", lambda op: plain if op.name == "v4_rms_norm" else real(op))
     with pytest.raises(ValueError, match="self-check: the C\\+\\+ op v4_rms_norm differs from its reference"):
         self_check(ops.resolve("rms_norm"), ops.REFERENCE, dtype, "cpu")
 

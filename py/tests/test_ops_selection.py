@@ -7,8 +7,8 @@ import torch
 import v4_rms_norm
 from golden_cases import golden
 from v4train import hf_checkpoint, ops
-from v4train.models.causal_lm import Packed
-from v4train.ops.registry import OpInfo, parse_cpp_ops
+from v4train.model import Packed
+from v4train.op import Op, parse_cpp_ops
 
 
 def test_reference_table_is_every_reference():
@@ -38,7 +38,7 @@ def test_unknown_op_names_the_flag_and_the_choices():
 def test_ops_without_cpp_are_refused_by_name_and_skipped_by_all():
     """Every op has C++ today; an op added with its reference only (has_cpp=False) is refused by
     name and left out of 'all'."""
-    known = {**ops.OPS, "v4_toy": OpInfo("v4_toy", lambda x: x, has_cpp=False)}
+    known = {**ops.OPS, "v4_toy": Op("v4_toy", lambda x: x, has_cpp=False)}
     with pytest.raises(ValueError, match=r"--cpp_ops: v4_toy has no C\+\+ implementation yet"):
         parse_cpp_ops("rms_norm,toy", known)
     assert parse_cpp_ops("all", known) == set(ops.OPS)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from golden_cases import golden
-from v4train.ops.compare import assert_rel_close
+from v4train.testing.compare import assert_rel_close
 from v4train import hf_checkpoint
-from v4train.models.causal_lm import Packed
+from v4train.model import Packed
 
 
 @pytest.mark.parametrize("case", ["glm5", "qwen3_5_moe"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from golden_cases import BASE, CHAT, CHAT_EVAL, SMALL, last_json, metrics, run_cli
-from v4train.ops.compare import assert_close
+from v4train.testing.compare import assert_close
 
 
 @pytest.mark.parametrize("args,message", [

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from v4train.data import Record
-from v4train.models.causal_lm import CausalLM, Packed
+from v4train.model import CausalLM, Packed
 
 REPO = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))

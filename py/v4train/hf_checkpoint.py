@@ -25,9 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from v4train.atomic import atomic_dir
-from v4train.models import config_from_dict
-from v4train.models.causal_lm import CausalLM, all_specs
-from v4train.models.config import ConfigError, Glm5Config, ModelConfig, Qwen35Config
+from v4train.model import CausalLM, all_specs
+from v4train.models import FAMILIES, ModelConfig, config_from_dict
+from v4train.models.config import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -67,7 +67,7 @@ def _check_types(hf_config: dict, source: str) -> None:
     """Each config.json value that a config field reads must be a JSON value of the field's kind:
     hidden_size "128" fails here, in one line, not later in every tensor's shape."""
     kinds = dict(_NUMBER_KEYS)
-    for cls in (Glm5Config, Qwen35Config):
+    for cls in (f.config_class for f in FAMILIES.values()):
         kinds.update({f.name: f.type for f in dataclasses.fields(cls) if f.type in _JSON_KINDS})
     text = hf_config.get("text_config")
     for prefix, section in (("", hf_config), ("text_config.", text if isinstance(text, dict) else {})):
@@ -310,7 +310,8 @@ def _hf_config_for_save(model: CausalLM) -> dict:
     d = dict(model.hf_config)
     if "text_config" in d:
         d = dict(d["text_config"], model_type=model.cfg.model_type)
-        d.setdefault("architectures", ["Qwen3_5MoeForCausalLM" if model.cfg.is_moe else "Qwen3_5ForCausalLM"])
+        if model.family.architecture:
+            d.setdefault("architectures", [model.family.architecture(model.cfg)])
     d.pop("quantization_config", None)  # written unquantised
     config_from_dict(d, "config to save")  # must read back
     return d

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from v4train.hf_checkpoint import nonfinite, read_json
-from v4train.models.causal_lm import CausalLM, layer_prefix, put_parameter
+from v4train.model import CausalLM, layer_prefix, put_parameter
 from v4train.reference.lora import adapter_names
 
 EXPERT_TENSORS = ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")  # PEFT's order: down_proj outermost

@@ -24,8 +24,8 @@ import torch
 from v4train import checkpoint, cli, data, hf_checkpoint, lora, ops, run_dir
 from v4train.flags import FLAGS, FlagError, validate, warmup_too_long
 from v4train.metrics import MetricsLog, Progress, peak_memory_mib
-from v4train.models.causal_lm import CausalLM, Packed
-from v4train.ops.check import self_check
+from v4train.model import CausalLM, Packed
+from v4train.testing.check import self_check
 from v4train.optim import AdamW, lr_at
 from v4train.tokenizer import Tokenizer
 

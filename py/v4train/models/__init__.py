@@ -1,5 +1,6 @@
-"""The two model families (GLM-5, Qwen3.5/3.6): configs from HF config.json, weight tables, and
-one Family record each (models/family.py)."""
+"""The model families (GLM-5, Qwen3.5/3.6), one package each (models/<family>: config, weight
+table, the references of its own ops, its Family record), and reading a config.json into the
+family's config. A third family is one more package and one more entry in FAMILIES."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import os
 from typing import Any
 
 from v4train.models import glm5, qwen3_5
-from v4train.models.config import ConfigError, ModelConfig, check_shapes, check_values
+from v4train.models.config import ConfigError, check_shapes, check_values
 from v4train.models.family import Family
+from v4train.models.glm5.config import Glm5Config
+from v4train.models.qwen3_5.config import Qwen35Config
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (glm5.FAMILY, qwen3_5.FAMILY)}
+ModelConfig = Glm5Config | Qwen35Config
 _BY_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 
 
@@ -27,8 +31,9 @@ def config_from_dict(d: dict[str, Any], source: str = "config") -> ModelConfig:
     check_shapes(d, source)
     if isinstance(d.get("text_config"), dict):
         check_shapes(d["text_config"], f"{source} (text_config)")
-    cfg = _BY_TYPE[model_type].parse(d, model_type, source)
-    check_values(cfg, source)
+    family = _BY_TYPE[model_type]
+    cfg = family.parse(d, model_type, source)
+    check_values(cfg, source, family.check)
     return cfg
 
 

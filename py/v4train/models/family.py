@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from v4train.op import Op
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -16,7 +18,10 @@ class Family:
     the decoder and final norms scale by 1 + w (weights initialised to 0). attention_targets: what
     --lora_target_modules=attention means. frozen: substrings of weights that never train (as in
     transformers: buffers, or computed without gradient). lora_excluded: substrings of weights
-    that are never adapted. architectures: the class a saved config.json names, by model_type."""
+    that are never adapted. config_class: its config dataclass. check(cfg, need): the config's
+    own ranges (models.config.check_values). ops: its ops (the layer op and the family's own
+    blocks). architecture(cfg): the class a saved text model's config.json names, where the
+    checkpoint read named another (a vision-language wrapper)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -25,8 +30,12 @@ class Family:
     layer_op: str
     zero_centered_norm: bool
     attention_targets: tuple[str, ...]
+    config_class: type
+    check: Callable
+    ops: tuple[Op, ...]
     frozen: tuple[str, ...] = ()
     lora_excluded: tuple[str, ...] = ("layernorm", "norm.")
+    architecture: Callable | None = None
 
     def is_frozen(self, name: str) -> bool:
         return any(s in name for s in self.frozen)

@@ -1,34 +1,35 @@
-"""The ops. Each op's facts live in one file, v4train/ops/<op>.py, as `OP = OpInfo(...)` (its
-reference, C++ entry, dtypes, parity samples, error cases and benchmark shapes); NAMES below is
-the one list of them. A run resolves --cpp_ops once into an OpTable (`resolve`) and calls every
-op through it; REFERENCE is the table with every op on its pure-PyTorch reference.
+"""The ops: the one list of them (OPS: the shared blocks here, each family's own from its package),
+REFERENCE (every op on its pure-PyTorch reference), and `resolve`, which turns --cpp_ops into the
+run's OpTable once. What the tests need of an op (its parity samples, error cases, benchmark
+shapes) is v4train/testing/cases/<op>.py.
 """
 
 from __future__ import annotations
 
-import importlib
+from v4train.models import glm5, qwen3_5
+from v4train.op import F64, CppOpUnavailable, Op, OpTable, parse_cpp_ops
+from v4train.reference import adam_step
+from v4train.reference import causal_conv1d
+from v4train.reference import clip_grad_norm
+from v4train.reference import cross_entropy_loss
+from v4train.reference import embedding
+from v4train.reference import gated_delta_rule
+from v4train.reference import mlp
+from v4train.reference import rms_norm
 
-from v4train.ops.registry import CppOpUnavailable, ErrorCase, OpInfo, OpTable, parse_cpp_ops
-
-NAMES = (
-    "v4_embedding",
-    "v4_rms_norm",
-    "v4_mlp",
-    "v4_glm5_moe",
-    "v4_mla_dsa_attention",
-    "v4_glm5_layer_forward",
-    "v4_qwen3_5_layer_forward",
-    "v4_cross_entropy_loss",
-    "v4_adam_step",
-    "v4_clip_grad_norm",
-    "v4_causal_conv1d",
-    "v4_gated_delta_rule",
-    "v4_qwen3_5_moe",
-    "v4_gated_deltanet",
-    "v4_gated_attention",
-)
-
-OPS: dict[str, OpInfo] = {name: importlib.import_module(f"v4train.ops.{name.removeprefix('v4_')}").OP for name in NAMES}
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("v4_embedding", embedding.v4_embedding),
+    Op("v4_rms_norm", rms_norm.v4_rms_norm, dtypes=F64),
+    Op("v4_mlp", mlp.v4_mlp, dtypes=F64),
+    Op("v4_cross_entropy_loss", cross_entropy_loss.v4_cross_entropy_loss),
+    Op("v4_adam_step", adam_step.v4_adam_step, inplace=True),
+    Op("v4_clip_grad_norm", clip_grad_norm.v4_clip_grad_norm, inplace=True),
+    Op("v4_causal_conv1d", causal_conv1d.v4_causal_conv1d, dtypes=F64),
+    Op("v4_gated_delta_rule", gated_delta_rule.v4_gated_delta_rule, dtypes=F64),
+    # the families' own ops
+    *glm5.OPS,
+    *qwen3_5.OPS,
+)}
 
 REFERENCE = OpTable(OPS)
 
@@ -39,4 +40,4 @@ def resolve(spec: str) -> OpTable:
     return OpTable(OPS, parse_cpp_ops(spec, OPS))
 
 
-__all__ = ["NAMES", "OPS", "REFERENCE", "CppOpUnavailable", "ErrorCase", "OpInfo", "OpTable", "resolve"]
+__all__ = ["OPS", "REFERENCE", "CppOpUnavailable", "Op", "OpTable", "resolve"]

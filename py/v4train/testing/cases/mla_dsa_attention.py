@@ -3,9 +3,10 @@
 import torch
 
 from v4train.models import config_from_dict
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import RandomDraw, Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
-from v4train.reference.mla_dsa_attention import v4_mla_dsa_attention
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import RandomDraw, Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
+from v4train.models.glm5.attention import v4_mla_dsa_attention
 
 
 def small_config(draw, dtype: torch.dtype, layers: int = 1, **fixed):
@@ -148,8 +149,8 @@ def _bench(device, dtype, tokens=4096):
     return f"h [{tokens}, 6144], 64 heads, DSA top-2048", (h, w, cfg, 0, positions, cu, None, 0.0, 0.0, 8192)
 
 
-OP = OpInfo(
-    "v4_mla_dsa_attention", v4_mla_dsa_attention, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+CASE = OpCase(
+    OPS["v4_mla_dsa_attention"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("a shared layer without carry", _call(), "is a 'shared' indexer layer but no earlier layer's selection"),
         ErrorCase("h of the wrong width", _call(h=lambda: torch.zeros(5, 12)), "h has shape [5, 12], expected [T, hidden_size=16]"),

@@ -2,8 +2,9 @@
 
 import torch
 
-from v4train.ops.registry import ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, shape, view_as_layout
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, shape, view_as_layout
 from v4train.reference.clip_grad_norm import v4_clip_grad_norm
 
 
@@ -36,8 +37,8 @@ def _bench(device, dtype):
     return f"{len(grads)} tensors, {sum(g.numel() for g in grads) / 1e6:.0f}M values", (grads, 1.0)
 
 
-OP = OpInfo(
-    "v4_clip_grad_norm", v4_clip_grad_norm, samples=samples, benchmarks=(_bench,), inplace=True,
+CASE = OpCase(
+    OPS["v4_clip_grad_norm"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("negative max_norm", lambda: ([torch.zeros(2)], -1.0), "max_norm must be a finite number >= 0, got -1"),
         ErrorCase("integer gradient", lambda: ([torch.zeros(2, dtype=torch.int64)], 1.0),

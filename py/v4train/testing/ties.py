@@ -22,7 +22,8 @@ from typing import Callable
 
 import torch
 
-from v4train.ops.registry import OpTable
+from v4train.op import OpTable
+from v4train.ops import OPS, REFERENCE
 
 # The number of units of roundoff by which each element of the MoE input may differ between two
 # correct evaluations of the layer (see the module docstring). Every flip that 400 bf16 samples
@@ -126,7 +127,6 @@ def rerouted(reference: Callable, args: tuple, kwargs: dict, cpp_out: torch.Tens
     near-tie, a reference callable that routes each MoE call as the C++ ops did; else None (the
     failed comparison stands). Each composition starts the random generators from `seed`, as the
     C++ layer's run did (the same LoRA dropout masks)."""
-    from v4train.ops import OPS, REFERENCE  # the registry imports the op modules, which import this one
 
     cpp_table = OpTable(OPS, frozenset(name for name, op in OPS.items() if op.has_cpp))
     theirs, ours = [], []

@@ -8,10 +8,11 @@ from typing import Callable
 
 import torch
 
-from v4train.ops.compare import assert_close
-from v4train.ops.registry import OpInfo, OpTable
-from v4train.ops.samples import RandomDraw, Sample
-from v4train.ops.tolerances import TOLERANCES
+from v4train.testing.compare import assert_close
+from v4train.op import Op, OpTable
+from v4train.testing.cases import CASES
+from v4train.testing.samples import RandomDraw, Sample
+from v4train.testing.tolerances import TOLERANCES
 
 
 def _outputs(result) -> tuple[torch.Tensor, ...]:
@@ -83,7 +84,7 @@ def _check_inplace(name: str, cpp: Callable, reference: Callable, sample: Sample
 LOW_PRECISION_FACTOR = 10
 
 
-def judge(op: OpInfo, actual, expected, truth, name: str) -> None:
+def judge(op: Op, actual, expected, truth, name: str) -> None:
     """assert_close; and for an op whose math the suite also checks in float64 (F64 in its
     dtypes), a low-precision result that misses it still passes when its error norm against the
     exact answer is at most LOW_PRECISION_FACTOR times the reference's own, plus the dtype's floor
@@ -108,7 +109,7 @@ def judge(op: OpInfo, actual, expected, truth, name: str) -> None:
         raise
 
 
-def check_parity(op: OpInfo, cpp: Callable, reference: Callable, sample: Sample, seed: int) -> None:
+def check_parity(op: Op, cpp: Callable, reference: Callable, sample: Sample, seed: int) -> None:
     """`cpp` against `reference` (the pure reference of `op`) on `sample`: every output and every
     leaf's gradient, or for in-place ops every tensor they update. The reference run in float64
     is the truth that arbitrates rounding (see compare.py). Raises AssertionError naming the op,
@@ -143,7 +144,7 @@ def check_parity(op: OpInfo, cpp: Callable, reference: Callable, sample: Sample,
         _compare(op, sample, cpp_out, cpp_grads, ref_out, ref_grads, true_out, true_grads)
 
 
-def _compare(op: OpInfo, sample: Sample, cpp_out, cpp_grads, ref_out, ref_grads, true_out, true_grads) -> None:
+def _compare(op: Op, sample: Sample, cpp_out, cpp_grads, ref_out, ref_grads, true_out, true_grads) -> None:
     assert len(cpp_out) == len(ref_out), f"{op.name}: {len(cpp_out)} outputs, reference has {len(ref_out)}"
     for i, (c, r) in enumerate(zip(cpp_out, ref_out)):
         if r.is_floating_point():
@@ -166,7 +167,7 @@ def self_check(table: OpTable, reference: OpTable, dtype: torch.dtype, device, s
     parity strategy (seeded, so every run checks the same), on the run's dtype and device.
     Raises ValueError naming the op and what differed."""
     for name in sorted(table.cpp):
-        op = table.ops[name]
+        op = CASES[name]
         if dtype not in op.dtypes:
             continue
         if op.samples is None:

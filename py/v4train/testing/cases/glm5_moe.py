@@ -2,9 +2,10 @@
 
 import torch
 
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
-from v4train.reference.moe import v4_glm5_moe
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
+from v4train.models.glm5.moe import v4_glm5_moe
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
@@ -71,8 +72,8 @@ def _call(x=lambda: torch.zeros(5, 8), w=_weights, top_k=2, n_group=1, topk_grou
     return lambda: (x(), w(), "mlp.", top_k, n_group, topk_group, True, 2.5, 0.0, 0.0, routing and routing())
 
 
-OP = OpInfo(
-    "v4_glm5_moe", v4_glm5_moe, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+CASE = OpCase(
+    OPS["v4_glm5_moe"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("top_k above the experts", _call(top_k=5), "top_k=5 must lie in [1, 4]"),
         ErrorCase("groups that do not divide the experts", _call(n_group=3), "n_group=3, topk_group=1 do not fit 4 experts"),

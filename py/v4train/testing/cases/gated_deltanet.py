@@ -2,11 +2,12 @@
 
 import torch
 
-from v4train.ops.gated_delta_rule import chunk_documents
-from v4train.ops.mla_dsa_attention import packed
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, view_as_layout, weight_leaves, width
-from v4train.reference.gated_deltanet import v4_gated_deltanet
+from v4train.testing.cases.gated_delta_rule import chunk_documents
+from v4train.testing.cases.mla_dsa_attention import packed
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import RandomDraw, Sample, layout, make_leaf, seed, view_as_layout, weight_leaves, width
+from v4train.models.qwen3_5.deltanet import v4_gated_deltanet
 
 
 def block_leaves(draw, hidden: int, nk: int, nv: int, dk: int, dv: int, kernel: int, dtype, device, s: int):
@@ -44,7 +45,6 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
 def _bench(device, dtype, tokens=4096):
     """A Qwen3.5-MoE proxy layer's Gated DeltaNet (hidden 2048, 16 key / 32 value heads of 128)."""
-    from v4train.ops.samples import RandomDraw
 
     weights, _ = block_leaves(RandomDraw(0), 2048, 16, 32, 128, 128, 4, dtype, device, 0)
     weights = {k: v for k, v in weights.items() if "lora" not in k}
@@ -60,8 +60,8 @@ def _call(nv=2, qkv_rows=24):
     return args
 
 
-OP = OpInfo(
-    "v4_gated_deltanet", v4_gated_deltanet, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+CASE = OpCase(
+    OPS["v4_gated_deltanet"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("in_proj_qkv of the wrong height", _call(qkv_rows=20),
                   "linear_attn.in_proj_qkv.weight has shape [20, 8], expected [24, 8]"),

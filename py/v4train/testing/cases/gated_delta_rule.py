@@ -4,9 +4,10 @@ import functools
 
 import torch
 
-from v4train.ops.mla_dsa_attention import packed
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout
+from v4train.testing.cases.mla_dsa_attention import packed
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, size, view_as_layout
 from v4train.reference.gated_delta_rule import v4_gated_delta_rule
 
 
@@ -56,8 +57,8 @@ def _call(v=lambda: torch.zeros(5, 2, 4), cu=lambda: torch.tensor([0, 5]), g=lam
     return lambda: (torch.zeros(5, 2, 4), torch.zeros(5, 2, 4), v(), g(), torch.zeros(5, 2), cu())
 
 
-OP = OpInfo(
-    "v4_gated_delta_rule", v4_gated_delta_rule, samples=samples, dtypes=F64,
+CASE = OpCase(
+    OPS["v4_gated_delta_rule"], samples=samples,
     benchmarks=(_bench, functools.partial(_bench, tokens=8192), functools.partial(_bench, tokens=32768)),
     errors=(
         ErrorCase("value heads not a multiple of key heads", _call(v=lambda: torch.zeros(5, 3, 4)),

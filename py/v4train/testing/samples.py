@@ -13,6 +13,7 @@ from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
+from v4train.reference.lora import adapter_names
 T = TypeVar("T")
 
 # Sizes that break kernels: 1, odd, one off a power of two, non-multiples of 8/16/64.
@@ -119,7 +120,7 @@ class Sample:
     build: leaves -> (args, kwargs) for the op, making the views and adding the other arguments.
     reroute: (args, kwargs, the C++ op's first output, the seed its run started from) -> the
       reference routing a layer's MoE as the C++ ops did, where they routed a token otherwise
-      (rounding at a near-tie), or None (v4train.ops.ties.rerouted).
+      (rounding at a near-tie), or None (v4train.testing.ties.rerouted).
     """
 
     def __init__(self, leaves: dict[str, torch.Tensor],
@@ -137,7 +138,6 @@ def weight_leaves(draw: Draw, shapes: dict[str, tuple[int, ...]], dtype: torch.d
     """A layer's weights by name (N(0, scale^2)), and on a drawn subset of those ending in
     ".weight" or fused expert tensors, LoRA adapters of a drawn rank beside them (A and B both
     random, so the adapters change the output). Returns (tensors, the LoRA scaling drawn)."""
-    from v4train.reference.lora import adapter_names
 
     rank = draw.sampled_from([1, 2, 4])
     scaling = draw.sampled_from([0.5, 2.0])

@@ -3,8 +3,7 @@ is v4_qwen3_5_layer_forward."""
 
 from __future__ import annotations
 
-from v4train.models.config import Qwen35Config, parse_qwen3_5
-from v4train.models.family import Family
+from v4train.models.qwen3_5.config import Qwen35Config
 from v4train.models.weights import WeightSpec
 
 
@@ -54,11 +53,3 @@ def layer_specs(cfg: Qwen35Config, i: int) -> list[WeightSpec]:
         I = cfg.intermediate_size
         specs += [S("mlp.gate_proj.weight", (I, H)), S("mlp.up_proj.weight", (I, H)), S("mlp.down_proj.weight", (H, I))]
     return specs
-
-
-FAMILY = Family(
-    name="qwen3_5", model_types=("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text"), parse=parse_qwen3_5,
-    layer_specs=layer_specs, layer_op="v4_qwen3_5_layer_forward", zero_centered_norm=True,
-    attention_targets=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"),
-    lora_excluded=("layernorm", "norm.", "mlp.gate.", "shared_expert_gate", "conv1d", "A_log", "dt_bias"),
-)

@@ -17,7 +17,7 @@ from torch import nn
 
 from v4train import ops as ops_
 from v4train.models import family_of
-from v4train.models.config import ModelConfig
+from v4train.models import ModelConfig
 from v4train.models.weights import WeightSpec, init_tensor
 from v4train.reference.cross_entropy_loss import IGNORE_INDEX
 

@@ -2,13 +2,15 @@
 
 import torch
 
+from v4train.model import CausalLM
 from v4train.models import config_from_dict
-from v4train.models.glm5 import layer_specs
-from v4train.ops.mla_dsa_attention import documents, packed, random_selection, small_config
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, lora_dropout, make_leaf, seed, view_as_layout, weight_leaves, width
-from v4train.ops.ties import rerouted
-from v4train.reference.glm5_layer_forward import v4_glm5_layer_forward
+from v4train.models.glm5.weights import layer_specs
+from v4train.testing.cases.mla_dsa_attention import documents, packed, random_selection, small_config
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, lora_dropout, make_leaf, seed, view_as_layout, weight_leaves, width
+from v4train.testing.ties import rerouted
+from v4train.models.glm5.layer import v4_glm5_layer_forward
 
 
 def layer_leaves(draw, cfg, layer: int, dtype, device, s, specs_of=layer_specs, excluded=("indexer",)):
@@ -64,7 +66,6 @@ def proxy_config(layers: int = 4):
 
 def _bench(device, dtype, tokens=4096):
     """One GLM-5 MoE layer of the proxy (hidden 6144, 64 heads, DSA top-2048, 32 experts top-8)."""
-    from v4train.models.causal_lm import CausalLM
 
     cfg = config_from_dict(proxy_config(2))
     model = CausalLM.random(cfg, {}, dtype, device)
@@ -81,8 +82,8 @@ def _call(layer=0, dropout=0.0):
     return args
 
 
-OP = OpInfo(
-    "v4_glm5_layer_forward", v4_glm5_layer_forward, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+CASE = OpCase(
+    OPS["v4_glm5_layer_forward"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("a layer past the config", _call(layer=3), "layer 3 is not one of the config's 1 layers"),
         ErrorCase("dropout 1", _call(dropout=1.0), "lora_dropout must lie in [0, 1), got 1"),

@@ -2,8 +2,9 @@
 
 import torch
 
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
 from v4train.reference.mlp import v4_mlp
 
 
@@ -35,8 +36,8 @@ def _bench(device, dtype):
     return "x [4096, 6144], intermediate 12288", (r(4096, 6144), w, "mlp.", 0.0, 0.0)
 
 
-OP = OpInfo(
-    "v4_mlp", v4_mlp, samples=samples, benchmarks=(_bench,), dtypes=F64,
+CASE = OpCase(
+    OPS["v4_mlp"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("a missing weight", lambda: (torch.zeros(3, 8), _weights(without=("mlp.up_proj.weight",)), "mlp.", 0.0, 0.0),
                   "weights lacks the tensor mlp.up_proj.weight"),

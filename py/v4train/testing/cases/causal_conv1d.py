@@ -2,9 +2,10 @@
 
 import torch
 
-from v4train.ops.mla_dsa_attention import packed
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout
+from v4train.testing.cases.mla_dsa_attention import packed
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, size, view_as_layout
 from v4train.reference.causal_conv1d import v4_causal_conv1d
 
 
@@ -39,8 +40,8 @@ def _call(x=lambda: torch.zeros(5, 8), w=lambda: torch.ones(8, 1, 4), cu=lambda:
     return lambda: (x(), w(), cu())
 
 
-OP = OpInfo(
-    "v4_causal_conv1d", v4_causal_conv1d, samples=samples, benchmarks=(_bench,), dtypes=F64,
+CASE = OpCase(
+    OPS["v4_causal_conv1d"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("integer x", _call(x=lambda: torch.zeros(5, 8, dtype=torch.int64)), "x must be"),
         ErrorCase("weight of the wrong shape", _call(w=lambda: torch.ones(8, 4)),

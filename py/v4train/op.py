@@ -1,8 +1,8 @@
-"""What an op is (`OpInfo`: everything the tests, the trainer and the benchmark need to know about
-it), and the run's choice of implementations (`OpTable`, made once from --cpp_ops).
-
-Each op's OpInfo lives in its own file, py/v4train/ops/<op>.py; v4train/ops/__init__.py lists
-the op names, the one list there is.
+"""What an op is at run time (`Op`: its name, reference, dtypes and C++ entry), and the run's
+choice of implementations (`OpTable`, made once from --cpp_ops). The records are listed in
+v4train/ops (the shared blocks) and in each family's package (v4train/models/<family>: its
+layer op and blocks); what tests need of an op (its parity samples, error cases, benchmark
+shapes) lives in v4train/testing. This module imports nothing of v4train's: every layer may use it.
 """
 
 from __future__ import annotations
@@ -19,41 +19,24 @@ class CppOpUnavailable(ImportError):
     """The extension module of a C++ op could not be imported."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ErrorCase:
-    """A bad call of the op and what the C++ entry must say: `exc` whose message starts with
-    "<op name>: " and contains `message`. `args()` builds the arguments (on the CPU)."""
-
-    what: str
-    args: Callable[[], tuple]
-    message: str
-    exc: type = ValueError
-
-
 # The dtypes of the ops that also run in float64: the layer ops and their building blocks, whose
 # low-precision parity cannot judge tensors that are ill-conditioned in that dtype (see check.py).
 F64 = (torch.float32, torch.bfloat16, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
-class OpInfo:
-    """One op: its reference, its C++ entry, and what tests, self-check and benchmark use.
+class Op:
+    """One op.
 
     name: v4_<op>, the name of the C++ function, of its nanobind module and of the reference.
     reference: the pure-PyTorch function. A `composite` op's reference (a layer) calls its
       building blocks through an OpTable given as the keyword argument `ops`.
-    samples: (draw, dtype, device) -> Sample: the parity inputs (see v4train.ops.samples); the
-      parity suite draws them through hypothesis, the trainer's self-check from a seeded RNG.
-    errors: bad calls and the messages the C++ entry must give.
-    benchmarks: (device, dtype) -> (description, args): the shapes tools/benchmark.py times.
+    dtypes: the dtypes it runs in (F64: also float64, where the parity suite checks its math).
     """
 
     name: str
     reference: Callable
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
-    samples: Callable | None = None
-    errors: tuple[ErrorCase, ...] = ()
-    benchmarks: tuple[Callable, ...] = ()
     has_cpp: bool = True  # False while only the reference exists.
     inplace: bool = False  # Updates its tensor arguments in place (no autograd): the optimizer ops.
     composite: bool = False  # Its reference takes `ops`: the table its sub-ops are called through.
@@ -79,7 +62,7 @@ class OpTable:
     others. Resolved once; ops are attributes (`table.v4_rms_norm(...)`). A composite op's
     reference is bound to this table, so its building blocks follow the same choice."""
 
-    def __init__(self, ops: dict[str, OpInfo], cpp: Iterable[str] = (), wrap: Callable | None = None):
+    def __init__(self, ops: dict[str, Op], cpp: Iterable[str] = (), wrap: Callable | None = None):
         """wrap(name, fn, is_cpp) -> fn, if given, wraps every op (measurements: FLOPs, times)."""
         self.ops = ops
         self.cpp = frozenset(cpp)
@@ -106,7 +89,7 @@ class OpTable:
         return f"OpTable(cpp={sorted(self.cpp)})"
 
 
-def parse_cpp_ops(spec: str, known: dict[str, OpInfo]) -> set[str]:
+def parse_cpp_ops(spec: str, known: dict[str, Op]) -> set[str]:
     """`all`, `none` or a comma list of op names (with or without the v4_ prefix)."""
     spec = spec.strip()
     if spec == "all":

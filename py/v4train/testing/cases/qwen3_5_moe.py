@@ -2,9 +2,10 @@
 
 import torch
 
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
-from v4train.reference.moe import v4_qwen3_5_moe
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
+from v4train.models.qwen3_5.moe import v4_qwen3_5_moe
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
@@ -63,8 +64,8 @@ def _call(w=_weights, top_k=2, routing=None):
     return lambda: (torch.zeros(5, 8), w(), "mlp.", top_k, True, 0.0, 0.0, routing and routing())
 
 
-OP = OpInfo(
-    "v4_qwen3_5_moe", v4_qwen3_5_moe, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+CASE = OpCase(
+    OPS["v4_qwen3_5_moe"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("top_k above the experts", _call(top_k=5), "top_k=5 must lie in [1, 4]"),
         ErrorCase("a shared expert gate of the wrong shape",

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from v4train.models.config import Glm5Config, parse_glm5
-from v4train.models.family import Family
+from v4train.models.glm5.config import Glm5Config
 from v4train.models.weights import WeightSpec
 
 
@@ -50,13 +49,3 @@ def layer_specs(cfg: Glm5Config, i: int) -> list[WeightSpec]:
             S("mlp.shared_experts.down_proj.weight", (H, Is)),
         ]
     return specs
-
-
-FAMILY = Family(
-    name="glm5", model_types=("glm_moe_dsa",), parse=parse_glm5, layer_specs=layer_specs,
-    layer_op="v4_glm5_layer_forward", zero_centered_norm=False,
-    attention_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
-    # transformers keeps the routing bias as a buffer and runs the DSA indexer without gradient.
-    frozen=("e_score_correction_bias", ".indexer."),
-    lora_excluded=("layernorm", "norm.", "mlp.gate.", "indexer."),
-)

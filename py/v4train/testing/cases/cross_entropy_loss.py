@@ -2,8 +2,9 @@
 
 import torch
 
-from v4train.ops.registry import ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, size, view_as_layout
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, size, view_as_layout
 from v4train.reference.cross_entropy_loss import v4_cross_entropy_loss
 
 
@@ -40,8 +41,8 @@ def _args(h=lambda: torch.zeros(50, 16), w=lambda: torch.zeros(90, 16), t=lambda
     return lambda: (h(), w(), t(), normalizer, chunk)
 
 
-OP = OpInfo(
-    "v4_cross_entropy_loss", v4_cross_entropy_loss, samples=samples, benchmarks=(_bench,),
+CASE = OpCase(
+    OPS["v4_cross_entropy_loss"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("int32 targets", _args(t=lambda: torch.zeros(50, dtype=torch.int32)), "targets must be int64"),
         ErrorCase("float64 weight", _args(w=lambda: torch.zeros(90, 16, dtype=torch.float64)),

@@ -3,10 +3,11 @@
 import torch
 
 from v4train.models import config_from_dict
-from v4train.ops.mla_dsa_attention import documents, packed
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, view_as_layout, weight_leaves, width
-from v4train.reference.gated_attention import v4_gated_attention
+from v4train.testing.cases.mla_dsa_attention import documents, packed
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import RandomDraw, Sample, layout, make_leaf, seed, view_as_layout, weight_leaves, width
+from v4train.models.qwen3_5.attention import v4_gated_attention
 
 
 def small_rope(head_dim: int, partial: float, yarn: bool):
@@ -47,7 +48,6 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
 def _bench(device, dtype, tokens=4096):
     """A Qwen3.5-MoE proxy layer's gated attention (hidden 2048, 16 heads / 2 kv heads of 256)."""
-    from v4train.ops.samples import RandomDraw
 
     weights, _ = attention_leaves(RandomDraw(0), 2048, 16, 2, 256, dtype, device, 0)
     weights = {k: v for k, v in weights.items() if "lora" not in k}
@@ -64,8 +64,8 @@ def _call(nh=2, q_rows=32, positions=lambda: torch.arange(5)):
     return args
 
 
-OP = OpInfo(
-    "v4_gated_attention", v4_gated_attention, samples=samples, benchmarks=(_bench,), composite=True, dtypes=F64,
+CASE = OpCase(
+    OPS["v4_gated_attention"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("q_proj without the gate rows", _call(q_rows=16),
                   "self_attn.q_proj.weight has shape [16, 8], expected [32, 8] (query and gate per head)"),

@@ -2,9 +2,10 @@
 
 import torch
 
-from v4train.ops.clip_grad_norm import lora_tensors
-from v4train.ops.registry import ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, shape, view_as_layout
+from v4train.testing.cases.clip_grad_norm import lora_tensors
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, shape, view_as_layout
 from v4train.reference.adam_step import v4_adam_step
 
 
@@ -67,8 +68,8 @@ def _grad_as_moment():
     return [torch.zeros(3)], g, g, [torch.zeros(3)], 1, 1e-3, 0.9, 0.999, 1e-8, 0.0
 
 
-OP = OpInfo(
-    "v4_adam_step", v4_adam_step, samples=samples, benchmarks=(_bench,), inplace=True,
+CASE = OpCase(
+    OPS["v4_adam_step"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("lists of different lengths", _call(g=lambda: [torch.zeros(2, 2)]), "must be lists of one length, got 2, 1"),
         ErrorCase("float64 moments", _call(m=lambda: [torch.zeros(2, 2, dtype=torch.float64), torch.zeros(5)]),

@@ -3,14 +3,16 @@
 import torch
 
 from v4train.models import config_from_dict
-from v4train.models.qwen3_5 import FAMILY, layer_specs
-from v4train.ops.gated_delta_rule import chunk_documents
-from v4train.ops.glm5_layer_forward import layer_leaves
-from v4train.ops.mla_dsa_attention import packed
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, lora_dropout, make_leaf, seed, view_as_layout
-from v4train.ops.ties import rerouted
-from v4train.reference.qwen3_5_layer_forward import v4_qwen3_5_layer_forward
+from v4train.models.qwen3_5 import FAMILY
+from v4train.models.qwen3_5.weights import layer_specs
+from v4train.testing.cases.gated_delta_rule import chunk_documents
+from v4train.testing.cases.glm5_layer_forward import layer_leaves
+from v4train.testing.cases.mla_dsa_attention import packed
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, lora_dropout, make_leaf, seed, view_as_layout
+from v4train.testing.ties import rerouted
+from v4train.models.qwen3_5.layer import v4_qwen3_5_layer_forward
 
 
 def small_config(draw, moe: bool):
@@ -55,8 +57,8 @@ def _call(layer=0, dropout=0.0):
     return args
 
 
-OP = OpInfo(
-    "v4_qwen3_5_layer_forward", v4_qwen3_5_layer_forward, samples=samples, composite=True, dtypes=F64,
+CASE = OpCase(
+    OPS["v4_qwen3_5_layer_forward"], samples=samples,
     errors=(
         ErrorCase("a layer past the config's", _call(layer=3), "layer 3 is not one of the config's 1 layers"),
         ErrorCase("lora_dropout of 1", _call(dropout=1.0), "lora_dropout must lie in [0, 1), got 1"),

@@ -2,8 +2,9 @@
 
 import torch
 
-from v4train.ops.registry import F64, ErrorCase, OpInfo
-from v4train.ops.samples import Sample, layout, make_leaf, seed, shape, size, view_as_layout
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, layout, make_leaf, seed, shape, size, view_as_layout
 from v4train.reference.rms_norm import v4_rms_norm
 
 
@@ -33,8 +34,8 @@ def _bench(device, dtype):
 
 
 _X, _W = (lambda: torch.zeros(2, 8)), (lambda: torch.ones(8))
-OP = OpInfo(
-    "v4_rms_norm", v4_rms_norm, samples=samples, benchmarks=(_bench,), dtypes=F64,
+CASE = OpCase(
+    OPS["v4_rms_norm"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("integer x", lambda: (torch.zeros(2, 8, dtype=torch.int64), _W(), 1e-6, False),
                   "x must be float32, bfloat16, float16 or float64, got Long"),

@@ -26,7 +26,7 @@ import dataclasses
 
 import torch
 
-from v4train.ops.tolerances import TOLERANCES
+from v4train.testing.tolerances import TOLERANCES
 
 
 # Whole-model comparisons (a model's logits, loss and gradient norms against transformers'):

@@ -2,8 +2,9 @@
 
 import torch
 
-from v4train.ops.registry import ErrorCase, OpInfo
-from v4train.ops.samples import Sample, make_leaf, seed, shape, size
+from v4train.ops import OPS
+from v4train.testing.case import ErrorCase, OpCase
+from v4train.testing.samples import Sample, make_leaf, seed, shape, size
 from v4train.reference.embedding import v4_embedding
 
 
@@ -26,8 +27,8 @@ def _bench(device, dtype):
     return "ids [16384], weight [154880, 6144]", (ids, w)
 
 
-OP = OpInfo(
-    "v4_embedding", v4_embedding, samples=samples, benchmarks=(_bench,),
+CASE = OpCase(
+    OPS["v4_embedding"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("id past the vocabulary", lambda: (torch.tensor([0, 5]), torch.zeros(5, 3)),
                   "input_ids must lie in [0, 5), got [0, 5]"),

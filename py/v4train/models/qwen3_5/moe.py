@@ -1,0 +1,43 @@
+"""Qwen3.5-MoE's MoE block (v4_qwen3_5_moe): the softmax router, the routed experts, the gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from v4train.reference.lora import Lora
+from v4train.reference.moe import experts
+
+
+def route_softmax(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True,
+                  routing: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5-MoE router (transformers' Qwen3_5MoeTopKRouter): softmax over x W^T (logits in x's
+    dtype, softmax in fp32), top_k (or `routing` as given), renormalised when norm_topk_prob, in
+    x's dtype. Returns (weights [T, top_k], indices [T, top_k] int64, by descending probability)."""
+    logits = F.linear(x, weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if routing is None:
+        w, idx = torch.topk(probs, top_k, dim=-1)
+    else:
+        w, idx = probs.gather(1, routing), routing
+    if norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(logits.dtype), idx
+
+
+def v4_qwen3_5_moe(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, top_k: int, norm_topk_prob: bool = True,
+                lora_scaling: float = 0.0, lora_dropout: float = 0.0, routing: torch.Tensor | None = None, *,
+                ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5-MoE's sparse MoE block (transformers' Qwen3_5MoeSparseMoeBlock): the softmax router
+    (route_softmax), the routed experts weighted by it, plus sigmoid(x . shared_expert_gate) times
+    the shared expert (ops.v4_mlp with prefix + "shared_expert.").
+
+    x [T, H]; weights[prefix + "gate.weight"] [E, H], prefix + "experts.gate_up_proj" [E, 2I, H],
+    prefix + "experts.down_proj" [E, H, I], prefix + "shared_expert_gate.weight" [1, H] and the
+    shared expert's. Returns (out [T, H] in x's dtype, the routing [T, top_k] int64).
+    """
+    lora = Lora(lora_scaling, lora_dropout)
+    rw, idx = route_softmax(x, weights[prefix + "gate.weight"], top_k, norm_topk_prob, routing)
+    shared = ops.v4_mlp(x, weights, prefix + "shared_expert.", lora_scaling, lora_dropout)
+    gate = torch.sigmoid(F.linear(x, weights[prefix + "shared_expert_gate.weight"]))
+    return experts(x, idx, rw, weights, lora, prefix + "experts.") + gate * shared, idx
