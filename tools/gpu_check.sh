@@ -8,7 +8,9 @@
 #   TOKENS=4096,16384,65536 the model benchmark's sequence lengths, MODELS="glm5 qwen3_5" its proxies;
 #   BENCH_ARGS="--exact" more arguments of tools/bench_model.py;
 #   OPS=v4_a,v4_b the op benchmarks to run (default: all), IMPL=cpp to time the C++ ops alone;
-#   PARITY_K="expr" the parity cases, as pytest -k (default: cuda, every CUDA case).
+#   PARITY_K="expr" the parity cases, as pytest -k (default: cuda, every CUDA case);
+#   SANITIZE_K="expr" with the stage "sanitize": those parity cases under compute-sanitizer's memcheck.
+#     (SANITIZE_S seconds at most, default 420)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
@@ -32,6 +34,12 @@ if has parity; then
   # The CPU cases run in CI; here the CUDA ones, every op and dtype.
   python3 -m pytest -p no:cacheprovider -q --hypothesis-show-statistics parity -k "${PARITY_K:-cuda}" >"$out/parity.log" 2>&1 || status=1
   echo "parity (CUDA): $(grep -E '[0-9]+ (passed|failed)' "$out/parity.log" | tail -1)"
+fi
+if has sanitize; then
+  # Memory errors (a misaligned or out-of-bounds access) named by kernel, in the case that made them.
+  timeout "${SANITIZE_S:-420}" compute-sanitizer --tool memcheck --print-limit 10 --error-exitcode 3 \
+    python3 -m pytest -p no:cacheprovider -q -x parity -k "${SANITIZE_K:-cuda}" >"$out/sanitize.log" 2>&1 || status=1
+  echo "sanitize: $(grep -E 'ERROR SUMMARY|[0-9]+ (passed|failed)' "$out/sanitize.log" | tail -2 | tr '\n' ' ')"
 fi
 if has tests; then
   python3 -m pytest -p no:cacheprovider -q py/tests/test_bridge.py py/tests/test_ops_selection.py \

@@ -9,13 +9,16 @@ namespace v4 {
 namespace {
 
 // The view itself where its first element and every row (each stride but the last's) are 16-byte
-// aligned, else a contiguous copy: the flash, cuDNN and memory-efficient attention kernels read 16
+// aligned, else a fresh copy: the flash, cuDNN and memory-efficient attention kernels read 16
 // bytes at a time and check only the last dimension (GLM-5's v is a slice of kv_b's output, at an
-// odd offset or head stride when the head dims are odd; seen faulting in float32).
+// odd offset or head stride when the head dims are odd; seen faulting in float32). A copy, not
+// contiguous(): a document's rows of a contiguous tensor are contiguous already, and start where
+// the document does (one head of 4 bf16 values from an odd token: 8 bytes off, seen faulting in
+// the flash kernel under compute-sanitizer); a new allocation starts aligned.
 at::Tensor aligned(const at::Tensor& t) {
   bool ok = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(-1) == 1;
   for (int64_t i = 0; ok && i + 1 < t.dim(); ++i) ok = (t.stride(i) * t.element_size()) % 16 == 0 || t.size(i) == 1;
-  return ok ? t : t.contiguous();
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 }  // namespace
