@@ -17,6 +17,7 @@ calling it: a crash shows as the subprocess's exit status, with the case that ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -27,6 +28,7 @@ import traceback
 import pytest
 import torch
 
+from v4train.layer_call import LayerOptions
 from v4train.ops import REFERENCE
 from v4train.testing.cases import CASES
 from v4train.testing.check import judge, random_upstream
@@ -39,8 +41,8 @@ COUNT = 1000 if PROFILE == "wide" else 120  # cases per op; `ci` fixed seeds, `w
 # ---- the cases ---------------------------------------------------------------------------------
 
 def _tensor_slots(args) -> list[tuple]:
-    """Where the tensors are: (i,) for a tensor argument, (i, j) for element (or key) j of a list
-    (or dict: a layer's weights) argument."""
+    """Where the tensors are: (i,) for a tensor argument, (i, j) for element (or key, or field) j
+    of a list (or dict: a layer's weights; or dataclass: a layer's Batch) argument."""
     slots = []
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
@@ -49,16 +51,23 @@ def _tensor_slots(args) -> list[tuple]:
             slots += [(i, j) for j, t in enumerate(a) if isinstance(t, torch.Tensor)]
         elif isinstance(a, dict):
             slots += [(i, k) for k, t in a.items() if isinstance(t, torch.Tensor)]
+        elif dataclasses.is_dataclass(a):
+            slots += [(i, f.name) for f in dataclasses.fields(a) if isinstance(getattr(a, f.name), torch.Tensor)]
     return slots
 
 
 def _get(args, slot):
-    return args[slot[0]] if len(slot) == 1 else args[slot[0]][slot[1]]
+    if len(slot) == 1:
+        return args[slot[0]]
+    a = args[slot[0]]
+    return getattr(a, slot[1]) if dataclasses.is_dataclass(a) else a[slot[1]]
 
 
 def _set(args, slot, value):
     if len(slot) == 1:
         args[slot[0]] = value
+    elif dataclasses.is_dataclass(args[slot[0]]):
+        args[slot[0]] = dataclasses.replace(args[slot[0]], **{slot[1]: value})
     elif isinstance(args[slot[0]], dict):
         args[slot[0]] = {**args[slot[0]], slot[1]: value}
     else:
@@ -162,7 +171,7 @@ def _mutate_tensor(args, rng: random.Random) -> str:
         other = rng.choice(others)
         new, what = _get(args, other), f"the tensor of {other}"
     else:  # a list argument one shorter
-        if len(slot) == 1 or not args[slot[0]]:
+        if len(slot) == 1 or not isinstance(args[slot[0]], (list, tuple, dict)) or not args[slot[0]]:
             return "not in a list"
         args[slot[0]] = list(args[slot[0]])[:-1]
         return f"argument {slot[0]} one element shorter"
@@ -171,15 +180,22 @@ def _mutate_tensor(args, rng: random.Random) -> str:
 
 
 def _mutate_scalar(args, rng: random.Random) -> str:
-    slots = [i for i, a in enumerate(args) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    """A number argument, or a number field of a layer's LayerOptions,
+    made non-finite, zero, negative or huge."""
+    number = lambda a: isinstance(a, (int, float)) and not isinstance(a, bool)  # noqa: E731
+    slots = [(i,) for i, a in enumerate(args) if number(a)]
+    slots += [(i, f.name) for i, a in enumerate(args) if isinstance(a, LayerOptions)
+              for f in dataclasses.fields(a) if number(getattr(a, f.name))]
     if not slots:
         return "no scalar"
-    i = rng.choice(slots)
-    if isinstance(args[i], float):  # (no huge or tiny finite values: the reference's own overflow is not our bug)
-        args[i] = rng.choice([float("nan"), float("inf"), float("-inf"), 0.0, -1.0])
+    slot = rng.choice(slots)
+    old = _get(args, slot)
+    if isinstance(old, float):  # (no huge or tiny finite values: the reference's own overflow is not our bug)
+        new = rng.choice([float("nan"), float("inf"), float("-inf"), 0.0, -1.0])
     else:
-        args[i] = rng.choice([0, -1, 2**62, -(2**62)])
-    return f"argument {i} = {args[i]}"
+        new = rng.choice([0, -1, 2**62, -(2**62)])
+    _set(args, slot, new)
+    return f"argument {'.'.join(map(str, slot))} = {new}"
 
 
 def make_case(op, seed: int) -> tuple[list, dict, str]:

@@ -6,6 +6,7 @@ recomputation repeating the first pass's routing and DSA selection (parity/recom
 import torch
 
 from parity.recompute import assert_recomputation_repeats_choices
+from v4train.layer_call import Batch, LayerOptions
 from v4train.ops import OPS, REFERENCE
 from v4train.testing.check import check_parity
 from v4train.testing.compare import assert_close
@@ -28,7 +29,7 @@ def long_document(checkpoint: bool) -> Sample:
 
     def build(lv):
         w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (lv["hidden"], w, cfg, 0, positions, cu, None, scaling, 0.0, checkpoint), {}
+        return (lv["hidden"], w, cfg, 0, Batch(positions, cu), LayerOptions(scaling, 0.0, checkpoint)), {}
 
     return Sample(leaves, build, note=f"one document of {TOKENS} tokens, checkpoint {checkpoint}")
 
@@ -66,7 +67,7 @@ def choosing_layer() -> Sample:
 
     def build(lv):
         w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (lv["hidden"], w, cfg, 0, positions, cu, None, scaling, 0.0, True), {}
+        return (lv["hidden"], w, cfg, 0, Batch(positions, cu), LayerOptions(scaling, 0.0, True)), {}
 
     return Sample(leaves, build, note="40 tokens, DSA top-6, 4 experts top-2, checkpointed")
 

@@ -4,6 +4,7 @@ repeats the first pass's routing (parity/recompute.py)."""
 import torch
 
 from parity.recompute import assert_recomputation_repeats_choices
+from v4train.layer_call import Batch, LayerOptions
 from v4train.ops import OPS, REFERENCE
 from v4train.testing import ties
 from v4train.testing.cases.glm5_layer_forward import layer_leaves
@@ -27,7 +28,7 @@ def choosing_layer(layer: int) -> Sample:
 
     def build(lv):
         w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (lv["hidden"], w, cfg, layer, positions, cu, None, scaling, 0.0, True), {}
+        return (lv["hidden"], w, cfg, layer, Batch(positions, cu), LayerOptions(scaling, 0.0, True)), {}
 
     return Sample(leaves, build, note=f"layer {layer}, 6 tokens, 16 experts top-2, checkpointed")
 

@@ -9,6 +9,9 @@
 #   BENCH_ARGS="--exact" more arguments of tools/bench_model.py;
 #   OPS=v4_a,v4_b the op benchmarks to run (default: all), IMPL=cpp to time the C++ ops alone;
 #   PARITY_K="expr" the parity cases, as pytest -k (default: cuda, every CUDA case);
+#   the stage "cpu": the CPU suite on this machine's CPU (another kind than CI's), the ops built
+#     without CUDA into build/ext_cpu, at OMP_NUM_THREADS=1 and 16 (a bound that holds on one CPU
+#     and thread count only fails somebody else);
 #   SANITIZE_K="expr" with the stage "sanitize": those parity cases under compute-sanitizer's memcheck.
 #     (SANITIZE_S seconds at most, default 420)
 set -uo pipefail
@@ -40,6 +43,15 @@ if has sanitize; then
   timeout "${SANITIZE_S:-420}" compute-sanitizer --tool memcheck --print-limit 10 --error-exitcode 3 \
     python3 -m pytest -p no:cacheprovider -q -x parity -k "${SANITIZE_K:-cuda}" >"$out/sanitize.log" 2>&1 || status=1
   echo "sanitize: $(grep -E 'ERROR SUMMARY|[0-9]+ (passed|failed)' "$out/sanitize.log" | tail -2 | tr '\n' ' ')"
+fi
+if has cpu; then
+  python3 tools/build_ext.py --no-cuda --out build/ext_cpu --jobs "$(nproc)" >"$out/build_cpu.log" 2>&1 || exit 1
+  for threads in 1 16; do
+    OMP_NUM_THREADS=$threads PYTHONPATH=py:py/tests:build/ext_cpu:.:/tmp/site \
+      python3 -m pytest -p no:cacheprovider -q parity py/tests/test_goldens.py py/tests/test_layers_cpp.py \
+      tools/bench_model_test.py -k "not cuda" >"$out/cpu_$threads.log" 2>&1 || status=1
+    echo "CPU suite, $threads threads: $(grep -E '[0-9]+ (passed|failed)' "$out/cpu_$threads.log" | tail -1)"
+  done
 fi
 if has tests; then
   python3 -m pytest -p no:cacheprovider -q py/tests/test_bridge.py py/tests/test_ops_selection.py \

@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "cc/common/config.h"
+#include "cc/common/layer_call.h"
 
 namespace nanobind::detail {
 
@@ -40,9 +41,10 @@ struct type_caster<at::Tensor> {
   }
 };
 
-// The model configs (v4train.models.config dataclasses, or any object with those attributes),
-// read field by field into the C++ structs of config.h. A missing or mistyped field makes the
-// call fail with nanobind's TypeError listing the expected signature.
+// The structs written as X(type, name, default) lists (the model configs of config.h, Batch and
+// LayerOptions of layer_call.h), read field by field from the Python objects (v4train's
+// dataclasses, or any object with those attributes). A missing or mistyped field makes the call
+// fail with nanobind's TypeError listing the expected signature.
 template <typename T>
 bool read_attr(handle src, const char* name, T& out) {
   object value = getattr(src, name, none());
@@ -62,8 +64,8 @@ inline bool read_attr(handle src, const char* name, std::optional<double>& out) 
 
 #define V4_READ_FIELD(type, name, init) &&read_attr(src, #name, value.name)
 
-// The config casters: every field of config.h's lists, read by its name.
-#define V4_CONFIG_CASTER(Type, FIELDS)                                                      \
+// The caster of such a struct: every field of its list, read by its name.
+#define V4_FIELDS_CASTER(Type, FIELDS)                                                      \
   template <>                                                                               \
   struct type_caster<v4::Type> {                                                            \
     NB_TYPE_CASTER(v4::Type, const_name(#Type))                                             \
@@ -71,7 +73,9 @@ inline bool read_attr(handle src, const char* name, std::optional<double>& out) 
     static handle from_cpp(const v4::Type&, rv_policy, cleanup_list*) noexcept { return handle(); } \
   };
 
-V4_CONFIG_CASTER(Rope, V4_ROPE_FIELDS)
+V4_FIELDS_CASTER(Rope, V4_ROPE_FIELDS)
+V4_FIELDS_CASTER(Batch, V4_BATCH_FIELDS)
+V4_FIELDS_CASTER(LayerOptions, V4_LAYER_OPTIONS_FIELDS)
 
 }  // namespace nanobind::detail
 

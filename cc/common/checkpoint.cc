@@ -83,18 +83,20 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
 }  // namespace
 
 void check_layer_call(const char* op, const at::Tensor& hidden, const Weights& weights, int64_t layer, int64_t layers,
-                      double lora_dropout) {
+                      const Batch& batch, const LayerOptions& options) {
   check_floating(op, "hidden", hidden, /*float64=*/true);
   check_dim(op, "hidden", hidden, 2);
   check_weights(op, weights, hidden);
   TORCH_CHECK_VALUE(layer >= 0 && layer < layers, op, ": layer ", layer, " is not one of the config's ", layers,
                     " layers");
-  TORCH_CHECK_VALUE(lora_dropout >= 0 && lora_dropout < 1, op, ": lora_dropout must lie in [0, 1), got ", lora_dropout);
+  TORCH_CHECK_VALUE(batch.positions.defined() && batch.cu_seqlens.defined(), op,
+                    ": batch needs positions and cu_seqlens tensors");
+  TORCH_CHECK_VALUE(options.lora_dropout >= 0 && options.lora_dropout < 1, op,
+                    ": lora_dropout must lie in [0, 1), got ", options.lora_dropout);
 }
 
-std::vector<at::Tensor> run_layer(const at::Tensor& hidden, const c10::intrusive_ptr<CheckpointedCall>& call,
-                                  bool checkpoint) {
-  if (!(checkpoint && at::GradMode::is_enabled())) return call->forward(hidden, call->weights);
+std::vector<at::Tensor> run_layer(const at::Tensor& hidden, const c10::intrusive_ptr<CheckpointedCall>& call) {
+  if (!(call->options.checkpoint && at::GradMode::is_enabled())) return call->forward(hidden, call->weights);
   torch::autograd::variable_list trained;
   std::vector<std::string> names;
   for (const auto& [name, w] : call->weights) {

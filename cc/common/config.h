@@ -1,5 +1,5 @@
 // What the model configs share (each family's config is cc/models/<family>/config.h), filled from
-// the Python config objects (v4train.models) by the nanobind casters (bridge.h: V4_CONFIG_CASTER).
+// the Python config objects (v4train.models) by the nanobind casters (bridge.h: V4_FIELDS_CASTER).
 #pragma once
 
 #include <cstdint>

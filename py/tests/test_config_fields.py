@@ -1,7 +1,8 @@
-"""The model configs are written once per language, and these must agree: every field the C++
-layer ops read (the X(type, name, default) lists of cc/common/config.h and cc/models/<family>/
-config.h, which both declare the C++ structs and drive the casters) is a field of the Python
-dataclass of the same name, of the matching kind."""
+"""The model configs and a layer call's Batch and LayerOptions are written once per language, and
+these must agree: every field the C++ ops read (the X(type, name, default) lists of
+cc/common/config.h, cc/common/layer_call.h and cc/models/<family>/config.h, which both declare the
+C++ structs and drive the casters) is a field of the Python dataclass of the same name, of the
+matching kind."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 
 import pytest
 
+from v4train import layer_call
 from v4train.models import config
 from v4train.models.glm5.config import Glm5Config
 from v4train.models.qwen3_5.config import Qwen35Config
@@ -18,9 +20,12 @@ from v4train.models.qwen3_5.config import Qwen35Config
 CC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "cc")
 # C++ field type -> the annotation of the Python dataclass field
 KINDS = {"int64_t": "int", "double": "float", "bool": "bool", "std::string": "str",
-         "std::vector<std::string>": "tuple[str, ...]", "std::optional<double>": "float | None", "Rope": "Rope"}
+         "std::vector<std::string>": "tuple[str, ...]", "std::optional<double>": "float | None", "Rope": "Rope",
+         "at::Tensor": "torch.Tensor"}
 # the X list -> (the header that holds it, the Python dataclass)
 LISTS = {"V4_ROPE_FIELDS": ("common/config.h", config.Rope),
+         "V4_BATCH_FIELDS": ("common/layer_call.h", layer_call.Batch),
+         "V4_LAYER_OPTIONS_FIELDS": ("common/layer_call.h", layer_call.LayerOptions),
          "V4_GLM5_CONFIG_FIELDS": ("models/glm5/config.h", Glm5Config),
          "V4_QWEN35_CONFIG_FIELDS": ("models/qwen3_5/config.h", Qwen35Config)}
 

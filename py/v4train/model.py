@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from v4train import ops as ops_
+from v4train.layer_call import Batch, LayerOptions
 from v4train.models import family_of
 from v4train.models import ModelConfig
 from v4train.models.weights import WeightSpec, init_tensor
@@ -60,6 +61,11 @@ class Packed:
         return Packed.from_documents(rows, None if labels is None else labels.tolist(), device=input_ids.device)
 
     @property
+    def batch(self) -> Batch:
+        """What a layer op needs of the batch: the positions and document boundaries."""
+        return Batch(self.positions, self.cu_seqlens)
+
+    @property
     def num_targets(self) -> int:
         return int((self.targets != IGNORE_INDEX).sum())
 
@@ -87,15 +93,19 @@ def all_specs(cfg: ModelConfig) -> list[WeightSpec]:
 
 def put_parameter(root: nn.Module, name: str, tensor: torch.Tensor, requires_grad: bool = False) -> nn.Parameter:
     """Registers `tensor` as the parameter `name` (dotted) under root, making plain nn.Module
-    containers for the missing parents."""
+    containers for the missing parents; a decoder layer on the way binds its weights anew."""
     *path, leaf = name.split(".")
     module = root
     for part in path:
+        if isinstance(module, DecoderLayer):
+            module.unbind()
         child = module._modules.get(part)
         if child is None:
             child = nn.Module()
             module.add_module(part, child)
         module = child
+    if isinstance(module, DecoderLayer):
+        module.unbind()
     param = nn.Parameter(tensor, requires_grad=requires_grad)
     module.register_parameter(leaf, param)
     return param
@@ -107,7 +117,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int, tensors: dict[str, torch.Tensor]):
         super().__init__()
-        self.cfg, self.index = cfg, index
+        self.cfg, self.index, self.carries = cfg, index, family_of(cfg).carries
+        self._bound = None
         for name, t in tensors.items():
             put_parameter(self, name, t)
         self.lora_scaling = 0.0  # alpha / r once adapters are added (v4train.lora)
@@ -115,9 +126,27 @@ class DecoderLayer(nn.Module):
         self.checkpointing = False  # recompute the layer in the backward pass (activation checkpointing)
         self.op = None  # the family's layer op from the run's OpTable (CausalLM.use_ops)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor, carry=None):
-        return self.op(hidden, dict(self.named_parameters()), self.cfg, self.index, positions, cu_seqlens, carry,
-                       self.lora_scaling, self.lora_dropout if self.training else 0.0, self.checkpointing)
+    @property
+    def weights(self) -> dict[str, nn.Parameter]:
+        """The layer's tensors by name (its adapters among them), as its op takes them: bound once,
+        and again after a parameter is added (put_parameter) or the module moved (_apply)."""
+        if self._bound is None:
+            self._bound = dict(self.named_parameters())
+        return self._bound
+
+    def unbind(self) -> None:
+        self._bound = None
+
+    def _apply(self, fn, recurse=True):
+        self.unbind()
+        return super()._apply(fn, recurse)
+
+    def forward(self, hidden: torch.Tensor, batch: Batch, carry=None):
+        """(hidden, the carry to the next layer: GLM-5's DSA selection, None for Qwen3.5)."""
+        options = LayerOptions(self.lora_scaling, self.lora_dropout if self.training else 0.0, self.checkpointing)
+        if self.carries:
+            return self.op(hidden, self.weights, self.cfg, self.index, batch, options, carry)
+        return self.op(hidden, self.weights, self.cfg, self.index, batch, options), None
 
 
 class CausalLM(nn.Module):
@@ -181,9 +210,9 @@ class CausalLM(nn.Module):
         """The final-norm hidden states [T, H]."""
         ops = self.ops
         x = ops.v4_embedding(batch.input_ids, self.model.embed_tokens.weight)
-        carry = None
+        carry, layer_batch = None, batch.batch
         for layer in self.model.layers:
-            x, carry = layer(x, batch.positions, batch.cu_seqlens, carry)
+            x, carry = layer(x, layer_batch, carry)
         return ops.v4_rms_norm(x, self.model.norm.weight, self.cfg.rms_norm_eps, self.family.zero_centered_norm)
 
     def logits(self, batch: Packed) -> torch.Tensor:

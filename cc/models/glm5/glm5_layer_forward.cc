@@ -51,7 +51,7 @@ struct LayerCall : CheckpointedCall {
     if (!shared && selection.defined()) given = selection;
     const at::Tensor normed = v4_rms_norm(hidden, get(weights, "input_layernorm.weight", "v4_glm5_layer_forward"),
                                           cfg.rms_norm_eps, false);
-    auto [attn, chosen_keys] = v4_mla_dsa_attention(normed, weights, cfg, layer, positions, cu_seqlens, given,
+    auto [attn, chosen_keys] = v4_mla_dsa_attention(normed, weights, cfg, layer, batch.positions, batch.cu_seqlens, given,
                                                     lora.scaling, lora.dropout, kMaskedMaxLen);
     selection = chosen_keys;
     const at::Tensor mid = hidden + attn;
@@ -73,18 +73,16 @@ struct LayerCall : CheckpointedCall {
 
 std::tuple<at::Tensor, at::Tensor> v4_glm5_layer_forward(const at::Tensor& hidden, const v4::Weights& weights,
                                                          const v4::Glm5Config& cfg, int64_t layer,
-                                                         const at::Tensor& positions, const at::Tensor& cu_seqlens,
-                                                         const std::optional<at::Tensor>& carry, double lora_scaling,
-                                                         double lora_dropout, bool checkpoint) {
+                                                         const v4::Batch& batch, const v4::LayerOptions& options,
+                                                         const std::optional<at::Tensor>& carry) {
   constexpr const char* op = "v4_glm5_layer_forward";
   const int64_t layers = static_cast<int64_t>(cfg.mlp_layer_types.size());
-  v4::check_layer_call(op, hidden, weights, layer, layers, lora_dropout);
+  v4::check_layer_call(op, hidden, weights, layer, layers, batch, options);
   TORCH_CHECK_VALUE(static_cast<int64_t>(cfg.indexer_types.size()) == layers, op, ": the config has ",
                     cfg.indexer_types.size(), " indexer types for ", layers, " layers");
-  auto call = c10::make_intrusive<v4::LayerCall>(weights, layer, positions, cu_seqlens,
-                                                 v4::Lora{lora_scaling, lora_dropout});
+  auto call = c10::make_intrusive<v4::LayerCall>(weights, layer, batch, options);
   call->cfg = cfg;
   call->carry = carry;
-  const auto out = v4::run_layer(hidden, call, checkpoint);
+  const auto out = v4::run_layer(hidden, call);
   return {out[0], out[1]};
 }

@@ -30,10 +30,10 @@ struct QwenLayerCall : CheckpointedCall {
     const at::Tensor mixed =
         cfg.layer_types[layer] == "linear_attention"
             ? v4_gated_deltanet(h, weights, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
-                                cfg.linear_key_head_dim, cfg.linear_value_head_dim, eps, cu_seqlens, lora.scaling,
+                                cfg.linear_key_head_dim, cfg.linear_value_head_dim, eps, batch.cu_seqlens, lora.scaling,
                                 lora.dropout)
             : v4_gated_attention(h, weights, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rope,
-                                 eps, positions, cu_seqlens, lora.scaling, lora.dropout);
+                                 eps, batch.positions, batch.cu_seqlens, lora.scaling, lora.dropout);
     const at::Tensor mid = hidden + mixed;
     const at::Tensor h2 = v4_rms_norm(mid, get(weights, "post_attention_layernorm.weight", kOp), eps, true);
     if (!cfg.is_moe) return {mid + v4_mlp(h2, weights, "mlp.", lora.scaling, lora.dropout)};
@@ -47,15 +47,11 @@ struct QwenLayerCall : CheckpointedCall {
 }  // namespace
 }  // namespace v4
 
-std::tuple<at::Tensor, std::optional<at::Tensor>> v4_qwen3_5_layer_forward(
-    const at::Tensor& hidden, const v4::Weights& weights, const v4::Qwen35Config& cfg, int64_t layer,
-    const at::Tensor& positions, const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& carry,
-    double lora_scaling, double lora_dropout, bool checkpoint) {
+at::Tensor v4_qwen3_5_layer_forward(const at::Tensor& hidden, const v4::Weights& weights, const v4::Qwen35Config& cfg,
+                                    int64_t layer, const v4::Batch& batch, const v4::LayerOptions& options) {
   constexpr const char* op = v4::kOp;
-  v4::check_layer_call(op, hidden, weights, layer, static_cast<int64_t>(cfg.layer_types.size()), lora_dropout);
-  TORCH_CHECK_VALUE(!carry, op, ": carry must be None (a Qwen3.5 layer takes nothing from the one before)");
-  auto call = c10::make_intrusive<v4::QwenLayerCall>(weights, layer, positions, cu_seqlens,
-                                                     v4::Lora{lora_scaling, lora_dropout});
+  v4::check_layer_call(op, hidden, weights, layer, static_cast<int64_t>(cfg.layer_types.size()), batch, options);
+  auto call = c10::make_intrusive<v4::QwenLayerCall>(weights, layer, batch, options);
   call->cfg = cfg;
-  return {v4::run_layer(hidden, call, checkpoint)[0], std::nullopt};
+  return v4::run_layer(hidden, call)[0];
 }

@@ -17,7 +17,6 @@ layer's parity (parity/test_ties.py holds one)."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 import torch
@@ -91,18 +90,20 @@ ROUTERS: dict[str, Callable[[dict, torch.Tensor], torch.Tensor]] = {
 def _table(base: OpTable, routings: list[torch.Tensor] | None, seen: list) -> OpTable:
     """base's ops, with each MoE call recorded into `seen` as (its arguments by name, the routing
     it took) and, given `routings`, the i-th call routed by routings[i] instead of by its router
-    (a given routing is how a checkpointed layer's recomputation repeats its first pass)."""
+    (a given routing is how a checkpointed layer's recomputation repeats its first pass). The
+    layer references call the MoE ops by keyword, so the arguments are known by name."""
     def wrap(name, fn, is_cpp):
         if name not in ROUTERS:
             return fn
-        signature = inspect.signature(base.ops[name].reference)
 
         def call(*a, **k):
-            bound = signature.bind_partial(*a, **k)
+            if a:
+                raise TypeError(f"{name}: a layer reference must call it by keyword (ties.py reads its arguments "
+                                f"by name), got {len(a)} positional")
             if routings is not None:  # a checkpointed layer's recomputation calls again, in the same order
-                bound.arguments["routing"] = routings[len(seen) % len(routings)].to(a[0].device)
-            out = fn(*bound.args, **bound.kwargs)
-            seen.append((name, dict(bound.arguments), out[1]))
+                k["routing"] = routings[len(seen) % len(routings)].to(k["x"].device)
+            out = fn(**k)
+            seen.append((name, dict(k), out[1]))
             return out
         return call
 

@@ -6,8 +6,7 @@ namespace nb = nanobind;
 NB_MODULE(v4_glm5_layer_forward, m) {
   v4::init_module(m);
   m.def("v4_glm5_layer_forward", &v4_glm5_layer_forward, nb::arg("hidden"), nb::arg("weights"), nb::arg("cfg"),
-        nb::arg("layer"), nb::arg("positions"), nb::arg("cu_seqlens"), nb::arg("carry") = nb::none(),
-        nb::arg("lora_scaling") = 0.0, nb::arg("lora_dropout") = 0.0, nb::arg("checkpoint") = false,
+        nb::arg("layer"), nb::arg("batch"), nb::arg("options"), nb::arg("carry") = nb::none(),
         nb::call_guard<nb::gil_scoped_release>(),
         "One GLM-5 decoder layer (attention + MLP/MoE) in one call; returns (hidden, DSA selection).");
 }

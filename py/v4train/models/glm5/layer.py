@@ -5,28 +5,31 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint as recompute
 
+from v4train.layer_call import Batch, LayerOptions
 
-def v4_glm5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int,
-                          positions: torch.Tensor, cu_seqlens: torch.Tensor, carry: torch.Tensor | None = None,
-                          lora_scaling: float = 0.0, lora_dropout: float = 0.0, checkpoint: bool = False, *,
+
+def v4_glm5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int, batch: Batch,
+                          options: LayerOptions, carry: torch.Tensor | None = None, *,
                           ops) -> tuple[torch.Tensor, torch.Tensor]:
     """One GLM-5 decoder layer over packed tokens.
 
-    hidden [T, H]: the tokens of all documents back to back; positions [T] (restarting at each
-    document); cu_seqlens [N + 1] int64 document boundaries (attention never crosses them).
+    hidden [T, H]: the tokens of all documents back to back; batch: their positions (restarting
+    at each document) and cu_seqlens, the document boundaries (attention never crosses them).
     weights: this layer's tensors by their transformers names (the Glm5 weight table), experts
     fused as mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I], with LoRA
-    adapters beside the weights they adapt (v4train.reference.lora), scaled by lora_scaling,
-    their input dropped with probability lora_dropout.
+    adapters beside the weights they adapt (v4train.reference.lora), scaled by
+    options.lora_scaling, their input dropped with probability options.lora_dropout.
     carry: the DSA selection of the last 'full' indexer layer, for 'shared' layers.
-    checkpoint: keep only the layer's input for backward and recompute the layer there; the
-    recomputation routes the MoE and selects the DSA keys as the first pass did.
+    options.checkpoint: keep only the layer's input for backward and recompute the layer there;
+    the recomputation routes the MoE and selects the DSA keys as the first pass did.
     ops: the OpTable the building blocks are called through.
     Returns (hidden [T, H], this layer's DSA selection [T, index_topk]: the next layer's carry).
 
     x = x + v4_mla_dsa_attention(RMSNorm(x)); x = x + v4_mlp or v4_glm5_moe(RMSNorm(x)).
     """
     w, eps = weights, cfg.rms_norm_eps
+    positions, cu_seqlens = batch.positions, batch.cu_seqlens
+    lora_scaling, lora_dropout = options.lora_scaling, options.lora_dropout
     first = {}  # the first pass's selection and routing, which a recomputation reuses
 
     def forward(hidden):
@@ -38,12 +41,14 @@ def v4_glm5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor]
         if cfg.mlp_layer_types[layer] == "dense":
             out = ops.v4_mlp(h, w, "mlp.", lora_scaling, lora_dropout)
         else:
-            out, first["routing"] = ops.v4_glm5_moe(h, w, "mlp.", cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                                               cfg.norm_topk_prob, cfg.routed_scaling_factor, lora_scaling,
-                                               lora_dropout, first.get("routing"))
+            out, first["routing"] = ops.v4_glm5_moe(
+                x=h, weights=w, prefix="mlp.", top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                routed_scaling_factor=cfg.routed_scaling_factor, lora_scaling=lora_scaling,
+                lora_dropout=lora_dropout, routing=first.get("routing"))
         first["selection"] = selection
         return hidden + out, selection
 
-    if checkpoint and torch.is_grad_enabled():
+    if options.checkpoint and torch.is_grad_enabled():
         return recompute(forward, hidden, use_reentrant=False)
     return forward(hidden)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint as recompute
 
+from v4train.layer_call import Batch, LayerOptions
 
 
-def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int,
-                             positions: torch.Tensor, cu_seqlens: torch.Tensor, carry: None = None,
-                             lora_scaling: float = 0.0, lora_dropout: float = 0.0, checkpoint: bool = False, *,
-                             ops) -> tuple[torch.Tensor, None]:
+def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int, batch: Batch,
+                             options: LayerOptions, *, ops) -> torch.Tensor:
     """One Qwen3.5 decoder layer over packed tokens (the conventions of v4_glm5_layer_forward;
-    nothing is carried from layer to layer: carry is None in and out).
+    nothing is carried from layer to layer).
 
     x = x + Mixer(RMSNorm0(x)); x = x + MLP(RMSNorm0(x)), RMSNorm0 the zero-centred norm
     (scale 1 + w). Mixer: Gated DeltaNet on 'linear_attention' layers, gated full attention on
@@ -20,6 +19,8 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
     shared expert (qwen3_5_moe), or a SwiGLU MLP (qwen3_5).
     """
     w, eps = weights, cfg.rms_norm_eps
+    positions, cu_seqlens = batch.positions, batch.cu_seqlens
+    lora_scaling, lora_dropout = options.lora_scaling, options.lora_dropout
 
     def forward(hidden):
         h = ops.v4_rms_norm(hidden, w["input_layernorm.weight"], eps, True)
@@ -34,8 +35,10 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: dict[str, torch.Tens
         h = ops.v4_rms_norm(hidden, w["post_attention_layernorm.weight"], eps, True)
         if not cfg.is_moe:
             return hidden + ops.v4_mlp(h, w, "mlp.", lora_scaling, lora_dropout)
-        return hidden + ops.v4_qwen3_5_moe(h, w, "mlp.", cfg.num_experts_per_tok, True, lora_scaling, lora_dropout)[0]
+        return hidden + ops.v4_qwen3_5_moe(x=h, weights=w, prefix="mlp.", top_k=cfg.num_experts_per_tok,
+                                           norm_topk_prob=True, lora_scaling=lora_scaling,
+                                           lora_dropout=lora_dropout)[0]
 
-    if checkpoint and torch.is_grad_enabled():
-        return recompute(forward, hidden, use_reentrant=False), None
-    return forward(hidden), None
+    if options.checkpoint and torch.is_grad_enabled():
+        return recompute(forward, hidden, use_reentrant=False)
+    return forward(hidden)

@@ -2,6 +2,7 @@
 
 import torch
 
+from v4train.layer_call import Batch, LayerOptions
 from v4train.model import CausalLM
 from v4train.models import config_from_dict
 from v4train.models.glm5.weights import layer_specs
@@ -51,7 +52,8 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
     def build(lv):
         w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, positions, cu, carry, scaling, dropout, checkpoint), {}
+        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, Batch(positions, cu),
+                LayerOptions(scaling, dropout, checkpoint), carry), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, {'MoE' if moe else 'dense'}, shared {shared}, "
                                       f"checkpoint {checkpoint}, dropout {dropout}, cfg {cfg}",
@@ -72,13 +74,14 @@ def _bench(device, dtype, tokens=4096):
     w = {n: p.requires_grad_() for n, p in model.layers[1].named_parameters()}
     h = torch.randn(tokens, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
     positions, cu = packed([tokens], device)
-    return f"one MoE layer, {tokens} tokens", (h, w, cfg, 1, positions, cu, None, 0.0, 0.0, False)
+    return f"one MoE layer, {tokens} tokens", (h, w, cfg, 1, Batch(positions, cu), LayerOptions())
 
 
 def _call(layer=0, dropout=0.0):
     def args():
         cfg = config_from_dict({"model_type": "glm_moe_dsa", "num_hidden_layers": 1, "hidden_size": 8})
-        return (torch.zeros(3, 8), {}, cfg, layer, torch.arange(3), torch.tensor([0, 3]), None, 0.0, dropout, False)
+        return (torch.zeros(3, 8), {}, cfg, layer, Batch(torch.arange(3), torch.tensor([0, 3])),
+                LayerOptions(lora_dropout=dropout))
     return args
 
 

@@ -2,6 +2,7 @@
 
 import torch
 
+from v4train.layer_call import Batch, LayerOptions
 from v4train.models import config_from_dict
 from v4train.models.qwen3_5 import FAMILY
 from v4train.models.qwen3_5.weights import layer_specs
@@ -42,8 +43,8 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
     def build(lv):
         w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, positions, cu.to(device), None, scaling, dropout,
-                checkpoint), {}
+        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, Batch(positions, cu.to(device)),
+                LayerOptions(scaling, dropout, checkpoint)), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, {cfg.layer_types[layer]}, {'MoE' if moe else 'dense'}, "
                                       f"checkpoint {checkpoint}, dropout {dropout}, cfg {cfg}",
@@ -53,7 +54,8 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 def _call(layer=0, dropout=0.0):
     def args():
         cfg = config_from_dict({"model_type": "qwen3_5", "num_hidden_layers": 1, "hidden_size": 8})
-        return (torch.zeros(3, 8), {}, cfg, layer, torch.arange(3), torch.tensor([0, 3]), None, 0.0, dropout, False)
+        return (torch.zeros(3, 8), {}, cfg, layer, Batch(torch.arange(3), torch.tensor([0, 3])),
+                LayerOptions(lora_dropout=dropout))
     return args
 
 
