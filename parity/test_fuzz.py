@@ -40,39 +40,55 @@ COUNT = 1000 if PROFILE == "wide" else 120  # cases per op; `ci` fixed seeds, `w
 
 # ---- the cases ---------------------------------------------------------------------------------
 
+def _children(a) -> list[tuple]:
+    """(key, child) of a container argument: a list, a dict, a dataclass (a layer's Batch, a
+    block's weights, their Linear maps)."""
+    if isinstance(a, (list, tuple)):
+        return list(enumerate(a))
+    if isinstance(a, dict):
+        return list(a.items())
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return [(f.name, getattr(a, f.name)) for f in dataclasses.fields(a)]
+    return []
+
+
 def _tensor_slots(args) -> list[tuple]:
-    """Where the tensors are: (i,) for a tensor argument, (i, j) for element (or key, or field) j
-    of a list (or dict: a layer's weights; or dataclass: a layer's Batch) argument."""
+    """Where the tensors are: (i,) for a tensor argument, (i, key, ...) for one inside container
+    arguments (see _children), by the path of keys."""
     slots = []
-    for i, a in enumerate(args):
+
+    def walk(path, a):
         if isinstance(a, torch.Tensor):
-            slots.append((i,))
-        elif isinstance(a, (list, tuple)):
-            slots += [(i, j) for j, t in enumerate(a) if isinstance(t, torch.Tensor)]
-        elif isinstance(a, dict):
-            slots += [(i, k) for k, t in a.items() if isinstance(t, torch.Tensor)]
-        elif dataclasses.is_dataclass(a):
-            slots += [(i, f.name) for f in dataclasses.fields(a) if isinstance(getattr(a, f.name), torch.Tensor)]
+            slots.append(path)
+        for key, child in _children(a):
+            walk(path + (key,), child)
+    for i, a in enumerate(args):
+        walk((i,), a)
     return slots
 
 
 def _get(args, slot):
-    if len(slot) == 1:
-        return args[slot[0]]
     a = args[slot[0]]
-    return getattr(a, slot[1]) if dataclasses.is_dataclass(a) else a[slot[1]]
+    for key in slot[1:]:
+        a = getattr(a, key) if dataclasses.is_dataclass(a) else a[key]
+    return a
+
+
+def _replaced(a, key, value):
+    """a with its child `key` replaced (a copy: the sample's own containers stay as they were)."""
+    if isinstance(a, dict):
+        return {**a, key: value}
+    if dataclasses.is_dataclass(a):
+        return dataclasses.replace(a, **{key: value})
+    a = list(a)
+    a[key] = value
+    return a
 
 
 def _set(args, slot, value):
-    if len(slot) == 1:
-        args[slot[0]] = value
-    elif dataclasses.is_dataclass(args[slot[0]]):
-        args[slot[0]] = dataclasses.replace(args[slot[0]], **{slot[1]: value})
-    elif isinstance(args[slot[0]], dict):
-        args[slot[0]] = {**args[slot[0]], slot[1]: value}
-    else:
-        args[slot[0]] = list(args[slot[0]])
-        args[slot[0]][slot[1]] = value
+    def rebuilt(a, path):
+        return value if not path else _replaced(a, path[0], rebuilt(_get([a], (0, path[0])), path[1:]))
+    args[slot[0]] = rebuilt(args[slot[0]], slot[1:])
 
 
 def _relayout(t: torch.Tensor, rng: random.Random) -> tuple[torch.Tensor, str]:
@@ -227,13 +243,15 @@ def _tensors(args) -> list[torch.Tensor]:
 
 
 def _double(x, memo: dict):
-    """x with its floating tensors (also in lists and dicts) in float64; a tensor given twice (an
-    aliasing case) stays one tensor, so that the truth's gradient of it is the sum of both uses as
-    the compared runs' is."""
+    """x with its floating tensors (also in lists, dicts and the dataclasses that hold tensors: a
+    layer's Batch, a block's weights) in float64; a tensor given twice (an aliasing case) stays
+    one tensor, so that the truth's gradient of it is the sum of both uses as the compared runs' is."""
     if isinstance(x, (list, tuple)):
         return [_double(t, memo) for t in x]
     if isinstance(x, dict):
         return {k: _double(t, memo) for k, t in x.items()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type) and _tensor_slots([x]):
+        return dataclasses.replace(x, **{k: _double(v, memo) for k, v in _children(x)})
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         if id(x) not in memo:
             memo[id(x)] = x.double()

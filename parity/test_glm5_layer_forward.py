@@ -7,7 +7,9 @@ import torch
 
 from parity.recompute import assert_recomputation_repeats_choices
 from v4train.layer_call import Batch, LayerOptions
+from v4train.models.glm5.layer import Glm5LayerWeights
 from v4train.ops import OPS, REFERENCE
+from v4train.reference.lora import bind
 from v4train.testing.check import check_parity
 from v4train.testing.compare import assert_close
 from v4train.testing.cases.glm5_layer_forward import layer_leaves
@@ -28,8 +30,7 @@ def long_document(checkpoint: bool) -> Sample:
     leaves = {"hidden": make_leaf((TOKENS, cfg.hidden_size), "contiguous", torch.float32, "cpu", 105), **weights}
 
     def build(lv):
-        w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (lv["hidden"], w, cfg, 0, Batch(positions, cu), LayerOptions(scaling, 0.0, checkpoint)), {}
+        return (lv["hidden"], bind(Glm5LayerWeights, lv), cfg, 0, Batch(positions, cu), LayerOptions(scaling, 0.0, checkpoint)), {}
 
     return Sample(leaves, build, note=f"one document of {TOKENS} tokens, checkpoint {checkpoint}")
 
@@ -66,8 +67,7 @@ def choosing_layer() -> Sample:
     leaves = {"hidden": make_leaf((40, cfg.hidden_size), "contiguous", torch.float32, "cpu", 107), **weights}
 
     def build(lv):
-        w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (lv["hidden"], w, cfg, 0, Batch(positions, cu), LayerOptions(scaling, 0.0, True)), {}
+        return (lv["hidden"], bind(Glm5LayerWeights, lv), cfg, 0, Batch(positions, cu), LayerOptions(scaling, 0.0, True)), {}
 
     return Sample(leaves, build, note="40 tokens, DSA top-6, 4 experts top-2, checkpointed")
 
@@ -76,7 +76,7 @@ def test_the_recomputation_repeats_the_routing():
     """The correction bias only chooses experts: raised for expert 0 after the forward pass, it
     would send most tokens there in a recomputation that routed again."""
     def change(w):
-        w["mlp.gate.e_score_correction_bias"][0] += 100.0
+        w.moe.e_score_correction_bias[0] += 100.0
     assert_recomputation_repeats_choices(OPS[NAME].cpp(), choosing_layer(), change)
 
 
@@ -84,5 +84,5 @@ def test_the_recomputation_repeats_the_selection():
     """The indexer's weights only select keys: negated after the forward pass, they would select
     other keys in a recomputation that selected again."""
     def change(w):
-        w["self_attn.indexer.wq_b.weight"].neg_()
+        w.self_attn.indexer.wq_b.weight.neg_()
     assert_recomputation_repeats_choices(OPS[NAME].cpp(), choosing_layer(), change)

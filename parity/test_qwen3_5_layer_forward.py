@@ -5,7 +5,9 @@ import torch
 
 from parity.recompute import assert_recomputation_repeats_choices
 from v4train.layer_call import Batch, LayerOptions
+from v4train.models.qwen3_5.layer import Qwen35LayerWeights
 from v4train.ops import OPS, REFERENCE
+from v4train.reference.lora import bind
 from v4train.testing import ties
 from v4train.testing.cases.glm5_layer_forward import layer_leaves
 from v4train.testing.cases.mla_dsa_attention import packed
@@ -27,8 +29,7 @@ def choosing_layer(layer: int) -> Sample:
     leaves = {"hidden": make_leaf((6, cfg.hidden_size), "contiguous", torch.float32, "cpu", 109), **weights}
 
     def build(lv):
-        w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (lv["hidden"], w, cfg, layer, Batch(positions, cu), LayerOptions(scaling, 0.0, True)), {}
+        return (lv["hidden"], bind(Qwen35LayerWeights, lv), cfg, layer, Batch(positions, cu), LayerOptions(scaling, 0.0, True)), {}
 
     return Sample(leaves, build, note=f"layer {layer}, 6 tokens, 16 experts top-2, checkpointed")
 
@@ -47,10 +48,10 @@ def test_the_recomputation_repeats_the_routing():
         _, call, routing = seen[0]
         unused = sorted(set(range(16)) - set(routing.reshape(-1).tolist()))
         assert unused, "every expert got a token: nothing to change"
-        logits = call["x"] @ call["weights"]["mlp.gate.weight"].T
+        logits = call["x"] @ call["weights"].gate.T
         best = logits.max(-1).values.argmax()  # the token whose chosen expert scores highest (> 0)
         assert logits[best].max() > 0
 
         def change(w, u=unused[0], e=int(logits[best].argmax())):
-            w["mlp.gate.weight"][u] = 1.1 * w["mlp.gate.weight"][e]  # above expert e where it scores > 0
+            w.moe.gate[u] = 1.1 * w.moe.gate[e]  # above expert e where it scores > 0
         assert_recomputation_repeats_choices(OPS[NAME].cpp(), sample, change)

@@ -107,7 +107,7 @@ def test_a_router_that_picks_another_expert_without_a_tie_fails(monkeypatch, nam
     def wrong(**k):  # the layer references call the MoE ops by keyword
         if k.get("routing") is None:
             routing = real(**k)[1].clone()
-            experts = k["weights"][k["prefix"] + "gate.weight"].shape[0]
+            experts = k["weights"].gate.shape[0]
             taken = torch.zeros(routing.shape[0], experts, dtype=torch.bool).scatter_(1, routing.cpu(), True)
             other = (~taken).float().argmax(-1).to(routing.device)  # an expert it did not choose
             routing[::3, -1] = torch.where((~taken).any(-1).to(routing.device)[::3], other[::3], routing[::3, -1])

@@ -17,6 +17,7 @@
 
 #include "cc/common/config.h"
 #include "cc/common/layer_call.h"
+#include "cc/common/weights.h"
 
 namespace nanobind::detail {
 
@@ -42,9 +43,10 @@ struct type_caster<at::Tensor> {
 };
 
 // The structs written as X(type, name, default) lists (the model configs of config.h, Batch and
-// LayerOptions of layer_call.h), read field by field from the Python objects (v4train's
-// dataclasses, or any object with those attributes). A missing or mistyped field makes the call
-// fail with nanobind's TypeError listing the expected signature.
+// LayerOptions of layer_call.h, the ops' weights of weights.h and the ops' headers), read field
+// by field from the Python objects (v4train's dataclasses, or any object with those attributes).
+// A missing or mistyped field makes the call fail with nanobind's TypeError listing the expected
+// signature.
 template <typename T>
 bool read_attr(handle src, const char* name, T& out) {
   object value = getattr(src, name, none());
@@ -52,13 +54,14 @@ bool read_attr(handle src, const char* name, T& out) {
   return try_cast<T>(value, out);
 }
 
-// An optional number: None leaves it unset.
-inline bool read_attr(handle src, const char* name, std::optional<double>& out) {
+// An optional field (a number, a tensor, a part of a layer's weights): None leaves it unset.
+template <typename T>
+bool read_attr(handle src, const char* name, std::optional<T>& out) {
   object value = getattr(src, name, none());
   if (value.is_none()) return true;
-  double v = 0;  // written by try_cast on success; the initialiser quiets -Wmaybe-uninitialized
-  if (!try_cast<double>(value, v)) return false;
-  out = v;
+  T v{};  // written by try_cast on success; the initialiser quiets -Wmaybe-uninitialized
+  if (!try_cast<T>(value, v)) return false;
+  out = std::move(v);
   return true;
 }
 
@@ -76,6 +79,9 @@ inline bool read_attr(handle src, const char* name, std::optional<double>& out) 
 V4_FIELDS_CASTER(Rope, V4_ROPE_FIELDS)
 V4_FIELDS_CASTER(Batch, V4_BATCH_FIELDS)
 V4_FIELDS_CASTER(LayerOptions, V4_LAYER_OPTIONS_FIELDS)
+V4_FIELDS_CASTER(Linear, V4_LINEAR_FIELDS)
+V4_FIELDS_CASTER(MlpWeights, V4_MLP_WEIGHTS_FIELDS)
+V4_FIELDS_CASTER(ExpertsWeights, V4_EXPERTS_WEIGHTS_FIELDS)
 
 }  // namespace nanobind::detail
 

@@ -9,7 +9,7 @@
 #include "cc/common/checks.h"
 
 #include <mutex>
-#include <string>
+#include <vector>
 
 namespace v4 {
 namespace {
@@ -21,8 +21,10 @@ using torch::autograd::variable_list;
 at::Generator generator(const at::Tensor& t) { return at::globalContext().defaultGenerator(t.device()); }
 
 struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
+  // trained: the weights that require gradients; positions: where each sits in
+  // call->weight_tensors().
   static variable_list forward(AutogradContext* ctx, const at::Tensor& hidden, at::TensorList trained,
-                               const std::vector<std::string>& trained_names, c10::intrusive_ptr<CheckpointedCall> call) {
+                               const std::vector<int64_t>& positions, c10::intrusive_ptr<CheckpointedCall> call) {
     if (call->lora.dropout > 0) {
       at::Generator gen = generator(hidden);
       std::lock_guard<std::mutex> lock(gen.mutex());
@@ -31,11 +33,11 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     std::vector<at::Tensor> out;
     {
       at::NoGradGuard no_grad;
-      out = call->run(hidden, call->weights, /*first=*/true);
+      out = call->run(hidden, /*first=*/true);
     }
     ctx->save_for_backward({hidden});
     ctx->saved_data["call"] = c10::IValue::make_capsule(call);
-    ctx->saved_data["names"] = trained_names;
+    ctx->saved_data["positions"] = positions;
     for (size_t i = 1; i < out.size(); ++i) {
       if (out[i].defined()) ctx->mark_non_differentiable({out[i]});
     }
@@ -45,7 +47,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor hidden = ctx->get_saved_variables()[0];
     auto call = c10::static_intrusive_pointer_cast<CheckpointedCall>(ctx->saved_data["call"].toCapsule());
-    const auto names = ctx->saved_data["names"].toList();
+    const auto positions = ctx->saved_data["positions"].toIntVector();
     at::Tensor current_rng;
     at::Generator gen;
     if (call->lora.dropout > 0) {  // the first pass's dropout masks
@@ -55,18 +57,22 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
       gen.set_state(call->rng_state);
     }
     at::Tensor h = hidden.detach().requires_grad_(true);
-    Weights weights = call->weights;
+    // The trained weights, in the call's own weights for the recomputation, as fresh leaves.
+    const std::vector<at::Tensor*> tensors = call->weight_tensors();
+    std::vector<at::Tensor> originals;
     variable_list inputs{h};
-    for (const auto& name : names) {
-      at::Tensor w = weights.at(name.get().toStringRef()).detach().requires_grad_(true);
-      weights[name.get().toStringRef()] = w;
+    for (const int64_t i : positions) {
+      at::Tensor& w = *tensors[i];
+      originals.push_back(w);
+      w = w.detach().requires_grad_(true);
       inputs.push_back(w);
     }
     std::vector<at::Tensor> out;
     {
       at::AutoGradMode grad_mode(true);
-      out = call->run(h, weights, /*first=*/false);
+      out = call->run(h, /*first=*/false);
     }
+    for (size_t j = 0; j < positions.size(); ++j) *tensors[positions[j]] = originals[j];
     if (current_rng.defined()) {
       std::lock_guard<std::mutex> lock(gen.mutex());
       gen.set_state(current_rng);
@@ -74,7 +80,7 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
     variable_list result = torch::autograd::grad({out[0]}, inputs, {grads[0]}, /*retain_graph=*/false,
                                                  /*create_graph=*/false, /*allow_unused=*/true);
     if (!hidden.requires_grad()) result[0] = at::Tensor();
-    result.emplace_back();  // trained_names
+    result.emplace_back();  // positions
     result.emplace_back();  // call
     return result;
   }
@@ -82,11 +88,10 @@ struct LayerCheckpoint : public torch::autograd::Function<LayerCheckpoint> {
 
 }  // namespace
 
-void check_layer_call(const char* op, const at::Tensor& hidden, const Weights& weights, int64_t layer, int64_t layers,
-                      const Batch& batch, const LayerOptions& options) {
+void check_layer_call(const char* op, const at::Tensor& hidden, int64_t layer, int64_t layers, const Batch& batch,
+                      const LayerOptions& options) {
   check_floating(op, "hidden", hidden, /*float64=*/true);
   check_dim(op, "hidden", hidden, 2);
-  check_weights(op, weights, hidden);
   TORCH_CHECK_VALUE(layer >= 0 && layer < layers, op, ": layer ", layer, " is not one of the config's ", layers,
                     " layers");
   TORCH_CHECK_VALUE(batch.positions.defined() && batch.cu_seqlens.defined(), op,
@@ -96,16 +101,17 @@ void check_layer_call(const char* op, const at::Tensor& hidden, const Weights& w
 }
 
 std::vector<at::Tensor> run_layer(const at::Tensor& hidden, const c10::intrusive_ptr<CheckpointedCall>& call) {
-  if (!(call->options.checkpoint && at::GradMode::is_enabled())) return call->forward(hidden, call->weights);
+  if (!(call->options.checkpoint && at::GradMode::is_enabled())) return call->forward(hidden);
   torch::autograd::variable_list trained;
-  std::vector<std::string> names;
-  for (const auto& [name, w] : call->weights) {
-    if (w.requires_grad()) {
-      trained.push_back(w);
-      names.push_back(name);
+  std::vector<int64_t> positions;
+  const std::vector<at::Tensor*> tensors = call->weight_tensors();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i]->requires_grad()) {
+      trained.push_back(*tensors[i]);
+      positions.push_back(static_cast<int64_t>(i));
     }
   }
-  return LayerCheckpoint::apply(hidden, at::TensorList(trained), names, call);
+  return LayerCheckpoint::apply(hidden, at::TensorList(trained), positions, call);
 }
 
 }  // namespace v4

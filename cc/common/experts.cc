@@ -70,23 +70,22 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const Dispat
 
 namespace {
 
-at::Tensor expert_linear(const at::Tensor& x, const Weights& weights, const std::string& name, const Lora& lora,
-                         const Dispatch& d, const char* op) {
-  const at::Tensor& w = get(weights, name, op);
-  at::Tensor y = grouped_linear(x, w, d);
-  if (!has_adapter(weights, name)) return y;
-  const auto [a, b] = adapter_names(name);
-  return y + grouped_linear(grouped_linear(adapter_input(x, lora), get(weights, a, op), d), get(weights, b, op), d) *
-                 lora.scaling;
+at::Tensor expert_linear(const at::Tensor& x, const Linear& w, const Lora& lora, const Dispatch& d, const char* op,
+                         const char* name) {
+  check_not_fp8(w, op, name);
+  at::Tensor y = grouped_linear(x, w.weight, d);
+  if (!w.has_adapter()) return y;
+  TORCH_CHECK_VALUE(w.lora_B.has_value(), op, ": the adapter of experts.", name, " has lora_A but no lora_B");
+  return y + grouped_linear(grouped_linear(adapter_input(x, lora), *w.lora_A, d), *w.lora_B, d) * lora.scaling;
 }
 
 }  // namespace
 
-at::Tensor experts(const at::Tensor& x_rows, const Weights& weights, const std::string& prefix, const Lora& lora,
-                   const Dispatch& d, const char* op) {
-  const at::Tensor gate_up = expert_linear(x_rows, weights, prefix + "gate_up_proj", lora, d, op);
+at::Tensor experts(const at::Tensor& x_rows, const ExpertsWeights& weights, const Lora& lora, const Dispatch& d,
+                   const char* op) {
+  const at::Tensor gate_up = expert_linear(x_rows, weights.gate_up_proj, lora, d, op, "gate_up_proj");
   const auto parts = gate_up.chunk(2, -1);
-  return expert_linear(at::silu(parts[0]) * parts[1], weights, prefix + "down_proj", lora, d, op);
+  return expert_linear(at::silu(parts[0]) * parts[1], weights.down_proj, lora, d, op, "down_proj");
 }
 
 at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens) {
@@ -105,18 +104,17 @@ void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, i
                     ": routing must name experts in [0, ", E, ")");
 }
 
-void check_experts(const char* op, const v4::Weights& weights, const std::string& prefix, const at::Tensor& x,
-                   int64_t E) {
-  const at::Tensor& gate_up = v4::get(weights, prefix + "experts.gate_up_proj", op);
-  const at::Tensor& down = v4::get(weights, prefix + "experts.down_proj", op);
+void check_experts(const char* op, const ExpertsWeights& weights, const at::Tensor& x, int64_t E) {
+  const at::Tensor& gate_up = weights.gate_up_proj.weight;
+  const at::Tensor& down = weights.down_proj.weight;
   TORCH_CHECK_VALUE(gate_up.dim() == 3 && gate_up.size(0) == E && gate_up.size(2) == x.size(1) &&
                         gate_up.size(1) % 2 == 0,
-                    op, ": ", prefix, "experts.gate_up_proj has shape ", gate_up.sizes(), ", expected [", E, ", 2I, ",
-                    x.size(1), "]");
+                    op, ": experts.gate_up_proj has shape ", gate_up.sizes(), ", expected [", E, ", 2I, ", x.size(1),
+                    "]");
   TORCH_CHECK_VALUE(down.dim() == 3 && down.size(0) == E && down.size(1) == x.size(1) &&
                         down.size(2) == gate_up.size(1) / 2,
-                    op, ": ", prefix, "experts.down_proj has shape ", down.sizes(), ", expected [", E, ", ", x.size(1),
-                    ", ", gate_up.size(1) / 2, "]");
+                    op, ": experts.down_proj has shape ", down.sizes(), ", expected [", E, ", ", x.size(1), ", ",
+                    gate_up.size(1) / 2, "]");
 }
 
 }  // namespace v4

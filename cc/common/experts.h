@@ -30,14 +30,14 @@ Dispatch dispatch(const at::Tensor& idx, int64_t num_experts);
 // x [rows grouped by expert, in] times each row's expert's weight w [E, out, in]: [rows, out].
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const Dispatch& d);
 
-// The routed experts' SwiGLU on rows grouped by expert: weights[prefix + "gate_up_proj"]
-// [E, 2I, H] (gate rows, then up), weights[prefix + "down_proj"] [E, H, I], their LoRA adapters.
-at::Tensor experts(const at::Tensor& x_rows, const Weights& weights, const std::string& prefix, const Lora& lora,
-                   const Dispatch& d, const char* op);
+// The routed experts' SwiGLU on rows grouped by expert: weights.gate_up_proj [E, 2I, H] (gate
+// rows, then up), weights.down_proj [E, H, I], their LoRA adapters.
+at::Tensor experts(const at::Tensor& x_rows, const ExpertsWeights& weights, const Lora& lora, const Dispatch& d,
+                   const char* op);
 
-// weights[prefix + "experts.gate_up_proj"] [E, 2I, H] and prefix + "experts.down_proj" [E, H, I]
-// exist and fit x [T, H] and E experts, else a ValueError naming op and tensor.
-void check_experts(const char* op, const Weights& weights, const std::string& prefix, const at::Tensor& x, int64_t E);
+// weights.gate_up_proj [E, 2I, H] and down_proj [E, H, I] fit x [T, H] and E experts, else a
+// ValueError naming op and tensor.
+void check_experts(const char* op, const ExpertsWeights& weights, const at::Tensor& x, int64_t E);
 
 // A given routing (a recomputation's): int64 [T, top_k] on x's device, naming experts in [0, E).
 void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, int64_t top_k, int64_t E);

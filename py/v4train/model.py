@@ -20,6 +20,7 @@ from v4train.layer_call import Batch, LayerOptions
 from v4train.models import family_of
 from v4train.models import ModelConfig
 from v4train.models.weights import WeightSpec, init_tensor
+from v4train.reference.lora import bind
 from v4train.reference.cross_entropy_loss import IGNORE_INDEX
 
 
@@ -117,7 +118,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int, tensors: dict[str, torch.Tensor]):
         super().__init__()
-        self.cfg, self.index, self.carries = cfg, index, family_of(cfg).carries
+        self.cfg, self.index, self.family = cfg, index, family_of(cfg)
         self._bound = None
         for name, t in tensors.items():
             put_parameter(self, name, t)
@@ -127,11 +128,12 @@ class DecoderLayer(nn.Module):
         self.op = None  # the family's layer op from the run's OpTable (CausalLM.use_ops)
 
     @property
-    def weights(self) -> dict[str, nn.Parameter]:
-        """The layer's tensors by name (its adapters among them), as its op takes them: bound once,
-        and again after a parameter is added (put_parameter) or the module moved (_apply)."""
+    def weights(self):
+        """The layer's tensors (its adapters among them) as its op takes them, the family's
+        layer_weights: bound once, and again after a parameter is added (put_parameter) or the
+        module moved (_apply)."""
         if self._bound is None:
-            self._bound = dict(self.named_parameters())
+            self._bound = bind(self.family.layer_weights, dict(self.named_parameters()))
         return self._bound
 
     def unbind(self) -> None:
@@ -144,7 +146,7 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: Batch, carry=None):
         """(hidden, the carry to the next layer: GLM-5's DSA selection, None for Qwen3.5)."""
         options = LayerOptions(self.lora_scaling, self.lora_dropout if self.training else 0.0, self.checkpointing)
-        if self.carries:
+        if self.family.carries:
             return self.op(hidden, self.weights, self.cfg, self.index, batch, options, carry)
         return self.op(hidden, self.weights, self.cfg, self.index, batch, options), None
 

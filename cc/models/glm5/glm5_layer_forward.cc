@@ -16,6 +16,8 @@
 namespace v4 {
 namespace {
 
+constexpr const char* kOp = "v4_glm5_layer_forward";
+
 // Documents up to this many tokens attend under a dense [queries, keys] mask; longer ones through
 // the latent space (v4_mla_dsa_attention).
 constexpr int64_t kMaskedMaxLen = 8192;
@@ -25,43 +27,43 @@ constexpr int64_t kMaskedMaxLen = 8192;
 // the MoE routing), which the recomputation repeats, and its sparse attention outputs, which the
 // recomputation takes instead of attending again (AttentionStash: the costliest part of a long
 // document's recomputation, [tokens, heads, 513] values per layer).
-struct LayerCall : CheckpointedCall {
-  using CheckpointedCall::CheckpointedCall;
+struct LayerCall : LayerCallOf<Glm5LayerWeights> {
+  using LayerCallOf::LayerCallOf;
   Glm5Config cfg;
   std::optional<at::Tensor> carry;
   at::Tensor selection, routing;
   AttentionStash stash;
 
   // {hidden, selection}
-  std::vector<at::Tensor> run(const at::Tensor& hidden, const Weights& weights, bool first) override {
+  std::vector<at::Tensor> run(const at::Tensor& hidden, bool first) override {
     stash.replay = !first;
     stash.next = 0;
     std::vector<at::Tensor> out;
     {
       StashScope scope(&stash);
-      out = forward(hidden, weights);
+      out = forward(hidden);
     }
     if (!first) stash = AttentionStash{};
     return out;
   }
 
-  std::vector<at::Tensor> forward(const at::Tensor& hidden, const Weights& weights) override {
+  std::vector<at::Tensor> forward(const at::Tensor& hidden) override {
     const bool shared = cfg.indexer_types[layer] == "shared";
     std::optional<at::Tensor> given = shared ? carry : std::nullopt;
     if (!shared && selection.defined()) given = selection;
-    const at::Tensor normed = v4_rms_norm(hidden, get(weights, "input_layernorm.weight", "v4_glm5_layer_forward"),
-                                          cfg.rms_norm_eps, false);
-    auto [attn, chosen_keys] = v4_mla_dsa_attention(normed, weights, cfg, layer, batch.positions, batch.cu_seqlens, given,
-                                                    lora.scaling, lora.dropout, kMaskedMaxLen);
+    const at::Tensor normed = v4_rms_norm(hidden, weights.input_layernorm, cfg.rms_norm_eps, false);
+    auto [attn, chosen_keys] = v4_mla_dsa_attention(normed, weights.self_attn, cfg, layer, batch.positions,
+                                                    batch.cu_seqlens, given, lora.scaling, lora.dropout, kMaskedMaxLen);
     selection = chosen_keys;
     const at::Tensor mid = hidden + attn;
-    const at::Tensor h = v4_rms_norm(mid, get(weights, "post_attention_layernorm.weight", "v4_glm5_layer_forward"),
-                                     cfg.rms_norm_eps, false);
+    const at::Tensor h = v4_rms_norm(mid, weights.post_attention_layernorm, cfg.rms_norm_eps, false);
     if (cfg.mlp_layer_types[layer] == "dense") {
-      return {mid + v4_mlp(h, weights, "mlp.", lora.scaling, lora.dropout), selection};
+      TORCH_CHECK_VALUE(weights.mlp.has_value(), kOp, ": layer ", layer, " is a dense layer but weights has no mlp");
+      return {mid + v4_mlp(h, *weights.mlp, lora.scaling, lora.dropout), selection};
     }
+    TORCH_CHECK_VALUE(weights.moe.has_value(), kOp, ": layer ", layer, " is an MoE layer but weights has no moe");
     const std::optional<at::Tensor> given_routing = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;
-    auto [out, chosen] = v4_glm5_moe(h, weights, "mlp.", cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+    auto [out, chosen] = v4_glm5_moe(h, *weights.moe, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                                 cfg.norm_topk_prob, cfg.routed_scaling_factor, lora.scaling, lora.dropout, given_routing);
     routing = chosen;
     return {mid + out, selection};
@@ -71,13 +73,14 @@ struct LayerCall : CheckpointedCall {
 }  // namespace
 }  // namespace v4
 
-std::tuple<at::Tensor, at::Tensor> v4_glm5_layer_forward(const at::Tensor& hidden, const v4::Weights& weights,
+std::tuple<at::Tensor, at::Tensor> v4_glm5_layer_forward(const at::Tensor& hidden, const v4::Glm5LayerWeights& weights,
                                                          const v4::Glm5Config& cfg, int64_t layer,
                                                          const v4::Batch& batch, const v4::LayerOptions& options,
                                                          const std::optional<at::Tensor>& carry) {
-  constexpr const char* op = "v4_glm5_layer_forward";
+  constexpr const char* op = v4::kOp;
   const int64_t layers = static_cast<int64_t>(cfg.mlp_layer_types.size());
-  v4::check_layer_call(op, hidden, weights, layer, layers, batch, options);
+  v4::check_layer_call(op, hidden, layer, layers, batch, options);
+  v4::check_weights(op, weights, hidden);
   TORCH_CHECK_VALUE(static_cast<int64_t>(cfg.indexer_types.size()) == layers, op, ": the config has ",
                     cfg.indexer_types.size(), " indexer types for ", layers, " layers");
   auto call = c10::make_intrusive<v4::LayerCall>(weights, layer, batch, options);

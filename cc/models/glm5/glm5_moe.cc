@@ -9,27 +9,26 @@
 #include "cc/common/experts.h"
 #include "cc/ops/mlp.h"
 
-std::tuple<at::Tensor, at::Tensor> v4_glm5_moe(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix,
-                                          int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
+std::tuple<at::Tensor, at::Tensor> v4_glm5_moe(const at::Tensor& x, const v4::Glm5MoeWeights& weights, int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
                                           double routed_scaling_factor, double lora_scaling, double lora_dropout,
                                           const std::optional<at::Tensor>& routing) {
   constexpr const char* op = "v4_glm5_moe";
   v4::check_floating(op, "x", x, /*float64=*/true);
   v4::check_dim(op, "x", x, 2);
   v4::check_weights(op, weights, x);
-  const at::Tensor& gate = v4::get(weights, prefix + "gate.weight", op);
-  const at::Tensor& bias = v4::get(weights, prefix + "gate.e_score_correction_bias", op);
+  const at::Tensor& gate = weights.gate;
+  const at::Tensor& bias = weights.e_score_correction_bias;
   const int64_t E = gate.size(0);
-  TORCH_CHECK_VALUE(gate.dim() == 2 && gate.size(1) == x.size(1), op, ": ", prefix, "gate.weight has shape ",
+  TORCH_CHECK_VALUE(gate.dim() == 2 && gate.size(1) == x.size(1), op, ": gate has shape ",
                     gate.sizes(), ", expected [experts, ", x.size(1), "]");
-  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == E, op, ": ", prefix, "gate.e_score_correction_bias has shape ",
+  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == E, op, ": e_score_correction_bias has shape ",
                     bias.sizes(), ", expected [", E, "]");
   TORCH_CHECK_VALUE(n_group >= 1 && E % n_group == 0 && E / n_group >= 2 && topk_group >= 1 && topk_group <= n_group,
                     op, ": n_group=", n_group, ", topk_group=", topk_group, " do not fit ", E,
                     " experts (n_group must divide them into groups of at least 2, topk_group lie in [1, n_group])");
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= topk_group * (E / n_group), op, ": top_k=", top_k, " must lie in [1, ",
                     topk_group * (E / n_group), "] (the experts of topk_group groups)");
-  v4::check_experts(op, weights, prefix, x, E);
+  v4::check_experts(op, weights.experts, x, E);
   const int64_t T = x.size(0);
   const v4::Lora lora{lora_scaling, lora_dropout};
 
@@ -53,8 +52,8 @@ std::tuple<at::Tensor, at::Tensor> v4_glm5_moe(const at::Tensor& x, const v4::We
   if (norm_topk_prob) route_weights = route_weights / (route_weights.sum(-1, /*keepdim=*/true) + 1e-20);
   route_weights = route_weights * routed_scaling_factor;
 
-  const at::Tensor shared = v4_mlp(x, weights, prefix + "shared_experts.", lora_scaling, lora_dropout);
+  const at::Tensor shared = v4_mlp(x, weights.shared_experts, lora_scaling, lora_dropout);
   const v4::Dispatch d = v4::dispatch(idx, E);
-  const at::Tensor y_rows = v4::experts(v4::dispatch_rows(x, d), weights, prefix + "experts.", lora, d, op);
+  const at::Tensor y_rows = v4::experts(v4::dispatch_rows(x, d), weights.experts, lora, d, op);
   return {v4::combine(y_rows, d, route_weights, T) + shared, idx};
 }

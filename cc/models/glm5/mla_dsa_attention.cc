@@ -69,7 +69,7 @@ int64_t block_rows(int64_t per_query) { return std::max<int64_t>(1, block_bytes 
 // The DSA selection (v4train/reference/mla_dsa_attention.py:select_keys, the same ATen calls in
 // the same order, so a document small enough to score at once selects exactly what the
 // reference selects, near-ties included). Larger documents score in blocks of queries.
-at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Weights& w, const Glm5Config& cfg,
+at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const MlaWeights& weights, const Glm5Config& cfg,
                        const at::Tensor& cos, const at::Tensor& sin,
                        const std::vector<std::pair<int64_t, int64_t>>& docs) {
   at::NoGradGuard no_grad;
@@ -81,13 +81,18 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Wei
   const bool ranked = std::any_of(docs.begin(), docs.end(), [&](const auto& dc) { return dc.second - dc.first > K; });
   at::Tensor q, k, head_weights;
   if (ranked) {
-    q = at::linear(q_resid, get(w, "self_attn.indexer.wq_b.weight", kOp)).view({T, n, d});
+    TORCH_CHECK_VALUE(weights.indexer.has_value(), kOp, ": a 'full' indexer layer needs weights.indexer");
+    const IndexerWeights& w = *weights.indexer;
+    for (const auto& [map, name] : {std::pair{&w.wq_b, "indexer.wq_b"}, {&w.wk, "indexer.wk"},
+                                    {&w.weights_proj, "indexer.weights_proj"}}) {
+      check_not_fp8(*map, kOp, name);
+      TORCH_CHECK_VALUE(!map->has_adapter(), kOp, ": ", name, " has a LoRA adapter; the indexer is not adapted");
+    }
+    q = at::linear(q_resid, w.wq_b.weight).view({T, n, d});
     q = at::cat({rope_interleaved(q.slice(-1, 0, r), cos, sin), q.slice(-1, r)}, -1);
-    k = at::layer_norm(at::linear(h, get(w, "self_attn.indexer.wk.weight", kOp)), {d},
-                       get(w, "self_attn.indexer.k_norm.weight", kOp), get(w, "self_attn.indexer.k_norm.bias", kOp),
-                       kLatentEps);
+    k = at::layer_norm(at::linear(h, w.wk.weight), {d}, w.k_norm, w.k_norm_bias, kLatentEps);
     k = at::cat({rope_interleaved(k.unsqueeze(1).slice(-1, 0, r), cos, sin).select(1, 0), k.slice(-1, r)}, -1);
-    const at::Tensor& wp = get(w, "self_attn.indexer.weights_proj.weight", kOp);
+    const at::Tensor& wp = w.weights_proj.weight;
     head_weights = at::linear(h.to(wp.scalar_type()), wp).to(at::kFloat) * std::pow(n, -0.5);
   }
   const double scale = std::pow(d, -0.5);
@@ -265,7 +270,7 @@ int64_t set_block_bytes(int64_t bytes) {
 
 }  // namespace v4
 
-std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, const v4::Weights& weights,
+std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, const v4::MlaWeights& weights,
                                                         const v4::Glm5Config& cfg, int64_t layer,
                                                         const at::Tensor& positions, const at::Tensor& cu_seqlens,
                                                         const std::optional<at::Tensor>& carry, double lora_scaling,
@@ -298,12 +303,11 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
   const int64_t nh = cfg.num_attention_heads, nope = cfg.qk_nope_head_dim, r = cfg.qk_rope_head_dim,
                 dv = cfg.v_head_dim, C = cfg.kv_lora_rank;
 
-  const at::Tensor q_resid = v4_rms_norm(linear(h, weights, "self_attn.q_a_proj.weight", lora, op),
-                                         get(weights, "self_attn.q_a_layernorm.weight", op), kLatentEps, false);
-  at::Tensor q = linear(q_resid, weights, "self_attn.q_b_proj.weight", lora, op).view({T, nh, nope + r});
-  const at::Tensor kv_a = linear(h, weights, "self_attn.kv_a_proj_with_mqa.weight", lora, op);
-  const at::Tensor latent = v4_rms_norm(kv_a.slice(-1, 0, C), get(weights, "self_attn.kv_a_layernorm.weight", op),
-                                        kLatentEps, false);
+  const at::Tensor q_resid = v4_rms_norm(linear(h, weights.q_a_proj, lora, op, "q_a_proj"), weights.q_a_layernorm,
+                                         kLatentEps, false);
+  at::Tensor q = linear(q_resid, weights.q_b_proj, lora, op, "q_b_proj").view({T, nh, nope + r});
+  const at::Tensor kv_a = linear(h, weights.kv_a_proj_with_mqa, lora, op, "kv_a_proj_with_mqa");
+  const at::Tensor latent = v4_rms_norm(kv_a.slice(-1, 0, C), weights.kv_a_layernorm, kLatentEps, false);
   const auto [cos, sin] = rope_cos_sin(cfg.rope, positions, h.scalar_type());
   q = at::cat({q.slice(-1, 0, nope), rope_interleaved(q.slice(-1, nope), cos, sin)}, -1);
   const at::Tensor k_rot = rope_interleaved(kv_a.slice(-1, C).unsqueeze(1), cos, sin);  // [T, 1, r]
@@ -312,7 +316,7 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
   const bool any_long = std::any_of(docs.begin(), docs.end(), [&](const auto& d) { return d.second - d.first > masked_max_len; });
   const auto keys_values = [&](int64_t start, int64_t rows) {
     const at::Tensor kv =
-        linear(latent.slice(0, start, start + rows), weights, "self_attn.kv_b_proj.weight", lora, op).view({rows, nh, nope + dv});
+        linear(latent.slice(0, start, start + rows), weights.kv_b_proj, lora, op, "kv_b_proj").view({rows, nh, nope + dv});
     return std::pair{at::cat({kv.slice(-1, 0, nope), k_rot.slice(0, start, start + rows).expand({rows, nh, r})}, -1),
                      kv.slice(-1, nope)};
   };
@@ -337,17 +341,18 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
       const at::Tensor mask = at::zeros({L - K, L}, h.options().dtype(at::kBool)).scatter_(1, sel, true);
       outs.push_back(sdpa(qd.slice(0, K), kd, vd, scale, /*causal=*/false, mask));
     } else {
-      at::Tensor kv_b = get(weights, "self_attn.kv_b_proj.weight", op);
-      if (has_adapter(weights, "self_attn.kv_b_proj.weight")) {  // folded in: the latent path needs the whole map
+      const Linear& map = weights.kv_b_proj;
+      at::Tensor kv_b = map.weight;
+      if (map.has_adapter()) {  // folded in: the latent path needs the whole map
         TORCH_CHECK_VALUE(lora_dropout == 0, op, ": lora_dropout > 0 with an adapter on kv_b_proj is not supported "
                           "for documents longer than ", masked_max_len, " tokens (the latent path folds the adapter)");
-        const auto [a, b] = adapter_names("self_attn.kv_b_proj.weight");
-        kv_b = kv_b + at::matmul(get(weights, b, op), get(weights, a, op)) * lora_scaling;
+        TORCH_CHECK_VALUE(map.lora_B.has_value(), op, ": the adapter of kv_b_proj has lora_A but no lora_B");
+        kv_b = kv_b + at::matmul(*map.lora_B, *map.lora_A) * lora_scaling;
       }
       outs.push_back(latent_attention(qd.slice(0, K), latent.slice(0, start, end), k_rot.slice(0, start, end).select(1, 0),
                                       kv_b, sel, cfg, scale));
     }
   }
   const at::Tensor attn = outs.empty() ? at::empty({0, nh, dv}, h.options()) : at::cat(outs, 0);
-  return {linear(attn.reshape({T, nh * dv}), weights, "self_attn.o_proj.weight", lora, op), selection};
+  return {linear(attn.reshape({T, nh * dv}), weights.o_proj, lora, op, "o_proj"), selection};
 }

@@ -7,13 +7,49 @@
 #include <utility>
 #include <vector>
 
-#include "cc/models/glm5/config.h"
 #include "cc/common/lora.h"
+#include "cc/models/glm5/config.h"
+
+namespace v4 {
+
+// The DSA indexer's weights (transformers' self_attn.indexer.*): wq_b [n d, q_lora_rank], wk
+// [d, H], the key LayerNorm's weight and bias [d], weights_proj [n, H] (fp32). Never adapted.
+#define V4_INDEXER_WEIGHTS_FIELDS(X) \
+  X(Linear, wq_b, {})                \
+  X(Linear, wk, {})                  \
+  X(at::Tensor, k_norm, {})          \
+  X(at::Tensor, k_norm_bias, {})     \
+  X(Linear, weights_proj, {})
+
+struct IndexerWeights {
+  V4_INDEXER_WEIGHTS_FIELDS(V4_DECLARE_FIELD)
+};
+V4_FIELD_VISITOR(IndexerWeights, V4_INDEXER_WEIGHTS_FIELDS)
+
+// MLA's weights (transformers' self_attn.*): q_a_proj [q_lora_rank, H] and its norm, q_b_proj
+// [nh (nope + rope), q_lora_rank], kv_a_proj_with_mqa [kv_lora_rank + rope, H] and the latent's
+// norm, kv_b_proj [nh (nope + v), kv_lora_rank], o_proj [H, nh v]; the indexer on a 'full' layer.
+#define V4_MLA_WEIGHTS_FIELDS(X)               \
+  X(Linear, q_a_proj, {})                      \
+  X(at::Tensor, q_a_layernorm, {})             \
+  X(Linear, q_b_proj, {})                      \
+  X(Linear, kv_a_proj_with_mqa, {})            \
+  X(at::Tensor, kv_a_layernorm, {})            \
+  X(Linear, kv_b_proj, {})                     \
+  X(Linear, o_proj, {})                        \
+  X(std::optional<IndexerWeights>, indexer, std::nullopt)
+
+struct MlaWeights {
+  V4_MLA_WEIGHTS_FIELDS(V4_DECLARE_FIELD)
+};
+V4_FIELD_VISITOR(MlaWeights, V4_MLA_WEIGHTS_FIELDS)
+
+}  // namespace v4
 
 // GLM-5's attention (transformers' GlmMoeDsaAttention + GlmMoeDsaIndexer) over packed documents:
 // MLA (q_a_proj -> RMSNorm -> q_b_proj; kv_a_proj_with_mqa -> [latent | k_rope], RMSNorm ->
 // kv_b_proj), interleaved RoPE with YaRN, softmax over the keys the DSA selection keeps, o_proj;
-// LoRA adapters beside the projections apply.
+// LoRA adapters with the projections apply.
 //
 // h [T, H]; positions [T]; cu_seqlens [N + 1] document boundaries; carry [T, index_topk]: the
 // selection to attend with (a 'shared' layer's, or a recomputation's), None on a 'full' layer
@@ -27,7 +63,7 @@
 // per block of queries the selected latents are gathered once and all heads computed against
 // them with batched GEMMs, recomputed in the backward pass. The indexer scores in blocks of
 // queries, so no [seq, seq] tensor exists at long sequences.
-std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, const v4::Weights& weights,
+std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, const v4::MlaWeights& weights,
                                                         const v4::Glm5Config& cfg, int64_t layer,
                                                         const at::Tensor& positions, const at::Tensor& cu_seqlens,
                                                         const std::optional<at::Tensor>& carry, double lora_scaling,

@@ -10,7 +10,7 @@
 #include "cc/common/rope.h"
 #include "cc/ops/rms_norm.h"
 
-at::Tensor v4_gated_attention(const at::Tensor& h, const v4::Weights& weights, int64_t num_heads, int64_t num_kv_heads,
+at::Tensor v4_gated_attention(const at::Tensor& h, const v4::GatedAttentionWeights& weights, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, const v4::Rope& rope, double eps, const at::Tensor& positions,
                               const at::Tensor& cu_seqlens, double lora_scaling, double lora_dropout) {
   constexpr const char* op = "v4_gated_attention";
@@ -26,18 +26,18 @@ at::Tensor v4_gated_attention(const at::Tensor& h, const v4::Weights& weights, i
                     ": positions must be int64 [", T, "], got ", positions.scalar_type(), " ", positions.sizes());
   v4::check_same_device(op, "positions", positions, "h", h);
   const auto docs = v4::documents(op, cu_seqlens, T);
-  const at::Tensor& q_w = v4::get(weights, "self_attn.q_proj.weight", op);
+  const at::Tensor& q_w = weights.q_proj.weight;
   TORCH_CHECK_VALUE(q_w.dim() == 2 && q_w.size(0) == nh * 2 * hd && q_w.size(1) == h.size(1), op,
-                    ": self_attn.q_proj.weight has shape ", q_w.sizes(), ", expected [", nh * 2 * hd, ", ", h.size(1),
+                    ": q_proj.weight has shape ", q_w.sizes(), ", expected [", nh * 2 * hd, ", ", h.size(1),
                     "] (query and gate per head)");
   const v4::Lora lora{lora_scaling, lora_dropout};
 
-  const at::Tensor q_gate = v4::linear(h, weights, "self_attn.q_proj.weight", lora, op).view({T, nh, 2 * hd});
+  const at::Tensor q_gate = v4::linear(h, weights.q_proj, lora, op, "q_proj").view({T, nh, 2 * hd});
   const at::Tensor gate = q_gate.slice(-1, hd);
-  at::Tensor q = v4_rms_norm(q_gate.slice(-1, 0, hd), v4::get(weights, "self_attn.q_norm.weight", op), eps, true);
-  at::Tensor k = v4_rms_norm(v4::linear(h, weights, "self_attn.k_proj.weight", lora, op).view({T, nkv, hd}),
-                             v4::get(weights, "self_attn.k_norm.weight", op), eps, true);
-  const at::Tensor v = v4::linear(h, weights, "self_attn.v_proj.weight", lora, op).view({T, nkv, hd});
+  at::Tensor q = v4_rms_norm(q_gate.slice(-1, 0, hd), weights.q_norm, eps, true);
+  at::Tensor k = v4_rms_norm(v4::linear(h, weights.k_proj, lora, op, "k_proj").view({T, nkv, hd}),
+                             weights.k_norm, eps, true);
+  const at::Tensor v = v4::linear(h, weights.v_proj, lora, op, "v_proj").view({T, nkv, hd});
   const auto [cos, sin] = v4::rope_cos_sin(rope, positions, h.scalar_type());
   q = v4::rope_half(q, cos, sin);
   k = v4::rope_half(k, cos, sin);
@@ -48,6 +48,6 @@ at::Tensor v4_gated_attention(const at::Tensor& h, const v4::Weights& weights, i
                               std::pow(hd, -0.5), /*causal=*/true));
   }
   const at::Tensor attn = outs.empty() ? at::zeros({0, nh, hd}, h.options()) : at::cat(outs, 0);
-  return v4::linear(attn.reshape({T, nh * hd}) * at::sigmoid(gate.reshape({T, nh * hd})), weights,
-                    "self_attn.o_proj.weight", lora, op);
+  return v4::linear(attn.reshape({T, nh * hd}) * at::sigmoid(gate.reshape({T, nh * hd})), weights.o_proj, lora, op,
+                    "o_proj");
 }

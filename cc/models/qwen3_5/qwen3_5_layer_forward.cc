@@ -18,27 +18,32 @@ namespace {
 constexpr const char* kOp = "v4_qwen3_5_layer_forward";
 
 // A layer call; a checkpointed one keeps it, with the first pass's MoE routing, for the recomputation.
-struct QwenLayerCall : CheckpointedCall {
-  using CheckpointedCall::CheckpointedCall;
+struct QwenLayerCall : LayerCallOf<Qwen35LayerWeights> {
+  using LayerCallOf::LayerCallOf;
   Qwen35Config cfg;
   at::Tensor routing;
 
   // {hidden}
-  std::vector<at::Tensor> forward(const at::Tensor& hidden, const Weights& weights) override {
+  std::vector<at::Tensor> forward(const at::Tensor& hidden) override {
     const double eps = cfg.rms_norm_eps;
-    const at::Tensor h = v4_rms_norm(hidden, get(weights, "input_layernorm.weight", kOp), eps, true);
+    const at::Tensor h = v4_rms_norm(hidden, weights.input_layernorm, eps, true);
+    const bool deltanet = cfg.layer_types[layer] == "linear_attention";
+    TORCH_CHECK_VALUE(deltanet ? weights.linear_attn.has_value() : weights.self_attn.has_value(), kOp, ": layer ", layer,
+                      " is a ", cfg.layer_types[layer], " layer but weights has no ", deltanet ? "linear_attn" : "self_attn");
     const at::Tensor mixed =
-        cfg.layer_types[layer] == "linear_attention"
-            ? v4_gated_deltanet(h, weights, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+        deltanet
+            ? v4_gated_deltanet(h, *weights.linear_attn, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                 cfg.linear_key_head_dim, cfg.linear_value_head_dim, eps, batch.cu_seqlens, lora.scaling,
                                 lora.dropout)
-            : v4_gated_attention(h, weights, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rope,
+            : v4_gated_attention(h, *weights.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rope,
                                  eps, batch.positions, batch.cu_seqlens, lora.scaling, lora.dropout);
     const at::Tensor mid = hidden + mixed;
-    const at::Tensor h2 = v4_rms_norm(mid, get(weights, "post_attention_layernorm.weight", kOp), eps, true);
-    if (!cfg.is_moe) return {mid + v4_mlp(h2, weights, "mlp.", lora.scaling, lora.dropout)};
+    const at::Tensor h2 = v4_rms_norm(mid, weights.post_attention_layernorm, eps, true);
+    TORCH_CHECK_VALUE(cfg.is_moe ? weights.moe.has_value() : weights.mlp.has_value(), kOp, ": layer ", layer,
+                      cfg.is_moe ? " is an MoE layer but weights has no moe" : " is a dense layer but weights has no mlp");
+    if (!cfg.is_moe) return {mid + v4_mlp(h2, *weights.mlp, lora.scaling, lora.dropout)};
     const std::optional<at::Tensor> given = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;
-    auto [out, chosen] = v4_qwen3_5_moe(h2, weights, "mlp.", cfg.num_experts_per_tok, true, lora.scaling, lora.dropout, given);
+    auto [out, chosen] = v4_qwen3_5_moe(h2, *weights.moe, cfg.num_experts_per_tok, true, lora.scaling, lora.dropout, given);
     routing = chosen;
     return {mid + out};
   }
@@ -47,10 +52,12 @@ struct QwenLayerCall : CheckpointedCall {
 }  // namespace
 }  // namespace v4
 
-at::Tensor v4_qwen3_5_layer_forward(const at::Tensor& hidden, const v4::Weights& weights, const v4::Qwen35Config& cfg,
-                                    int64_t layer, const v4::Batch& batch, const v4::LayerOptions& options) {
+at::Tensor v4_qwen3_5_layer_forward(const at::Tensor& hidden, const v4::Qwen35LayerWeights& weights,
+                                    const v4::Qwen35Config& cfg, int64_t layer, const v4::Batch& batch,
+                                    const v4::LayerOptions& options) {
   constexpr const char* op = v4::kOp;
-  v4::check_layer_call(op, hidden, weights, layer, static_cast<int64_t>(cfg.layer_types.size()), batch, options);
+  v4::check_layer_call(op, hidden, layer, static_cast<int64_t>(cfg.layer_types.size()), batch, options);
+  v4::check_weights(op, weights, hidden);
   auto call = c10::make_intrusive<v4::QwenLayerCall>(weights, layer, batch, options);
   call->cfg = cfg;
   return v4::run_layer(hidden, call)[0];

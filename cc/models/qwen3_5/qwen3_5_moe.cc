@@ -7,23 +7,22 @@
 #include "cc/common/experts.h"
 #include "cc/ops/mlp.h"
 
-std::tuple<at::Tensor, at::Tensor> v4_qwen3_5_moe(const at::Tensor& x, const v4::Weights& weights, const std::string& prefix,
-                                               int64_t top_k, bool norm_topk_prob, double lora_scaling,
-                                               double lora_dropout, const std::optional<at::Tensor>& routing) {
+std::tuple<at::Tensor, at::Tensor> v4_qwen3_5_moe(const at::Tensor& x, const v4::Qwen35MoeWeights& weights,
+                                                  int64_t top_k, bool norm_topk_prob, double lora_scaling,
+                                                  double lora_dropout, const std::optional<at::Tensor>& routing) {
   constexpr const char* op = "v4_qwen3_5_moe";
   v4::check_floating(op, "x", x, /*float64=*/true);
   v4::check_dim(op, "x", x, 2);
   v4::check_weights(op, weights, x);
-  const at::Tensor& gate = v4::get(weights, prefix + "gate.weight", op);
-  const at::Tensor& shared_gate = v4::get(weights, prefix + "shared_expert_gate.weight", op);
+  const at::Tensor& gate = weights.gate;
+  const at::Tensor& shared_gate = weights.shared_expert_gate;
   const int64_t E = gate.size(0), T = x.size(0);
-  TORCH_CHECK_VALUE(gate.dim() == 2 && gate.size(1) == x.size(1), op, ": ", prefix, "gate.weight has shape ",
+  TORCH_CHECK_VALUE(gate.dim() == 2 && gate.size(1) == x.size(1), op, ": gate has shape ",
                     gate.sizes(), ", expected [experts, ", x.size(1), "]");
-  TORCH_CHECK_VALUE(shared_gate.dim() == 2 && shared_gate.size(0) == 1 && shared_gate.size(1) == x.size(1), op, ": ",
-                    prefix, "shared_expert_gate.weight has shape ", shared_gate.sizes(), ", expected [1, ", x.size(1),
-                    "]");
+  TORCH_CHECK_VALUE(shared_gate.dim() == 2 && shared_gate.size(0) == 1 && shared_gate.size(1) == x.size(1), op,
+                    ": shared_expert_gate has shape ", shared_gate.sizes(), ", expected [1, ", x.size(1), "]");
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= E, op, ": top_k=", top_k, " must lie in [1, ", E, "] (the experts)");
-  v4::check_experts(op, weights, prefix, x, E);
+  v4::check_experts(op, weights.experts, x, E);
 
   // The router: the reference's ATen calls in its order, so the choice is the same bit for bit.
   const at::Tensor logits = at::linear(x, gate);
@@ -40,9 +39,9 @@ std::tuple<at::Tensor, at::Tensor> v4_qwen3_5_moe(const at::Tensor& x, const v4:
   route_weights = route_weights.to(logits.scalar_type());
 
   const v4::Lora lora{lora_scaling, lora_dropout};
-  const at::Tensor shared = v4_mlp(x, weights, prefix + "shared_expert.", lora_scaling, lora_dropout) *
+  const at::Tensor shared = v4_mlp(x, weights.shared_expert, lora_scaling, lora_dropout) *
                             at::sigmoid(at::linear(x, shared_gate));
   const v4::Dispatch d = v4::dispatch(idx, E);
-  const at::Tensor y_rows = v4::experts(v4::dispatch_rows(x, d), weights, prefix + "experts.", lora, d, op);
+  const at::Tensor y_rows = v4::experts(v4::dispatch_rows(x, d), weights.experts, lora, d, op);
   return {v4::combine(y_rows, d, route_weights, T) + shared, idx};
 }

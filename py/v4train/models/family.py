@@ -14,7 +14,8 @@ from v4train.op import Op
 class Family:
     """name: the config's `family` field. model_types: config.json model_type values it reads.
     parse(d, model_type, source) -> config. layer_specs(cfg, i) -> the layer's WeightSpecs
-    (transformers names). layer_op: the op that computes one decoder layer. carries: its layer op
+    (transformers names). layer_weights: the dataclass its layer op takes the layer's tensors as
+    (v4train.reference.lora.bind fills it). layer_op: the op that computes one decoder layer. carries: its layer op
     takes the previous layer's carry and returns its own (GLM-5's DSA selection). zero_centered_norm:
     the decoder and final norms scale by 1 + w (weights initialised to 0). attention_targets: what
     --lora_target_modules=attention means. frozen: substrings of weights that never train (as in
@@ -28,6 +29,7 @@ class Family:
     model_types: tuple[str, ...]
     parse: Callable
     layer_specs: Callable
+    layer_weights: type
     layer_op: str
     carries: bool
     zero_centered_norm: bool

@@ -1,4 +1,11 @@
-"""Linear maps with optional LoRA adapters found beside their weight in a layer's tensor dict.
+"""Linear maps with optional LoRA adapters, and the typed weights of the layer ops.
+
+A block's weights are a dataclass whose fields name its tensors (cc/common/weights.h and each
+op's header list the same fields for C++, checked by py/tests/test_config_fields.py); `bind`
+fills one from a layer's tensors by their transformers names, once per layer (the decoder layer
+keeps it). A linear map is a `Linear`: its weight and, beside it in the tensor dict, its adapter
+(`adapter_names`, the one place that names the adapters) and, for an FP8 checkpoint's weight, its
+block scales.
 
 For a weight `X.weight` [out, in] the adapter is `X.lora_A` [r, in] and `X.lora_B` [out, r];
 for a fused expert tensor `P` [E, out, in] (no `.weight`: a parameter, not a module), it is
@@ -9,7 +16,8 @@ dropout probability on the adapter's input, 0 when not training) applies to all 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,13 +34,79 @@ def adapter_names(weight_name: str) -> tuple[str, str]:
     return base + "lora_A", base + "lora_B"
 
 
+def scale_name(weight_name: str) -> str:
+    """The name of an FP8 weight's block scales in a checkpoint (X.weight -> X.weight_scale_inv)."""
+    return weight_name + "_scale_inv"
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """One linear map: weight [out, in] (a routed experts' [E, out, in]), its FP8 block scales
+    where it is float8, its LoRA pair where it has an adapter."""
+
+    weight: torch.Tensor
+    weight_scale_inv: torch.Tensor | None = None
+    lora_A: torch.Tensor | None = None
+    lora_B: torch.Tensor | None = None
+
+    @staticmethod
+    def bind(tensors: Mapping[str, torch.Tensor], name: str) -> "Linear":
+        a, b = adapter_names(name)
+        return Linear(_tensor(tensors, name), tensors.get(scale_name(name)), tensors.get(a), tensors.get(b))
+
+
+def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ValueError(f"weights lack the tensor {name}")
+    return tensors[name]
+
+
+def tensor(name: str):
+    """A field holding the tensor `name` (relative to its struct's prefix)."""
+    return dataclasses.field(metadata={"kind": "tensor", "name": name})
+
+
+def linear_map(name: str):
+    """A field holding the linear map of the weight `name`, with its adapter (a Linear)."""
+    return dataclasses.field(metadata={"kind": "linear", "name": name})
+
+
+def part(cls: type, prefix: str, optional: bool = False):
+    """A field holding the weights `cls` of a part, its tensors under `prefix`; an optional part
+    is None where the layer lacks its first tensor (a dense layer's router, say)."""
+    return dataclasses.field(default=None if optional else dataclasses.MISSING,
+                             metadata={"kind": "part", "cls": cls, "name": prefix, "optional": optional})
+
+
+def _first_name(cls: type, prefix: str) -> str:
+    first = dataclasses.fields(cls)[0]
+    return prefix + first.metadata["name"] if first.metadata["kind"] != "part" else \
+        _first_name(first.metadata["cls"], prefix + first.metadata["name"])
+
+
+def bind(cls: type, tensors: Mapping[str, torch.Tensor], prefix: str = ""):
+    """The weights dataclass `cls` filled from tensors by their transformers names (under prefix);
+    a missing tensor is a ValueError naming it."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        kind, name = f.metadata["kind"], prefix + f.metadata["name"]
+        if kind == "tensor":
+            values[f.name] = _tensor(tensors, name)
+        elif kind == "linear":
+            values[f.name] = Linear.bind(tensors, name)
+        elif f.metadata["optional"] and _first_name(f.metadata["cls"], name) not in tensors:
+            values[f.name] = None
+        else:
+            values[f.name] = bind(f.metadata["cls"], tensors, name)
+    return cls(**values)
+
+
 def _update(x: torch.Tensor, lora: Lora, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     x = F.dropout(x, p=lora.dropout, training=True) if lora.dropout else x
     return F.linear(F.linear(x, a), b) * lora.scaling
 
 
-def linear(x: torch.Tensor, w: dict, name: str, lora: Lora) -> torch.Tensor:
-    """x W^T (+ the LoRA update when the dict holds an adapter for `name`)."""
-    a_name, b_name = adapter_names(name)
-    y = F.linear(x, w[name])
-    return y + _update(x, lora, w[a_name], w[b_name]) if a_name in w else y
+def linear(x: torch.Tensor, w: Linear, lora: Lora) -> torch.Tensor:
+    """x W^T (+ the LoRA update where w has an adapter)."""
+    y = F.linear(x, w.weight)
+    return y + _update(x, lora, w.lora_A, w.lora_B) if w.lora_A is not None else y

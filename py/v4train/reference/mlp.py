@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
-from v4train.reference.lora import Lora, linear
+from v4train.reference.lora import Linear, Lora, linear, linear_map
 
 
-def v4_mlp(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, lora_scaling: float = 0.0,
-           lora_dropout: float = 0.0) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class MlpWeights:
+    """gate_proj and up_proj [I, H], down_proj [H, I] (transformers' *.{gate,up,down}_proj.weight)."""
+
+    gate_proj: Linear = linear_map("gate_proj.weight")
+    up_proj: Linear = linear_map("up_proj.weight")
+    down_proj: Linear = linear_map("down_proj.weight")
+
+
+def v4_mlp(x: torch.Tensor, weights: MlpWeights, lora_scaling: float = 0.0, lora_dropout: float = 0.0) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) (transformers' GlmMoeDsaMLP / Qwen3_5MoeMLP).
 
-    x [T, H]; weights[prefix + "{gate,up,down}_proj.weight"] ([I, H], [I, H], [H, I]), each with
-    its optional LoRA adapter beside it (v4train.reference.lora). Returns [T, H] in x's dtype.
+    x [T, H]; weights: the three maps, each with its optional LoRA adapter
+    (v4train.reference.lora). Returns [T, H] in x's dtype.
     """
     lora = Lora(lora_scaling, lora_dropout)
-    h = F.silu(linear(x, weights, prefix + "gate_proj.weight", lora)) * linear(x, weights, prefix + "up_proj.weight", lora)
-    return linear(h, weights, prefix + "down_proj.weight", lora)
+    h = F.silu(linear(x, weights.gate_proj, lora)) * linear(x, weights.up_proj, lora)
+    return linear(h, weights.down_proj, lora)

@@ -51,7 +51,7 @@ def _chosen(routing: torch.Tensor, experts: int) -> torch.Tensor:
 def _softmax_reachable(call: dict, routing: torch.Tensor) -> torch.Tensor:
     """Per token: whether the softmax top-k router (v4_qwen3_5_moe) picks `routing` for some logits
     within their rounding (softmax is monotone in the logits: raise the chosen, lower the rest)."""
-    logits, delta = _logit_bounds(call["x"], call["weights"][call["prefix"] + "gate.weight"], call["x"].dtype)
+    logits, delta = _logit_bounds(call["x"], call["weights"].gate, call["x"].dtype)
     want = _chosen(routing.to(logits.device), logits.shape[1])
     return (_topk_set(torch.where(want, logits + delta, logits - delta), call["top_k"]) == want).all(-1)
 
@@ -61,8 +61,8 @@ def _grouped_sigmoid_reachable(call: dict, routing: torch.Tensor) -> torch.Tenso
     topk_group groups by the sum of their two best, then the top_k experts among them. The
     groups of the chosen experts are raised for the group choice, the chosen experts for theirs."""
     w = call["weights"]
-    logits, delta = _logit_bounds(call["x"], w[call["prefix"] + "gate.weight"], torch.float32)
-    bias = w[call["prefix"] + "gate.e_score_correction_bias"].detach().double()
+    logits, delta = _logit_bounds(call["x"], w.gate, torch.float32)
+    bias = w.e_score_correction_bias.detach().double()
     # sigmoid moves by at most sigmoid' * delta over the interval: bound it by its largest there.
     slope = torch.maximum((logits - delta).sigmoid() * (1 - (logits - delta).sigmoid()),
                           (logits + delta).sigmoid() * (1 - (logits + delta).sigmoid()))

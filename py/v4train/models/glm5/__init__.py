@@ -19,7 +19,7 @@ OPS = (
 
 FAMILY = Family(
     name="glm5", model_types=("glm_moe_dsa",), parse=parse_glm5, layer_specs=layer_specs,
-    layer_op="v4_glm5_layer_forward", carries=True, zero_centered_norm=False,
+    layer_weights=layer.Glm5LayerWeights, layer_op="v4_glm5_layer_forward", carries=True, zero_centered_norm=False,
     attention_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
     config_class=Glm5Config, check=check, ops=OPS,
     # transformers keeps the routing bias as a buffer and runs the DSA indexer without gradient.

@@ -3,18 +3,48 @@ GlmMoeDsaAttention and GlmMoeDsaIndexer), for training: no KV cache."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from v4train.reference import rope as rope_ref
 from v4train.reference.attention import causal_attention, documents
-from v4train.reference.lora import Lora, linear
+from v4train.reference.lora import Linear, Lora, linear, linear_map, part, tensor
 
 # transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with eps 1e-6,
 # whatever rms_norm_eps says.
 LATENT_EPS = 1e-6
 # transformers scores the indexer in fp32 (a test scores in float64 to judge a selection).
 SCORE_DTYPE = torch.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerWeights:
+    """The DSA indexer's weights (transformers' self_attn.indexer.*): wq_b [n d, q_lora_rank], wk
+    [d, H], the key LayerNorm's weight and bias [d], weights_proj [n, H] (fp32). Never adapted."""
+
+    wq_b: Linear = linear_map("wq_b.weight")
+    wk: Linear = linear_map("wk.weight")
+    k_norm: torch.Tensor = tensor("k_norm.weight")
+    k_norm_bias: torch.Tensor = tensor("k_norm.bias")
+    weights_proj: Linear = linear_map("weights_proj.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaWeights:
+    """MLA's weights (transformers' self_attn.*): q_a_proj [q_lora_rank, H] and its norm, q_b_proj
+    [nh (nope + rope), q_lora_rank], kv_a_proj_with_mqa [kv_lora_rank + rope, H] and the latent's
+    norm, kv_b_proj [nh (nope + v), kv_lora_rank], o_proj [H, nh v]; the indexer on a 'full' layer."""
+
+    q_a_proj: Linear = linear_map("q_a_proj.weight")
+    q_a_layernorm: torch.Tensor = tensor("q_a_layernorm.weight")
+    q_b_proj: Linear = linear_map("q_b_proj.weight")
+    kv_a_proj_with_mqa: Linear = linear_map("kv_a_proj_with_mqa.weight")
+    kv_a_layernorm: torch.Tensor = tensor("kv_a_layernorm.weight")
+    kv_b_proj: Linear = linear_map("kv_b_proj.weight")
+    o_proj: Linear = linear_map("o_proj.weight")
+    indexer: IndexerWeights | None = part(IndexerWeights, "indexer.", optional=True)
 
 
 def canonical_selection(keys: torch.Tensor, first_query: int) -> torch.Tensor:
@@ -28,7 +58,7 @@ def canonical_selection(keys: torch.Tensor, first_query: int) -> torch.Tensor:
     return torch.where(ordered == big, -1, ordered)
 
 
-def select_keys(h, q_resid, w, cfg, cos, sin, docs) -> torch.Tensor:
+def select_keys(h, q_resid, weights: MlaWeights, cfg, cos, sin, docs) -> torch.Tensor:
     """DSA selection: the keys each query attends to, [T, index_topk] int64 positions local to
     the query's document, ascending, -1 in unused slots (canonical_selection).
 
@@ -43,13 +73,14 @@ def select_keys(h, q_resid, w, cfg, cos, sin, docs) -> torch.Tensor:
     out = torch.full((T, K), -1, dtype=torch.int64, device=h.device)
     pos = torch.arange(K, device=h.device)
     if any(end - start > K for start, end in docs):
-        q = F.linear(q_resid, w["self_attn.indexer.wq_b.weight"]).view(T, n, d)
+        if weights.indexer is None:
+            raise ValueError("v4_mla_dsa_attention: a 'full' indexer layer needs weights.indexer")
+        w = weights.indexer
+        q = F.linear(q_resid, w.wq_b.weight).view(T, n, d)
         q = torch.cat([rope_ref.apply_interleaved(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = F.layer_norm(F.linear(h, w["self_attn.indexer.wk.weight"]), (d,), w["self_attn.indexer.k_norm.weight"],
-                         w["self_attn.indexer.k_norm.bias"], LATENT_EPS)
+        k = F.layer_norm(F.linear(h, w.wk.weight), (d,), w.k_norm, w.k_norm_bias, LATENT_EPS)
         k = torch.cat([rope_ref.apply_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]], dim=-1)
-        head_weights = F.linear(h.to(w["self_attn.indexer.weights_proj.weight"].dtype),
-                                w["self_attn.indexer.weights_proj.weight"]).to(SCORE_DTYPE) * n**-0.5
+        head_weights = F.linear(h.to(w.weights_proj.weight.dtype), w.weights_proj.weight).to(SCORE_DTYPE) * n**-0.5
     for start, end in docs:
         L = end - start
         first = min(L, K)  # queries 0 .. K-1 have at most K causal keys: all of them
@@ -71,20 +102,20 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor, h
     return scores.masked_fill(~causal, float("-inf"))
 
 
-def v4_mla_dsa_attention(h: torch.Tensor, weights: dict[str, torch.Tensor], cfg, layer: int, positions: torch.Tensor,
+def v4_mla_dsa_attention(h: torch.Tensor, weights: MlaWeights, cfg, layer: int, positions: torch.Tensor,
                          cu_seqlens: torch.Tensor, carry: torch.Tensor | None = None, lora_scaling: float = 0.0,
                          lora_dropout: float = 0.0, masked_max_len: int = 8192, *,
                          ops) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA attention over the keys the DSA selection keeps, over packed documents.
 
-    h [T, H] (the normed hidden states); weights: the layer's tensors (self_attn.*); positions
+    h [T, H] (the normed hidden states); weights: MlaWeights (self_attn.*); positions
     [T]; cu_seqlens [N + 1] document boundaries (no attention across them); carry: the selection
     of the last 'full' indexer layer, used by a 'shared' layer. Query: q_a_proj -> RMSNorm (eps
     1e-6, ops.v4_rms_norm) -> q_b_proj, per head [nope | rope]; key/value: kv_a_proj_with_mqa ->
     [latent | k_rope], RMSNorm on the latent -> kv_b_proj, per head [k_nope | v], the one k_rope
     shared by all heads; interleaved RoPE (with YaRN) on q_rope and k_rope; softmax over the
     selected causal keys with scale qk_head_dim^-0.5 (times YaRN's mscale^2); o_proj. LoRA
-    adapters beside the projections apply. Returns (out [T, H], the selection [T, index_topk]:
+    adapters with the projections apply. Returns (out [T, H], the selection [T, index_topk]:
     the next layer's carry). masked_max_len picks among the C++ op's algorithms (documents up to
     it attend under a dense mask, longer ones through the latent space); the math is this.
     """
@@ -92,15 +123,14 @@ def v4_mla_dsa_attention(h: torch.Tensor, weights: dict[str, torch.Tensor], cfg,
     T = h.shape[0]
     nh, nope, r, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     docs = documents(cu_seqlens)
-    q_resid = ops.v4_rms_norm(linear(h, w, "self_attn.q_a_proj.weight", lora), w["self_attn.q_a_layernorm.weight"],
-                              LATENT_EPS)
-    q = linear(q_resid, w, "self_attn.q_b_proj.weight", lora).view(T, nh, nope + r)
-    kv_a = linear(h, w, "self_attn.kv_a_proj_with_mqa.weight", lora)
-    k_pass = ops.v4_rms_norm(kv_a[:, : cfg.kv_lora_rank], w["self_attn.kv_a_layernorm.weight"], LATENT_EPS)
+    q_resid = ops.v4_rms_norm(linear(h, w.q_a_proj, lora), w.q_a_layernorm, LATENT_EPS)
+    q = linear(q_resid, w.q_b_proj, lora).view(T, nh, nope + r)
+    kv_a = linear(h, w.kv_a_proj_with_mqa, lora)
+    k_pass = ops.v4_rms_norm(kv_a[:, : cfg.kv_lora_rank], w.kv_a_layernorm, LATENT_EPS)
     cos, sin = rope_ref.cos_sin(cfg.rope, positions, h.dtype)
     q = torch.cat([q[..., :nope], rope_ref.apply_interleaved(q[..., nope:], cos, sin)], dim=-1)
     k_rot = rope_ref.apply_interleaved(kv_a[:, None, cfg.kv_lora_rank:], cos, sin)  # [T, 1, r]
-    kv = linear(k_pass, w, "self_attn.kv_b_proj.weight", lora).view(T, nh, nope + dv)
+    kv = linear(k_pass, w.kv_b_proj, lora).view(T, nh, nope + dv)
     k = torch.cat([kv[..., :nope], k_rot.expand(T, nh, r)], dim=-1)
     v = kv[..., nope:]
 
@@ -121,4 +151,4 @@ def v4_mla_dsa_attention(h: torch.Tensor, weights: dict[str, torch.Tensor], cfg,
         allowed.scatter_(1, torch.where(sel >= 0, sel, L), True)  # -1 lands in the spare column
         outs.append(causal_attention(q[start:end], k[start:end], v[start:end], scale, allowed[:, :L]))
     attn = torch.cat(outs, dim=0).reshape(T, nh * dv)
-    return linear(attn, w, "self_attn.o_proj.weight", lora), selection
+    return linear(attn, w.o_proj, lora), selection

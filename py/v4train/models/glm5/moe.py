@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
-from v4train.reference.lora import Lora
-from v4train.reference.moe import experts
+from v4train.reference.lora import Lora, part, tensor
+from v4train.reference.mlp import MlpWeights
+from v4train.reference.moe import ExpertsWeights, experts
+
+
+@dataclasses.dataclass(frozen=True)
+class Glm5MoeWeights:
+    """GLM-5's MoE weights (transformers' mlp.*): the router gate [E, H] and its correction bias
+    [E] (both fp32), the routed experts, the shared expert."""
+
+    gate: torch.Tensor = tensor("gate.weight")
+    e_score_correction_bias: torch.Tensor = tensor("gate.e_score_correction_bias")
+    experts: ExpertsWeights = part(ExpertsWeights, "experts.")
+    shared_experts: MlpWeights = part(MlpWeights, "shared_experts.")
 
 
 def route_sigmoid_grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -38,20 +52,18 @@ def route_sigmoid_grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return w * scaling, routing
 
 
-def v4_glm5_moe(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, top_k: int, n_group: int,
-           topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float, lora_scaling: float = 0.0,
-           lora_dropout: float = 0.0, routing: torch.Tensor | None = None, *, ops) -> tuple[torch.Tensor, torch.Tensor]:
+def v4_glm5_moe(x: torch.Tensor, weights: Glm5MoeWeights, top_k: int, n_group: int, topk_group: int,
+                norm_topk_prob: bool, routed_scaling_factor: float, lora_scaling: float = 0.0, lora_dropout: float = 0.0,
+                routing: torch.Tensor | None = None, *, ops) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM-5's MoE block (transformers' GlmMoeDsaMoE): the sigmoid group-limited router
     (route_sigmoid_grouped), the routed experts weighted by it, plus the shared expert
-    (ops.v4_mlp with prefix + "shared_experts."), unweighted.
+    (ops.v4_mlp), unweighted.
 
-    x [T, H]; weights[prefix + "gate.weight"] [E, H], prefix + "gate.e_score_correction_bias" [E],
-    prefix + "experts.gate_up_proj" [E, 2I, H], prefix + "experts.down_proj" [E, H, I], and the
-    shared expert's. `routing` [T, top_k]: route as given (a recomputation). Returns (out [T, H]
-    in x's dtype, the routing [T, top_k] int64).
+    x [T, H]; weights: Glm5MoeWeights. `routing` [T, top_k]: route as given (a recomputation).
+    Returns (out [T, H] in x's dtype, the routing [T, top_k] int64).
     """
     lora = Lora(lora_scaling, lora_dropout)
-    rw, idx = route_sigmoid_grouped(x, weights[prefix + "gate.weight"], weights[prefix + "gate.e_score_correction_bias"],
-                                    top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor, routing)
-    shared = ops.v4_mlp(x, weights, prefix + "shared_experts.", lora_scaling, lora_dropout)
-    return experts(x, idx, rw, weights, lora, prefix + "experts.") + shared, idx
+    rw, idx = route_sigmoid_grouped(x, weights.gate, weights.e_score_correction_bias, top_k, n_group, topk_group,
+                                    norm_topk_prob, routed_scaling_factor, routing)
+    shared = ops.v4_mlp(x, weights.shared_experts, lora_scaling, lora_dropout)
+    return experts(x, idx, rw, weights.experts, lora) + shared, idx

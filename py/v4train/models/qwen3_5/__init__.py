@@ -26,7 +26,8 @@ def architecture(cfg: Qwen35Config) -> str:
 
 FAMILY = Family(
     name="qwen3_5", model_types=("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text"), parse=parse_qwen3_5,
-    layer_specs=layer_specs, layer_op="v4_qwen3_5_layer_forward", carries=False, zero_centered_norm=True,
+    layer_specs=layer_specs, layer_weights=layer.Qwen35LayerWeights, layer_op="v4_qwen3_5_layer_forward",
+    carries=False, zero_centered_norm=True,
     attention_targets=("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"),
     config_class=Qwen35Config, check=check, ops=OPS, architecture=architecture,
     lora_excluded=("layernorm", "norm.", "mlp.gate.", "shared_expert_gate", "conv1d", "A_log", "dt_bias"),

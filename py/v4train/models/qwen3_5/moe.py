@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
-from v4train.reference.lora import Lora
-from v4train.reference.moe import experts
+from v4train.reference.lora import Lora, part, tensor
+from v4train.reference.mlp import MlpWeights
+from v4train.reference.moe import ExpertsWeights, experts
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35MoeWeights:
+    """Qwen3.5-MoE's MoE weights (transformers' mlp.*): the router gate [E, H], the routed
+    experts, the shared expert and its gate [1, H]."""
+
+    gate: torch.Tensor = tensor("gate.weight")
+    experts: ExpertsWeights = part(ExpertsWeights, "experts.")
+    shared_expert: MlpWeights = part(MlpWeights, "shared_expert.")
+    shared_expert_gate: torch.Tensor = tensor("shared_expert_gate.weight")
 
 
 def route_softmax(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_prob: bool = True,
@@ -25,19 +39,18 @@ def route_softmax(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_p
     return w.to(logits.dtype), idx
 
 
-def v4_qwen3_5_moe(x: torch.Tensor, weights: dict[str, torch.Tensor], prefix: str, top_k: int, norm_topk_prob: bool = True,
-                lora_scaling: float = 0.0, lora_dropout: float = 0.0, routing: torch.Tensor | None = None, *,
-                ops) -> tuple[torch.Tensor, torch.Tensor]:
+def v4_qwen3_5_moe(x: torch.Tensor, weights: Qwen35MoeWeights, top_k: int, norm_topk_prob: bool = True,
+                   lora_scaling: float = 0.0, lora_dropout: float = 0.0, routing: torch.Tensor | None = None, *,
+                   ops) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3.5-MoE's sparse MoE block (transformers' Qwen3_5MoeSparseMoeBlock): the softmax router
     (route_softmax), the routed experts weighted by it, plus sigmoid(x . shared_expert_gate) times
-    the shared expert (ops.v4_mlp with prefix + "shared_expert.").
+    the shared expert (ops.v4_mlp).
 
-    x [T, H]; weights[prefix + "gate.weight"] [E, H], prefix + "experts.gate_up_proj" [E, 2I, H],
-    prefix + "experts.down_proj" [E, H, I], prefix + "shared_expert_gate.weight" [1, H] and the
-    shared expert's. Returns (out [T, H] in x's dtype, the routing [T, top_k] int64).
+    x [T, H]; weights: Qwen35MoeWeights. Returns (out [T, H] in x's dtype, the routing [T, top_k]
+    int64).
     """
     lora = Lora(lora_scaling, lora_dropout)
-    rw, idx = route_softmax(x, weights[prefix + "gate.weight"], top_k, norm_topk_prob, routing)
-    shared = ops.v4_mlp(x, weights, prefix + "shared_expert.", lora_scaling, lora_dropout)
-    gate = torch.sigmoid(F.linear(x, weights[prefix + "shared_expert_gate.weight"]))
-    return experts(x, idx, rw, weights, lora, prefix + "experts.") + gate * shared, idx
+    rw, idx = route_softmax(x, weights.gate, top_k, norm_topk_prob, routing)
+    shared = ops.v4_mlp(x, weights.shared_expert, lora_scaling, lora_dropout)
+    gate = torch.sigmoid(F.linear(x, weights.shared_expert_gate))
+    return experts(x, idx, rw, weights.experts, lora) + gate * shared, idx

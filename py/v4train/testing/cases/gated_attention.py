@@ -4,7 +4,9 @@ import torch
 
 from v4train.models import config_from_dict
 from v4train.testing.cases.mla_dsa_attention import documents, packed
+from v4train.models.qwen3_5.attention import GatedAttentionWeights
 from v4train.ops import OPS
+from v4train.reference.lora import bind
 from v4train.testing.case import ErrorCase, OpCase
 from v4train.testing.samples import RandomDraw, Sample, layout, make_leaf, seed, view_as_layout, weight_leaves, width
 from v4train.models.qwen3_5.attention import v4_gated_attention
@@ -40,8 +42,8 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     leaves = {"h": make_leaf((sum(lengths), hidden), h_layout, dtype, device, s + 100), **weights}
 
     def build(lv):
-        w = {k: v for k, v in lv.items() if k != "h"}
-        return (view_as_layout(lv["h"], h_layout), w, nh, nkv, hd, rope, 1e-6, positions, cu.to(device), scaling, 0.0), {}
+        return (view_as_layout(lv["h"], h_layout), bind(GatedAttentionWeights, lv, "self_attn."), nh, nkv, hd, rope, 1e-6,
+                positions, cu.to(device), scaling, 0.0), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, heads {nh}/{nkv} of {hd}, rope {rope}")
 
@@ -50,7 +52,7 @@ def _bench(device, dtype, tokens=4096):
     """A Qwen3.5-MoE proxy layer's gated attention (hidden 2048, 16 heads / 2 kv heads of 256)."""
 
     weights, _ = attention_leaves(RandomDraw(0), 2048, 16, 2, 256, dtype, device, 0)
-    weights = {k: v for k, v in weights.items() if "lora" not in k}
+    weights = bind(GatedAttentionWeights, {k: v for k, v in weights.items() if "lora" not in k}, "self_attn.")
     h = torch.randn(tokens, 2048, device=device, dtype=dtype, requires_grad=True)
     positions, cu = packed([tokens], device)
     return f"h [{tokens}, 2048], 16/2 heads of 256", (h, weights, 16, 2, 256, small_rope(256, 0.25, False), 1e-6,
@@ -59,8 +61,11 @@ def _bench(device, dtype, tokens=4096):
 
 def _call(nh=2, q_rows=32, positions=lambda: torch.arange(5)):
     def args():
-        w = {"self_attn.q_proj.weight": torch.zeros(q_rows, 8)}
-        return (torch.zeros(5, 8), w, nh, 1, 8, small_rope(8, 0.5, False), 1e-6, positions(), torch.tensor([0, 5]), 0.0, 0.0)
+        w, _ = attention_leaves(RandomDraw(0), 8, 2, 1, 8, torch.float32, "cpu", 0)
+        w = {k: v for k, v in w.items() if "lora" not in k}
+        w["self_attn.q_proj.weight"] = torch.zeros(q_rows, 8)
+        return (torch.zeros(5, 8), bind(GatedAttentionWeights, w, "self_attn."), nh, 1, 8, small_rope(8, 0.5, False),
+                1e-6, positions(), torch.tensor([0, 5]), 0.0, 0.0)
     return args
 
 
@@ -68,7 +73,7 @@ CASE = OpCase(
     OPS["v4_gated_attention"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("q_proj without the gate rows", _call(q_rows=16),
-                  "self_attn.q_proj.weight has shape [16, 8], expected [32, 8] (query and gate per head)"),
+                  "q_proj.weight has shape [16, 8], expected [32, 8] (query and gate per head)"),
         ErrorCase("int32 positions", _call(positions=lambda: torch.arange(5, dtype=torch.int32)), "positions must be int64 [5]"),
     ),
 )

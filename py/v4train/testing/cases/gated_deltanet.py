@@ -4,7 +4,9 @@ import torch
 
 from v4train.testing.cases.gated_delta_rule import chunk_documents
 from v4train.testing.cases.mla_dsa_attention import packed
+from v4train.models.qwen3_5.deltanet import GatedDeltaNetWeights
 from v4train.ops import OPS
+from v4train.reference.lora import bind
 from v4train.testing.case import ErrorCase, OpCase
 from v4train.testing.samples import RandomDraw, Sample, layout, make_leaf, seed, view_as_layout, weight_leaves, width
 from v4train.models.qwen3_5.deltanet import v4_gated_deltanet
@@ -37,8 +39,8 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     leaves = {"h": make_leaf((sum(lengths), hidden), h_layout, dtype, device, s + 100), **weights}
 
     def build(lv):
-        w = {k: v for k, v in lv.items() if k != "h"}
-        return (view_as_layout(lv["h"], h_layout), w, nk, nv, dk, dv, 1e-6, cu.to(device), scaling, 0.0), {}
+        return (view_as_layout(lv["h"], h_layout), bind(GatedDeltaNetWeights, lv, "linear_attn."), nk, nv, dk, dv, 1e-6,
+                cu.to(device), scaling, 0.0), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, heads {nk}/{nv}, dims {dk}/{dv}, hidden {hidden}")
 
@@ -47,7 +49,7 @@ def _bench(device, dtype, tokens=4096):
     """A Qwen3.5-MoE proxy layer's Gated DeltaNet (hidden 2048, 16 key / 32 value heads of 128)."""
 
     weights, _ = block_leaves(RandomDraw(0), 2048, 16, 32, 128, 128, 4, dtype, device, 0)
-    weights = {k: v for k, v in weights.items() if "lora" not in k}
+    weights = bind(GatedDeltaNetWeights, {k: v for k, v in weights.items() if "lora" not in k}, "linear_attn.")
     h = torch.randn(tokens, 2048, device=device, dtype=dtype, requires_grad=True)
     return f"h [{tokens}, 2048], heads 16/32 of 128", (h, weights, 16, 32, 128, 128, 1e-6,
                                                        torch.tensor([0, tokens], device=device), 0.0, 0.0)
@@ -55,8 +57,11 @@ def _bench(device, dtype, tokens=4096):
 
 def _call(nv=2, qkv_rows=24):
     def args():
-        w = {"linear_attn.in_proj_qkv.weight": torch.zeros(qkv_rows, 8)}
-        return (torch.zeros(5, 8), w, 1, nv, 4, 8, 1e-6, torch.tensor([0, 5]), 0.0, 0.0)
+        w, _ = block_leaves(RandomDraw(0), 8, 1, 2, 4, 8, 4, torch.float32, "cpu", 0)
+        w = {k: v for k, v in w.items() if "lora" not in k}
+        w["linear_attn.in_proj_qkv.weight"] = torch.zeros(qkv_rows, 8)
+        return (torch.zeros(5, 8), bind(GatedDeltaNetWeights, w, "linear_attn."), 1, nv, 4, 8, 1e-6,
+                torch.tensor([0, 5]), 0.0, 0.0)
     return args
 
 
@@ -64,7 +69,7 @@ CASE = OpCase(
     OPS["v4_gated_deltanet"], samples=samples, benchmarks=(_bench,),
     errors=(
         ErrorCase("in_proj_qkv of the wrong height", _call(qkv_rows=20),
-                  "linear_attn.in_proj_qkv.weight has shape [20, 8], expected [24, 8]"),
+                  "in_proj_qkv.weight has shape [20, 8], expected [24, 8]"),
         ErrorCase("value heads not a multiple of key heads", _call(nv=0), "value heads must be a multiple of key heads"),
     ),
 )

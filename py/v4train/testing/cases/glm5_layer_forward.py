@@ -1,11 +1,15 @@
 """v4_glm5_layer_forward: one GLM-5 decoder layer (MLA + DSA attention, dense MLP or MoE)."""
 
+import dataclasses
+
 import torch
 
 from v4train.layer_call import Batch, LayerOptions
 from v4train.model import CausalLM
 from v4train.models import config_from_dict
+from v4train.models.glm5.layer import Glm5LayerWeights
 from v4train.models.glm5.weights import layer_specs
+from v4train.reference.lora import bind
 from v4train.testing.cases.mla_dsa_attention import documents, packed, random_selection, small_config
 from v4train.ops import OPS
 from v4train.testing.case import ErrorCase, OpCase
@@ -51,8 +55,7 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     leaves = {"hidden": make_leaf((sum(lengths), cfg.hidden_size), h_layout, dtype, device, s + 100), **weights}
 
     def build(lv):
-        w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, Batch(positions, cu),
+        return (view_as_layout(lv["hidden"], h_layout), bind(Glm5LayerWeights, lv), cfg, layer, Batch(positions, cu),
                 LayerOptions(scaling, dropout, checkpoint), carry), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, {'MoE' if moe else 'dense'}, shared {shared}, "
@@ -71,16 +74,20 @@ def _bench(device, dtype, tokens=4096):
 
     cfg = config_from_dict(proxy_config(2))
     model = CausalLM.random(cfg, {}, dtype, device)
-    w = {n: p.requires_grad_() for n, p in model.layers[1].named_parameters()}
+    for p in model.layers[1].parameters():
+        p.requires_grad_()
+    w = model.layers[1].weights
     h = torch.randn(tokens, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
     positions, cu = packed([tokens], device)
     return f"one MoE layer, {tokens} tokens", (h, w, cfg, 1, Batch(positions, cu), LayerOptions())
 
 
-def _call(layer=0, dropout=0.0):
+def _call(layer=0, dropout=0.0, **replaced):
+    """A call of a one-layer model's layer 0 weights (some replaced) as layer `layer`."""
     def args():
         cfg = config_from_dict({"model_type": "glm_moe_dsa", "num_hidden_layers": 1, "hidden_size": 8})
-        return (torch.zeros(3, 8), {}, cfg, layer, Batch(torch.arange(3), torch.tensor([0, 3])),
+        w = dataclasses.replace(CausalLM.random(cfg, {}, torch.float32).layers[0].weights, **replaced)
+        return (torch.zeros(3, 8), w, cfg, layer, Batch(torch.arange(3), torch.tensor([0, 3])),
                 LayerOptions(lora_dropout=dropout))
     return args
 
@@ -90,6 +97,7 @@ CASE = OpCase(
     errors=(
         ErrorCase("a layer past the config", _call(layer=3), "layer 3 is not one of the config's 1 layers"),
         ErrorCase("dropout 1", _call(dropout=1.0), "lora_dropout must lie in [0, 1), got 1"),
-        ErrorCase("missing weights", _call(), "weights lacks the tensor input_layernorm.weight"),
+        ErrorCase("a norm on another device", _call(input_layernorm=torch.zeros(8, device="meta")),
+                  "weights.input_layernorm is on meta but the input is on cpu"),
     ),
 )

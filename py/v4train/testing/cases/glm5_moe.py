@@ -5,7 +5,8 @@ import torch
 from v4train.ops import OPS
 from v4train.testing.case import ErrorCase, OpCase
 from v4train.testing.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
-from v4train.models.glm5.moe import v4_glm5_moe
+from v4train.models.glm5.moe import Glm5MoeWeights
+from v4train.reference.lora import bind
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
@@ -38,7 +39,8 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
     def build(lv):
         w = {k: v for k, v in lv.items() if k != "x"}
-        return (view_as_layout(lv["x"], x_layout), w, p, top_k, n_group, topk_group, norm, 2.5, scaling, 0.0, routing), {}
+        return (view_as_layout(lv["x"], x_layout), bind(Glm5MoeWeights, w, p), top_k, n_group, topk_group, norm, 2.5,
+                scaling, 0.0, routing), {}
 
     return Sample(leaves, build, note=f"{experts} experts in {n_group} groups, top {top_k} of {topk_group} groups, "
                                       f"skewed {skew}, routing given {given}, norm {norm}")
@@ -58,18 +60,21 @@ def glm5_moe_weights(device, dtype, experts=32, hidden=6144, inter=2048, gen=Non
 def _bench(device, dtype):
     w = glm5_moe_weights(device, dtype)
     x = torch.randn(4096, 6144, device=device, dtype=dtype, requires_grad=True)
-    return "x [4096, 6144], 32 experts top-8 (intermediate 2048) + shared", (x, w, "mlp.", 8, 1, 1, True, 2.5, 0.0, 0.0, None)
+    return "x [4096, 6144], 32 experts top-8 (intermediate 2048) + shared", (x, bind(Glm5MoeWeights, w, "mlp."), 8, 1, 1,
+                                                                            True, 2.5, 0.0, 0.0, None)
 
 
-def _weights(E=4, H=8, I=6):
-    return {"mlp.gate.weight": torch.zeros(E, H), "mlp.gate.e_score_correction_bias": torch.zeros(E),
-            "mlp.experts.gate_up_proj": torch.zeros(E, 2 * I, H), "mlp.experts.down_proj": torch.zeros(E, H, I),
-            "mlp.shared_experts.gate_proj.weight": torch.zeros(I, H), "mlp.shared_experts.up_proj.weight": torch.zeros(I, H),
-            "mlp.shared_experts.down_proj.weight": torch.zeros(H, I)}
+def _weights(E=4, H=8, I=6, **replaced):
+    """Glm5MoeWeights of zeros, with the tensors named in `replaced` replaced."""
+    w = {"gate.weight": torch.zeros(E, H), "gate.e_score_correction_bias": torch.zeros(E),
+         "experts.gate_up_proj": torch.zeros(E, 2 * I, H), "experts.down_proj": torch.zeros(E, H, I),
+         "shared_experts.gate_proj.weight": torch.zeros(I, H), "shared_experts.up_proj.weight": torch.zeros(I, H),
+         "shared_experts.down_proj.weight": torch.zeros(H, I)}
+    return bind(Glm5MoeWeights, {**w, **replaced})
 
 
 def _call(x=lambda: torch.zeros(5, 8), w=_weights, top_k=2, n_group=1, topk_group=1, routing=None):
-    return lambda: (x(), w(), "mlp.", top_k, n_group, topk_group, True, 2.5, 0.0, 0.0, routing and routing())
+    return lambda: (x(), w(), top_k, n_group, topk_group, True, 2.5, 0.0, 0.0, routing and routing())
 
 
 CASE = OpCase(
@@ -77,10 +82,10 @@ CASE = OpCase(
     errors=(
         ErrorCase("top_k above the experts", _call(top_k=5), "top_k=5 must lie in [1, 4]"),
         ErrorCase("groups that do not divide the experts", _call(n_group=3), "n_group=3, topk_group=1 do not fit 4 experts"),
-        ErrorCase("a down_proj of the wrong width", _call(w=lambda: {**_weights(), "mlp.experts.down_proj": torch.zeros(4, 8, 5)}),
-                  "mlp.experts.down_proj has shape [4, 8, 5], expected [4, 8, 6]"),
-        ErrorCase("a missing router", _call(w=lambda: {k: v for k, v in _weights().items() if k != "mlp.gate.weight"}),
-                  "weights lacks the tensor mlp.gate.weight"),
+        ErrorCase("a down_proj of the wrong width", _call(w=lambda: _weights(**{"experts.down_proj": torch.zeros(4, 8, 5)})),
+                  "experts.down_proj has shape [4, 8, 5], expected [4, 8, 6]"),
+        ErrorCase("a router on another device", _call(w=lambda: _weights(**{"gate.weight": torch.zeros(4, 8, device="meta")})),
+                  "weights.gate is on meta but the input is on cpu"),
         ErrorCase("routing naming no expert", _call(routing=lambda: torch.full((5, 2), 4)), "routing must name experts in [0, 4)"),
         ErrorCase("routing of the wrong shape", _call(routing=lambda: torch.zeros(5, 3, dtype=torch.int64)),
                   "routing must be int64 [5, 2]"),

@@ -6,7 +6,8 @@ from v4train.models import config_from_dict
 from v4train.ops import OPS
 from v4train.testing.case import ErrorCase, OpCase
 from v4train.testing.samples import RandomDraw, Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
-from v4train.models.glm5.attention import v4_mla_dsa_attention
+from v4train.models.glm5.attention import MlaWeights
+from v4train.reference.lora import bind
 
 
 def small_config(draw, dtype: torch.dtype, layers: int = 1, **fixed):
@@ -90,8 +91,8 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     leaves = {"h": make_leaf((T, cfg.hidden_size), h_layout, dtype, device, s + 100), **weights}
 
     def build(lv):
-        w = {k: v for k, v in lv.items() if k != "h"}
-        return (view_as_layout(lv["h"], h_layout), w, cfg, layer, positions, cu, carry, scaling, 0.0, masked_max_len), {}
+        return (view_as_layout(lv["h"], h_layout), bind(MlaWeights, lv, "self_attn."), cfg, layer, positions, cu, carry,
+                scaling, 0.0, masked_max_len), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, index_topk {cfg.index_topk}, shared {shared}, "
                                       f"rope {cfg.rope.type}, masked_max_len {masked_max_len}, cfg {cfg}")
@@ -108,8 +109,7 @@ def glm5_width_sample(dtype: torch.dtype, device, tokens: int, top_k: int, seed_
     leaves = {"h": make_leaf((tokens, cfg.hidden_size), "contiguous", dtype, device, seed_ + 100), **weights}
 
     def build(lv):
-        w = {k: v for k, v in lv.items() if k != "h"}
-        return (lv["h"], w, cfg, 0, positions, cu, None, scaling, 0.0, 0), {}
+        return (lv["h"], bind(MlaWeights, lv, "self_attn."), cfg, 0, positions, cu, None, scaling, 0.0, 0), {}
 
     return Sample(leaves, build, note=f"GLM-5 widths, {tokens} tokens, index_topk {top_k}")
 
@@ -126,7 +126,7 @@ def _call(h=lambda: torch.zeros(5, 16), positions=lambda: torch.arange(5), cu=la
         cfg = _cfg()
         w = {k: torch.zeros(s) for k, s in attention_shapes(cfg).items()}
         w.update({"self_attn.q_a_layernorm.weight": torch.ones(8), "self_attn.kv_a_layernorm.weight": torch.ones(8)})
-        return (h(), w, cfg, 1, positions(), cu(), carry and carry(), 0.0, 0.0, 8192)
+        return (h(), bind(MlaWeights, w, "self_attn."), cfg, 1, positions(), cu(), carry and carry(), 0.0, 0.0, 8192)
     return args
 
 
@@ -146,7 +146,8 @@ def _bench(device, dtype, tokens=4096):
               "self_attn.indexer.weights_proj.weight": (0.02 * torch.randn(n, cfg.hidden_size, generator=gen)).to(device)})
     h = torch.randn(tokens, cfg.hidden_size, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     positions, cu = packed([tokens], device)
-    return f"h [{tokens}, 6144], 64 heads, DSA top-2048", (h, w, cfg, 0, positions, cu, None, 0.0, 0.0, 8192)
+    return f"h [{tokens}, 6144], 64 heads, DSA top-2048", (h, bind(MlaWeights, w, "self_attn."), cfg, 0, positions, cu,
+                                                           None, 0.0, 0.0, 8192)
 
 
 CASE = OpCase(

@@ -1,15 +1,20 @@
 """v4_qwen3_5_layer_forward: one Qwen3.5 decoder layer (Gated DeltaNet or gated attention, MoE or MLP)."""
 
+import dataclasses
+
 import torch
 
 from v4train.layer_call import Batch, LayerOptions
+from v4train.model import CausalLM
 from v4train.models import config_from_dict
 from v4train.models.qwen3_5 import FAMILY
+from v4train.models.qwen3_5.layer import Qwen35LayerWeights
 from v4train.models.qwen3_5.weights import layer_specs
 from v4train.testing.cases.gated_delta_rule import chunk_documents
 from v4train.testing.cases.glm5_layer_forward import layer_leaves
 from v4train.testing.cases.mla_dsa_attention import packed
 from v4train.ops import OPS
+from v4train.reference.lora import bind
 from v4train.testing.case import ErrorCase, OpCase
 from v4train.testing.samples import Sample, layout, lora_dropout, make_leaf, seed, view_as_layout
 from v4train.testing.ties import rerouted
@@ -42,8 +47,7 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     leaves = {"hidden": make_leaf((sum(lengths), cfg.hidden_size), h_layout, dtype, device, s + 100), **weights}
 
     def build(lv):
-        w = {k: v for k, v in lv.items() if k != "hidden"}
-        return (view_as_layout(lv["hidden"], h_layout), w, cfg, layer, Batch(positions, cu.to(device)),
+        return (view_as_layout(lv["hidden"], h_layout), bind(Qwen35LayerWeights, lv), cfg, layer, Batch(positions, cu.to(device)),
                 LayerOptions(scaling, dropout, checkpoint)), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, {cfg.layer_types[layer]}, {'MoE' if moe else 'dense'}, "
@@ -51,10 +55,12 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
                   reroute=(lambda args, kwargs, out, seed: rerouted(v4_qwen3_5_layer_forward, args, kwargs, out, seed)) if moe else None)
 
 
-def _call(layer=0, dropout=0.0):
+def _call(layer=0, dropout=0.0, **replaced):
+    """A call of a one-layer model's layer 0 weights (some replaced) as layer `layer`."""
     def args():
         cfg = config_from_dict({"model_type": "qwen3_5", "num_hidden_layers": 1, "hidden_size": 8})
-        return (torch.zeros(3, 8), {}, cfg, layer, Batch(torch.arange(3), torch.tensor([0, 3])),
+        w = dataclasses.replace(CausalLM.random(cfg, {}, torch.float32).layers[0].weights, **replaced)
+        return (torch.zeros(3, 8), w, cfg, layer, Batch(torch.arange(3), torch.tensor([0, 3])),
                 LayerOptions(lora_dropout=dropout))
     return args
 
@@ -64,5 +70,7 @@ CASE = OpCase(
     errors=(
         ErrorCase("a layer past the config's", _call(layer=3), "layer 3 is not one of the config's 1 layers"),
         ErrorCase("lora_dropout of 1", _call(dropout=1.0), "lora_dropout must lie in [0, 1), got 1"),
+        ErrorCase("a norm on another device", _call(input_layernorm=torch.zeros(8, device="meta")),
+                  "weights.input_layernorm is on meta but the input is on cpu"),
     ),
 )

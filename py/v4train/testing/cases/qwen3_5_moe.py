@@ -5,7 +5,8 @@ import torch
 from v4train.ops import OPS
 from v4train.testing.case import ErrorCase, OpCase
 from v4train.testing.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
-from v4train.models.qwen3_5.moe import v4_qwen3_5_moe
+from v4train.models.qwen3_5.moe import Qwen35MoeWeights
+from v4train.reference.lora import bind
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
@@ -36,7 +37,7 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
 
     def build(lv):
         w = {k: v for k, v in lv.items() if k != "x"}
-        return (view_as_layout(lv["x"], x_layout), w, p, top_k, norm, scaling, 0.0, routing), {}
+        return (view_as_layout(lv["x"], x_layout), bind(Qwen35MoeWeights, w, p), top_k, norm, scaling, 0.0, routing), {}
 
     return Sample(leaves, build, note=f"{experts} experts, top {top_k}, skewed {skew}, routing given {given}, norm {norm}")
 
@@ -46,22 +47,25 @@ def _bench(device, dtype, tokens=4096):
     gen = torch.Generator().manual_seed(0)
     r = lambda *s: (0.02 * torch.randn(*s, generator=gen)).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
     H, E, I = 2048, 64, 512
-    w = {"mlp.gate.weight": r(E, H), "mlp.experts.gate_up_proj": r(E, 2 * I, H), "mlp.experts.down_proj": r(E, H, I),
-         "mlp.shared_expert.gate_proj.weight": r(I, H), "mlp.shared_expert.up_proj.weight": r(I, H),
-         "mlp.shared_expert.down_proj.weight": r(H, I), "mlp.shared_expert_gate.weight": r(1, H)}
+    w = bind(Qwen35MoeWeights, {
+        "gate.weight": r(E, H), "experts.gate_up_proj": r(E, 2 * I, H), "experts.down_proj": r(E, H, I),
+        "shared_expert.gate_proj.weight": r(I, H), "shared_expert.up_proj.weight": r(I, H),
+        "shared_expert.down_proj.weight": r(H, I), "shared_expert_gate.weight": r(1, H)})
     x = torch.randn(tokens, H, device=device, dtype=dtype, requires_grad=True)
-    return f"x [{tokens}, {H}], {E} experts top-8 (intermediate {I}) + gated shared", (x, w, "mlp.", 8, True, 0.0, 0.0, None)
+    return f"x [{tokens}, {H}], {E} experts top-8 (intermediate {I}) + gated shared", (x, w, 8, True, 0.0, 0.0, None)
 
 
-def _weights(E=4, H=8, I=6):
-    return {"mlp.gate.weight": torch.zeros(E, H), "mlp.shared_expert_gate.weight": torch.zeros(1, H),
-            "mlp.experts.gate_up_proj": torch.zeros(E, 2 * I, H), "mlp.experts.down_proj": torch.zeros(E, H, I),
-            "mlp.shared_expert.gate_proj.weight": torch.zeros(I, H), "mlp.shared_expert.up_proj.weight": torch.zeros(I, H),
-            "mlp.shared_expert.down_proj.weight": torch.zeros(H, I)}
+def _weights(E=4, H=8, I=6, **replaced):
+    """Qwen35MoeWeights of zeros, with the tensors named in `replaced` replaced."""
+    w = {"gate.weight": torch.zeros(E, H), "shared_expert_gate.weight": torch.zeros(1, H),
+         "experts.gate_up_proj": torch.zeros(E, 2 * I, H), "experts.down_proj": torch.zeros(E, H, I),
+         "shared_expert.gate_proj.weight": torch.zeros(I, H), "shared_expert.up_proj.weight": torch.zeros(I, H),
+         "shared_expert.down_proj.weight": torch.zeros(H, I)}
+    return bind(Qwen35MoeWeights, {**w, **replaced})
 
 
 def _call(w=_weights, top_k=2, routing=None):
-    return lambda: (torch.zeros(5, 8), w(), "mlp.", top_k, True, 0.0, 0.0, routing and routing())
+    return lambda: (torch.zeros(5, 8), w(), top_k, True, 0.0, 0.0, routing and routing())
 
 
 CASE = OpCase(
@@ -69,8 +73,8 @@ CASE = OpCase(
     errors=(
         ErrorCase("top_k above the experts", _call(top_k=5), "top_k=5 must lie in [1, 4]"),
         ErrorCase("a shared expert gate of the wrong shape",
-                  _call(w=lambda: {**_weights(), "mlp.shared_expert_gate.weight": torch.zeros(2, 8)}),
-                  "mlp.shared_expert_gate.weight has shape [2, 8], expected [1, 8]"),
+                  _call(w=lambda: _weights(**{"shared_expert_gate.weight": torch.zeros(2, 8)})),
+                  "shared_expert_gate has shape [2, 8], expected [1, 8]"),
         ErrorCase("a routing of the wrong shape", _call(routing=lambda: torch.zeros(5, 3, dtype=torch.int64)),
                   "routing must be int64 [5, 2]"),
     ),
