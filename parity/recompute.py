@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from v4train.testing.compare import assert_rel_close
-from v4train.testing.samples import Sample
+from v4train.testing.samples import Sample, takes_gradient
 
 
 def first_output(result) -> torch.Tensor:
@@ -23,7 +23,7 @@ def first_output(result) -> torch.Tensor:
 def gradients(layer: Callable, sample: Sample, change: Callable[[dict], None] | None = None):
     """The layer's output and the gradient of every leaf for a fixed upstream gradient;
     `change(weights)`, if given, edits the weights in place between the forward and the backward."""
-    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in sample.leaves.items()}
+    leaves = {k: v.detach().clone().requires_grad_(takes_gradient(k, sample.leaves)) for k, v in sample.leaves.items()}
     args, kwargs = sample.build(leaves)
     out = first_output(layer(*args, **kwargs))
     if change is not None:

@@ -32,7 +32,7 @@ from v4train.layer_call import LayerOptions
 from v4train.ops import REFERENCE
 from v4train.testing.cases import CASES
 from v4train.testing.check import judge, random_upstream
-from v4train.testing.samples import RandomDraw
+from v4train.testing.samples import FP8_DTYPES, RandomDraw
 
 PROFILE = os.environ.get("V4TRAIN_HYPOTHESIS_PROFILE") or "ci"
 COUNT = 1000 if PROFILE == "wide" else 120  # cases per op; `ci` fixed seeds, `wide` fresh ones
@@ -252,11 +252,20 @@ def _double(x, memo: dict):
         return {k: _double(t, memo) for k, t in x.items()}
     if dataclasses.is_dataclass(x) and not isinstance(x, type) and _tensor_slots([x]):
         return dataclasses.replace(x, **{k: _double(v, memo) for k, v in _children(x)})
-    if isinstance(x, torch.Tensor) and x.is_floating_point():
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype not in FP8_DTYPES:  # (FP8 values are exact)
         if id(x) not in memo:
             memo[id(x)] = x.double()
         return memo[id(x)]
     return x
+
+
+def _differentiable(args, slot) -> bool:
+    """A floating tensor not on the meta device, other than an FP8 weight and its block scales (a
+    frozen base, which the ops refuse to differentiate)."""
+    t = _get(args, slot)
+    if not t.is_floating_point() or t.device.type == "meta" or t.dtype in FP8_DTYPES:
+        return False
+    return not (slot[-1] == "weight_scale_inv" and _get(args, slot[:-1] + ("weight",)).dtype in FP8_DTYPES)
 
 
 def _call(fn, op, seed: int, float64: bool = False):
@@ -266,7 +275,7 @@ def _call(fn, op, seed: int, float64: bool = False):
     if float64:
         memo = {}
         args, kwargs = _double(args, memo), {k: _double(v, memo) for k, v in kwargs.items()}
-    leaves = [] if op.inplace else [t for t in _tensors(args) if t.is_floating_point() and t.device.type != "meta"]
+    leaves = [] if op.inplace else [_get(args, s) for s in _tensor_slots(args) if _differentiable(args, s)]
     for t in leaves:
         t.requires_grad_(True)
     result = fn(*args, **kwargs)
@@ -284,7 +293,8 @@ def _call(fn, op, seed: int, float64: bool = False):
 def _nonfinite_inputs(op, seed: int) -> bool:
     args, kwargs, _ = make_case(op, seed)
     values = _tensors(args) + _tensors(list(kwargs.values())) + [a for a in args if isinstance(a, float)]
-    return any(not torch.isfinite(torch.as_tensor(v)).all() for v in values
+    as_checked = lambda v: v.float() if isinstance(v, torch.Tensor) and v.dtype in FP8_DTYPES else torch.as_tensor(v)  # noqa: E731
+    return any(not torch.isfinite(as_checked(v)).all() for v in values
                if not isinstance(v, torch.Tensor) or (v.is_floating_point() and v.device.type != "meta"))
 
 

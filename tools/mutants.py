@@ -101,6 +101,13 @@ MUTATIONS = (
              "cc/models/qwen3_5/qwen3_5_layer_forward.cc",
              "const std::optional<at::Tensor> given = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;",
              "const std::optional<at::Tensor> given = std::nullopt;", parity("qwen3_5_layer_forward")),
+    Mutation("fp8_scale_blocks_transposed", "an FP8 weight's block scales laid out transposed (row blocks by column)",
+             "cc/common/lora.cc", "scale.to(compute).repeat_interleave(block, -2)",
+             "scale.to(compute).transpose(-1, -2).contiguous().view(scale.sizes()).repeat_interleave(block, -2)",
+             parity("mlp")),
+    Mutation("fp8_scale_ignored", "an FP8 weight used without its block scales",
+             "cc/common/lora.cc", "return (weight.to(compute) * s).to(dtype);", "return weight.to(dtype);",
+             parity("mlp")),
 )
 
 

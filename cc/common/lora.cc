@@ -9,14 +9,27 @@ at::Tensor adapter_input(const at::Tensor& x, const Lora& lora) {
   return lora.dropout > 0 ? at::dropout(x, lora.dropout, /*train=*/true) : x;
 }
 
-void check_not_fp8(const Linear& w, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(!w.weight_scale_inv.has_value(), op, ": ", name, " is an FP8 weight with block scales; the C++ ops ",
-                    "take bf16/fp32 weights (load the checkpoint dequantised)");
+at::Tensor dense_weight(const Linear& w, at::ScalarType dtype, const char* op, const char* name) {
+  if (!w.weight_scale_inv) return w.weight;
+  constexpr int64_t block = 128;  // the FP8 checkpoints' scale block: 128 x 128 weights
+  const at::Tensor &weight = w.weight, &scale = *w.weight_scale_inv;
+  TORCH_CHECK_VALUE(weight.dim() >= 2 && scale.dim() == weight.dim(), op, ": ", name, ".weight_scale_inv has shape ",
+                    scale.sizes(), " for a weight of shape ", weight.sizes());
+  const int64_t out = weight.size(-2), in = weight.size(-1);
+  bool fits = scale.size(-2) == (out + block - 1) / block && scale.size(-1) == (in + block - 1) / block;
+  for (int64_t d = 0; d + 2 < weight.dim(); ++d) fits = fits && scale.size(d) == weight.size(d);
+  TORCH_CHECK_VALUE(fits, op, ": ", name, ".weight_scale_inv has shape ", scale.sizes(), ", expected one scale per ",
+                    block, "x", block, " block of its weight ", weight.sizes());
+  TORCH_CHECK_VALUE(!weight.requires_grad() && !scale.requires_grad(), op, ": ", name, " is an FP8 weight that ",
+                    "requires a gradient; an FP8 base is frozen (train LoRA adapters on it, or dequantise it on load)");
+  const auto compute = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor s = scale.to(compute).repeat_interleave(block, -2).slice(-2, 0, out).repeat_interleave(block, -1)
+                           .slice(-1, 0, in);
+  return (weight.to(compute) * s).to(dtype);
 }
 
 at::Tensor linear(const at::Tensor& x, const Linear& w, const Lora& lora, const char* op, const char* name) {
-  check_not_fp8(w, op, name);
-  const at::Tensor& weight = w.weight;
+  const at::Tensor weight = dense_weight(w, x.scalar_type(), op, name);
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(-1), op, ": ", name, ".weight has shape ",
                     weight.sizes(), ", expected [out, ", x.size(-1), "] for an input of shape ", x.sizes());
   TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), op, ": ", name, ".weight is ", weight.scalar_type(),

@@ -21,7 +21,12 @@ at::Tensor adapter_input(const at::Tensor& x, const Lora& lora);
 // x W^T (+ scaling * dropout(x) A^T B^T where w has an adapter); `name` names w in messages.
 at::Tensor linear(const at::Tensor& x, const Linear& w, const Lora& lora, const char* op, const char* name);
 
-// A float8 weight (weight_scale_inv given) is refused, naming op and the map: FP8 weights do not run yet.
-void check_not_fp8(const Linear& w, const char* op, const char* name);
+// w's weight as the products take it, in `dtype`: an FP8 checkpoint's weight (weight_scale_inv
+// given: float8_e4m3fn [..., out, in] with fp32 scales [..., ceil(out/128), ceil(in/128)])
+// dequantised just in time, each 128 x 128 block times its scale in fp32 (float64 for a float64
+// dtype), exactly as the reference and the loader's --fp8=dequantize do
+// (v4train.reference.lora.dequantize_fp8); else the weight itself. A frozen base: no gradient
+// reaches an FP8 weight or its scales.
+at::Tensor dense_weight(const Linear& w, at::ScalarType dtype, const char* op, const char* name);
 
 }  // namespace v4

@@ -85,14 +85,17 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Mla
     const IndexerWeights& w = *weights.indexer;
     for (const auto& [map, name] : {std::pair{&w.wq_b, "indexer.wq_b"}, {&w.wk, "indexer.wk"},
                                     {&w.weights_proj, "indexer.weights_proj"}}) {
-      check_not_fp8(*map, kOp, name);
       TORCH_CHECK_VALUE(!map->has_adapter(), kOp, ": ", name, " has a LoRA adapter; the indexer is not adapted");
     }
-    q = at::linear(q_resid, w.wq_b.weight).view({T, n, d});
+    q = at::linear(q_resid, dense_weight(w.wq_b, q_resid.scalar_type(), kOp, "indexer.wq_b")).view({T, n, d});
     q = at::cat({rope_interleaved(q.slice(-1, 0, r), cos, sin), q.slice(-1, r)}, -1);
-    k = at::layer_norm(at::linear(h, w.wk.weight), {d}, w.k_norm, w.k_norm_bias, kLatentEps);
+    k = at::layer_norm(at::linear(h, dense_weight(w.wk, h.scalar_type(), kOp, "indexer.wk")), {d}, w.k_norm,
+                       w.k_norm_bias, kLatentEps);
     k = at::cat({rope_interleaved(k.unsqueeze(1).slice(-1, 0, r), cos, sin).select(1, 0), k.slice(-1, r)}, -1);
-    const at::Tensor& wp = w.weights_proj.weight;
+    // transformers keeps weights_proj in fp32 (an FP8 one dequantises to fp32 on load)
+    const at::Tensor wp = w.weights_proj.weight_scale_inv
+                              ? dense_weight(w.weights_proj, at::kFloat, kOp, "indexer.weights_proj")
+                              : w.weights_proj.weight;
     head_weights = at::linear(h.to(wp.scalar_type()), wp).to(at::kFloat) * std::pow(n, -0.5);
   }
   const double scale = std::pow(d, -0.5);
@@ -342,7 +345,7 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
       outs.push_back(sdpa(qd.slice(0, K), kd, vd, scale, /*causal=*/false, mask));
     } else {
       const Linear& map = weights.kv_b_proj;
-      at::Tensor kv_b = map.weight;
+      at::Tensor kv_b = dense_weight(map, latent.scalar_type(), op, "kv_b_proj");
       if (map.has_adapter()) {  // folded in: the latent path needs the whole map
         TORCH_CHECK_VALUE(lora_dropout == 0, op, ": lora_dropout > 0 with an adapter on kv_b_proj is not supported "
                           "for documents longer than ", masked_max_len, " tokens (the latent path folds the adapter)");

@@ -39,6 +39,34 @@ def scale_name(weight_name: str) -> str:
     return weight_name + "_scale_inv"
 
 
+FP8_BLOCK = 128  # FP8 checkpoints (DeepSeek-V3, GLM-5, Qwen3.5) scale blocks of 128 x 128 weights
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight [..., out, in] (float8_e4m3fn in a checkpoint) with each 128 x 128 block times its
+    scale, scale_inv [..., ceil(out/128), ceil(in/128)]: in fp32 (float64 for float64), then in
+    `dtype`. The loader's --fp8=dequantize and the C++ ops' just-in-time FP8 path compute this."""
+    out, inn = weight.shape[-2:]
+    compute = torch.promote_types(dtype, torch.float32)
+    s = scale_inv.to(compute).repeat_interleave(FP8_BLOCK, -2)[..., :out, :].repeat_interleave(FP8_BLOCK, -1)[..., :inn]
+    return (weight.to(compute) * s).to(dtype)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, fp32 scale_inv) as FP8 checkpoints store a weight [..., out, in]:
+    each 128 x 128 block scaled so that its largest magnitude is 448 (an all-zero block: scale 1)."""
+    out, inn = weight.shape[-2:]
+    rows, cols = -(-out // FP8_BLOCK), -(-inn // FP8_BLOCK)
+    padded = weight.float().new_zeros(*weight.shape[:-2], rows * FP8_BLOCK, cols * FP8_BLOCK)
+    padded[..., :out, :inn] = weight.float()
+    blocks = padded.unflatten(-1, (cols, FP8_BLOCK)).unflatten(-3, (rows, FP8_BLOCK))  # [..., rows, 128, cols, 128]
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[..., :, None, :, None]).flatten(-2).flatten(-3, -2)[..., :out, :inn]
+    return q.to(torch.float8_e4m3fn), scale
+
+
 @dataclasses.dataclass(frozen=True)
 class Linear:
     """One linear map: weight [out, in] (a routed experts' [E, out, in]), its FP8 block scales
@@ -106,7 +134,18 @@ def _update(x: torch.Tensor, lora: Lora, a: torch.Tensor, b: torch.Tensor) -> to
     return F.linear(F.linear(x, a), b) * lora.scaling
 
 
+def dense_weight(w: Linear, dtype: torch.dtype) -> torch.Tensor:
+    """w's weight as the products take it: an FP8 one dequantised (a frozen base: it takes no
+    gradient, so one that asks for it is refused), else the weight itself."""
+    if w.weight_scale_inv is None:
+        return w.weight
+    if w.weight.requires_grad or w.weight_scale_inv.requires_grad:
+        raise ValueError("an FP8 weight that requires a gradient; an FP8 base is frozen (train LoRA adapters on it, "
+                         "or dequantise it on load)")
+    return dequantize_fp8(w.weight, w.weight_scale_inv, dtype)
+
+
 def linear(x: torch.Tensor, w: Linear, lora: Lora) -> torch.Tensor:
-    """x W^T (+ the LoRA update where w has an adapter)."""
-    y = F.linear(x, w.weight)
+    """x W^T (+ the LoRA update where w has an adapter), W dequantised where it is FP8."""
+    y = F.linear(x, dense_weight(w, x.dtype))
     return y + _update(x, lora, w.lora_A, w.lora_B) if w.lora_A is not None else y

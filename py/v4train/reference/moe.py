@@ -8,7 +8,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from v4train.reference.lora import Linear, Lora, linear_map
+from v4train.reference.lora import Linear, Lora, dense_weight, linear_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +42,15 @@ def _grouped(rows: torch.Tensor, w: Linear, counts: list[int], lora: Lora) -> to
     """Rows grouped by expert (counts[e] rows for expert e, in order) through expert e of the fused
     map w, with its LoRA update (dropout: one mask over all rows)."""
     adapted = w.lora_A is not None
+    weight = dense_weight(w, rows.dtype)
     dropped = F.dropout(rows, p=lora.dropout, training=True) if adapted and lora.dropout else rows
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        y = F.linear(rows[start:start + n], w.weight[e])
+        y = F.linear(rows[start:start + n], weight[e])
         if adapted:
             y = y + F.linear(F.linear(dropped[start:start + n], w.lora_A[e]), w.lora_B[e]) * lora.scaling
         outs.append(y)
         start += n
-    return torch.cat(outs) if outs else rows.new_zeros(0, w.weight.shape[1])
+    return torch.cat(outs) if outs else rows.new_zeros(0, weight.shape[1])

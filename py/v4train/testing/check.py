@@ -11,7 +11,7 @@ import torch
 from v4train.testing.compare import assert_close
 from v4train.op import Op, OpTable
 from v4train.testing.cases import CASES
-from v4train.testing.samples import RandomDraw, Sample
+from v4train.testing.samples import FP8_DTYPES, RandomDraw, Sample, takes_gradient
 from v4train.testing.tolerances import TOLERANCES
 
 
@@ -34,7 +34,7 @@ def forward_backward(fn: Callable, sample: Sample, upstream: Callable, seed: int
     generators start from `seed`, so that every implementation draws the same LoRA dropout masks
     (on the CPU a mask does not depend on the dtype).
     """
-    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in sample.leaves.items()}
+    leaves = {k: v.detach().clone().requires_grad_(takes_gradient(k, sample.leaves)) for k, v in sample.leaves.items()}
     args, kwargs = sample.build(leaves)
     torch.manual_seed(seed)
     outputs = _outputs(fn(*args, **kwargs))
@@ -47,7 +47,8 @@ def forward_backward(fn: Callable, sample: Sample, upstream: Callable, seed: int
 
 def in_float64(sample: Sample) -> Sample:
     """The same sample with every floating leaf in float64, for the reference's exact answer."""
-    leaves = {k: v.double() if v.is_floating_point() else v for k, v in sample.leaves.items()}
+    leaves = {k: v.double() if v.is_floating_point() and v.dtype not in FP8_DTYPES else v
+              for k, v in sample.leaves.items()}  # (an FP8 weight's values are exact already)
     return Sample(leaves, sample.build, sample.note)
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
-from v4train.reference.lora import adapter_names
+from v4train.reference.lora import adapter_names, quantize_fp8, scale_name
 T = TypeVar("T")
 
 # Sizes that break kernels: 1, odd, one off a power of two, non-multiples of 8/16/64.
@@ -137,7 +137,9 @@ def weight_leaves(draw: Draw, shapes: dict[str, tuple[int, ...]], dtype: torch.d
                   scale: float = 0.3) -> tuple[dict[str, torch.Tensor], float]:
     """A layer's weights by name (N(0, scale^2)), and on a drawn subset of those ending in
     ".weight" or fused expert tensors, LoRA adapters of a drawn rank beside them (A and B both
-    random, so the adapters change the output). Returns (tensors, the LoRA scaling drawn)."""
+    random, so the adapters change the output); a quarter of them quantised as FP8
+    checkpoints store them (float8_e4m3fn with its 128 x 128-block weight_scale_inv beside it: a
+    frozen base, which the ops dequantise). Returns (tensors, the LoRA scaling drawn)."""
 
     rank = draw.sampled_from([1, 2, 4])
     scaling = draw.sampled_from([0.5, 2.0])
@@ -149,4 +151,19 @@ def weight_leaves(draw: Draw, shapes: dict[str, tuple[int, ...]], dtype: torch.d
             a, b = adapter_names(name)
             out[a] = make_leaf((*lead, rank, n_in), "contiguous", dtype, device, seed_ + 3 * i + 1, scale=scale)
             out[b] = make_leaf((*lead, n_out, rank), "contiguous", dtype, device, seed_ + 3 * i + 2, scale=scale)
+        if len(shape_) >= 2 and (seed_ + i) % 4 == 3:  # by the seed: no draw, so the other draws stay as they were
+            out[name], out[scale_name(name)] = quantize_fp8(out[name])
     return out, scaling
+
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def takes_gradient(name: str, leaves: dict[str, torch.Tensor]) -> bool:
+    """Whether parity differentiates the leaf `name`: every floating one but an FP8 weight and its
+    scales, a frozen base (the ops refuse to differentiate one)."""
+    t = leaves[name]
+    if not t.is_floating_point() or t.dtype in FP8_DTYPES:
+        return False
+    base = name.removesuffix("_scale_inv")
+    return not (base != name and base in leaves and leaves[base].dtype in FP8_DTYPES)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from v4train.reference import rope as rope_ref
 from v4train.reference.attention import causal_attention, documents
-from v4train.reference.lora import Linear, Lora, linear, linear_map, part, tensor
+from v4train.reference.lora import Linear, Lora, dense_weight, linear, linear_map, part, tensor
 
 # transformers builds q_a_layernorm, kv_a_layernorm and the indexer's k_norm with eps 1e-6,
 # whatever rms_norm_eps says.
@@ -76,11 +76,13 @@ def select_keys(h, q_resid, weights: MlaWeights, cfg, cos, sin, docs) -> torch.T
         if weights.indexer is None:
             raise ValueError("v4_mla_dsa_attention: a 'full' indexer layer needs weights.indexer")
         w = weights.indexer
-        q = F.linear(q_resid, w.wq_b.weight).view(T, n, d)
+        q = F.linear(q_resid, dense_weight(w.wq_b, q_resid.dtype)).view(T, n, d)
         q = torch.cat([rope_ref.apply_interleaved(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = F.layer_norm(F.linear(h, w.wk.weight), (d,), w.k_norm, w.k_norm_bias, LATENT_EPS)
+        k = F.layer_norm(F.linear(h, dense_weight(w.wk, h.dtype)), (d,), w.k_norm, w.k_norm_bias, LATENT_EPS)
         k = torch.cat([rope_ref.apply_interleaved(k[:, None, :r], cos, sin)[:, 0], k[:, r:]], dim=-1)
-        head_weights = F.linear(h.to(w.weights_proj.weight.dtype), w.weights_proj.weight).to(SCORE_DTYPE) * n**-0.5
+        # transformers keeps weights_proj in fp32 (an FP8 one dequantises to fp32 on load)
+        wp = dense_weight(w.weights_proj, torch.float32)
+        head_weights = F.linear(h.to(wp.dtype), wp).to(SCORE_DTYPE) * n**-0.5
     for start, end in docs:
         L = end - start
         first = min(L, K)  # queries 0 .. K-1 have at most K causal keys: all of them

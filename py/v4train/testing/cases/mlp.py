@@ -49,6 +49,12 @@ CASE = OpCase(
                   lambda: (torch.zeros(3, 8), _weights(**{"up_proj.lora_A": torch.zeros(2, 8),
                                                           "up_proj.lora_B": torch.zeros(11, 2)}), 1.0, 0.0),
                   "the adapter of up_proj [12, 8] has A [2, 8] and B [11, 2]"),
+        ErrorCase("FP8 scales of the wrong shape", lambda: (torch.zeros(3, 8), _weights(**{
+            "up_proj.weight": torch.zeros(12, 8, dtype=torch.float8_e4m3fn), "up_proj.weight_scale_inv": torch.ones(2, 1)}),
+            0.0, 0.0), "up_proj.weight_scale_inv has shape [2, 1], expected one scale per 128x128 block"),
+        ErrorCase("an FP8 weight that requires a gradient", lambda: (torch.zeros(3, 8), _weights(**{
+            "up_proj.weight": torch.zeros(12, 8, dtype=torch.float8_e4m3fn).requires_grad_(),
+            "up_proj.weight_scale_inv": torch.ones(1, 1)}), 0.0, 0.0), "an FP8 base is frozen"),
         ErrorCase("3-D x", lambda: (torch.zeros(2, 3, 8), _weights(), 0.0, 0.0), "x must have 2 dimension(s)"),
         ErrorCase("integer x", lambda: (torch.zeros(3, 8, dtype=torch.int64), _weights(), 0.0, 0.0),
                   "x must be float32, bfloat16, float16 or float64"),
