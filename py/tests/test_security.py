@@ -109,6 +109,29 @@ def test_3_a_lock_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
     assert precious.read_text() == "a user's file\n"
 
 
+def test_3_a_lock_that_is_a_hard_link_is_refused_and_its_target_kept(tmp_path):
+    """A hard link passes for a regular file: its link count tells it from v4train's own lock."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("a user's file\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    os.link(precious, out / ".lock")
+    result = run_train(*RUN, f"--output_dir={out}")
+    assert f"--output_dir={out}: .lock is a file with 2 links (a hard link to another file)" in error_line(result)
+    assert precious.read_text() == "a user's file\n"
+
+
+def test_3_a_loss_png_that_is_a_link_is_replaced_not_written_through(run_copy, tmp_path):
+    precious = tmp_path / "precious.png"
+    precious.write_bytes(b"a user's picture")
+    os.remove(run_copy / "loss.png")
+    (run_copy / "loss.png").symlink_to(precious)
+    result = run_train(*RUN, f"--output_dir={run_copy}", "--resume_from=latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert precious.read_bytes() == b"a user's picture"
+    assert not (run_copy / "loss.png").is_symlink() and (run_copy / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_4_only_v4trains_own_temporary_folders_are_removed(run_copy):
     """A user's folders whose names look like v4train's temporaries (.old-experiments, .tmp-notes,
     even .tmp-notes-12345678 of the exact pattern but without the marker) survive the clean-up

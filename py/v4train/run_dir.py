@@ -68,10 +68,16 @@ class Claim:
                         raise
                     raise ValueError(f"--output_dir={d}: {LOCK} is a symbolic link, not v4train's lock file; "
                                      "remove it, or choose another --output_dir") from None
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                # A hard link is a name of someone else's file: truncating it would empty that file.
+                st = os.fstat(fd)
+                if st.st_nlink == 0:  # its owner removed it as we opened it: open the file now there
                     os.close(fd)
-                    raise ValueError(f"--output_dir={d}: {LOCK} is not a regular file; remove it, or choose another "
-                                     "--output_dir")
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    os.close(fd)
+                    what = "not a regular file" if not stat.S_ISREG(st.st_mode) else \
+                        f"a file with {st.st_nlink} links (a hard link to another file), not v4train's lock file"
+                    raise ValueError(f"--output_dir={d}: {LOCK} is {what}; remove it, or choose another --output_dir")
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
