@@ -279,7 +279,7 @@ class Trainer:
             state = checkpoint.load(c.resume_from, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
                                     optimizer=self.optimizer)
             try:
-                self.loader.load_state(state["loader"])
+                self.loader.load_state(state["loader"], state["step"] * c.grad_accum)  # each step takes grad_accum
             except ValueError as e:
                 raise checkpoint.CheckpointError(f"{c.resume_from}/{checkpoint.STATE}: field loader: {e}") from None
             self.start_step = state["step"]
