@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from golden_cases import BASE, CHAT, SMALL, copy_model, error_line, run_cli, run_train
+from golden_cases import BASE, CHAT, QWEN_BASE, SMALL, copy_model, error_line, run_cli, run_train
 
 
 def _sys_or_readonly(tmp_path) -> str:
@@ -48,6 +48,22 @@ def _int32_norm(tensors):
     tensors["model.norm.weight"] = tensors["model.norm.weight"].int()
 
 
+def _qwen_model(tmp_path, **config) -> str:
+    """The bundled Qwen3.5 base in tmp_path/qwen, its layer_types left to full_attention_interval,
+    config.json updated with `config`."""
+    import shutil
+
+    d = os.path.join(str(tmp_path), "qwen")
+    shutil.copytree(QWEN_BASE, d)
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    c.pop("layer_types", None)
+    c.update(config)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f)
+    return d
+
+
 # case: (tmp_path -> the flags that make it, what the one-line error must say)
 BAD_INPUTS = {
     # 4. Wrong dtypes, LoRA targets and dropout.
@@ -79,6 +95,21 @@ BAD_INPUTS = {
                      "config.json: rms_norm_eps must be a finite number > 0, got -1e-05"),
     "a string for a dict": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(rope_parameters="yarn"))],
                             'config.json: rope_parameters must be an object, got "yarn"'),
+    # Values the parser computes with, and the rotary embedding's, named by the file and the key.
+    "n_group 0": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(n_group=0))],
+                  "config.json: n_group must be an integer >= 1, got 0"),
+    "YaRN factor -1": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(
+        rope_parameters={"rope_type": "yarn", "factor": -1}))], "config.json: rope_parameters.factor must be a finite "
+                                                               "number > 0, got -1"),
+    "rope factor a string": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(
+        rope_parameters={"rope_type": "default", "factor": "x"}))], 'config.json: rope_parameters.factor must be a '
+                                                                   'finite number > 0, got "x"'),
+    "max_position_embeddings -5": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(
+        max_position_embeddings=-5))], "config.json: max_position_embeddings must be an integer >= 1, got -5"),
+    "mlp_layer_types too short": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(
+        mlp_layer_types=["dense"]))], "config.json: mlp_layer_types must have num_hidden_layers="),
+    "Qwen full_attention_interval 0": (lambda tmp: ["--model_dir=" + _qwen_model(tmp, full_attention_interval=0)],
+                                       "config.json: full_attention_interval must be an integer >= 1, got 0"),
     # 9. Flag values.
     "lr nan": (lambda tmp: ["--lr=nan"], "--lr=nan: expected a finite number"),
     "lr inf": (lambda tmp: ["--lr=inf"], "--lr=inf: expected a finite number"),
