@@ -262,6 +262,45 @@ def test_15_11_flags_absl_refuses_exit_2(args, message, tmp_path):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("script,args,message", [
+    ("train.py", ["stray"], "train: unexpected arguments: ['stray']"),
+    ("evaluate.py", [f"--data={CHAT}"], "evaluate: --model_dir is required"),
+])
+def test_15_11_usage_errors_exit_2_in_one_line(script, args, message, tmp_path):
+    """absl's app.UsageError (a stray argument, a required flag missing) as every flag error: one
+    line, exit 2 (absl prints its usage text and exits 1)."""
+    result = run_cli(script, *args, cwd=str(tmp_path))
+    assert error_line(result) == message
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+
+
+def test_15_10_an_interrupt_while_evaluating_is_one_line(tmp_path):
+    """SIGINT inside evaluate's main (here while it waits for its --data, a FIFO): one line and
+    128 + SIGINT, no KeyboardInterrupt traceback."""
+    import errno
+    import signal
+    import time
+
+    from golden_cases import start_cli
+
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    proc = start_cli("evaluate.py", f"--model_dir={BASE}", f"--data={fifo}")
+    deadline, writer = time.time() + 300, None
+    while writer is None:  # a writer can open the FIFO once evaluate has opened it to read: main is running
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            assert e.errno == errno.ENXIO and time.time() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    os.close(writer)
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-2000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "evaluate: interrupted before it finished; nothing was written", stderr
+
+
 def test_15_11_a_missing_shard_is_named_once(tmp_path):
     import shutil
 
