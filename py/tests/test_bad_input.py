@@ -222,6 +222,33 @@ def test_15_10_a_run_that_fails_at_start_up_leaves_nothing_that_blocks_the_rerun
     assert rerun.returncode == 0, rerun.stderr[-3000:]
 
 
+def test_15_10_a_model_config_lora_run_that_fails_before_its_first_step_blocks_no_rerun(tmp_path):
+    """A --model_config LoRA run writes base_model/ (the adapter's base) at start-up: a run refused
+    for its flags writes nothing, and a base_model/ with no step after it (a start-up that was
+    interrupted) is no earlier run."""
+    import shutil
+
+    from_config = [a for a in SMALL if not a.startswith("--model_dir=")] + [f"--model_config={BASE}/config.json"]
+    out = tmp_path / "out"
+    failed = run_train(*from_config, "--warmup_steps=100000", f"--output_dir={out}")
+    assert "--warmup_steps=100000 is more than the" in error_line(failed)
+    assert not out.exists(), os.listdir(out)
+    out.mkdir()
+    shutil.copytree(BASE, out / "base_model")  # what a start-up stopped after writing it leaves
+    rerun = run_train(*from_config, "--max_steps=1", f"--output_dir={out}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (out / "checkpoint-1").is_dir()
+
+
+def test_15_10_the_metrics_file_is_written_by_the_first_row_not_at_start(tmp_path):
+    from v4train.metrics import MetricsLog
+
+    log = MetricsLog(str(tmp_path), 0)
+    assert os.listdir(tmp_path) == [], "a run that fails before its first step must leave no metrics.jsonl"
+    log.write({"step": 1, "loss": 1.0})
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
 def test_15_10_a_plot_that_cannot_be_written_does_not_fail_the_run(tmp_path):
     out = tmp_path / "out"
     assert run_train(*SMALL, "--max_steps=2", "--save_interval=1", f"--output_dir={out}",

@@ -102,10 +102,13 @@ class Claim:
 
     def _check_outputs(self) -> None:
         d = self.output_dir
-        # A metrics.jsonl with no row is no earlier run (one that failed before its first step, in
-        # an earlier version that wrote it at start-up).
-        names = sorted(n for n in os.listdir(d) if n != LOCK and not is_temporary(os.path.join(d, n))
-                       and not (n == "metrics.jsonl" and os.path.getsize(os.path.join(d, n)) == 0))
+        names = sorted(n for n in os.listdir(d) if n != LOCK and not is_temporary(os.path.join(d, n)))
+        # A folder in which no step ran holds no earlier run: a metrics.jsonl with no row (an earlier
+        # version wrote it at start-up), and then a base_model/ of a --model_config LoRA run that
+        # stopped before its first step (no checkpoint names it as its base).
+        names = [n for n in names if not (n == "metrics.jsonl" and os.path.getsize(os.path.join(d, n)) == 0)]
+        if not any(n == "metrics.jsonl" or checkpoint.step_of(n) is not None for n in names):
+            names = [n for n in names if n != "base_model"]
         resumes_here = self.resume_path is not None and os.path.dirname(os.path.abspath(self.resume_path)) == d
         resume_step = checkpoint.step_of(self.resume_path) if resumes_here else None
         if resume_step is None:
