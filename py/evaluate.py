@@ -66,7 +66,7 @@ def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_bat
 
 
 def main(argv):
-    # From here a SIGINT is a KeyboardInterrupt again, so the output directory's claim is released.
+    # From here a SIGINT is a KeyboardInterrupt again, one line below.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if len(argv) > 1:
@@ -84,6 +84,9 @@ def main(argv):
     except (ValueError, ops.CppOpUnavailable) as e:  # ConfigError, CheckpointError, DataError are ValueErrors
         print(f"evaluate: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # loading or evaluating: nothing is written, so nothing to keep
+        print("\nevaluate: interrupted before it finished; nothing was written", file=sys.stderr)
+        return 128 + signal.SIGINT
     result["cpp_ops"] = sorted(table.cpp)
     print(json.dumps(result, sort_keys=True))
     return 0

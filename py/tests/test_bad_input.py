@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from golden_cases import BASE, CHAT, SMALL, copy_model, error_line, run_cli, run_train
+from golden_cases import BASE, CHAT, QWEN_BASE, SMALL, copy_model, error_line, run_cli, run_train
 
 
 def _sys_or_readonly(tmp_path) -> str:
@@ -48,6 +48,22 @@ def _int32_norm(tensors):
     tensors["model.norm.weight"] = tensors["model.norm.weight"].int()
 
 
+def _qwen_model(tmp_path, **config) -> str:
+    """The bundled Qwen3.5 base in tmp_path/qwen, its layer_types left to full_attention_interval,
+    config.json updated with `config`."""
+    import shutil
+
+    d = os.path.join(str(tmp_path), "qwen")
+    shutil.copytree(QWEN_BASE, d)
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    c.pop("layer_types", None)
+    c.update(config)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(c, f)
+    return d
+
+
 # case: (tmp_path -> the flags that make it, what the one-line error must say)
 BAD_INPUTS = {
     # 4. Wrong dtypes, LoRA targets and dropout.
@@ -79,6 +95,21 @@ BAD_INPUTS = {
                      "config.json: rms_norm_eps must be a finite number > 0, got -1e-05"),
     "a string for a dict": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(rope_parameters="yarn"))],
                             'config.json: rope_parameters must be an object, got "yarn"'),
+    # Values the parser computes with, and the rotary embedding's, named by the file and the key.
+    "n_group 0": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(n_group=0))],
+                  "config.json: n_group must be an integer >= 1, got 0"),
+    "YaRN factor -1": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(
+        rope_parameters={"rope_type": "yarn", "factor": -1}))], "config.json: rope_parameters.factor must be a finite "
+                                                               "number > 0, got -1"),
+    "rope factor a string": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(
+        rope_parameters={"rope_type": "default", "factor": "x"}))], 'config.json: rope_parameters.factor must be a '
+                                                                   'finite number > 0, got "x"'),
+    "max_position_embeddings -5": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(
+        max_position_embeddings=-5))], "config.json: max_position_embeddings must be an integer >= 1, got -5"),
+    "mlp_layer_types too short": (lambda tmp: ["--model_dir=" + copy_model(tmp, config=lambda c: c.update(
+        mlp_layer_types=["dense"]))], "config.json: mlp_layer_types must have num_hidden_layers="),
+    "Qwen full_attention_interval 0": (lambda tmp: ["--model_dir=" + _qwen_model(tmp, full_attention_interval=0)],
+                                       "config.json: full_attention_interval must be an integer >= 1, got 0"),
     # 9. Flag values.
     "lr nan": (lambda tmp: ["--lr=nan"], "--lr=nan: expected a finite number"),
     "lr inf": (lambda tmp: ["--lr=inf"], "--lr=inf: expected a finite number"),
@@ -191,6 +222,33 @@ def test_15_10_a_run_that_fails_at_start_up_leaves_nothing_that_blocks_the_rerun
     assert rerun.returncode == 0, rerun.stderr[-3000:]
 
 
+def test_15_10_a_model_config_lora_run_that_fails_before_its_first_step_blocks_no_rerun(tmp_path):
+    """A --model_config LoRA run writes base_model/ (the adapter's base) at start-up: a run refused
+    for its flags writes nothing, and a base_model/ with no step after it (a start-up that was
+    interrupted) is no earlier run."""
+    import shutil
+
+    from_config = [a for a in SMALL if not a.startswith("--model_dir=")] + [f"--model_config={BASE}/config.json"]
+    out = tmp_path / "out"
+    failed = run_train(*from_config, "--warmup_steps=100000", f"--output_dir={out}")
+    assert "--warmup_steps=100000 is more than the" in error_line(failed)
+    assert not out.exists(), os.listdir(out)
+    out.mkdir()
+    shutil.copytree(BASE, out / "base_model")  # what a start-up stopped after writing it leaves
+    rerun = run_train(*from_config, "--max_steps=1", f"--output_dir={out}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (out / "checkpoint-1").is_dir()
+
+
+def test_15_10_the_metrics_file_is_written_by_the_first_row_not_at_start(tmp_path):
+    from v4train.metrics import MetricsLog
+
+    log = MetricsLog(str(tmp_path), 0)
+    assert os.listdir(tmp_path) == [], "a run that fails before its first step must leave no metrics.jsonl"
+    log.write({"step": 1, "loss": 1.0})
+    assert os.listdir(tmp_path) == ["metrics.jsonl"]
+
+
 def test_15_10_a_plot_that_cannot_be_written_does_not_fail_the_run(tmp_path):
     out = tmp_path / "out"
     assert run_train(*SMALL, "--max_steps=2", "--save_interval=1", f"--output_dir={out}",
@@ -231,6 +289,45 @@ def test_15_11_flags_absl_refuses_exit_2(args, message, tmp_path):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("script,args,message", [
+    ("train.py", ["stray"], "train: unexpected arguments: ['stray']"),
+    ("evaluate.py", [f"--data={CHAT}"], "evaluate: --model_dir is required"),
+])
+def test_15_11_usage_errors_exit_2_in_one_line(script, args, message, tmp_path):
+    """absl's app.UsageError (a stray argument, a required flag missing) as every flag error: one
+    line, exit 2 (absl prints its usage text and exits 1)."""
+    result = run_cli(script, *args, cwd=str(tmp_path))
+    assert error_line(result) == message
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+
+
+def test_15_10_an_interrupt_while_evaluating_is_one_line(tmp_path):
+    """SIGINT inside evaluate's main (here while it waits for its --data, a FIFO): one line and
+    128 + SIGINT, no KeyboardInterrupt traceback."""
+    import errno
+    import signal
+    import time
+
+    from golden_cases import start_cli
+
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    proc = start_cli("evaluate.py", f"--model_dir={BASE}", f"--data={fifo}")
+    deadline, writer = time.time() + 300, None
+    while writer is None:  # a writer can open the FIFO once evaluate has opened it to read: main is running
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            assert e.errno == errno.ENXIO and time.time() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    os.close(writer)
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-2000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "evaluate: interrupted before it finished; nothing was written", stderr
+
+
 def test_15_11_a_missing_shard_is_named_once(tmp_path):
     import shutil
 
@@ -257,7 +354,8 @@ def test_15_11_truncation_is_said_only_of_a_truncated_file(tmp_path, damage, tru
     edit(os.path.join(model, "model.safetensors"))
     result = run_train(*SMALL, "--max_steps=1", f"--model_dir={model}", f"--output_dir={tmp_path / 'out'}")
     line = error_line(result)
-    assert "model.safetensors" in line and ("truncated:" in line) == truncated, line
+    # A file that is not truncated gets no word of it (not even the old "is it truncated?").
+    assert "model.safetensors" in line and ("truncated:" in line if truncated else "truncated" not in line), line
 
 
 def test_15_9_the_data_is_read_before_the_model_loads(tmp_path):

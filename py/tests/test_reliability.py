@@ -291,6 +291,10 @@ def test_10_examples_are_cut_at_max_position_embeddings_and_long_eval_records_re
     ("optimizer_steps", 5, "field optimizer_steps: expected an integer in [0, step=2], got 5"),
     ("loader", {"epoch": 0, "cursor": 3}, "field loader: cursor 3 is not a position of this data"),
     ("loader", {"epoch": -1, "cursor": 0}, "field loader: expected {\"epoch\", \"cursor\"} of integers >= 0"),
+    # The position is the one step 2 reaches: 2 micro-batches (--grad_accum=1) of 2 rows.
+    ("loader", {"epoch": 10**6, "cursor": 4}, "field loader: epoch 1000000, cursor 4 is not where 2 micro-batches of 2 "
+                                              "rows end (epoch 0, cursor 4)"),
+    ("loader", {"epoch": 0, "cursor": 0}, "field loader: epoch 0, cursor 0 is not where 2 micro-batches"),
 ])
 def test_15_7_a_restored_value_out_of_range_names_the_file_and_field(run_copy, field, value, message):
     path = run_copy / "checkpoint-2" / "trainer_state.json"
@@ -299,6 +303,17 @@ def test_15_7_a_restored_value_out_of_range_names_the_file_and_field(run_copy, f
     _rewrite(run_copy / "checkpoint-2", "trainer_state.json", json.dumps(state).encode())
     result = run_train(*RUN, f"--output_dir={run_copy}", "--resume_from=latest")
     assert f"{path}: {message}" in error_line(result)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_15_7_the_position_a_step_implies_is_where_the_loader_is(packing):
+    """Loader.position_after(n) is the state after n micro-batches, across epochs whose packed row
+    counts differ (the check of a restored position relies on it)."""
+    recs = [data.Record([i] * (1 + i % 4), [i] * (1 + i % 4), str(i)) for i in range(11)]
+    loader = data.Loader(recs, 6, packing, 2, seed=1)
+    for n in range(40):
+        assert loader.position_after(n) == (loader.epoch, loader.cursor), n
+        loader.next()
 
 
 def test_15_7_a_nonfinite_optimizer_moment_is_refused(run_copy):

@@ -81,6 +81,23 @@ def test_2_an_index_naming_a_file_outside_the_model_dir_is_refused(tmp_path, sha
     assert f"{model}/model.safetensors.index.json: names the file {shard!r}, which is not inside {model}" in line
 
 
+@pytest.mark.parametrize("absolute", [False, True])
+def test_2_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(run_copy, tmp_path, absolute):
+    """The manifest is read from the folder like a shard index: a listed name that leaves the
+    checkpoint is never opened (before, a file named so, with its size and sha256, was read and
+    the resume went on)."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"a user's file")
+    checkpoint = run_copy / "checkpoint-2"
+    name = str(outside) if absolute else "../../outside.bin"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(b"a user's file"), "sha256": hashlib.sha256(b"a user's file").hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    result = run_train(*RUN, f"--output_dir={run_copy}", f"--resume_from={checkpoint}")
+    line = error_line(result)
+    assert f"{checkpoint}/manifest.json: names the file {name!r}, which is not inside {checkpoint}" in line
+
+
 def test_3_a_lock_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
     precious = tmp_path / "precious.txt"
     precious.write_text("a user's file\n")
@@ -90,6 +107,29 @@ def test_3_a_lock_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
     result = run_train(*RUN, f"--output_dir={out}")
     assert f"--output_dir={out}: .lock is a symbolic link, not v4train's lock file" in error_line(result)
     assert precious.read_text() == "a user's file\n"
+
+
+def test_3_a_lock_that_is_a_hard_link_is_refused_and_its_target_kept(tmp_path):
+    """A hard link passes for a regular file: its link count tells it from v4train's own lock."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("a user's file\n")
+    out = tmp_path / "run"
+    out.mkdir()
+    os.link(precious, out / ".lock")
+    result = run_train(*RUN, f"--output_dir={out}")
+    assert f"--output_dir={out}: .lock is a file with 2 links (a hard link to another file)" in error_line(result)
+    assert precious.read_text() == "a user's file\n"
+
+
+def test_3_a_loss_png_that_is_a_link_is_replaced_not_written_through(run_copy, tmp_path):
+    precious = tmp_path / "precious.png"
+    precious.write_bytes(b"a user's picture")
+    os.remove(run_copy / "loss.png")
+    (run_copy / "loss.png").symlink_to(precious)
+    result = run_train(*RUN, f"--output_dir={run_copy}", "--resume_from=latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert precious.read_bytes() == b"a user's picture"
+    assert not (run_copy / "loss.png").is_symlink() and (run_copy / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_4_only_v4trains_own_temporary_folders_are_removed(run_copy):

@@ -101,15 +101,23 @@ def atomic_dir(final: str):
         raise
 
 
-def replace_file(path: str, text: str) -> None:
-    """Writes `path` with `text` atomically (written in a temporary sibling folder, renamed over it)."""
-    tmp = _sibling(path, ".tmp-")
+@contextlib.contextmanager
+def replacing(path: str):
+    """Yields a new file's path in a temporary sibling folder of `path`; on success the file is
+    renamed over `path`. The rename replaces what `path` is: a link there (to a user's file) is
+    replaced, never followed, and a reader sees the old file or the new one, never half of it."""
+    tmp = _sibling(os.path.abspath(path), ".tmp-")
     try:
-        with open(os.path.join(tmp, "content"), "w") as f:
-            f.write(text)
+        yield os.path.join(tmp, "content")
         os.replace(os.path.join(tmp, "content"), path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_file(path: str, text: str) -> None:
+    """Writes `path` with `text` atomically (`replacing`)."""
+    with replacing(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
 
 
 def remove_temporaries(parent: str) -> list[str]:

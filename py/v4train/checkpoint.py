@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from v4train import hf_checkpoint, lora
 from v4train.atomic import atomic_dir, kill_point, remove_dir
-from v4train.hf_checkpoint import CheckpointError, read_json
+from v4train.hf_checkpoint import CheckpointError, inside, read_json
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 STATE = "trainer_state.json"
@@ -65,10 +65,15 @@ def _write_manifest(folder: str) -> None:
 
 
 def _manifest(path: str) -> dict[str, dict]:
-    files = read_json(os.path.join(path, MANIFEST)).get("files")
+    """The manifest's entries by file name; a name that leaves the folder is refused before any
+    file is looked at (the manifest is read from disk, like a shard index: hf_checkpoint.inside)."""
+    manifest = os.path.join(path, MANIFEST)
+    files = read_json(manifest).get("files")
     if not isinstance(files, dict) or not all(isinstance(e, dict) and isinstance(e.get("bytes"), int)
                                               and isinstance(e.get("sha256"), str) for e in files.values()):
-        raise CheckpointError(f"{os.path.join(path, MANIFEST)}: expected {{\"files\": {{name: {{bytes, sha256}}}}}}")
+        raise CheckpointError(f"{manifest}: expected {{\"files\": {{name: {{bytes, sha256}}}}}}")
+    for name in files:
+        inside(path, name, manifest)
     return files
 
 

@@ -17,8 +17,9 @@ REPO = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.di
 
 def run_app(name: str, main, argv: list[str]) -> None:
     """absl's app.run(main), with the exit codes docs/reliability.md gives: a flag absl itself
-    refuses (a value out of its bounds, an unknown flag) is one line `NAME: message` and exit 2,
-    as every other bad input (absl's own parser prints its usage and exits 1)."""
+    refuses (a value out of its bounds, an unknown flag) and a usage error main raises (a stray
+    argument, a required flag missing) are one line `NAME: message` and exit 2, as every other
+    bad input (absl prints its usage and exits 1)."""
     from absl import app, flags
 
     def parse(args):
@@ -28,7 +29,14 @@ def run_app(name: str, main, argv: list[str]) -> None:
             print(f"{name}: {e}", file=sys.stderr)
             sys.exit(2)
 
-    app.run(main, argv=argv, flags_parser=parse)
+    def checked(args):
+        try:
+            return main(args)
+        except app.UsageError as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            return 2
+
+    app.run(checked, argv=argv, flags_parser=parse)
 
 
 def read_text(path: str, what: str) -> str:

@@ -219,9 +219,9 @@ class Loader:
         self.epoch, self.cursor = 0, 0
         self._rows = self._epoch_rows()
 
-    def _epoch_rows(self):
+    def _epoch_rows(self, epoch: int | None = None):
         order = list(range(len(self.examples)))
-        random.Random(self.seed * 1000003 + self.epoch).shuffle(order)
+        random.Random(self.seed * 1000003 + (self.epoch if epoch is None else epoch)).shuffle(order)
         return rows([self.examples[i] for i in order], self.seq_len, self.packing)
 
     @property
@@ -240,19 +240,36 @@ class Loader:
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
-    def load_state(self, state: dict) -> None:
-        """A position saved by state(), checked against this loader's data and batch size
-        (ValueError naming the field)."""
+    def position_after(self, micro_batches: int) -> tuple[int, int]:
+        """(epoch, cursor) after `micro_batches` calls of next() from the start (an epoch's row
+        count depends on its shuffle when packing, so each epoch is counted)."""
+        epoch, left = 0, micro_batches
+        while True:
+            rows = len(self._epoch_rows(epoch))
+            batches = -(-rows // self.batch_rows)
+            if left <= batches:
+                return epoch, left * self.batch_rows
+            epoch, left = epoch + 1, left - batches
+
+    def load_state(self, state: dict, micro_batches: int | None = None) -> None:
+        """A position saved by state(), checked against this loader's data and batch size, and,
+        given `micro_batches` (the next() calls the saved run made: step x --grad_accum), equal
+        to the position they reach (ValueError naming the field)."""
         epoch, cursor = (state.get("epoch"), state.get("cursor")) if isinstance(state, dict) else (None, None)
         if not _count(epoch) or not _count(cursor):
             raise ValueError(f"expected {{\"epoch\", \"cursor\"}} of integers >= 0, got {state!r}")
-        self.epoch = epoch
-        self._rows = self._epoch_rows()
-        if cursor % self.batch_rows or cursor >= len(self._rows) + self.batch_rows:
+        rows = len(self._epoch_rows(epoch))
+        if cursor % self.batch_rows or cursor >= rows + self.batch_rows:
             raise ValueError(f"cursor {cursor} is not a position of this data in micro-batches of {self.batch_rows} "
-                             f"({len(self._rows)} rows an epoch): was the checkpoint made with other --data, "
+                             f"({rows} rows an epoch): was the checkpoint made with other --data, "
                              "--seq_len or --micro_batch_size?")
-        self.cursor = cursor
+        expected = self.position_after(micro_batches) if micro_batches is not None else (epoch, cursor)
+        if (epoch, cursor) != expected:
+            raise ValueError(f"epoch {epoch}, cursor {cursor} is not where {micro_batches} micro-batches of "
+                             f"{self.batch_rows} rows end (epoch {expected[0]}, cursor {expected[1]}): was the "
+                             "checkpoint made with other --data, --seq_len, --micro_batch_size or --grad_accum?")
+        self.epoch, self.cursor = epoch, cursor
+        self._rows = self._epoch_rows()
 
 
 def _count(x) -> bool:

@@ -83,7 +83,10 @@ def read_config(path: str) -> tuple[dict, ModelConfig]:
     _check_types(hf_config, path)
     try:
         return hf_config, config_from_dict(hf_config, path)
-    except (TypeError, KeyError, AttributeError) as e:  # a value the parser cannot use, e.g. a list for a dict
+    except ConfigError:  # names the file and the key
+        raise
+    # A value no check foresaw, e.g. a list for a dict: still one line naming the file, never a traceback.
+    except (TypeError, LookupError, AttributeError, ArithmeticError, ValueError) as e:
         raise ConfigError(f"{path}: cannot be read as a model config ({type(e).__name__}: {e})") from None
 
 

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from v4train.atomic import replace_file
+from v4train.atomic import replace_file, replacing
 
 
 def peak_memory_mib(device: str) -> float:
@@ -107,5 +107,8 @@ class MetricsLog:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        try:
+            with replacing(path) as tmp:  # never through a loss.png that links to a user's file
+                fig.savefig(tmp, dpi=100, format="png")
+        finally:
+            plt.close(fig)

@@ -68,10 +68,16 @@ class Claim:
                         raise
                     raise ValueError(f"--output_dir={d}: {LOCK} is a symbolic link, not v4train's lock file; "
                                      "remove it, or choose another --output_dir") from None
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                # A hard link is a name of someone else's file: truncating it would empty that file.
+                st = os.fstat(fd)
+                if st.st_nlink == 0:  # its owner removed it as we opened it: open the file now there
                     os.close(fd)
-                    raise ValueError(f"--output_dir={d}: {LOCK} is not a regular file; remove it, or choose another "
-                                     "--output_dir")
+                    continue
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    os.close(fd)
+                    what = "not a regular file" if not stat.S_ISREG(st.st_mode) else \
+                        f"a file with {st.st_nlink} links (a hard link to another file), not v4train's lock file"
+                    raise ValueError(f"--output_dir={d}: {LOCK} is {what}; remove it, or choose another --output_dir")
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -96,10 +102,13 @@ class Claim:
 
     def _check_outputs(self) -> None:
         d = self.output_dir
-        # A metrics.jsonl with no row is no earlier run (one that failed before its first step, in
-        # an earlier version that wrote it at start-up).
-        names = sorted(n for n in os.listdir(d) if n != LOCK and not is_temporary(os.path.join(d, n))
-                       and not (n == "metrics.jsonl" and os.path.getsize(os.path.join(d, n)) == 0))
+        names = sorted(n for n in os.listdir(d) if n != LOCK and not is_temporary(os.path.join(d, n)))
+        # A folder in which no step ran holds no earlier run: a metrics.jsonl with no row (an earlier
+        # version wrote it at start-up), and then a base_model/ of a --model_config LoRA run that
+        # stopped before its first step (no checkpoint names it as its base).
+        names = [n for n in names if not (n == "metrics.jsonl" and os.path.getsize(os.path.join(d, n)) == 0)]
+        if not any(n == "metrics.jsonl" or checkpoint.step_of(n) is not None for n in names):
+            names = [n for n in names if n != "base_model"]
         resumes_here = self.resume_path is not None and os.path.dirname(os.path.abspath(self.resume_path)) == d
         resume_step = checkpoint.step_of(self.resume_path) if resumes_here else None
         if resume_step is None:

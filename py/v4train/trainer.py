@@ -3,10 +3,10 @@ by a test) and the Trainer it builds: the data, the model, the trainable tensors
 the checkpointer and the logger, then the step loop (torchtitan's shape).
 
 Reads top to bottom: RunConfig.from_flags (flags and paths checked) -> Trainer(config) (the model
-config, the tokenizer and the data read, before any heavy work) -> Trainer.run(): the output
-directory claimed -> op self-check -> model (loaded, or random from a config) -> LoRA ->
-optimizer -> resume -> the step loop -> final save. What a user gets on each kind of fault:
-docs/reliability.md.
+config, the tokenizer and the data read, the run's length checked, before any heavy work or any
+write) -> Trainer.run(): the output directory claimed -> op self-check -> model (loaded, or random
+from a config) -> LoRA -> optimizer -> resume -> the step loop -> final save. What a user gets on
+each kind of fault: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -232,6 +232,14 @@ class Trainer:
         if too_long:
             say(f"{too_long} of the {len(self.eval_records)} --eval_data records are longer than the model's "
                 f"max_position_embeddings={max_positions}: their loss reads positions it never trained")
+        # The loader and the run's length, here: a warmup longer than the run is refused before
+        # anything is written (a --model_config LoRA run writes base_model/ before its first step).
+        self.loader = data.Loader(self.train_set.examples, c.seq_len, c.packing, c.micro_batch_size, c.seed)
+        batches = self.loader.batches_per_epoch
+        self.total_steps = c.max_steps or max(1, math.ceil(c.epochs * batches / c.grad_accum))
+        if c.warmup_steps > self.total_steps:
+            raise FlagError(warmup_too_long(self.total_steps, f"--epochs={c.epochs} of {batches} micro-batches, "
+                                                              f"--grad_accum={c.grad_accum}"))
 
     # -- the parts, built in run() in this order ------------------------------------------------
 
@@ -265,21 +273,15 @@ class Trainer:
             w.requires_grad_(True)
 
     def build_optimizer(self) -> None:
-        """The loader, the number of steps, AdamW; restored from the checkpoint resumed."""
+        """AdamW; it and the loader's position restored from the checkpoint resumed."""
         c = self.config
-        self.loader = data.Loader(self.train_set.examples, c.seq_len, c.packing, c.micro_batch_size, c.seed)
-        batches = self.loader.batches_per_epoch
-        self.total_steps = c.max_steps or max(1, math.ceil(c.epochs * batches / c.grad_accum))
-        if c.warmup_steps > self.total_steps:
-            raise FlagError(warmup_too_long(self.total_steps, f"--epochs={c.epochs} of {batches} micro-batches, "
-                                                              f"--grad_accum={c.grad_accum}"))
         self.optimizer = AdamW(self.trainable, self.table, c.betas, c.adam_eps, c.weight_decay)
         self.start_step = 0
         if c.resume_from:
             state = checkpoint.load(c.resume_from, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
                                     optimizer=self.optimizer)
             try:
-                self.loader.load_state(state["loader"])
+                self.loader.load_state(state["loader"], state["step"] * c.grad_accum)  # each step takes grad_accum
             except ValueError as e:
                 raise checkpoint.CheckpointError(f"{c.resume_from}/{checkpoint.STATE}: field loader: {e}") from None
             self.start_step = state["step"]
