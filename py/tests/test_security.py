@@ -132,6 +132,17 @@ def test_3_a_loss_png_that_is_a_link_is_replaced_not_written_through(run_copy, t
     assert not (run_copy / "loss.png").is_symlink() and (run_copy / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_3_a_metrics_link_in_a_fresh_folder_is_refused_not_followed(tmp_path):
+    """A metrics.jsonl link, dangling, in the output dir of a fresh run: one line (it counts as
+    an earlier run's file), and the file it names is never created (it was a traceback)."""
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere.jsonl"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to(elsewhere)
+    refused = run_train(*RUN, f"--output_dir={out}")
+    assert "holds an earlier run (metrics.jsonl)" in error_line(refused), refused.stderr[-3000:]
+    assert not elsewhere.exists() and "Traceback" not in refused.stderr
+
+
 def test_4_only_v4trains_own_temporary_folders_are_removed(run_copy):
     """A user's folders whose names look like v4train's temporaries (.old-experiments, .tmp-notes,
     even .tmp-notes-12345678 of the exact pattern but without the marker) survive the clean-up

@@ -28,10 +28,10 @@ from v4train.atomic import atomic_dir
 from v4train.model import CausalLM, all_specs
 from v4train.models import FAMILIES, ModelConfig, config_from_dict
 from v4train.models.config import ConfigError
+from v4train.reference.lora import dequantize_fp8
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-FP8_BLOCK = 128
 
 
 class CheckpointError(ValueError):
@@ -155,13 +155,6 @@ def canonical_key(key: str) -> str:
     return "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
 
 
-def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """w * scale_inv per 128x128 block (DeepSeek-V3 / GLM-5 FP8 checkpoints)."""
-    rows, cols = w.shape
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    return w.float() * s
-
-
 def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[CausalLM, dict]:
     """The model in `dtype` on `device`, and a report {'skipped': {reason: count}}."""
     hf_config, cfg = read_config(os.path.join(model_dir, "config.json"))
@@ -242,7 +235,7 @@ def _read_weight(key, available, read) -> torch.Tensor:
     scale_key = key + "_scale_inv"
     if scale_key not in available:
         raise CheckpointError(f"{key}: float8 weight without {scale_key}")
-    return _dequant_fp8(t, read(available[scale_key]))
+    return dequantize_fp8(t, read(available[scale_key]), torch.float32)
 
 
 def _expert_keys(spec) -> list[str]:

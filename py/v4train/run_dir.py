@@ -106,7 +106,9 @@ class Claim:
         # A folder in which no step ran holds no earlier run: a metrics.jsonl with no row (an earlier
         # version wrote it at start-up), and then a base_model/ of a --model_config LoRA run that
         # stopped before its first step (no checkpoint names it as its base).
-        names = [n for n in names if not (n == "metrics.jsonl" and os.path.getsize(os.path.join(d, n)) == 0)]
+        # (A link named metrics.jsonl, dangling or not, is no empty file of ours: it counts, never followed.)
+        names = [n for n in names if not (n == "metrics.jsonl" and not os.path.islink(os.path.join(d, n))
+                                          and os.path.getsize(os.path.join(d, n)) == 0)]
         if not any(n == "metrics.jsonl" or checkpoint.step_of(n) is not None for n in names):
             names = [n for n in names if n != "base_model"]
         resumes_here = self.resume_path is not None and os.path.dirname(os.path.abspath(self.resume_path)) == d
