@@ -23,6 +23,7 @@ def _interrupted_at_start(signum, frame):  # until main() starts: no traceback f
 signal.signal(signal.SIGINT, _interrupted_at_start)
 signal.signal(signal.SIGTERM, _interrupted_at_start)
 
+import collections
 import json
 import sys
 import time
@@ -42,14 +43,20 @@ flags.DEFINE_enum("device", "auto", ["auto", "cpu", "cuda"], "Where to run; auto
 flags.DEFINE_string("cpp_ops", "all", "Ops to run in C++: 'all' (every op with a C++ implementation), 'none' or a comma list (see v4train.ops.OPS).")
 flags.DEFINE_string("adapter_dir", None, "A PEFT LoRA adapter (e.g. OUTPUT_DIR/checkpoint-STEP of a LoRA run) to apply.")
 flags.DEFINE_string("tokenizer_dir", None, "tokenizer.json (+ chat template) for text records; default: --model_dir.")
+flags.DEFINE_enum("fp8", "keep", ["keep", "dequantize"],
+                  "An FP8 checkpoint's weights: kept in FP8 on the device (the C++ ops dequantise them as they use "
+                  "them) or dequantised into --dtype on load.")
 flags.DEFINE_integer("max_batch_tokens", 8192, "Most tokens per forward pass (whole records are never split).",
                      lower_bound=1)
 
 
 def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_batch_tokens: int,
              adapter_dir: str | None = None, tokenizer_dir: str | None = None,
-             table: ops.OpTable = ops.REFERENCE) -> dict:
-    model, report = hf_checkpoint.load(model_dir, dtype, device)
+             table: ops.OpTable = ops.REFERENCE, fp8: str = "keep") -> dict:
+    model, report = hf_checkpoint.load(model_dir, dtype, device, fp8)
+    # What the model's own weights take on the device, before any adapter: bytes and tensors by dtype.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_dtypes = dict(collections.Counter(str(p.dtype).removeprefix("torch.") for p in model.parameters()))
     model.use_ops(table)
     if adapter_dir:
         lora.load_peft(model, adapter_dir, dtype, device)
@@ -62,7 +69,8 @@ def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_bat
         raise DataError(f"{data}: no target tokens (every label is -100 or every record has one token)")
     return {"loss": loss, "tokens": targets, "records": len(records),
             "model_type": model.cfg.model_type, "dtype": str(dtype).removeprefix("torch."), "device": device,
-            "skipped_tensors": report["skipped"], "seconds": round(time.time() - start, 3)}
+            "skipped_tensors": report["skipped"], "seconds": round(time.time() - start, 3),
+            "weight_bytes": weight_bytes, "weight_dtypes": weight_dtypes}
 
 
 def main(argv):
@@ -80,7 +88,7 @@ def main(argv):
                                                                                     directory)
         result = evaluate(path("model_dir"), path("data", False), getattr(torch, FLAGS.dtype),
                           cli.pick_device(FLAGS.device), FLAGS.max_batch_tokens, path("adapter_dir"), path("tokenizer_dir"),
-                          table)
+                          table, FLAGS.fp8)
     except (ValueError, ops.CppOpUnavailable) as e:  # ConfigError, CheckpointError, DataError are ValueErrors
         print(f"evaluate: {e}", file=sys.stderr)
         return 2

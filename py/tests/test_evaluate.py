@@ -68,3 +68,18 @@ def test_bad_flags_name_the_flag(tmp_path):
     assert result.returncode != 0 and "--dtype" in result.stderr
     result = _run(f"--model_dir={model_dir}")
     assert result.returncode != 0 and "--data is required" in result.stderr
+
+
+def test_an_fp8_checkpoint_stays_fp8_and_gives_the_loss_dequantised_on_load(tmp_path):
+    """--fp8=keep (the default): the FP8 golden's projections stay float8 on the device beside
+    their scales (fewer bytes), and the C++ ops, dequantising them as they use them, give the very
+    loss of the weights dequantised on load (--fp8=dequantize)."""
+    model_dir, tensors, _ = golden("glm5_yarn_fp8")
+    data = tmp_path / "data.jsonl"
+    _write_rows(data, tensors["input_ids"].tolist())
+    kept, dense = (json.loads(_run(f"--model_dir={model_dir}", f"--data={data}", f"--fp8={how}").stdout
+                              .strip().splitlines()[-1]) for how in ("keep", "dequantize"))
+    assert kept["weight_dtypes"].get("float8_e4m3fn", 0) > 0, kept["weight_dtypes"]
+    assert "float8_e4m3fn" not in dense["weight_dtypes"], dense["weight_dtypes"]
+    assert kept["weight_bytes"] < dense["weight_bytes"]
+    assert kept["loss"] == dense["loss"], "the same values through the same products"

@@ -160,3 +160,33 @@ def test_a_trainer_runs_from_a_run_config_without_flags(tmp_path, capsys):
     assert summary["steps"] == 2 and summary["checkpoint"] == str(tmp_path / "out" / "checkpoint-2")
     assert summary["final_loss"] < summary["first_loss"] + 1.0
     assert signal.getsignal(signal.SIGINT) is before, "the run leaves the signal handlers as it found them"
+
+
+def test_full_fine_tuning_of_a_base_kept_in_fp8_is_refused_naming_fp8_dequantize(tmp_path):
+    from golden_cases import error_line, golden, run_train
+
+    model_dir, tensors, _ = golden("glm5_yarn_fp8")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in tensors["input_ids"].tolist()))
+    result = run_train(f"--model_dir={model_dir}", f"--data={data}", "--finetune=full", "--dtype=float32",
+                       "--max_steps=1", "--warmup_steps=0", f"--output_dir={tmp_path / 'run'}")
+    assert "--fp8=dequantize" in error_line(result)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_lora_on_a_base_kept_in_fp8_trains_as_on_the_base_dequantised_on_load(tmp_path):
+    """The same run with the FP8 golden kept in FP8 and dequantised on load: the same losses step by
+    step (the ops dequantise the very values the loader would)."""
+    from golden_cases import golden, run_train
+
+    model_dir, tensors, _ = golden("glm5_yarn_fp8")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in tensors["input_ids"].tolist()))
+    losses = {}
+    for how in ("keep", "dequantize"):
+        out = tmp_path / how
+        result = run_train(f"--model_dir={model_dir}", f"--data={data}", "--dtype=float32", "--max_steps=3",
+                           "--warmup_steps=0", "--micro_batch_size=1", f"--fp8={how}", f"--output_dir={out}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[how] = [row["loss"] for row in metrics(str(out))]
+    assert len(losses["keep"]) == 3 and losses["keep"] == losses["dequantize"], losses

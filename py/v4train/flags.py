@@ -51,6 +51,10 @@ flags.DEFINE_integer("seed", 0, "Seed of weight init, LoRA init, data order and 
 
 # Fine-tuning mode.
 flags.DEFINE_enum("finetune", "lora", ["lora", "full"], "LoRA adapters or all weights.")
+flags.DEFINE_enum("fp8", "keep", ["keep", "dequantize"],
+                  "An FP8 checkpoint's weights (float8_e4m3fn with 128x128-block weight_scale_inv): kept in FP8 on the "
+                  "device, a frozen base the C++ ops dequantise as they use it (half the memory of bf16; LoRA only), or "
+                  "dequantised into --dtype on load (needed for --finetune=full).")
 flags.DEFINE_integer("lora_r", 16, "LoRA rank.", lower_bound=1)
 flags.DEFINE_float("lora_alpha", 32.0, "LoRA alpha (the update is scaled by alpha / r).", lower_bound=0.0)
 flags.DEFINE_float("lora_dropout", 0.0, "Dropout on the LoRA input.", lower_bound=0.0, upper_bound=1.0)

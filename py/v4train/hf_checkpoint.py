@@ -28,7 +28,7 @@ from v4train.atomic import atomic_dir
 from v4train.model import CausalLM, all_specs
 from v4train.models import FAMILIES, ModelConfig, config_from_dict
 from v4train.models.config import ConfigError
-from v4train.reference.lora import dequantize_fp8
+from v4train.reference.lora import FP8_BLOCK, dequantize_fp8, scale_name
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -155,8 +155,14 @@ def canonical_key(key: str) -> str:
     return "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
 
 
-def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tuple[CausalLM, dict]:
-    """The model in `dtype` on `device`, and a report {'skipped': {reason: count}}."""
+def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: str = "dequantize"
+         ) -> tuple[CausalLM, dict]:
+    """The model in `dtype` on `device`, and a report {'skipped': {reason: count}}. An FP8
+    checkpoint's layer weights (float8_e4m3fn with a 128 x 128-block weight_scale_inv) are
+    dequantised into `dtype`, or with fp8="keep" stay float8 beside their fp32 scales (frozen
+    parameters the ops dequantise just in time: half the memory of bf16). A routed experts'
+    tensor packed from per-expert weights stays FP8 where its parts' rows fill whole scale blocks
+    (else it is dequantised); weights outside the layers are always dequantised."""
     hf_config, cfg = read_config(os.path.join(model_dir, "config.json"))
     files = _files(model_dir)
     handles: dict[str, object] = {}
@@ -203,13 +209,22 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tu
             problems.append(f"missing tensor {missing[0]} "
                             + (f"(for {spec.name}{more})" if packed else str(list(spec.shape))))
             continue
+        keep = fp8 == "keep" and spec.name.startswith("model.layers.") and (spec.experts or (
+            len(spec.shape) == 2 and spec.name.endswith(".weight")))  # the linear maps the ops take FP8 for
         try:
-            t = _read_experts(spec, keys, available, read) if packed else _read_weight(spec.name, available, read)
+            t, scale = (_read_experts(spec, keys, available, read, keep) if packed
+                        else _read_weight(spec.name, available, read, keep))
         except CheckpointError as e:
             problems.append(str(e))
             continue
         if tuple(t.shape) != spec.shape:
             problems.append(f"{spec.name}: shape {list(t.shape)}, expected {list(spec.shape)}")
+            continue
+        if scale is not None:  # kept in FP8: its values as stored, its scales in fp32
+            weights[spec.name], weights[scale_name(spec.name)] = t.to(device), scale.to(device, torch.float32)
+            bad = nonfinite(t.float()) or nonfinite(scale)
+            if bad:
+                problems.append(f"{spec.name}: {bad}")
             continue
         weights[spec.name] = t.to(device=device, dtype=target)
         bad = nonfinite(weights[spec.name])
@@ -225,17 +240,19 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu") -> tu
     return CausalLM(cfg, weights, hf_config), {"skipped": skipped}
 
 
-def _read_weight(key, available, read) -> torch.Tensor:
-    """The tensor `key` in floating point (an FP8 weight dequantised with its weight_scale_inv)."""
+def _read_weight(key, available, read, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the tensor `key` in floating point, None), an FP8 weight dequantised with its
+    weight_scale_inv; or, with `keep`, (the FP8 weight, its scales)."""
     t = read(available[key])
     if not t.is_floating_point():
         raise CheckpointError(f"{key}: dtype {str(t.dtype).removeprefix('torch.')}, expected a floating-point weight")
     if t.dtype != torch.float8_e4m3fn:
-        return t
-    scale_key = key + "_scale_inv"
+        return t, None
+    scale_key = scale_name(key)
     if scale_key not in available:
         raise CheckpointError(f"{key}: float8 weight without {scale_key}")
-    return dequantize_fp8(t, read(available[scale_key]), torch.float32)
+    scale = read(available[scale_key])
+    return (t, scale) if keep else (dequantize_fp8(t, scale, torch.float32), None)
 
 
 def _expert_keys(spec) -> list[str]:
@@ -244,11 +261,18 @@ def _expert_keys(spec) -> list[str]:
     return [f"{prefix}{e}.{proj}.weight" for e in range(spec.shape[0]) for proj in spec.experts]
 
 
-def _read_experts(spec, keys, available, read) -> torch.Tensor:
-    """Packs the per-expert tensors `keys` (possibly FP8) into spec's [E, ...] tensor."""
-    parts = [_read_weight(key, available, read) for key in keys]
+def _read_experts(spec, keys, available, read, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Packs the per-expert tensors `keys` (possibly FP8) into spec's [E, ...] tensor: (it, None), or
+    with `keep`, where every part is FP8 and fills whole 128-row scale blocks (so that the packed
+    scales are the parts' scales side by side), (the FP8 tensor, its [E, ...] scales)."""
+    parts = [_read_weight(key, available, read, keep) for key in keys]
     n = len(spec.experts)
-    return torch.stack([torch.cat(parts[e * n:(e + 1) * n], dim=0) for e in range(spec.shape[0])])
+    if keep and all(s is not None and w.shape[0] % FP8_BLOCK == 0 for w, s in parts):
+        pack = lambda i: torch.stack([torch.cat([p[i] for p in parts[e * n:(e + 1) * n]], dim=0)  # noqa: E731
+                                      for e in range(spec.shape[0])])
+        return pack(0), pack(1)
+    dense = [w if s is None else dequantize_fp8(w, s, torch.float32) for w, s in parts]
+    return torch.stack([torch.cat(dense[e * n:(e + 1) * n], dim=0) for e in range(spec.shape[0])]), None
 
 
 def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:

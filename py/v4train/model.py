@@ -20,7 +20,7 @@ from v4train.layer_call import Batch, LayerOptions
 from v4train.models import family_of
 from v4train.models import ModelConfig
 from v4train.models.weights import WeightSpec, init_tensor
-from v4train.reference.lora import bind
+from v4train.reference.lora import bind, scale_name
 from v4train.reference.cross_entropy_loss import IGNORE_INDEX
 
 
@@ -154,18 +154,22 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], hf_config: dict,
                  ops: ops_.OpTable = ops_.REFERENCE):
-        """tensors: every tensor of all_specs(cfg) by full name (the meta device gives shapes only)."""
+        """tensors: every tensor of all_specs(cfg) by full name (the meta device gives shapes only),
+        and beside a layer's float8 weight kept in FP8 its scales (NAME_scale_inv, frozen)."""
         super().__init__()
         self.cfg, self.family = cfg, family_of(cfg)
         self.hf_config = hf_config  # config.json as read (or as it will be written)
         expected = [s.name for s in all_specs(cfg)]
-        if set(tensors) != set(expected):
-            missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        scales = {scale_name(n) for n in expected if n in tensors and tensors[n].dtype == torch.float8_e4m3fn}
+        allowed = set(expected) | scales
+        if set(tensors) != allowed:
+            missing, extra = sorted(allowed - set(tensors)), sorted(set(tensors) - allowed)
             raise ValueError(f"CausalLM: weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
         for s in global_specs(cfg):
             put_parameter(self, s.name, tensors[s.name])
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, {s.name: tensors[layer_prefix(i) + s.name] for s in self.family.layer_specs(cfg, i)})
+            DecoderLayer(cfg, i, {n: tensors[layer_prefix(i) + n] for s in self.family.layer_specs(cfg, i)
+                                  for n in (s.name, scale_name(s.name)) if layer_prefix(i) + n in tensors})
             for i in range(cfg.num_hidden_layers))
         self.use_ops(ops)
 
@@ -207,6 +211,11 @@ class CausalLM(nn.Module):
     def weights(self) -> dict[str, torch.Tensor]:
         """The model's own tensors (no adapters) by full transformers name, in all_specs order."""
         return {s.name: self.get_parameter(s.name) for s in all_specs(self.cfg)}
+
+    @property
+    def fp8(self) -> bool:
+        """Whether it holds weights kept in FP8 (hf_checkpoint.load(..., fp8="keep"))."""
+        return any(p.dtype == torch.float8_e4m3fn for p in self.parameters())
 
     def hidden_states(self, batch: Packed) -> torch.Tensor:
         """The final-norm hidden states [T, H]."""

@@ -69,6 +69,7 @@ class RunConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     finetune: str = "lora"
+    fp8: str = "keep"  # an FP8 checkpoint kept in FP8 (LoRA on a frozen base) or dequantised on load
     lora_r: int = 16
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
@@ -101,8 +102,9 @@ class RunConfig:
             micro_batch_size=f.micro_batch_size, grad_accum=f.grad_accum, max_steps=f.max_steps, epochs=f.epochs,
             lr=f.lr, min_lr=f.min_lr, warmup_steps=f.warmup_steps, lr_schedule=f.lr_schedule,
             weight_decay=f.weight_decay, betas=(f.adam_beta1, f.adam_beta2), adam_eps=f.adam_eps,
-            max_grad_norm=f.max_grad_norm, seed=f.seed, finetune=f.finetune, lora_r=f.lora_r, lora_alpha=f.lora_alpha,
-            lora_dropout=f.lora_dropout, lora_target_modules=tuple(f.lora_target_modules), lora_experts=f.lora_experts,
+            max_grad_norm=f.max_grad_norm, seed=f.seed, finetune=f.finetune, fp8=f.fp8, lora_r=f.lora_r,
+            lora_alpha=f.lora_alpha, lora_dropout=f.lora_dropout, lora_target_modules=tuple(f.lora_target_modules),
+            lora_experts=f.lora_experts,
             save_interval=f.save_interval, save_total_limit=f.save_total_limit, log_interval=f.log_interval,
             stop_at_step=f.stop_at_step, overwrite_output_dir=f.overwrite_output_dir, on_nonfinite=f.on_nonfinite,
             max_nonfinite_skips=f.max_nonfinite_skips)
@@ -248,8 +250,12 @@ class Trainer:
         for LoRA) and what trains: LoRA adapters (every target must match a module) or every weight."""
         c = self.config
         if c.model_dir:
-            self.model, _ = hf_checkpoint.load(c.model_dir, c.dtype, c.device)  # every weight checked finite
+            self.model, _ = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8)  # every weight checked finite
             self.base_model_dir = c.model_dir
+            if c.finetune == "full" and self.model.fp8:
+                raise FlagError(f"--finetune=full: {c.model_dir} is an FP8 checkpoint, kept in FP8 (--fp8=keep, the "
+                                "default), a frozen base that only LoRA adapters train on; full fine-tuning trains "
+                                "every weight: pass --fp8=dequantize")
         else:
             self.model = CausalLM.random(self.model_cfg, self.hf_config, c.dtype, c.device, c.seed)
         model = self.model
