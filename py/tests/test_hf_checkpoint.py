@@ -135,3 +135,27 @@ def test_fp8_weights_are_dequantised_per_block(tmp_path):
     out = dequantize_fp8(q, scale, torch.float32)  # what the loader and the C++ ops' FP8 path compute
     assert torch.equal(out[:128, :128], q[:128, :128].float() * 2)
     assert torch.equal(out[128:, 256:], q[128:, 256:].float() * 7)
+
+
+def test_only_linear_maps_stay_fp8_a_router_in_fp8_is_dequantised(tmp_path):
+    """--fp8=keep keeps a layer's linear maps in FP8; an FP8 router (a plain tensor to the ops,
+    which would take it without its scales) is dequantised on load: the same loss either way."""
+    from golden_cases import copy_model
+    from v4train.reference.lora import quantize_fp8, scale_name
+
+    def quantise(t):
+        for name in [n for n in t if n.endswith(("mlp.gate.weight", "self_attn.q_a_proj.weight"))]:
+            t[name], t[scale_name(name)] = quantize_fp8(t[name])
+    model_dir = copy_model(tmp_path, tensors=quantise)
+    kept, _ = hf_checkpoint.load(model_dir, torch.float32, fp8="keep")
+    dense, _ = hf_checkpoint.load(model_dir, torch.float32, fp8="dequantize")
+    params = dict(kept.named_parameters())
+    routers = [n for n in params if n.endswith("mlp.gate.weight")]
+    assert routers and all(params[n].dtype == torch.float32 for n in routers)
+    assert params["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.float8_e4m3fn
+    batch = Packed.from_documents([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [3, 4, 5]])
+    assert torch.equal(kept.loss(batch), dense.loss(batch))
+    with pytest.raises(ValueError, match="only a layer's linear maps can stay FP8"):
+        tensors = {**{n: p.detach() for n, p in kept.named_parameters()}}
+        tensors[routers[0]], tensors[scale_name(routers[0])] = quantize_fp8(tensors[routers[0]])
+        CausalLM(kept.cfg, tensors, kept.hf_config)

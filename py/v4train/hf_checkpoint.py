@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 
 from v4train.atomic import atomic_dir
 from v4train.model import CausalLM, all_specs
-from v4train.models import FAMILIES, ModelConfig, config_from_dict
+from v4train.models import FAMILIES, ModelConfig, config_from_dict, family_of
 from v4train.models.config import ConfigError
-from v4train.reference.lora import FP8_BLOCK, dequantize_fp8, scale_name
+from v4train.reference.lora import FP8_BLOCK, dequantize_fp8, linear_names, scale_name
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -197,6 +197,8 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
             available[canon] = key
 
     problems, weights, used = [], {}, set()
+    fp8_maps = {f"model.layers.{i}.{n}" for i in range(cfg.num_hidden_layers)
+                for n in linear_names(family_of(cfg).layer_weights)}  # (a router stays dequantised)
     for spec in all_specs(cfg):
         target = torch.float32 if spec.fp32 else dtype
         packed = spec.experts and spec.name not in available  # stored expert by expert
@@ -209,8 +211,7 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
             problems.append(f"missing tensor {missing[0]} "
                             + (f"(for {spec.name}{more})" if packed else str(list(spec.shape))))
             continue
-        keep = fp8 == "keep" and spec.name.startswith("model.layers.") and (spec.experts or (
-            len(spec.shape) == 2 and spec.name.endswith(".weight")))  # the linear maps the ops take FP8 for
+        keep = fp8 == "keep" and spec.name in fp8_maps  # the linear maps the ops take FP8 for
         try:
             t, scale = (_read_experts(spec, keys, available, read, keep) if packed
                         else _read_weight(spec.name, available, read, keep))

@@ -20,7 +20,7 @@ from v4train.layer_call import Batch, LayerOptions
 from v4train.models import family_of
 from v4train.models import ModelConfig
 from v4train.models.weights import WeightSpec, init_tensor
-from v4train.reference.lora import bind, scale_name
+from v4train.reference.lora import bind, linear_names, scale_name
 from v4train.reference.cross_entropy_loss import IGNORE_INDEX
 
 
@@ -160,7 +160,13 @@ class CausalLM(nn.Module):
         self.cfg, self.family = cfg, family_of(cfg)
         self.hf_config = hf_config  # config.json as read (or as it will be written)
         expected = [s.name for s in all_specs(cfg)]
-        scales = {scale_name(n) for n in expected if n in tensors and tensors[n].dtype == torch.float8_e4m3fn}
+        fp8 = [n for n in expected if n in tensors and tensors[n].dtype == torch.float8_e4m3fn]
+        maps = {layer_prefix(i) + n for i in range(cfg.num_hidden_layers)
+                for n in linear_names(self.family.layer_weights)}
+        if any(n not in maps for n in fp8):  # a router or norm in FP8 would be used without its scales
+            raise ValueError(f"CausalLM: {next(n for n in fp8 if n not in maps)} is float8, but only a layer's "
+                             "linear maps can stay FP8: dequantise it")
+        scales = {scale_name(n) for n in fp8}
         allowed = set(expected) | scales
         if set(tensors) != allowed:
             missing, extra = sorted(allowed - set(tensors)), sorted(set(tensors) - allowed)

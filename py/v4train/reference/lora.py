@@ -112,6 +112,20 @@ def _first_name(cls: type, prefix: str) -> str:
         _first_name(first.metadata["cls"], prefix + first.metadata["name"])
 
 
+def linear_names(cls: type, prefix: str = "") -> set[str]:
+    """The tensor names (under prefix) of every linear map of the weights dataclass `cls`, its
+    optional parts' included: the weights that may be FP8 (the others are plain tensors, which
+    take no scales)."""
+    out = set()
+    for f in dataclasses.fields(cls):
+        name = prefix + f.metadata["name"]
+        if f.metadata["kind"] == "linear":
+            out.add(name)
+        elif f.metadata["kind"] == "part":
+            out |= linear_names(f.metadata["cls"], name)
+    return out
+
+
 def bind(cls: type, tensors: Mapping[str, torch.Tensor], prefix: str = ""):
     """The weights dataclass `cls` filled from tensors by their transformers names (under prefix);
     a missing tensor is a ValueError naming it."""
