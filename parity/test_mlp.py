@@ -42,3 +42,27 @@ def test_fp8_weights_over_several_blocks_equal_the_weights_dequantised_on_load()
     (grad_theirs,) = torch.autograd.grad(theirs, x, torch.ones_like(theirs))
     assert_close(ours, theirs, "output")
     assert_close(grad_ours, grad_theirs, "gradient of x")
+
+
+def test_an_fp8_weight_keeps_no_dense_copy_for_the_backward_pass():
+    """The gradient of x through an FP8 map needs the weight again: the C++ op keeps the FP8 weight
+    and its scales for it (a byte a weight, the model's own tensors), not a dequantised copy (two
+    bytes a weight in bf16, made for the call: more than the weights dequantised on load)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"gate_proj": (256, 128), "up_proj": (256, 128), "down_proj": (128, 256)}
+    fp8, dense = {}, {}
+    for name, shape in shapes.items():
+        q, scale = quantize_fp8(torch.randn(shape, generator=gen) * 0.05)
+        fp8[name], dense[name] = Linear(q, scale), Linear(dequantize_fp8(q, scale, torch.bfloat16))
+    x = torch.randn(16, 128, generator=gen).to(torch.bfloat16).requires_grad_()
+
+    def saved_bytes(weights) -> int:
+        total = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            OPS[NAME].cpp()(x, MlpWeights(**weights))
+        return sum(total)
+    weight_bytes = sum(2 * r * c for r, c in shapes.values())  # the dense weights in bf16
+    scale_bytes = sum(w.weight_scale_inv.numel() * 4 for w in fp8.values())
+    # the same activations; the weights at one byte each (and their scales) instead of two
+    assert saved_bytes(fp8) <= saved_bytes(dense) - weight_bytes // 2 + scale_bytes

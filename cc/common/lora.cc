@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 namespace v4 {
 
@@ -9,32 +10,70 @@ at::Tensor adapter_input(const at::Tensor& x, const Lora& lora) {
   return lora.dropout > 0 ? at::dropout(x, lora.dropout, /*train=*/true) : x;
 }
 
-at::Tensor dense_weight(const Linear& w, at::ScalarType dtype, const char* op, const char* name) {
-  if (!w.weight_scale_inv) return w.weight;
-  constexpr int64_t block = 128;  // the FP8 checkpoints' scale block: 128 x 128 weights
+namespace {
+
+constexpr int64_t kFp8Block = 128;  // the FP8 checkpoints' scale block: 128 x 128 weights
+
+// Each block of weight times its scale, in fp32 (float64 for a float64 dtype), then in dtype.
+at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, at::ScalarType dtype) {
+  const int64_t out = weight.size(-2), in = weight.size(-1);
+  const auto compute = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor s = scale.to(compute).repeat_interleave(kFp8Block, -2).slice(-2, 0, out)
+                           .repeat_interleave(kFp8Block, -1).slice(-1, 0, in);
+  return (weight.to(compute) * s).to(dtype);
+}
+
+// The scales fit the weight (one per block), and neither asks for a gradient (a frozen base).
+void check_fp8(const Linear& w, const char* op, const char* name) {
   const at::Tensor &weight = w.weight, &scale = *w.weight_scale_inv;
   TORCH_CHECK_VALUE(weight.dim() >= 2 && scale.dim() == weight.dim(), op, ": ", name, ".weight_scale_inv has shape ",
                     scale.sizes(), " for a weight of shape ", weight.sizes());
   const int64_t out = weight.size(-2), in = weight.size(-1);
-  bool fits = scale.size(-2) == (out + block - 1) / block && scale.size(-1) == (in + block - 1) / block;
+  bool fits = scale.size(-2) == (out + kFp8Block - 1) / kFp8Block && scale.size(-1) == (in + kFp8Block - 1) / kFp8Block;
   for (int64_t d = 0; d + 2 < weight.dim(); ++d) fits = fits && scale.size(d) == weight.size(d);
   TORCH_CHECK_VALUE(fits, op, ": ", name, ".weight_scale_inv has shape ", scale.sizes(), ", expected one scale per ",
-                    block, "x", block, " block of its weight ", weight.sizes());
+                    kFp8Block, "x", kFp8Block, " block of its weight ", weight.sizes());
   TORCH_CHECK_VALUE(!weight.requires_grad() && !scale.requires_grad(), op, ": ", name, " is an FP8 weight that ",
                     "requires a gradient; an FP8 base is frozen (train LoRA adapters on it, or dequantise it on load)");
-  const auto compute = dtype == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor s = scale.to(compute).repeat_interleave(block, -2).slice(-2, 0, out).repeat_interleave(block, -1)
-                           .slice(-1, 0, in);
-  return (weight.to(compute) * s).to(dtype);
+}
+
+// x W^T for an FP8 weight, dequantised in the forward pass and again in the backward: the backward
+// keeps the FP8 weight and its scales, not a dense copy (which at::linear of the dequantised
+// weight would keep: more memory than the weight dequantised on load).
+struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& scale) {
+    ctx->save_for_backward({weight, scale});
+    return at::linear(x, dequantize(weight, scale, x.scalar_type()));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {at::matmul(grads[0], dequantize(saved[0], saved[1], grads[0].scalar_type())), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor dense_weight(const Linear& w, at::ScalarType dtype, const char* op, const char* name) {
+  if (!w.weight_scale_inv) return w.weight;
+  check_fp8(w, op, name);
+  return dequantize(w.weight, *w.weight_scale_inv, dtype);
 }
 
 at::Tensor linear(const at::Tensor& x, const Linear& w, const Lora& lora, const char* op, const char* name) {
-  const at::Tensor weight = dense_weight(w, x.scalar_type(), op, name);
+  const at::Tensor& weight = w.weight;
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(-1), op, ": ", name, ".weight has shape ",
                     weight.sizes(), ", expected [out, ", x.size(-1), "] for an input of shape ", x.sizes());
-  TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), op, ": ", name, ".weight is ", weight.scalar_type(),
-                    " but its input is ", x.scalar_type());
-  at::Tensor y = at::linear(x, weight);
+  at::Tensor y;
+  if (w.weight_scale_inv) {
+    check_fp8(w, op, name);
+    y = Fp8Linear::apply(x, weight, *w.weight_scale_inv);
+  } else {
+    TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), op, ": ", name, ".weight is ", weight.scalar_type(),
+                      " but its input is ", x.scalar_type());
+    y = at::linear(x, weight);
+  }
   if (!w.has_adapter()) return y;
   TORCH_CHECK_VALUE(w.lora_B.has_value(), op, ": the adapter of ", name, " has lora_A but no lora_B");
   const at::Tensor &a = *w.lora_A, &b = *w.lora_B;
