@@ -73,8 +73,7 @@ namespace {
 at::Tensor expert_linear(const at::Tensor& x, const Linear& w, const Lora& lora, const Dispatch& d, const char* op,
                          const char* name) {
   at::Tensor y = grouped_linear(x, dense_weight(w, x.scalar_type(), op, name), d);
-  if (!w.has_adapter()) return y;
-  TORCH_CHECK_VALUE(w.lora_B.has_value(), op, ": the adapter of experts.", name, " has lora_A but no lora_B");
+  if (!has_adapter(w, op, name)) return y;
   return y + grouped_linear(grouped_linear(adapter_input(x, lora), *w.lora_A, d), *w.lora_B, d) * lora.scaling;
 }
 

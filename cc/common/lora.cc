@@ -6,6 +6,12 @@
 
 namespace v4 {
 
+bool has_adapter(const Linear& w, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(w.lora_A.has_value() == w.lora_B.has_value(), op, ": the adapter of ", name,
+                    " has one of lora_A and lora_B but not the other");
+  return w.lora_A.has_value();
+}
+
 at::Tensor adapter_input(const at::Tensor& x, const Lora& lora) {
   return lora.dropout > 0 ? at::dropout(x, lora.dropout, /*train=*/true) : x;
 }
@@ -74,8 +80,7 @@ at::Tensor linear(const at::Tensor& x, const Linear& w, const Lora& lora, const 
                       " but its input is ", x.scalar_type());
     y = at::linear(x, weight);
   }
-  if (!w.has_adapter()) return y;
-  TORCH_CHECK_VALUE(w.lora_B.has_value(), op, ": the adapter of ", name, " has lora_A but no lora_B");
+  if (!has_adapter(w, op, name)) return y;
   const at::Tensor &a = *w.lora_A, &b = *w.lora_B;
   TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && a.size(1) == weight.size(1) && b.size(0) == weight.size(0) &&
                         b.size(1) == a.size(0),

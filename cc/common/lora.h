@@ -14,6 +14,10 @@ struct Lora {
   double dropout = 0.0;
 };
 
+// Whether w has a LoRA adapter: both of its factors (one without the other is a ValueError naming
+// op and the map).
+bool has_adapter(const Linear& w, const char* op, const char* name);
+
 // The adapter's input: x, or dropout(x) when lora.dropout > 0 (a fresh mask per call, as the
 // reference draws one per linear map).
 at::Tensor adapter_input(const at::Tensor& x, const Lora& lora);

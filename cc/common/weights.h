@@ -28,7 +28,6 @@ namespace v4 {
 
 struct Linear {
   V4_LINEAR_FIELDS(V4_DECLARE_FIELD)
-  bool has_adapter() const { return lora_A.has_value(); }
 };
 
 // ---- every tensor of a weights struct, by its path ("q_a_proj.weight"), for checks and the

@@ -25,10 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from v4train.atomic import atomic_dir
-from v4train.model import CausalLM, all_specs
-from v4train.models import FAMILIES, ModelConfig, config_from_dict, family_of
+from v4train.model import CausalLM, all_specs, linear_map_names
+from v4train.models import FAMILIES, ModelConfig, config_from_dict
 from v4train.models.config import ConfigError
-from v4train.reference.lora import FP8_BLOCK, dequantize_fp8, linear_names, scale_name
+from v4train.reference.lora import FP8_BLOCK, dequantize_fp8, scale_name
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -197,8 +197,7 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
             available[canon] = key
 
     problems, weights, used = [], {}, set()
-    fp8_maps = {f"model.layers.{i}.{n}" for i in range(cfg.num_hidden_layers)
-                for n in linear_names(family_of(cfg).layer_weights)}  # (a router stays dequantised)
+    fp8_maps = linear_map_names(cfg)  # (a router stays dequantised)
     for spec in all_specs(cfg):
         target = torch.float32 if spec.fp32 else dtype
         packed = spec.experts and spec.name not in available  # stored expert by expert

@@ -92,6 +92,12 @@ def all_specs(cfg: ModelConfig) -> list[WeightSpec]:
     return specs
 
 
+def linear_map_names(cfg: ModelConfig) -> set[str]:
+    """The full names of every layer's linear maps: the weights that may stay FP8 (the others the
+    ops take as plain tensors, without scales)."""
+    return {layer_prefix(i) + n for i in range(cfg.num_hidden_layers) for n in linear_names(family_of(cfg).layer_weights)}
+
+
 def put_parameter(root: nn.Module, name: str, tensor: torch.Tensor, requires_grad: bool = False) -> nn.Parameter:
     """Registers `tensor` as the parameter `name` (dotted) under root, making plain nn.Module
     containers for the missing parents; a decoder layer on the way binds its weights anew."""
@@ -161,8 +167,7 @@ class CausalLM(nn.Module):
         self.hf_config = hf_config  # config.json as read (or as it will be written)
         expected = [s.name for s in all_specs(cfg)]
         fp8 = [n for n in expected if n in tensors and tensors[n].dtype == torch.float8_e4m3fn]
-        maps = {layer_prefix(i) + n for i in range(cfg.num_hidden_layers)
-                for n in linear_names(self.family.layer_weights)}
+        maps = linear_map_names(cfg)
         if any(n not in maps for n in fp8):  # a router or norm in FP8 would be used without its scales
             raise ValueError(f"CausalLM: {next(n for n in fp8 if n not in maps)} is float8, but only a layer's "
                              "linear maps can stay FP8: dequantise it")

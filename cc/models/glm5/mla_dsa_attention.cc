@@ -85,7 +85,8 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Mla
     const IndexerWeights& w = *weights.indexer;
     for (const auto& [map, name] : {std::pair{&w.wq_b, "indexer.wq_b"}, {&w.wk, "indexer.wk"},
                                     {&w.weights_proj, "indexer.weights_proj"}}) {
-      TORCH_CHECK_VALUE(!map->has_adapter(), kOp, ": ", name, " has a LoRA adapter; the indexer is not adapted");
+      TORCH_CHECK_VALUE(!has_adapter(*map, kOp, name), kOp, ": ", name,
+                        " has a LoRA adapter; the indexer is not adapted");
     }
     q = at::linear(q_resid, dense_weight(w.wq_b, q_resid.scalar_type(), kOp, "indexer.wq_b")).view({T, n, d});
     q = at::cat({rope_interleaved(q.slice(-1, 0, r), cos, sin), q.slice(-1, r)}, -1);
@@ -93,9 +94,7 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Mla
                        w.k_norm_bias, kLatentEps);
     k = at::cat({rope_interleaved(k.unsqueeze(1).slice(-1, 0, r), cos, sin).select(1, 0), k.slice(-1, r)}, -1);
     // transformers keeps weights_proj in fp32 (an FP8 one dequantises to fp32 on load)
-    const at::Tensor wp = w.weights_proj.weight_scale_inv
-                              ? dense_weight(w.weights_proj, at::kFloat, kOp, "indexer.weights_proj")
-                              : w.weights_proj.weight;
+    const at::Tensor wp = dense_weight(w.weights_proj, at::kFloat, kOp, "indexer.weights_proj");
     head_weights = at::linear(h.to(wp.scalar_type()), wp).to(at::kFloat) * std::pow(n, -0.5);
   }
   const double scale = std::pow(d, -0.5);
@@ -346,10 +345,9 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
     } else {
       const Linear& map = weights.kv_b_proj;
       at::Tensor kv_b = dense_weight(map, latent.scalar_type(), op, "kv_b_proj");
-      if (map.has_adapter()) {  // folded in: the latent path needs the whole map
+      if (has_adapter(map, op, "kv_b_proj")) {  // folded in: the latent path needs the whole map
         TORCH_CHECK_VALUE(lora_dropout == 0, op, ": lora_dropout > 0 with an adapter on kv_b_proj is not supported "
                           "for documents longer than ", masked_max_len, " tokens (the latent path folds the adapter)");
-        TORCH_CHECK_VALUE(map.lora_B.has_value(), op, ": the adapter of kv_b_proj has lora_A but no lora_B");
         kv_b = kv_b + at::matmul(*map.lora_B, *map.lora_A) * lora_scaling;
       }
       outs.push_back(latent_attention(qd.slice(0, K), latent.slice(0, start, end), k_rot.slice(0, start, end).select(1, 0),
