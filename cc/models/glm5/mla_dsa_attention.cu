@@ -219,6 +219,30 @@ __device__ __forceinline__ void load_keys_async(T* dst, int* keys, const T* kv, 
   }
 }
 
+// The key tiles of query t, double-buffered in sK [2][kKeys][pitch] and sKey [2][kKeys]: tile i + 1
+// is gathered (cp.async) while body(keys, key ids) computes on tile i. Loads issued before the call
+// and not yet committed (the query's own rows) arrive with tile 0. A key id is -1 for an unused slot.
+template <typename T, typename Body>
+__device__ __forceinline__ void for_each_key_tile(T* sK, int* sKey, const T* kv, const int64_t* idx,
+                                                  const SparseShape& s, int t, Body&& body) {
+  const int pitch = s.pitch(), tiles = (s.K + kKeys - 1) / kKeys;
+  load_keys_async(sK, sKey, kv, idx, s, t, 0);
+  cp_async_commit();
+  for (int i = 0; i < tiles; ++i) {
+    const int buf = i % 2;
+    if (i + 1 < tiles) {
+      load_keys_async(sK + (buf ^ 1) * kKeys * pitch, sKey + (buf ^ 1) * kKeys, kv, idx, s, t, i + 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    body(static_cast<const T*>(sK + buf * kKeys * pitch), static_cast<const int*>(sKey + buf * kKeys));
+    __syncthreads();  // the body's shared tiles and this buffer are rewritten next
+  }
+}
+
 // S (16 rows of warp row group wr, 16 keys from column kc) = A [rows, dims] . B[keys, dims]^T over
 // `depth` dims, both row-major in shared memory.
 template <typename T>
@@ -275,21 +299,8 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
   load_rows_async(sQ, pitch, q + (int64_t(t) * s.nh + row0) * s.D, s.D, valid, s.dp);
-  load_keys_async(sK, sKey, kv, idx, s, t, 0);
-  cp_async_commit();
   float acc[NT][4] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
-  const int tiles = (s.K + kKeys - 1) / kKeys;
-  for (int i = 0; i < tiles; ++i) {
-    const int buf = i % 2;
-    if (i + 1 < tiles) {
-      load_keys_async(sK + (buf ^ 1) * kKeys * pitch, sKey + (buf ^ 1) * kKeys, kv, idx, s, t, i + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const T* keys = sK + buf * kKeys * pitch;
+  for_each_key_tile(sK, sKey, kv, idx, s, t, [&](const T* keys, const int* key_ids) {
     float sc[2][4];
     scores16(sc, sQ + wr * pitch, pitch, keys + kc * pitch, pitch, s.dp, lane);
 #pragma unroll
@@ -297,7 +308,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = kc + j * 8 + 2 * tq + (e & 1), row = wr + g + (e >= 2 ? 8 : 0);
-        sS[row * (kKeys + 4) + key] = sKey[buf * kKeys + key] >= 0 ? sc[j][e] * sl2 : kNegInf;
+        sS[row * (kKeys + 4) + key] = key_ids[key] >= 0 ? sc[j][e] * sl2 : kNegInf;
       }
     __syncthreads();
     // Online softmax over this tile's 32 keys for rows g and g + 8 (the 4 lanes of a group hold a row).
@@ -348,8 +359,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
       a[ks][3] = pack2<T>(p[2 * ks + 1][2], p[2 * ks + 1][3]);
     }
     accumulate_pv<T, NT>(acc, a, keys, pitch, oc, s.cp / 2, lane);
-    __syncthreads();  // sS and this buffer are rewritten next
-  }
+  });
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     const int row = wr + g + 8 * x;
@@ -392,26 +402,13 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
 
   load_rows_async(sQ, pitch, q + (int64_t(t) * s.nh + row0) * s.D, s.D, valid, s.dp);
   load_rows_async(sdO, cpitch, dout + (int64_t(t) * s.nh + row0) * s.C, s.C, valid, s.cp);
-  load_keys_async(sK, sKey, kv, idx, s, t, 0);
-  cp_async_commit();
   for (int r = threadIdx.x; r < kHeads; r += kSparseThreads) {
     const int64_t row = int64_t(t) * s.nh + row0 + r;
     sStat[r] = r < valid ? lse[row] * kLog2e : std::numeric_limits<float>::infinity();  // p = 0 on padding rows
     sStat[kHeads + r] = r < valid ? delta[row] : 0.0f;
   }
   float dqa[NQ][4] = {};
-  const int tiles = (s.K + kKeys - 1) / kKeys;
-  for (int i = 0; i < tiles; ++i) {
-    const int buf = i % 2;
-    if (i + 1 < tiles) {
-      load_keys_async(sK + (buf ^ 1) * kKeys * pitch, sKey + (buf ^ 1) * kKeys, kv, idx, s, t, i + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const T* keys = sK + buf * kKeys * pitch;
+  for_each_key_tile(sK, sKey, kv, idx, s, t, [&](const T* keys, const int* key_ids) {
     float sc[2][4], dp[2][4];
     scores16(sc, sQ + wr * pitch, pitch, keys + kc * pitch, pitch, s.dp, lane);
     scores16(dp, sdO + wr * cpitch, cpitch, keys + kc * pitch, pitch, s.cp, lane);
@@ -423,7 +420,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
         float pv[2], ds[2];
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
-          const bool ok = sKey[buf * kKeys + key + x] >= 0;
+          const bool ok = key_ids[key + x] >= 0;
           pv[x] = ok ? exp2f(sc[j][e + x] * sl2 - sStat[row]) : 0.0f;
           ds[x] = pv[x] * (dp[j][e + x] - sStat[kHeads + row]) * scale;
         }
@@ -481,7 +478,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
       // 16-byte atomics: lanes 2i and 2i + 1 swap halves, so that the even one holds 4 columns of
       // row g and the odd one 4 columns of row g + 8.
       const bool odd = tq & 1;
-      const int row = vk + g + (odd ? 8 : 0), key = sKey[buf * kKeys + row];
+      const int row = vk + g + (odd ? 8 : 0), key = key_ids[row];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         if (c0 + j * 8 >= min(vc + s.dp / 4, s.D)) break;
@@ -491,8 +488,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
         if (key >= 0) atomicAdd(reinterpret_cast<float4*>(dkv + int64_t(key) * s.D + c0 + j * 8 + 4 * (tq / 2)), v);
       }
     }
-    __syncthreads();  // sP, sdS and this buffer are rewritten next
-  }
+  });
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     const int row = wr + g + 8 * x;
