@@ -224,7 +224,6 @@ struct SparseLatentAttention : public torch::autograd::Function<SparseLatentAtte
     const at::Tensor dout = grads[0].to(q.scalar_type());
     const int64_t Lq = q.size(0), nh = q.size(1), D = q.size(2), K = idx.size(1);
     const auto acc = at_least_float(q.scalar_type());
-    const at::Tensor delta = (dout.to(acc) * o.to(acc)).sum(-1);  // [Lq, nh]
     at::Tensor dq = at::empty_like(q);
     at::Tensor dkv = at::zeros({kv.size(0), D}, kv.options().dtype(acc));
     const int64_t rows = block_rows(K * D * 2 + K * D * 4 + nh * K * 4 * 4);
@@ -235,7 +234,10 @@ struct SparseLatentAttention : public torch::autograd::Function<SparseLatentAtte
       const at::Tensor qb = q.slice(0, b0, b1), dob = dout.slice(0, b0, b1);
       const at::Tensor p = (bmm_f32(qb, sel.transpose(1, 2)) * scale - lse.slice(0, b0, b1).unsqueeze(-1)).exp_();
       const at::Tensor dp = bmm_f32(dob, sel.slice(-1, 0, C).transpose(1, 2));  // [B, nh, K]
-      const at::Tensor ds = (p * (dp - delta.slice(0, b0, b1).unsqueeze(-1)) * scale).to(q.scalar_type());
+      // delta = sum_j p dp, which equals rowsum(dout * o) but from the same (on the GPU, rounded)
+      // dp: a query with one key gets ds = 0 exactly, where the rounded o's delta left dp's
+      // rounding in dq (its exact gradient is 0), as softmax's own backward does.
+      const at::Tensor ds = (p * (dp - (p * dp).sum(-1, true)) * scale).to(q.scalar_type());
       dq.slice(0, b0, b1).copy_(at::bmm(ds, sel));
       at::Tensor dsel = bmm_f32(ds.transpose(1, 2), qb);  // [B, K, D]
       dsel.slice(-1, 0, C).add_(bmm_f32(p.to(q.scalar_type()).transpose(1, 2), dob));
