@@ -1,12 +1,15 @@
 """v4_mlp beyond the drawn samples: FP8 weights over several 128 x 128 scale blocks (the drawn
 samples fit in one), against the weights dequantised as the loader does, and the dequantisation
-itself against values worked by hand."""
+itself against values worked by hand; neither an FP8 dense map nor FP8 routed experts (through
+v4_glm5_moe's grouped GEMM) keep a dense copy of the weight for the backward pass."""
 
 import torch
 
+from v4train.models.glm5.moe import Glm5MoeWeights
 from v4train.ops import OPS
 from v4train.reference.lora import Linear, dequantize_fp8, quantize_fp8
 from v4train.reference.mlp import MlpWeights
+from v4train.reference.moe import ExpertsWeights
 from v4train.testing.compare import assert_close
 
 NAME = "v4_mlp"
@@ -44,25 +47,62 @@ def test_fp8_weights_over_several_blocks_equal_the_weights_dequantised_on_load()
     assert_close(grad_ours, grad_theirs, "gradient of x")
 
 
+def _saved_bytes(call) -> int:
+    """The bytes autograd keeps for the backward pass of call()."""
+    total = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        call()
+    return sum(total)
+
+
+def _quantised(shapes: dict, gen) -> tuple[dict, dict]:
+    """({name: FP8 Linear}, {name: the same weights dequantised, bf16 Linear})."""
+    fp8, dense = {}, {}
+    for name, shape in shapes.items():
+        q, scale = quantize_fp8(torch.randn(shape, generator=gen) * 0.05)
+        fp8[name], dense[name] = Linear(q, scale), Linear(dequantize_fp8(q, scale, torch.bfloat16))
+    return fp8, dense
+
+
+def _bound(shapes: dict, fp8: dict) -> int:
+    """What FP8 saves at least: the weights at one byte each (and their scales) instead of two."""
+    weight_bytes = sum(2 * torch.Size(shape).numel() for shape in shapes.values())  # bf16
+    return weight_bytes // 2 - sum(w.weight_scale_inv.numel() * 4 for w in fp8.values())
+
+
 def test_an_fp8_weight_keeps_no_dense_copy_for_the_backward_pass():
     """The gradient of x through an FP8 map needs the weight again: the C++ op keeps the FP8 weight
     and its scales for it (a byte a weight, the model's own tensors), not a dequantised copy (two
     bytes a weight in bf16, made for the call: more than the weights dequantised on load)."""
     gen = torch.Generator().manual_seed(1)
     shapes = {"gate_proj": (256, 128), "up_proj": (256, 128), "down_proj": (128, 256)}
-    fp8, dense = {}, {}
-    for name, shape in shapes.items():
-        q, scale = quantize_fp8(torch.randn(shape, generator=gen) * 0.05)
-        fp8[name], dense[name] = Linear(q, scale), Linear(dequantize_fp8(q, scale, torch.bfloat16))
+    fp8, dense = _quantised(shapes, gen)
     x = torch.randn(16, 128, generator=gen).to(torch.bfloat16).requires_grad_()
+    saved = {k: _saved_bytes(lambda: OPS[NAME].cpp()(x, MlpWeights(**w))) for k, w in (("fp8", fp8), ("dense", dense))}
+    assert saved["fp8"] <= saved["dense"] - _bound(shapes, fp8)
 
-    def saved_bytes(weights) -> int:
-        total = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
-                                                      lambda t: t):
-            OPS[NAME].cpp()(x, MlpWeights(**weights))
-        return sum(total)
-    weight_bytes = sum(2 * r * c for r, c in shapes.values())  # the dense weights in bf16
-    scale_bytes = sum(w.weight_scale_inv.numel() * 4 for w in fp8.values())
-    # the same activations; the weights at one byte each (and their scales) instead of two
-    assert saved_bytes(fp8) <= saved_bytes(dense) - weight_bytes // 2 + scale_bytes
+
+def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass():
+    """The same for the routed experts' grouped GEMM (v4_glm5_moe), whose packed [E, out, in]
+    weights are most of a MoE model's bytes; its output and gradient equal the dequantised run's."""
+    gen = torch.Generator().manual_seed(2)
+    E, H, inter = 4, 128, 128
+    shapes = {"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}
+    fp8, dense = _quantised(shapes, gen)
+    shared = MlpWeights(**{n: Linear((torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16)) for n, s in
+                           {"gate_proj": (64, H), "up_proj": (64, H), "down_proj": (H, 64)}.items()})
+    gate, bias = torch.randn(E, H, generator=gen), torch.zeros(E)
+    x = torch.randn(32, H, generator=gen).to(torch.bfloat16).requires_grad_()
+
+    def moe(experts):
+        out, _ = OPS["v4_glm5_moe"].cpp()(x, Glm5MoeWeights(gate, bias, ExpertsWeights(**experts), shared), 2, 1, 1,
+                                           True, 1.0)
+        return out
+    saved = {k: _saved_bytes(lambda: moe(w)) for k, w in (("fp8", fp8), ("dense", dense))}
+    assert saved["fp8"] <= saved["dense"] - _bound(shapes, fp8)
+    ours, theirs = moe(fp8), moe(dense)
+    (grad_ours,) = torch.autograd.grad(ours, x, torch.ones_like(ours))
+    (grad_theirs,) = torch.autograd.grad(theirs, x, torch.ones_like(theirs))
+    assert_close(ours, theirs, "output")
+    assert_close(grad_ours, grad_theirs, "gradient of x")

@@ -22,6 +22,12 @@ checkpointing is used where --checkpointing says (auto: from 16,384 tokens for v
 for transformers, whose own checkpointing runs out of memory at 16,384 on the GLM-5 proxy, see
 baselines.md).
 Prints markdown rows and writes JSON to --out.
+
+--fp8 instead (the FP8 targets of issue 16): every linear map of the layers quantised in 128 x 128
+blocks as the released FP8 checkpoints are (embeddings, norms, router and LM head not), LoRA of
+--lora_rank on attention and experts; the model kept in FP8 against the same model dequantised to
+bf16, on the same values and adapters: weight bytes, the LoRA step (forward + backward) and the
+loss after --train_steps AdamW steps of each on one batch.
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from v4train import ops  # noqa: E402
 from v4train.flops import FlopShare  # noqa: E402
 from v4train.models import config_from_dict  # noqa: E402
-from v4train.model import CausalLM, Packed  # noqa: E402
+from v4train.lora import LoraConfig, add_adapters, expand_targets  # noqa: E402
+from v4train.model import CausalLM, Packed, linear_map_names  # noqa: E402
+from v4train.reference.lora import dequantize_fp8, quantize_fp8, scale_name  # noqa: E402
 
 GIB = 2**30
 
@@ -87,6 +95,107 @@ def build(model: str, dtype, device="cuda", **overrides):
     for n, p in ours.named_parameters():
         p.requires_grad_(not ours.family.is_frozen(n))
     return hf, ours, ours_cfg
+
+
+def fp8_pair(hf, cfg, rank: int) -> tuple[CausalLM, CausalLM]:
+    """(the model dequantised to bf16, the model kept in FP8), both with the same LoRA adapters of
+    `rank` on attention and experts and every other weight frozen. The layers' linear maps are
+    quantised in 128 x 128 blocks, and hf's own weights become their FP8 round trip in place, so
+    that both models (and transformers) hold the same values."""
+    tensors = dict(hf.named_parameters())
+    tensors.update({n: b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
+    fp8 = {}
+    with torch.no_grad():
+        for name in sorted(linear_map_names(cfg) & tensors.keys()):  # (the names of every kind of layer)
+            q, scale = quantize_fp8(tensors[name])
+            tensors[name].copy_(dequantize_fp8(q, scale, tensors[name].dtype))
+            fp8[name], fp8[scale_name(name)] = q, scale
+    base = {n: tensors[n] for n in CausalLM.empty(cfg, {}).weights()}
+    config = hf.config.to_dict()
+    models = CausalLM(cfg, base, config), CausalLM(cfg, {**base, **fp8}, config)
+    lcfg = LoraConfig(r=rank, alpha=2 * rank, dropout=0.0, target_modules=expand_targets(models[0], ["attention"]),
+                      experts=True)
+    for model in models:
+        adapters = add_adapters(model, lcfg, tensors[name].dtype, tensors[name].device, seed=0)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in adapters)
+    return models
+
+
+def weight_bytes(model) -> tuple[int, dict[str, int]]:
+    """(bytes of the frozen weights, their count per dtype), each storage once."""
+    storages, dtypes = {}, collections.Counter()
+    for p in model.parameters():
+        if not p.requires_grad:
+            storages[p.data_ptr()] = p.numel() * p.element_size()
+            dtypes[str(p.dtype).removeprefix("torch.")] += 1
+    return sum(storages.values()), dict(dtypes)
+
+
+def fp8_main(args, hf, cfg, table) -> list[dict]:
+    """The FP8 model against its dequantised bf16 twin at each length (the --fp8 mode)."""
+    models = dict(zip(("bf16", "fp8"), fp8_pair(hf, cfg, args.lora_rank)))
+    gc.collect()
+    torch.cuda.empty_cache()
+    for model in models.values():
+        model.use_ops(table)
+    sizes = {k: weight_bytes(m) for k, m in models.items()}
+    for k, (size, dtypes) in sizes.items():
+        print(f"{k}: frozen weights {size / GIB:.2f} GiB {dtypes}")
+    print(f"FP8 weight bytes / bf16: {sizes['fp8'][0] / sizes['bf16'][0]:.3f}")
+    print("| weights | tokens | checkpointing | LoRA step s | tokens/s | peak GiB above weights | "
+          f"loss at step 1 | loss after {args.train_steps} steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
+        batch = Packed.from_rows(ids)
+        ckpt = {"on": True, "off": False, "auto": tokens >= 16384}[args.checkpointing]
+        for kind, model in models.items():
+            model.checkpointing = ckpt
+
+            def step():
+                model.loss(batch, batch.num_targets).backward()
+                zero_grads(model)
+            row = {"weights": kind, "tokens": tokens, "checkpointing": ckpt, "weight_bytes": sizes[kind][0]}
+            try:
+                seconds, peak = timed_steps(step, args.warmup, args.steps)
+                trained = [p for p in model.parameters() if p.requires_grad]
+                start = [p.detach().clone() for p in trained]
+                opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
+                losses = []
+                for _ in range(args.train_steps):
+                    loss = model.loss(batch, batch.num_targets)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    losses.append(loss.item())
+                with torch.no_grad():  # the adapters as they were, for the next length
+                    for p, p0 in zip(trained, start):
+                        p.copy_(p0)
+                del opt
+                row.update(step_s=seconds, tokens_per_s=tokens / seconds, peak_gib=peak / GIB, first_loss=losses[0],
+                           last_loss=losses[-1])
+                print(f"| {kind} | {tokens} | {ckpt} | {seconds:.3f} | {tokens / seconds:,.0f} | {peak / GIB:.1f} | "
+                      f"{losses[0]:.5f} | {losses[-1]:.5f} |", flush=True)
+            except torch.OutOfMemoryError:
+                row["oom"] = True
+                print(f"| {kind} | {tokens} | {ckpt} | out of memory | - | - | - | - |", flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            rows.append(row)
+        done = {r["weights"]: r for r in rows if r["tokens"] == tokens and "step_s" in r}
+        if len(done) == 2:
+            b, f = done["bf16"], done["fp8"]
+            print(f"at {tokens} tokens: FP8 step {f['tokens_per_s'] / b['tokens_per_s']:.3f}x bf16's tokens/s; loss after "
+                  f"{args.train_steps} steps differs by {abs(f['last_loss'] - b['last_loss']) / b['last_loss']:.2e} "
+                  "(relative)")
+        if args.profile:
+            models["fp8"].checkpointing = ckpt
+            print(f"FP8 model at {tokens} tokens, forward ms per op (one step):",
+                  {k: round(v, 2) for k, v in per_op_times(models["fp8"], batch).items()})
+            print(profile(models["fp8"], batch))
+    return rows
 
 
 def active_params(cfg) -> int:
@@ -198,11 +307,24 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="per-op times, kernel table and FLOP share at every length")
     parser.add_argument("--exact", action="store_true",
                         help="also the loss in float64 (transformers on the same weights) up to 8,192 tokens: which side rounds less")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 model against its dequantised bf16 twin, LoRA")
+    parser.add_argument("--lora_rank", type=int, default=16)
+    parser.add_argument("--train_steps", type=int, default=50, help="--fp8: AdamW steps of each model on one batch")
+    parser.add_argument("--lr", type=float, default=1e-3, help="--fp8: the adapters' learning rate")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     dtype = torch.bfloat16
     table = ops.resolve(args.cpp_ops)
     hf, ours, cfg = build(args.model, dtype)
+    if args.fp8:
+        del ours
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.model} proxy, FP8 against bf16, "
+              f"LoRA r={args.lora_rank} on attention and experts; C++ ops: {sorted(table.cpp)}", flush=True)
+        rows = fp8_main(args, hf, cfg, table)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "time": time.time()}, f, indent=1)
+        return 0
     ours.use_ops(table)
     weights_gib = torch.cuda.memory_allocated() / GIB
     flops_per_token = 6 * active_params(cfg)

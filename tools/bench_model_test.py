@@ -55,3 +55,31 @@ def loss_and_grads(hf, ids):
     grads = {n: p.grad.clone() for n, p in hf.named_parameters() if p.grad is not None}
     bench_model.zero_grads(hf)
     return loss.detach(), grads
+
+
+@pytest.mark.parametrize("model", sorted(bench_model.PROXIES))
+def test_the_fp8_twin_is_the_dequantised_model_in_fewer_bytes(model):
+    """--fp8 compares like with like: the model kept in FP8 gives the loss and LoRA gradients of
+    the same model dequantised to bf16 (the C++ ops dequantise just in time), in fewer bytes."""
+    with open(os.path.join(ROOT, "testdata", "sft", f"{model}_config.json")) as f:
+        small = {k: v for k, v in json.load(f).items() if k not in NOT_CONFIG}
+    hf, _, cfg = bench_model.build(model, torch.float32, "cpu", **small)
+    dense, fp8 = bench_model.fp8_pair(hf, cfg, rank=4)
+    assert bench_model.weight_bytes(fp8)[1].get("float8_e4m3fn", 0) > 0
+    assert bench_model.weight_bytes(fp8)[0] < 0.75 * bench_model.weight_bytes(dense)[0]
+    ids = torch.randint(0, cfg.vocab_size, (1, 96), generator=torch.Generator().manual_seed(2))
+    batch = Packed.from_rows(ids)
+    grads = {}
+    for name, m in (("dense", dense), ("fp8", fp8)):
+        m.use_ops(ops.resolve("all"))
+        with torch.no_grad():  # B != 0, so that the adapters' outputs count
+            for n, p in m.named_parameters():
+                if n.endswith("lora_B"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.01)
+        loss = m.loss(batch, batch.num_targets)
+        loss.backward()
+        grads[name] = (loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    assert grads["dense"][1].keys() == grads["fp8"][1].keys() and grads["dense"][1]
+    assert_rel_close(grads["fp8"][0], grads["dense"][0], f"{model} loss")
+    for n, g in grads["dense"][1].items():
+        assert_rel_close(grads["fp8"][1][n], g, f"{model} gradient of {n}")

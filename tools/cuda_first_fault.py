@@ -31,7 +31,8 @@ def main() -> int:
                 print(f"sample {i}: {sample!r}")
                 traceback.print_exc()
                 return 1
-            print(f"sample {i} differs: {str(e)[-300:]}")
+            message = str(e)  # the tensor's name first, the numbers last
+            print(f"sample {i} differs: {message[:120]} ... {message[-300:]}")
         except Exception:
             print(f"sample {i}: {sample!r}")
             traceback.print_exc()

@@ -72,7 +72,7 @@ namespace {
 
 at::Tensor expert_linear(const at::Tensor& x, const Linear& w, const Lora& lora, const Dispatch& d, const char* op,
                          const char* name) {
-  at::Tensor y = grouped_linear(x, dense_weight(w, x.scalar_type(), op, name), d);
+  at::Tensor y = w.weight_scale_inv ? fp8_product(x, w, &d, op, name) : grouped_linear(x, w.weight, d);
   if (!has_adapter(w, op, name)) return y;
   return y + grouped_linear(grouped_linear(adapter_input(x, lora), *w.lora_A, d), *w.lora_B, d) * lora.scaling;
 }

@@ -4,6 +4,10 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <vector>
+
+#include "cc/common/experts.h"
+
 namespace v4 {
 
 bool has_adapter(const Linear& w, const char* op, const char* name) {
@@ -24,6 +28,17 @@ constexpr int64_t kFp8Block = 128;  // the FP8 checkpoints' scale block: 128 x 1
 at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, at::ScalarType dtype) {
   const int64_t out = weight.size(-2), in = weight.size(-1);
   const auto compute = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  if (out % kFp8Block == 0 && in % kFp8Block == 0) {
+    // Whole blocks: in place with each scale broadcast over its block, so no weight-sized
+    // temporary. The FP8 values are exact in every floating dtype, and mul_ computes in `compute`
+    // and rounds once to dtype, as the expression below does.
+    std::vector<int64_t> blocks(weight.sizes().begin(), weight.sizes().end() - 2), scales = blocks;
+    blocks.insert(blocks.end(), {out / kFp8Block, kFp8Block, in / kFp8Block, kFp8Block});
+    scales.insert(scales.end(), {out / kFp8Block, 1, in / kFp8Block, 1});
+    at::Tensor result = weight.to(dtype, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous);
+    result.view(blocks).mul_(scale.to(compute).reshape(scales));
+    return result;
+  }
   const at::Tensor s = scale.to(compute).repeat_interleave(kFp8Block, -2).slice(-2, 0, out)
                            .repeat_interleave(kFp8Block, -1).slice(-1, 0, in);
   return (weight.to(compute) * s).to(dtype);
@@ -43,19 +58,29 @@ void check_fp8(const Linear& w, const char* op, const char* name) {
                     "requires a gradient; an FP8 base is frozen (train LoRA adapters on it, or dequantise it on load)");
 }
 
-// x W^T for an FP8 weight, dequantised in the forward pass and again in the backward: the backward
-// keeps the FP8 weight and its scales, not a dense copy (which at::linear of the dequantised
-// weight would keep: more memory than the weight dequantised on load).
-struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
+// x times an FP8 weight dequantised just in time: x W^T, or with a dispatch each row of x times
+// its expert's weight [E, out, in]. The backward dequantises again: it keeps the FP8 weight and
+// its scales, not the dense copy that autograd of the product would keep (more memory than the
+// weights dequantised on load).
+struct Fp8Product : public torch::autograd::Function<Fp8Product> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& scale) {
+                            const at::Tensor& scale, const Dispatch* grouped) {
     ctx->save_for_backward({weight, scale});
-    return at::linear(x, dequantize(weight, scale, x.scalar_type()));
+    const at::Tensor w = dequantize(weight, scale, x.scalar_type());
+    if (!grouped) return at::linear(x, w);
+    ctx->saved_data["counts"] = grouped->counts;
+    ctx->saved_data["offsets"] = grouped->offsets;
+    return grouped_linear(x, w, *grouped);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    return {at::matmul(grads[0], dequantize(saved[0], saved[1], grads[0].scalar_type())), at::Tensor(), at::Tensor()};
+    const at::Tensor w = dequantize(saved[0], saved[1], grads[0].scalar_type());
+    if (!ctx->saved_data.count("counts")) return {at::matmul(grads[0], w), at::Tensor(), at::Tensor(), at::Tensor()};
+    Dispatch d;
+    d.counts = ctx->saved_data["counts"].toTensor();
+    d.offsets = ctx->saved_data["offsets"].toTensor();
+    return {grouped_linear(grads[0], w.transpose(1, 2), d), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -67,14 +92,19 @@ at::Tensor dense_weight(const Linear& w, at::ScalarType dtype, const char* op, c
   return dequantize(w.weight, *w.weight_scale_inv, dtype);
 }
 
+at::Tensor fp8_product(const at::Tensor& x, const Linear& w, const Dispatch* grouped, const char* op,
+                       const char* name) {
+  check_fp8(w, op, name);
+  return Fp8Product::apply(x, w.weight, *w.weight_scale_inv, grouped);
+}
+
 at::Tensor linear(const at::Tensor& x, const Linear& w, const Lora& lora, const char* op, const char* name) {
   const at::Tensor& weight = w.weight;
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(-1), op, ": ", name, ".weight has shape ",
                     weight.sizes(), ", expected [out, ", x.size(-1), "] for an input of shape ", x.sizes());
   at::Tensor y;
   if (w.weight_scale_inv) {
-    check_fp8(w, op, name);
-    y = Fp8Linear::apply(x, weight, *w.weight_scale_inv);
+    y = fp8_product(x, w, nullptr, op, name);
   } else {
     TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), op, ": ", name, ".weight is ", weight.scalar_type(),
                       " but its input is ", x.scalar_type());

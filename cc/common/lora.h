@@ -8,6 +8,8 @@
 
 namespace v4 {
 
+struct Dispatch;
+
 // The layer's LoRA scaling (alpha / r) and dropout probability on an adapter's input.
 struct Lora {
   double scaling = 0.0;
@@ -32,5 +34,10 @@ at::Tensor linear(const at::Tensor& x, const Linear& w, const Lora& lora, const 
 // (v4train.reference.lora.dequantize_fp8); else the weight itself. A frozen base: no gradient
 // reaches an FP8 weight or its scales.
 at::Tensor dense_weight(const Linear& w, at::ScalarType dtype, const char* op, const char* name);
+
+// x times w's FP8 weight (its scales checked), dequantised as dense_weight does, just in time in
+// the forward and again in the backward: x W^T, or with `grouped` each row of x (grouped by
+// expert) times its expert's weight [E, out, in]. No gradient to the weight (a frozen base).
+at::Tensor fp8_product(const at::Tensor& x, const Linear& w, const Dispatch* grouped, const char* op, const char* name);
 
 }  // namespace v4
