@@ -46,11 +46,17 @@ if has sanitize; then
 fi
 if has cpu; then
   python3 tools/build_ext.py --no-cuda --out build/ext_cpu --jobs "$(nproc)" >"$out/build_cpu.log" 2>&1 || exit 1
+  # One pytest per file, in parallel (all cores at 1 thread each; 4 at a time at 16 threads).
+  files="$(ls parity/test_*.py) py/tests/test_goldens.py py/tests/test_layers_cpp.py tools/bench_model_test.py"
   for threads in 1 16; do
-    OMP_NUM_THREADS=$threads PYTHONPATH=py:py/tests:build/ext_cpu:.:/tmp/site \
-      python3 -m pytest -p no:cacheprovider -q parity py/tests/test_goldens.py py/tests/test_layers_cpp.py \
-      tools/bench_model_test.py -k "not cuda" >"$out/cpu_$threads.log" 2>&1 || status=1
-    echo "CPU suite, $threads threads: $(grep -E '[0-9]+ (passed|failed)' "$out/cpu_$threads.log" | tail -1)"
+    logs=$(mktemp -d)  # (few files come back from $OUT: one log per thread count)
+    echo $files | tr ' ' '\n' | xargs -P $(( threads == 1 ? $(nproc) : 4 )) -I{} sh -c \
+      "OMP_NUM_THREADS=$threads PYTHONPATH=py:py/tests:build/ext_cpu:.:/tmp/site python3 -m pytest -p no:cacheprovider -q {} \
+       -k 'not cuda' >$logs/\$(basename {} .py).log 2>&1" || status=1
+    for f in "$logs"/*.log; do echo "== $(basename "$f")"; cat "$f"; done >"$out/cpu_$threads.log"
+    echo "CPU suite, $threads threads: $(grep -hoE '[0-9]+ passed' "$out/cpu_$threads.log" | awk '{s+=$1} END {print s+0}') passed," \
+      "$(grep -hoE '[0-9]+ failed' "$out/cpu_$threads.log" | awk '{s+=$1} END {print s+0}') failed"
+    grep -h '^FAILED' "$out/cpu_$threads.log" | cut -c1-300
   done
 fi
 if has tests; then
