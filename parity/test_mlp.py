@@ -3,6 +3,7 @@ samples fit in one), against the weights dequantised as the loader does, and the
 itself against values worked by hand; neither an FP8 dense map nor FP8 routed experts (through
 v4_glm5_moe's grouped GEMM) keep a dense copy of the weight for the backward pass."""
 
+import pytest
 import torch
 
 from v4train.models.glm5.moe import Glm5MoeWeights
@@ -13,6 +14,8 @@ from v4train.reference.moe import ExpertsWeights
 from v4train.testing.compare import assert_close
 
 NAME = "v4_mlp"
+# The GPU dequantises in its own kernel (cc/common/fp8.cu) where a weight's rows are whole 16-byte loads.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 
 def test_each_block_is_scaled_by_its_own_scale():
@@ -30,15 +33,17 @@ def test_quantised_blocks_use_the_range_of_float8():
     assert q[0, 0].float() == 448 and q[1, 150].float() == -448 and q[0, 1].float() == 0
 
 
-def test_fp8_weights_over_several_blocks_equal_the_weights_dequantised_on_load():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inter,hidden", [(300, 200), (256, 384)], ids=["partial blocks", "whole blocks"])
+def test_fp8_weights_over_several_blocks_equal_the_weights_dequantised_on_load(inter, hidden, device):
     gen = torch.Generator().manual_seed(0)
-    shapes = {"gate_proj": (300, 200), "up_proj": (300, 200), "down_proj": (200, 300)}
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     dense, fp8 = {}, {}
     for name, shape in shapes.items():
         q, scale = quantize_fp8(torch.randn(shape, generator=gen) * 0.05)
-        fp8[name] = Linear(q, scale)
-        dense[name] = Linear(dequantize_fp8(q, scale, torch.bfloat16))
-    x = torch.randn(37, 200, generator=gen).to(torch.bfloat16).requires_grad_()
+        fp8[name] = Linear(q.to(device), scale.to(device))
+        dense[name] = Linear(dequantize_fp8(q, scale, torch.bfloat16).to(device))
+    x = torch.randn(37, hidden, generator=gen).to(device, torch.bfloat16).requires_grad_()
     ours = OPS[NAME].cpp()(x, MlpWeights(**fp8))
     (grad_ours,) = torch.autograd.grad(ours, x, torch.ones_like(ours))
     theirs = OPS[NAME].reference(x, MlpWeights(**dense))
@@ -56,12 +61,13 @@ def _saved_bytes(call) -> int:
     return sum(total)
 
 
-def _quantised(shapes: dict, gen) -> tuple[dict, dict]:
+def _quantised(shapes: dict, gen, device="cpu") -> tuple[dict, dict]:
     """({name: FP8 Linear}, {name: the same weights dequantised, bf16 Linear})."""
     fp8, dense = {}, {}
     for name, shape in shapes.items():
         q, scale = quantize_fp8(torch.randn(shape, generator=gen) * 0.05)
-        fp8[name], dense[name] = Linear(q, scale), Linear(dequantize_fp8(q, scale, torch.bfloat16))
+        fp8[name] = Linear(q.to(device), scale.to(device))
+        dense[name] = Linear(dequantize_fp8(q, scale, torch.bfloat16).to(device))
     return fp8, dense
 
 
@@ -83,17 +89,18 @@ def test_an_fp8_weight_keeps_no_dense_copy_for_the_backward_pass():
     assert saved["fp8"] <= saved["dense"] - _bound(shapes, fp8)
 
 
-def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass(device):
     """The same for the routed experts' grouped GEMM (v4_glm5_moe), whose packed [E, out, in]
     weights are most of a MoE model's bytes; its output and gradient equal the dequantised run's."""
     gen = torch.Generator().manual_seed(2)
     E, H, inter = 4, 128, 128
     shapes = {"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}
-    fp8, dense = _quantised(shapes, gen)
-    shared = MlpWeights(**{n: Linear((torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16)) for n, s in
+    fp8, dense = _quantised(shapes, gen, device)
+    shared = MlpWeights(**{n: Linear((torch.randn(s, generator=gen) * 0.05).to(device, torch.bfloat16)) for n, s in
                            {"gate_proj": (64, H), "up_proj": (64, H), "down_proj": (H, 64)}.items()})
-    gate, bias = torch.randn(E, H, generator=gen), torch.zeros(E)
-    x = torch.randn(32, H, generator=gen).to(torch.bfloat16).requires_grad_()
+    gate, bias = torch.randn(E, H, generator=gen).to(device), torch.zeros(E, device=device)
+    x = torch.randn(32, H, generator=gen).to(device, torch.bfloat16).requires_grad_()
 
     def moe(experts):
         out, _ = OPS["v4_glm5_moe"].cpp()(x, Glm5MoeWeights(gate, bias, ExpertsWeights(**experts), shared), 2, 1, 1,

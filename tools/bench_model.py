@@ -28,6 +28,11 @@ blocks as the released FP8 checkpoints are (embeddings, norms, router and LM hea
 --lora_rank on attention and experts; the model kept in FP8 against the same model dequantised to
 bf16, on the same values and adapters: weight bytes, the LoRA step (forward + backward) and the
 loss after --train_steps AdamW steps of each on one batch.
+
+--full_layer instead: one GLM-5 decoder layer at the released widths (GlmMoeDsaConfig's defaults:
+hidden 6144, 64 heads, 256 routed experts of 2048, top-8), its linear maps FP8 with random values,
+LoRA of --lora_rank on attention and experts: the step and its peak memory at each length (the
+unit that a multi-GPU plan multiplies).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from v4train import ops  # noqa: E402
 from v4train.flops import FlopShare  # noqa: E402
 from v4train.models import config_from_dict  # noqa: E402
 from v4train.lora import LoraConfig, add_adapters, expand_targets  # noqa: E402
-from v4train.model import CausalLM, Packed, linear_map_names  # noqa: E402
+from v4train.model import CausalLM, Packed, all_specs, linear_map_names  # noqa: E402
 from v4train.reference.lora import dequantize_fp8, quantize_fp8, scale_name  # noqa: E402
 
 GIB = 2**30
@@ -113,13 +118,85 @@ def fp8_pair(hf, cfg, rank: int) -> tuple[CausalLM, CausalLM]:
     base = {n: tensors[n] for n in CausalLM.empty(cfg, {}).weights()}
     config = hf.config.to_dict()
     models = CausalLM(cfg, base, config), CausalLM(cfg, {**base, **fp8}, config)
-    lcfg = LoraConfig(r=rank, alpha=2 * rank, dropout=0.0, target_modules=expand_targets(models[0], ["attention"]),
-                      experts=True)
     for model in models:
-        adapters = add_adapters(model, lcfg, tensors[name].dtype, tensors[name].device, seed=0)
-        for n, p in model.named_parameters():
-            p.requires_grad_(n in adapters)
+        add_lora(model, rank)
     return models
+
+
+def add_lora(model: CausalLM, rank: int) -> None:
+    """LoRA of `rank` (alpha 2 rank) on attention and experts; every other weight frozen."""
+    lcfg = LoraConfig(r=rank, alpha=2 * rank, dropout=0.0, target_modules=expand_targets(model, ["attention"]),
+                      experts=True)
+    embedding = model.weights()["model.embed_tokens.weight"]  # (never FP8)
+    adapters = add_adapters(model, lcfg, embedding.dtype, embedding.device, seed=0)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in adapters)
+
+
+def random_fp8_model(cfg, config: dict, device) -> CausalLM:
+    """`cfg`'s model with random weights drawn on `device`: the layers' linear maps N(0, 0.02)
+    quantised in 128 x 128 blocks (8 experts at a time: fp32 temporaries), the rest bf16 (fp32
+    where the family keeps it so)."""
+    gen = torch.Generator(device).manual_seed(0)
+    normal = lambda shape: torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)  # noqa: E731
+    fp8_names, tensors = linear_map_names(cfg), {}
+    for spec in all_specs(cfg):
+        if spec.name in fp8_names:
+            if len(spec.shape) == 3:  # [E, out, in]
+                parts = [quantize_fp8(normal((min(8, spec.shape[0] - e), *spec.shape[1:])))
+                         for e in range(0, spec.shape[0], 8)]
+                q, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            else:
+                q, scale = quantize_fp8(normal(spec.shape))
+            tensors[spec.name], tensors[scale_name(spec.name)] = q, scale
+            continue
+        if spec.init == "normal":
+            t = normal(spec.shape)
+        else:
+            t = {"ones": torch.ones, "zeros": torch.zeros}[spec.init](spec.shape, device=device)
+        tensors[spec.name] = t.to(torch.float32 if spec.fp32 else torch.bfloat16)
+    return CausalLM(cfg, tensors, config)
+
+
+def full_layer(args, table) -> list[dict]:
+    """The --full_layer mode: GLM-5's decoder layer at full size in FP8, with LoRA."""
+    from transformers import GlmMoeDsaConfig
+
+    config = GlmMoeDsaConfig(num_hidden_layers=1, first_k_dense_replace=0).to_dict()
+    cfg = config_from_dict(config, "GlmMoeDsaConfig's defaults")
+    model = random_fp8_model(cfg, config, "cuda")
+    add_lora(model, args.lora_rank)
+    model.use_ops(table)
+    size, dtypes = weight_bytes(model)
+    layer = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("model.layers.0."))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; GLM-5 at full width, 1 decoder layer "
+          f"({cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}), FP8, LoRA "
+          f"r={args.lora_rank}: frozen weights {size / GIB:.2f} GiB {dtypes}, the layer's own {layer / GIB:.2f} GiB "
+          f"(with its adapters); allocated {torch.cuda.memory_allocated() / GIB:.2f} GiB", flush=True)
+    print("| tokens | checkpointing | step s | tokens/s | peak GiB above weights |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
+        batch = Packed.from_rows(ids)
+        model.checkpointing = {"on": True, "off": False, "auto": tokens >= 16384}[args.checkpointing]
+
+        def step():
+            model.loss(batch, batch.num_targets).backward()
+            zero_grads(model)
+        row = {"tokens": tokens, "checkpointing": model.checkpointing, "weight_bytes": size, "layer_bytes": layer}
+        try:
+            seconds, peak = timed_steps(step, args.warmup, args.steps)
+            row.update(step_s=seconds, peak_gib=peak / GIB)
+            print(f"| {tokens} | {model.checkpointing} | {seconds:.3f} | {tokens / seconds:,.0f} | {peak / GIB:.1f} |",
+                  flush=True)
+        except torch.OutOfMemoryError:
+            row["oom"] = True
+            print(f"| {tokens} | {model.checkpointing} | out of memory | - | - |", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
 
 
 def weight_bytes(model) -> tuple[int, dict[str, int]]:
@@ -308,13 +385,20 @@ def main() -> int:
     parser.add_argument("--exact", action="store_true",
                         help="also the loss in float64 (transformers on the same weights) up to 8,192 tokens: which side rounds less")
     parser.add_argument("--fp8", action="store_true", help="the FP8 model against its dequantised bf16 twin, LoRA")
+    parser.add_argument("--full_layer", action="store_true", help="one GLM-5 decoder layer at full size, FP8, LoRA")
     parser.add_argument("--lora_rank", type=int, default=16)
     parser.add_argument("--train_steps", type=int, default=50, help="--fp8: AdamW steps of each model on one batch")
-    parser.add_argument("--lr", type=float, default=1e-3, help="--fp8: the adapters' learning rate")
+    parser.add_argument("--lr", type=float, default=1e-4, help="--fp8: the adapters' learning rate (1e-3 drives both losses to 0 on one batch)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     dtype = torch.bfloat16
     table = ops.resolve(args.cpp_ops)
+    if args.full_layer:
+        rows = full_layer(args, table)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "time": time.time()}, f, indent=1)
+        return 0
     hf, ours, cfg = build(args.model, dtype)
     if args.fp8:
         del ours

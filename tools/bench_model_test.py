@@ -83,3 +83,28 @@ def test_the_fp8_twin_is_the_dequantised_model_in_fewer_bytes(model):
     assert_rel_close(grads["fp8"][0], grads["dense"][0], f"{model} loss")
     for n, g in grads["dense"][1].items():
         assert_rel_close(grads["fp8"][1][n], g, f"{model} gradient of {n}")
+
+
+def test_the_full_size_layer_is_built_in_fp8_and_trains_its_adapters():
+    """--full_layer's model (here at the bundled test model's widths): every linear map of its
+    layers float8 with one scale per 128 x 128 block, the rest bf16; a LoRA step reaches every
+    adapter and no frozen weight."""
+    from v4train.models import config_from_dict
+
+    with open(os.path.join(ROOT, "testdata", "sft", "glm5_config.json")) as f:
+        config = json.load(f)
+    cfg = config_from_dict(config, "glm5_config.json")
+    model = bench_model.random_fp8_model(cfg, config, "cpu")
+    weights = model.weights()
+    fp8 = {n for n, t in weights.items() if t.dtype == torch.float8_e4m3fn}
+    assert fp8 == bench_model.linear_map_names(cfg) & weights.keys()
+    bench_model.add_lora(model, rank=4)
+    model.use_ops(ops.resolve("all"))
+    ids = torch.randint(0, cfg.vocab_size, (1, 96), generator=torch.Generator().manual_seed(4))
+    batch = Packed.from_rows(ids)
+    loss = model.loss(batch, batch.num_targets)
+    loss.backward()
+    assert torch.isfinite(loss)
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in n for n in trained)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trained

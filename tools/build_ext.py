@@ -140,6 +140,9 @@ def main() -> int:
         common = os.path.join(ROOT, "cc", "common")  # the bridge and the shared compute, in every module
         shared += [pool.submit(compile_one, os.path.join(common, f), obj_of(os.path.join(common, f)), flags,
                                _newest_header()) for f in sorted(os.listdir(common)) if f.endswith(".cc")]
+        if toolkit:  # the shared kernels (fp8.cu)
+            shared += [pool.submit(compile_one, os.path.join(common, f), obj_of(os.path.join(common, f)), nvcc_flags,
+                                   _newest_header(), "nvcc") for f in sorted(os.listdir(common)) if f.endswith(".cu")]
         objects = {}  # source -> future object, each source compiled once
 
         newest_header = _newest_header()

@@ -105,13 +105,24 @@ MUTATIONS = (
              "cc/common/lora.cc", "scale.to(compute).repeat_interleave(kFp8Block, -2)",
              "scale.to(compute).transpose(-1, -2).contiguous().view(scale.sizes()).repeat_interleave(kFp8Block, -2)",
              parity("mlp")),
+    Mutation("fp8_whole_blocks_transposed", "the same where the weight is whole 128 x 128 blocks (dequantised in place)",
+             "cc/common/lora.cc", "mul_(scale.to(compute).reshape(scales))",
+             "mul_(scale.to(compute).transpose(-1, -2).contiguous().view(scale.sizes()).reshape(scales))",
+             ("parity/test_mlp.py",)),
     Mutation("fp8_linear_keeps_a_dense_copy", "an FP8 map through at::linear of its dequantised weight (the backward "
              "keeps that copy: more memory than the weight dequantised on load)", "cc/common/lora.cc",
-             "y = Fp8Linear::apply(x, weight, *w.weight_scale_inv);",
+             "y = fp8_product(x, w, nullptr, op, name);",
              "y = at::linear(x, dense_weight(w, x.scalar_type(), op, name));", ("parity/test_mlp.py",)),
+    Mutation("fp8_experts_keep_a_dense_copy", "FP8 routed experts through the grouped GEMM of their dequantised "
+             "weights (its backward keeps the copy)", "cc/common/experts.cc",
+             "w.weight_scale_inv ? fp8_product(x, w, &d, op, name) : grouped_linear(x, w.weight, d)",
+             "grouped_linear(x, dense_weight(w, x.scalar_type(), op, name), d)", ("parity/test_mlp.py",)),
     Mutation("fp8_scale_ignored", "an FP8 weight used without its block scales",
              "cc/common/lora.cc", "return (weight.to(compute) * s).to(dtype);", "return weight.to(dtype);",
              parity("mlp")),
+    Mutation("fp8_whole_blocks_unscaled", "the same where the weight is whole blocks",
+             "cc/common/lora.cc", "    result.view(blocks).mul_(scale.to(compute).reshape(scales));\n", "",
+             ("parity/test_mlp.py",)),
 )
 
 

@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "cc/common/backend.h"
 #include "cc/common/experts.h"
 
 namespace v4 {
@@ -26,6 +27,10 @@ constexpr int64_t kFp8Block = 128;  // the FP8 checkpoints' scale block: 128 x 1
 
 // Each block of weight times its scale, in fp32 (float64 for a float64 dtype), then in dtype.
 at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, at::ScalarType dtype) {
+  if (const auto kernel = Backend<Fp8Dequantize>::find(weight.device().type())) {
+    at::Tensor result;
+    if (kernel(weight, scale, dtype, result)) return result;
+  }
   const int64_t out = weight.size(-2), in = weight.size(-1);
   const auto compute = dtype == at::kDouble ? at::kDouble : at::kFloat;
   if (out % kFp8Block == 0 && in % kFp8Block == 0) {

@@ -35,6 +35,12 @@ at::Tensor linear(const at::Tensor& x, const Linear& w, const Lora& lora, const 
 // reaches an FP8 weight or its scales.
 at::Tensor dense_weight(const Linear& w, at::ScalarType dtype, const char* op, const char* name);
 
+// The device kernel that dequantises an FP8 weight (cc/common/fp8.cu on CUDA): out = weight
+// [..., out, in] with each 128 x 128 block times its scale, in `dtype`; false where it declines.
+struct Fp8Dequantize {
+  using Fn = bool (*)(const at::Tensor& weight, const at::Tensor& scale, at::ScalarType dtype, at::Tensor& out);
+};
+
 // x times w's FP8 weight (its scales checked), dequantised as dense_weight does, just in time in
 // the forward and again in the backward: x W^T, or with `grouped` each row of x (grouped by
 // expert) times its expert's weight [E, out, in]. No gradient to the weight (a frozen base).
