@@ -173,7 +173,9 @@ def _mutate_tensor(args, rng: random.Random) -> str:
         new, what = t.to(dtype), f"dtype {dtype}"
     elif kind == "device":
         device = rng.choice(["meta"] + (["cuda", "cpu"] if torch.cuda.is_available() else []))
-        new, what = t.to(device), f"device {device}"
+        # (a tensor moved to the meta device by an earlier mutation has no data to copy)
+        new = torch.zeros_like(t, device=device) if t.device.type == "meta" else t.to(device)
+        what = f"device {device}"
     elif kind == "shape":
         new, what = _reshaped(t, rng)
     elif kind == "layout":

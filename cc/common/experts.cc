@@ -1,10 +1,14 @@
 #include "cc/common/experts.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "cc/common/checks.h"
 
@@ -86,6 +90,71 @@ at::Tensor experts(const at::Tensor& x_rows, const ExpertsWeights& weights, cons
   return expert_linear(at::silu(parts[0]) * parts[1], weights.down_proj, lora, d, op, "down_proj");
 }
 
+namespace {
+
+// x's rows to the ranks of `group`: in_splits[r] rows to rank r, out_splits[r] rows from it, by
+// the dispatcher's functional collective (_c10d_functional::all_to_all_single, the group resolved
+// by its name), waited for. Called boxed: its schema's C++ types differ between torch versions.
+at::Tensor all_to_all(const at::Tensor& x, const std::vector<int64_t>& out_splits,
+                      const std::vector<int64_t>& in_splits, const std::string& group) {
+  static const c10::OperatorHandle exchange =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_to_all_single", "");
+  static const c10::OperatorHandle wait = c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+  torch::jit::Stack stack{x.contiguous(), c10::IValue(out_splits), c10::IValue(in_splits), c10::IValue(group)};
+  exchange.callBoxed(&stack);
+  wait.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
+// all_to_all with its gradient: the rows' gradients go back to where the rows came from.
+struct AllToAllRows : public torch::autograd::Function<AllToAllRows> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const std::vector<int64_t>& out_splits, const std::vector<int64_t>& in_splits,
+                            const std::string& group) {
+    ctx->saved_data["out_splits"] = out_splits;
+    ctx->saved_data["in_splits"] = in_splits;
+    ctx->saved_data["group"] = group;
+    return all_to_all(x, out_splits, in_splits, group);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor dx = all_to_all(grads[0], ctx->saved_data["in_splits"].toIntVector(),
+                                     ctx->saved_data["out_splits"].toIntVector(), ctx->saved_data["group"].toStringRef());
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::vector<int64_t> host_ints(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kCPU, at::kLong).contiguous();
+  return std::vector<int64_t>(c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel());
+}
+
+}  // namespace
+
+at::Tensor routed_experts(const at::Tensor& x, const ExpertsWeights& weights, const Lora& lora, const Dispatch& d,
+                          const ExpertParallel& ep, const char* op) {
+  const at::Tensor rows = dispatch_rows(x, d);
+  if (ep.size == 1) return experts(rows, weights, lora, d, op);
+  // Rows are grouped by expert, so by the rank that owns it. Each rank learns how many rows of
+  // each of its experts every rank sends (an all-to-all of the counts), then the rows travel.
+  const int64_t local = weights.gate_up_proj.weight.size(0);
+  const at::Tensor counts = d.counts.view({ep.size, local});
+  const at::Tensor received_counts = all_to_all(counts, std::vector<int64_t>(ep.size, 1),
+                                                std::vector<int64_t>(ep.size, 1), ep.group);  // [source, local expert]
+  const std::vector<int64_t> sent = host_ints(counts.sum(1)), received = host_ints(received_counts.sum(1));
+  const at::Tensor arrived = AllToAllRows::apply(rows, received, sent, ep.group);  // by source, then expert
+  // Here grouped by local expert (stable: by source within an expert) for the grouped GEMMs.
+  const at::Tensor expert = at::repeat_interleave(at::arange(local, counts.options()).repeat({ep.size}),
+                                                  received_counts.reshape(-1), /*dim=*/0, arrived.size(0));
+  Dispatch here;
+  here.order = at::argsort(expert, /*stable=*/true);
+  here.inverse = at::empty_like(here.order).scatter_(0, here.order, at::arange(here.order.size(0), here.order.options()));
+  here.counts = received_counts.sum(0);
+  here.offsets = at::cumsum(here.counts, 0).to(at::kInt);
+  const at::Tensor y = experts(PermuteRows::apply(arrived, here.order, here.inverse), weights, lora, here, op);
+  return AllToAllRows::apply(PermuteRows::apply(y, here.inverse, here.order), sent, received, ep.group);
+}
+
 at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens) {
   // Weighted in fp32, then in y's dtype, as the reference does; each token's k rows gathered back
   // into its slots (in expert order, as the routing is sorted) and summed.
@@ -102,16 +171,23 @@ void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, i
                     ": routing must name experts in [0, ", E, ")");
 }
 
-void check_experts(const char* op, const ExpertsWeights& weights, const at::Tensor& x, int64_t E) {
+void check_experts(const char* op, const ExpertsWeights& weights, const at::Tensor& x, int64_t E,
+                   const ExpertParallel& ep) {
+  TORCH_CHECK_VALUE(ep.size >= 1 && E % ep.size == 0 && ep.rank >= 0 && ep.rank < ep.size &&
+                        (ep.size == 1 || !ep.group.empty()),
+                    op, ": expert_parallel (group '", ep.group, "', rank ", ep.rank, " of ", ep.size,
+                    ") does not fit ", E, " experts: its size must divide them, rank lie in [0, size), and a size "
+                    "above 1 name its torch.distributed group");
+  const int64_t here = E / ep.size;  // this rank's experts
   const at::Tensor& gate_up = weights.gate_up_proj.weight;
   const at::Tensor& down = weights.down_proj.weight;
-  TORCH_CHECK_VALUE(gate_up.dim() == 3 && gate_up.size(0) == E && gate_up.size(2) == x.size(1) &&
+  TORCH_CHECK_VALUE(gate_up.dim() == 3 && gate_up.size(0) == here && gate_up.size(2) == x.size(1) &&
                         gate_up.size(1) % 2 == 0,
-                    op, ": experts.gate_up_proj has shape ", gate_up.sizes(), ", expected [", E, ", 2I, ", x.size(1),
-                    "]");
-  TORCH_CHECK_VALUE(down.dim() == 3 && down.size(0) == E && down.size(1) == x.size(1) &&
+                    op, ": experts.gate_up_proj has shape ", gate_up.sizes(), ", expected [", here, ", 2I, ", x.size(1),
+                    "] (", E, " experts over ", ep.size, " rank(s))");
+  TORCH_CHECK_VALUE(down.dim() == 3 && down.size(0) == here && down.size(1) == x.size(1) &&
                         down.size(2) == gate_up.size(1) / 2,
-                    op, ": experts.down_proj has shape ", down.sizes(), ", expected [", E, ", ", x.size(1), ", ",
+                    op, ": experts.down_proj has shape ", down.sizes(), ", expected [", here, ", ", x.size(1), ", ",
                     gate_up.size(1) / 2, "]");
 }
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <tuple>
 
+#include "cc/common/layer_call.h"
 #include "cc/common/lora.h"
 
 namespace v4 {
@@ -35,9 +36,17 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const Dispat
 at::Tensor experts(const at::Tensor& x_rows, const ExpertsWeights& weights, const Lora& lora, const Dispatch& d,
                    const char* op);
 
-// weights.gate_up_proj [E, 2I, H] and down_proj [E, H, I] fit x [T, H] and E experts, else a
-// ValueError naming op and tensor.
-void check_experts(const char* op, const ExpertsWeights& weights, const at::Tensor& x, int64_t E);
+// y's rows for x [T, H] routed as d says (d's order, [T k, H]): the experts' SwiGLU here, or with
+// an expert-parallel group on the ranks that own each row's expert (weights: this rank's E / size
+// experts): the rows go there and their results come back by all-to-all through torch's c10d
+// functional collectives, whose gradients run back the same way in the autograd graph.
+at::Tensor routed_experts(const at::Tensor& x, const ExpertsWeights& weights, const Lora& lora, const Dispatch& d,
+                          const ExpertParallel& ep, const char* op);
+
+// expert_parallel fits E experts, and weights.gate_up_proj [E / size, 2I, H] and down_proj
+// [E / size, H, I] fit x [T, H] (this rank's experts), else a ValueError naming op and tensor.
+void check_experts(const char* op, const ExpertsWeights& weights, const at::Tensor& x, int64_t E,
+                   const ExpertParallel& ep);
 
 // A given routing (a recomputation's): int64 [T, top_k] on x's device, naming experts in [0, E).
 void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, int64_t top_k, int64_t E);

@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 #include "cc/common/config.h"
 
 namespace v4 {
@@ -18,10 +20,23 @@ namespace v4 {
 
 // LoRA's scaling (alpha / r) and the dropout probability on an adapter's input (0 when not
 // training); checkpoint: keep only the layer's input and recompute the layer in the backward pass.
-#define V4_LAYER_OPTIONS_FIELDS(X) \
-  X(double, lora_scaling, 0.0)     \
-  X(double, lora_dropout, 0.0)     \
-  X(bool, checkpoint, false)
+// The expert-parallel group of the MoE ops: `size` ranks of the torch.distributed group
+// registered as `group` (its group_name), rank `rank` holding the E / size consecutive experts
+// from rank * E / size. size 1: no group, every expert here.
+#define V4_EXPERT_PARALLEL_FIELDS(X) \
+  X(std::string, group, {})          \
+  X(int64_t, rank, 0)                \
+  X(int64_t, size, 1)
+
+#define V4_LAYER_OPTIONS_FIELDS(X)      \
+  X(double, lora_scaling, 0.0)          \
+  X(double, lora_dropout, 0.0)          \
+  X(bool, checkpoint, false)            \
+  X(ExpertParallel, expert_parallel, {})
+
+struct ExpertParallel {
+  V4_EXPERT_PARALLEL_FIELDS(V4_DECLARE_FIELD)
+};
 
 struct Batch {
   V4_BATCH_FIELDS(V4_DECLARE_FIELD)

@@ -10,6 +10,8 @@ at::Tensor v4_embedding(const at::Tensor& input_ids, const at::Tensor& weight) {
   v4::check_floating(op, "weight", weight);
   v4::check_dim(op, "weight", weight, 2);
   v4::check_same_device(op, "input_ids", input_ids, "weight", weight);
+  // A table of width 0 embeds nothing; on CUDA its gradient faulted (the fuzzer, docs/gpu.md).
+  TORCH_CHECK_VALUE(weight.size(1) > 0, op, ": weight has shape ", weight.sizes(), ", expected [vocab, hidden > 0]");
   if (input_ids.numel() > 0) {
     const auto [lo, hi] = at::aminmax(input_ids);
     const int64_t vocab = weight.size(0);

@@ -54,6 +54,7 @@ WEIGHTS = {"V4_LINEAR_FIELDS": ("common/weights.h", lora.Linear),
 LISTS = {"V4_ROPE_FIELDS": ("common/config.h", config.Rope),
          "V4_BATCH_FIELDS": ("common/layer_call.h", layer_call.Batch),
          "V4_LAYER_OPTIONS_FIELDS": ("common/layer_call.h", layer_call.LayerOptions),
+         "V4_EXPERT_PARALLEL_FIELDS": ("common/layer_call.h", layer_call.ExpertParallel),
          "V4_GLM5_CONFIG_FIELDS": ("models/glm5/config.h", Glm5Config),
          "V4_QWEN35_CONFIG_FIELDS": ("models/qwen3_5/config.h", Qwen35Config), **WEIGHTS}
 

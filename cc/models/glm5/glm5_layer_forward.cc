@@ -64,7 +64,8 @@ struct LayerCall : LayerCallOf<Glm5LayerWeights> {
     TORCH_CHECK_VALUE(weights.moe.has_value(), kOp, ": layer ", layer, " is an MoE layer but weights has no moe");
     const std::optional<at::Tensor> given_routing = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;
     auto [out, chosen] = v4_glm5_moe(h, *weights.moe, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                                cfg.norm_topk_prob, cfg.routed_scaling_factor, lora.scaling, lora.dropout, given_routing);
+                                cfg.norm_topk_prob, cfg.routed_scaling_factor, lora.scaling, lora.dropout, given_routing,
+                                options.expert_parallel);
     routing = chosen;
     return {mid + out, selection};
   }

@@ -11,7 +11,9 @@
 
 std::tuple<at::Tensor, at::Tensor> v4_glm5_moe(const at::Tensor& x, const v4::Glm5MoeWeights& weights, int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
                                           double routed_scaling_factor, double lora_scaling, double lora_dropout,
-                                          const std::optional<at::Tensor>& routing) {
+                                          const std::optional<at::Tensor>& routing,
+                                          const std::optional<v4::ExpertParallel>& expert_parallel_given) {
+  const v4::ExpertParallel expert_parallel = expert_parallel_given.value_or(v4::ExpertParallel{});
   constexpr const char* op = "v4_glm5_moe";
   v4::check_floating(op, "x", x, /*float64=*/true);
   v4::check_dim(op, "x", x, 2);
@@ -28,7 +30,7 @@ std::tuple<at::Tensor, at::Tensor> v4_glm5_moe(const at::Tensor& x, const v4::Gl
                     " experts (n_group must divide them into groups of at least 2, topk_group lie in [1, n_group])");
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= topk_group * (E / n_group), op, ": top_k=", top_k, " must lie in [1, ",
                     topk_group * (E / n_group), "] (the experts of topk_group groups)");
-  v4::check_experts(op, weights.experts, x, E);
+  v4::check_experts(op, weights.experts, x, E, expert_parallel);
   const int64_t T = x.size(0);
   const v4::Lora lora{lora_scaling, lora_dropout};
 
@@ -54,6 +56,6 @@ std::tuple<at::Tensor, at::Tensor> v4_glm5_moe(const at::Tensor& x, const v4::Gl
 
   const at::Tensor shared = v4_mlp(x, weights.shared_experts, lora_scaling, lora_dropout);
   const v4::Dispatch d = v4::dispatch(idx, E);
-  const at::Tensor y_rows = v4::experts(v4::dispatch_rows(x, d), weights.experts, lora, d, op);
+  const at::Tensor y_rows = v4::routed_experts(x, weights.experts, lora, d, expert_parallel, op);
   return {v4::combine(y_rows, d, route_weights, T) + shared, idx};
 }

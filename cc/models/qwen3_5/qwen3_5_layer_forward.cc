@@ -43,7 +43,8 @@ struct QwenLayerCall : LayerCallOf<Qwen35LayerWeights> {
                       cfg.is_moe ? " is an MoE layer but weights has no moe" : " is a dense layer but weights has no mlp");
     if (!cfg.is_moe) return {mid + v4_mlp(h2, *weights.mlp, lora.scaling, lora.dropout)};
     const std::optional<at::Tensor> given = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;
-    auto [out, chosen] = v4_qwen3_5_moe(h2, *weights.moe, cfg.num_experts_per_tok, true, lora.scaling, lora.dropout, given);
+    auto [out, chosen] = v4_qwen3_5_moe(h2, *weights.moe, cfg.num_experts_per_tok, true, lora.scaling, lora.dropout, given,
+                                        options.expert_parallel);
     routing = chosen;
     return {mid + out};
   }

@@ -9,7 +9,9 @@
 
 std::tuple<at::Tensor, at::Tensor> v4_qwen3_5_moe(const at::Tensor& x, const v4::Qwen35MoeWeights& weights,
                                                   int64_t top_k, bool norm_topk_prob, double lora_scaling,
-                                                  double lora_dropout, const std::optional<at::Tensor>& routing) {
+                                                  double lora_dropout, const std::optional<at::Tensor>& routing,
+                                                  const std::optional<v4::ExpertParallel>& expert_parallel_given) {
+  const v4::ExpertParallel expert_parallel = expert_parallel_given.value_or(v4::ExpertParallel{});
   constexpr const char* op = "v4_qwen3_5_moe";
   v4::check_floating(op, "x", x, /*float64=*/true);
   v4::check_dim(op, "x", x, 2);
@@ -22,7 +24,7 @@ std::tuple<at::Tensor, at::Tensor> v4_qwen3_5_moe(const at::Tensor& x, const v4:
   TORCH_CHECK_VALUE(shared_gate.dim() == 2 && shared_gate.size(0) == 1 && shared_gate.size(1) == x.size(1), op,
                     ": shared_expert_gate has shape ", shared_gate.sizes(), ", expected [1, ", x.size(1), "]");
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= E, op, ": top_k=", top_k, " must lie in [1, ", E, "] (the experts)");
-  v4::check_experts(op, weights.experts, x, E);
+  v4::check_experts(op, weights.experts, x, E, expert_parallel);
 
   // The router: the reference's ATen calls in its order, so the choice is the same bit for bit.
   const at::Tensor logits = at::linear(x, gate);
@@ -42,6 +44,6 @@ std::tuple<at::Tensor, at::Tensor> v4_qwen3_5_moe(const at::Tensor& x, const v4:
   const at::Tensor shared = v4_mlp(x, weights.shared_expert, lora_scaling, lora_dropout) *
                             at::sigmoid(at::linear(x, shared_gate));
   const v4::Dispatch d = v4::dispatch(idx, E);
-  const at::Tensor y_rows = v4::experts(v4::dispatch_rows(x, d), weights.experts, lora, d, op);
+  const at::Tensor y_rows = v4::routed_experts(x, weights.experts, lora, d, expert_parallel, op);
   return {v4::combine(y_rows, d, route_weights, T) + shared, idx};
 }

@@ -5,6 +5,7 @@
 #include <optional>
 #include <tuple>
 
+#include "cc/common/layer_call.h"
 #include "cc/common/lora.h"
 
 namespace v4 {
@@ -32,7 +33,8 @@ V4_FIELD_VISITOR(Qwen35MoeWeights, V4_QWEN35_MOE_WEIGHTS_FIELDS)
 // x [T, H]; weights: gate [E, H], experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I],
 // shared_expert, shared_expert_gate [1, H], LoRA adapters with the linear maps. routing
 // [T, top_k]: route as given (a recomputation). Returns (out [T, H] in x's dtype, routing
-// [T, top_k] int64).
+// [T, top_k] int64). expert_parallel: as v4_glm5_moe's.
 std::tuple<at::Tensor, at::Tensor> v4_qwen3_5_moe(const at::Tensor& x, const v4::Qwen35MoeWeights& weights,
                                                   int64_t top_k, bool norm_topk_prob, double lora_scaling,
-                                                  double lora_dropout, const std::optional<at::Tensor>& routing);
+                                                  double lora_dropout, const std::optional<at::Tensor>& routing,
+                                                  const std::optional<v4::ExpertParallel>& expert_parallel = std::nullopt);

@@ -8,6 +8,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from v4train.layer_call import ExpertParallel
 from v4train.reference.lora import Linear, Lora, dense_weight, linear_map
 
 
@@ -20,10 +21,13 @@ class ExpertsWeights:
     down_proj: Linear = linear_map("down_proj")
 
 
-def experts(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w: ExpertsWeights, lora: Lora) -> torch.Tensor:
+def experts(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w: ExpertsWeights, lora: Lora,
+            ep: ExpertParallel = ExpertParallel()) -> torch.Tensor:
     """sum_k rw[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = idx[t, k].
 
-    w: the fused experts (ExpertsWeights), each with its optional per-expert LoRA.
+    w: the fused experts (ExpertsWeights), each with its optional per-expert LoRA; with an
+    expert-parallel group `ep`, this rank's E / size of them: the rows of every expert go to the
+    rank that owns it and their results come back (all-to-all, _exchanged).
     The routed rows are grouped by expert (a stable sort), one matmul pair per expert that got
     tokens; the LoRA dropout draws one mask over all routed rows per projection (the C++ op's
     order of random draws, so that both drop the same elements). x [T, H] -> [T, H] in x's dtype.
@@ -31,11 +35,43 @@ def experts(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w: ExpertsWeig
     T, k = idx.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w.gate_up_proj.weight.shape[0]).tolist()
     token = order // k
-    gate, up = _grouped(x[token], w.gate_up_proj, counts, lora).chunk(2, dim=-1)
-    y = _grouped(F.silu(gate) * up, w.down_proj, counts, lora) * rw.reshape(-1)[order][:, None]
+    if ep.size == 1:
+        counts = torch.bincount(flat, minlength=w.gate_up_proj.weight.shape[0]).tolist()
+        y = _swiglu(x[token], w, counts, lora)
+    else:
+        y = _exchanged(x[token], flat[order], w, lora, ep)
+    y = y * rw.reshape(-1)[order][:, None]
     return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+
+
+def _swiglu(rows: torch.Tensor, w: ExpertsWeights, counts: list[int], lora: Lora) -> torch.Tensor:
+    gate, up = _grouped(rows, w.gate_up_proj, counts, lora).chunk(2, dim=-1)
+    return _grouped(F.silu(gate) * up, w.down_proj, counts, lora)
+
+
+def _exchanged(rows: torch.Tensor, expert: torch.Tensor, w: ExpertsWeights, lora: Lora,
+               ep: ExpertParallel) -> torch.Tensor:
+    """The SwiGLU of rows grouped by their (global) `expert`, on the ranks that own the experts:
+    each rank learns how many rows of each of its experts every rank sends, the rows travel
+    (torch.distributed.nn's all-to-all, whose gradient travels back), are grouped by local expert
+    here, and their results return."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.nn.functional import all_to_all_single
+
+    group = _resolve_process_group(ep.group)
+    local = w.gate_up_proj.weight.shape[0]
+    counts = torch.bincount(expert, minlength=local * ep.size).view(ep.size, local)
+    received_counts = torch.empty_like(counts)  # [source, local expert]
+    dist.all_to_all_single(received_counts, counts, group=group)
+    sent, received = counts.sum(1).tolist(), received_counts.sum(1).tolist()
+    arrived = all_to_all_single(rows.new_empty(sum(received), rows.shape[1]), rows.contiguous(), received, sent,
+                                group=group)
+    here = torch.arange(local, device=rows.device).repeat(ep.size).repeat_interleave(received_counts.reshape(-1))
+    order = torch.argsort(here, stable=True)
+    y = _swiglu(arrived[order], w, received_counts.sum(0).tolist(), lora)[torch.argsort(order)]
+    return all_to_all_single(y.new_empty(rows.shape[0], y.shape[1]), y.contiguous(), sent, received, group=group)
 
 
 def _grouped(rows: torch.Tensor, w: Linear, counts: list[int], lora: Lora) -> torch.Tensor:

@@ -64,7 +64,7 @@ def v4_glm5_layer_forward(hidden: torch.Tensor, weights: Glm5LayerWeights, cfg, 
                 x=h, weights=w.moe, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                 topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
                 routed_scaling_factor=cfg.routed_scaling_factor, lora_scaling=lora_scaling,
-                lora_dropout=lora_dropout, routing=first.get("routing"))
+                lora_dropout=lora_dropout, routing=first.get("routing"), expert_parallel=options.expert_parallel)
         first["selection"] = selection
         return hidden + out, selection
 

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from v4train.layer_call import ExpertParallel
 from v4train.reference.lora import Lora, part, tensor
 from v4train.reference.mlp import MlpWeights
 from v4train.reference.moe import ExpertsWeights, experts
@@ -54,16 +55,19 @@ def route_sigmoid_grouped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 def v4_glm5_moe(x: torch.Tensor, weights: Glm5MoeWeights, top_k: int, n_group: int, topk_group: int,
                 norm_topk_prob: bool, routed_scaling_factor: float, lora_scaling: float = 0.0, lora_dropout: float = 0.0,
-                routing: torch.Tensor | None = None, *, ops) -> tuple[torch.Tensor, torch.Tensor]:
+                routing: torch.Tensor | None = None, expert_parallel: ExpertParallel | None = None, *,
+                ops) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM-5's MoE block (transformers' GlmMoeDsaMoE): the sigmoid group-limited router
     (route_sigmoid_grouped), the routed experts weighted by it, plus the shared expert
     (ops.v4_mlp), unweighted.
 
-    x [T, H]; weights: Glm5MoeWeights. `routing` [T, top_k]: route as given (a recomputation).
+    x [T, H]; weights: Glm5MoeWeights (with `expert_parallel`, this rank's experts of them; the
+    routed rows go to the ranks that own their experts). `routing` [T, top_k]: route as given (a
+    recomputation).
     Returns (out [T, H] in x's dtype, the routing [T, top_k] int64).
     """
     lora = Lora(lora_scaling, lora_dropout)
     rw, idx = route_sigmoid_grouped(x, weights.gate, weights.e_score_correction_bias, top_k, n_group, topk_group,
                                     norm_topk_prob, routed_scaling_factor, routing)
     shared = ops.v4_mlp(x, weights.shared_experts, lora_scaling, lora_dropout)
-    return experts(x, idx, rw, weights.experts, lora) + shared, idx
+    return experts(x, idx, rw, weights.experts, lora, expert_parallel or ExpertParallel()) + shared, idx

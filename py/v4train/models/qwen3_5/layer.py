@@ -58,7 +58,7 @@ def v4_qwen3_5_layer_forward(hidden: torch.Tensor, weights: Qwen35LayerWeights, 
             return hidden + ops.v4_mlp(h, w.mlp, lora_scaling, lora_dropout)
         return hidden + ops.v4_qwen3_5_moe(x=h, weights=w.moe, top_k=cfg.num_experts_per_tok,
                                            norm_topk_prob=True, lora_scaling=lora_scaling,
-                                           lora_dropout=lora_dropout)[0]
+                                           lora_dropout=lora_dropout, expert_parallel=options.expert_parallel)[0]
 
     if options.checkpoint and torch.is_grad_enabled():
         return recompute(forward, hidden, use_reentrant=False)

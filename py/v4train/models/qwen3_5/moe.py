@@ -7,6 +7,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from v4train.layer_call import ExpertParallel
 from v4train.reference.lora import Lora, part, tensor
 from v4train.reference.mlp import MlpWeights
 from v4train.reference.moe import ExpertsWeights, experts
@@ -40,8 +41,8 @@ def route_softmax(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm_topk_p
 
 
 def v4_qwen3_5_moe(x: torch.Tensor, weights: Qwen35MoeWeights, top_k: int, norm_topk_prob: bool = True,
-                   lora_scaling: float = 0.0, lora_dropout: float = 0.0, routing: torch.Tensor | None = None, *,
-                   ops) -> tuple[torch.Tensor, torch.Tensor]:
+                   lora_scaling: float = 0.0, lora_dropout: float = 0.0, routing: torch.Tensor | None = None,
+                   expert_parallel: ExpertParallel | None = None, *, ops) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3.5-MoE's sparse MoE block (transformers' Qwen3_5MoeSparseMoeBlock): the softmax router
     (route_softmax), the routed experts weighted by it, plus sigmoid(x . shared_expert_gate) times
     the shared expert (ops.v4_mlp).
@@ -53,4 +54,4 @@ def v4_qwen3_5_moe(x: torch.Tensor, weights: Qwen35MoeWeights, top_k: int, norm_
     rw, idx = route_softmax(x, weights.gate, top_k, norm_topk_prob, routing)
     shared = ops.v4_mlp(x, weights.shared_expert, lora_scaling, lora_dropout)
     gate = torch.sigmoid(F.linear(x, weights.shared_expert_gate))
-    return experts(x, idx, rw, weights.experts, lora) + gate * shared, idx
+    return experts(x, idx, rw, weights.experts, lora, expert_parallel or ExpertParallel()) + gate * shared, idx
