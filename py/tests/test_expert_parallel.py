@@ -6,6 +6,7 @@ tokens' share, which summed over the ranks (as data-parallel sync does) is the w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -74,41 +75,60 @@ def _this_rank(w, rank: int, size: int):
                                              for f in dataclasses.fields(v)})
         if not isinstance(v, torch.Tensor):
             return v
-        if name.startswith("experts."):
+        if ".experts." in f".{name}":
             v = v.chunk(size)[rank]
         return v.detach().clone().requires_grad_(v.requires_grad)
     return cut(w)
 
 
-def _worker(rank: int, size: int, init: str, family: str, impl: str) -> None:
+def _compare_grads(full, mine, rank: int, size: int, what: str) -> None:
+    """This rank's gradients against one process's: its experts' slice of theirs; of a weight
+    every rank holds, the sum over the ranks."""
+    whole = _leaves(full)
+    for name, leaf in _leaves(mine).items():
+        want = whole[name].grad
+        if want is None:  # (the router's correction bias only chooses)
+            assert leaf.grad is None, f"{what}: {name} has a gradient"
+            continue
+        if ".experts." in f".{name}":
+            want = want.chunk(size)[rank]
+        else:
+            dist.all_reduce(leaf.grad)
+        assert_close(leaf.grad, want, f"{what}: gradient of {name}")
+
+
+@contextlib.contextmanager
+def _gloo(rank: int, size: int, init: str):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (a sandbox's hostname may not resolve)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
     try:
-        table = ops.resolve(f"v4_{family}_moe") if impl == "cpp" else ops.REFERENCE
-        gen = torch.Generator().manual_seed(1)
-        xs = [_leaf((n, H), gen, 1.0) for n in TOKENS]
-        grads = [torch.randn(n, H, generator=gen, dtype=torch.float64) for n in TOKENS]
-        # One process with every expert and every rank's tokens.
-        full = _weights(family)
-        expected = [_call(table, family, x, full) for x in xs]
-        torch.autograd.backward(expected, grads)
-        # This rank: its tokens, its experts.
-        mine = _this_rank(full, rank, size)
-        x = xs[rank].detach().clone().requires_grad_()
-        out = _call(table, family, x, mine, ExpertParallel(dist.group.WORLD.group_name, rank, size))
-        out.backward(grads[rank])
-        assert_close(out, expected[rank], f"{family} {impl} rank {rank}: output")
-        assert_close(x.grad, xs[rank].grad, f"{family} {impl} rank {rank}: gradient of x")
-        whole = _leaves(full)
-        for name, leaf in _leaves(mine).items():
-            want = whole[name].grad
-            if name.startswith("experts."):
-                want = want.chunk(size)[rank]
-            else:  # each rank's share of a weight every rank holds
-                dist.all_reduce(leaf.grad)
-            assert_close(leaf.grad, want, f"{family} {impl} rank {rank}: gradient of {name}")
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _check(call, full, rank: int, size: int, width: int, what: str) -> None:
+    """call(x, weights, r, ep): the op on rank r's tokens x, with an ExpertParallel or (None) in
+    one process with every expert. This rank's output and gradients against one process's."""
+    gen = torch.Generator().manual_seed(1)
+    xs = [_leaf((n, width), gen, 1.0) for n in TOKENS]
+    grads = [torch.randn(n, width, generator=gen, dtype=torch.float64) for n in TOKENS]
+    expected = [call(x, full, r, None) for r, x in enumerate(xs)]
+    torch.autograd.backward(expected, grads)
+    mine = _this_rank(full, rank, size)
+    x = xs[rank].detach().clone().requires_grad_()
+    out = call(x, mine, rank, ExpertParallel(dist.group.WORLD.group_name, rank, size))
+    out.backward(grads[rank])
+    assert_close(out, expected[rank], f"{what}: output")
+    assert_close(x.grad, xs[rank].grad, f"{what}: gradient of x")
+    _compare_grads(full, mine, rank, size, what)
+
+
+def _worker(rank: int, size: int, init: str, family: str, impl: str) -> None:
+    with _gloo(rank, size, init):
+        table = ops.resolve(f"v4_{family}_moe") if impl == "cpp" else ops.REFERENCE
+        _check(lambda x, w, r, ep: _call(table, family, x, w, ep), _weights(family), rank, size, H,
+               f"{family} {impl} rank {rank}")
 
 
 @pytest.mark.parametrize("impl", ["cpp", "reference"])
@@ -122,3 +142,38 @@ def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused():
     w = _weights("glm5")
     with pytest.raises(ValueError, match="expert_parallel .* does not fit 4 experts"):
         _call(ops.resolve("v4_glm5_moe"), "glm5", torch.randn(3, H, dtype=torch.float64), w, ExpertParallel("g", 0, 3))
+
+
+def _layer_worker(rank: int, size: int, init: str, family: str) -> None:
+    """The same through a whole decoder layer op, checkpointed: its recomputation in the backward
+    pass repeats the first pass's routing and exchanges the rows again on every rank."""
+    import json
+
+    from v4train.layer_call import Batch, LayerOptions
+    from v4train.model import CausalLM
+    from v4train.models import config_from_dict
+
+    with _gloo(rank, size, init):
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        with open(os.path.join(root, "testdata", "sft", f"{family}_config.json")) as f:
+            config = json.load(f)
+        cfg = config_from_dict(config, f"{family}_config.json")
+        model = CausalLM.random(cfg, config, torch.float64, seed=0)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        index = 2  # an MoE layer of both test models, and one of GLM-5's with its own indexer
+        op = getattr(ops.resolve(f"v4_{family}_layer_forward"), f"v4_{family}_layer_forward")
+        carry = (None,) if family == "glm5" else ()
+
+        def call(x, w, r, ep):
+            batch = Batch(torch.arange(TOKENS[r]), torch.tensor([0, TOKENS[r]]))
+            options = LayerOptions(checkpoint=True, expert_parallel=ep) if ep else LayerOptions()
+            out = op(x, w, cfg, index, batch, options, *carry)
+            return out[0] if isinstance(out, tuple) else out
+        _check(call, model.layers[index].weights, rank, size, cfg.hidden_size, f"{family} layer rank {rank}")
+
+
+@pytest.mark.parametrize("family", ["glm5", "qwen3_5"])
+def test_a_checkpointed_layer_with_expert_parallel_2_equals_1_process(family):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_layer_worker, args=(2, os.path.join(tmp, "init"), family), nprocs=2, join=True)
