@@ -99,15 +99,15 @@ def error_line(result, code: int = 2) -> str:
     return last
 
 
-def copy_model(tmp_path, tensors=None, config=None) -> str:
-    """The bundled base in tmp_path/model, its tensors and config.json edited in place by the
-    callables given."""
+def copy_model(tmp_path, tensors=None, config=None, base=BASE) -> str:
+    """The bundled base (GLM-5's, or QWEN_BASE) in tmp_path/model, its tensors and config.json
+    edited in place by the callables given."""
     import shutil
 
     from safetensors.torch import save_file
 
     d = os.path.join(str(tmp_path), "model")
-    shutil.copytree(BASE, d)
+    shutil.copytree(base, d)
     if tensors:
         t = load_file(os.path.join(d, "model.safetensors"))
         tensors(t)

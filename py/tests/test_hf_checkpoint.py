@@ -137,6 +137,55 @@ def test_fp8_weights_are_dequantised_per_block(tmp_path):
     assert torch.equal(out[128:, 256:], q[128:, 256:].float() * 7)
 
 
+# What Qwen3.5's released FP8 checkpoints quantise (docs/models.md): the Gated DeltaNet and
+# attention projections but in_proj_a / in_proj_b, the shared and the routed experts.
+QWEN_FP8 = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.out_proj.weight",
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+            "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def test_a_qwen3_5_fp8_checkpoint_stays_fp8_and_trains_lora_as_dequantised(tmp_path):
+    """The Qwen3.5 base quantised as its released FP8 checkpoints are: --fp8=keep keeps its
+    projections FP8 (the packed experts dequantised: their 64-row parts do not fill the 128-row
+    scale blocks), and the C++ layers give the loss and LoRA gradients of the base dequantised
+    on load."""
+    from golden_cases import QWEN_BASE, copy_model
+    from v4train import lora, ops
+    from v4train.reference.lora import quantize_fp8, scale_name
+    from v4train.testing.compare import assert_close
+
+    def quantise(t):
+        for name in [n for n in t if n.endswith(QWEN_FP8)]:
+            t[name], t[scale_name(name)] = quantize_fp8(t[name])
+    model_dir = copy_model(tmp_path, tensors=quantise, base=QWEN_BASE)
+    kept, _ = hf_checkpoint.load(model_dir, torch.float32, fp8="keep")
+    dense, _ = hf_checkpoint.load(model_dir, torch.float32, fp8="dequantize")
+    dtypes = {n: p.dtype for n, p in kept.named_parameters()}
+    fp8 = {n for n, d in dtypes.items() if d == torch.float8_e4m3fn}
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in fp8 and "model.layers.3.self_attn.o_proj.weight" in fp8
+    assert "model.layers.0.mlp.shared_expert.down_proj.weight" in fp8
+    assert dtypes["model.layers.0.linear_attn.in_proj_a.weight"] == torch.float32
+    assert dtypes["model.layers.0.mlp.experts.gate_up_proj"] == torch.float32
+    batch = Packed.from_documents([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [3, 4, 5]])
+    grads = []
+    for model in (kept, dense):
+        model.use_ops(ops.resolve("all"))
+        lcfg = lora.LoraConfig(r=2, alpha=4, dropout=0.0, target_modules=lora.expand_targets(model, ["attention"]),
+                               experts=True)
+        adapters = lora.add_adapters(model, lcfg, torch.float32, "cpu", seed=0)
+        with torch.no_grad():
+            for n, t in adapters.items():
+                if n.endswith("lora_B"):
+                    t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+        loss = model.loss(batch)
+        loss.backward()
+        grads.append((loss.detach(), {n: t.grad for n, t in adapters.items()}))
+    assert_close(grads[0][0], grads[1][0], "loss")
+    assert grads[0][1].keys() == grads[1][1].keys() and any("linear_attn" in n for n in grads[0][1])
+    for n, g in grads[1][1].items():
+        assert_close(grads[0][1][n], g, f"gradient of {n}")
+
+
 def test_only_linear_maps_stay_fp8_a_router_in_fp8_is_dequantised(tmp_path):
     """--fp8=keep keeps a layer's linear maps in FP8; an FP8 router (a plain tensor to the ops,
     which would take it without its scales) is dequantised on load: the same loss either way."""
