@@ -5,6 +5,8 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <limits>
 #include <string>
@@ -64,7 +66,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const Dispat
   const int64_t E = w.size(0), out = w.size(1), rows = x.size(0);
   if (grouped_mm_applies(x, w)) return at::_grouped_mm(x.contiguous(), w.transpose(1, 2), d.offsets);
   const int64_t capacity = rows == 0 ? 0 : d.counts.max().item<int64_t>();
-  if (capacity == 0) return at::zeros({rows, out}, x.options());
+  // No row: an empty product, not zeros, so that x and w stay in the graph (an expert-parallel
+  // rank that receives no row must still run the exchange's backward, which the others wait for).
+  if (capacity == 0) return at::matmul(x, w.select(0, 0).transpose(0, 1));
   const at::Tensor expert = at::repeat_interleave(at::arange(E, d.counts.options()), d.counts);
   const at::Tensor start = d.offsets.to(at::kLong) - d.counts;
   const at::Tensor slot = expert * capacity + at::arange(rows, d.counts.options()) - start.index_select(0, expert);
@@ -173,11 +177,18 @@ void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, i
 
 void check_experts(const char* op, const ExpertsWeights& weights, const at::Tensor& x, int64_t E,
                    const ExpertParallel& ep) {
-  TORCH_CHECK_VALUE(ep.size >= 1 && E % ep.size == 0 && ep.rank >= 0 && ep.rank < ep.size &&
-                        (ep.size == 1 || !ep.group.empty()),
-                    op, ": expert_parallel (group '", ep.group, "', rank ", ep.rank, " of ", ep.size,
-                    ") does not fit ", E, " experts: its size must divide them, rank lie in [0, size), and a size "
-                    "above 1 name its torch.distributed group");
+  TORCH_CHECK_VALUE(ep.size >= 1 && E % ep.size == 0, op, ": expert_parallel size ", ep.size, " does not divide the ",
+                    E, " experts");
+  TORCH_CHECK_VALUE(ep.rank >= 0 && ep.rank < ep.size, op, ": expert_parallel rank ", ep.rank, " is not in [0, ",
+                    ep.size, ")");
+  if (ep.size > 1) {
+    // Rows go to the group's rank r for experts r E / size..: this rank's weights must be its own.
+    TORCH_CHECK_VALUE(!ep.group.empty(), op, ": expert_parallel of size ", ep.size, " names no torch.distributed group");
+    const auto group = c10d::resolve_process_group(ep.group);
+    TORCH_CHECK_VALUE(group->getRank() == ep.rank && group->getSize() == ep.size, op, ": expert_parallel says rank ",
+                      ep.rank, " of ", ep.size, ", but this process is rank ", group->getRank(), " of ",
+                      group->getSize(), " in group '", ep.group, "'");
+  }
   const int64_t here = E / ep.size;  // this rank's experts
   const at::Tensor& gate_up = weights.gate_up_proj.weight;
   const at::Tensor& down = weights.down_proj.weight;

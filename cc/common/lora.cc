@@ -34,9 +34,10 @@ at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, at::Sca
   const int64_t out = weight.size(-2), in = weight.size(-1);
   const auto compute = dtype == at::kDouble ? at::kDouble : at::kFloat;
   if (out % kFp8Block == 0 && in % kFp8Block == 0) {
-    // Whole blocks: in place with each scale broadcast over its block, so no weight-sized
-    // temporary. The FP8 values are exact in every floating dtype, and mul_ computes in `compute`
-    // and rounds once to dtype, as the expression below does.
+    // Whole blocks: in place with each scale broadcast over its block, not expanded to the
+    // weight's size (the GPU takes fp8.cu's one pass before this). The FP8 values are exact in
+    // every floating dtype, and mul_ computes in `compute` and rounds once to dtype, as the
+    // expression below does.
     std::vector<int64_t> blocks(weight.sizes().begin(), weight.sizes().end() - 2), scales = blocks;
     blocks.insert(blocks.end(), {out / kFp8Block, kFp8Block, in / kFp8Block, kFp8Block});
     scales.insert(scales.end(), {out / kFp8Block, 1, in / kFp8Block, 1});

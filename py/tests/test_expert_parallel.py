@@ -49,10 +49,10 @@ def _weights(family: str):
     return Qwen35MoeWeights(_leaf((E, H), gen), _experts(gen), _shared(gen), _leaf((1, H), gen))
 
 
-def _call(table, family, x, weights, ep=None):
+def _call(table, family, x, weights, ep=None, routing=None):
     if family == "glm5":
-        return table.v4_glm5_moe(x, weights, TOP_K, 2, 2, True, 2.5, 2.0, 0.0, None, ep)[0]
-    return table.v4_qwen3_5_moe(x, weights, TOP_K, True, 2.0, 0.0, None, ep)[0]
+        return table.v4_glm5_moe(x, weights, TOP_K, 2, 2, True, 2.5, 2.0, 0.0, routing, ep)[0]
+    return table.v4_qwen3_5_moe(x, weights, TOP_K, True, 2.0, 0.0, routing, ep)[0]
 
 
 def _leaves(w) -> dict[str, torch.Tensor]:
@@ -124,23 +124,49 @@ def _check(call, full, rank: int, size: int, width: int, what: str) -> None:
     _compare_grads(full, mine, rank, size, what)
 
 
-def _worker(rank: int, size: int, init: str, family: str, impl: str) -> None:
+def _worker(rank: int, size: int, init: str, family: str, impl: str, skewed: bool) -> None:
     with _gloo(rank, size, init):
         table = ops.resolve(f"v4_{family}_moe") if impl == "cpp" else ops.REFERENCE
-        _check(lambda x, w, r, ep: _call(table, family, x, w, ep), _weights(family), rank, size, H,
-               f"{family} {impl} rank {rank}")
+
+        def call(x, w, r, ep):
+            # skewed: every token routed to experts 0 and 1, so rank 1 receives no row and its experts none
+            routing = torch.tensor([[0, 1]] * x.shape[0]) if skewed else None
+            return _call(table, family, x, w, ep, routing)
+        _check(call, _weights(family), rank, size, H, f"{family} {impl}{' skewed' if skewed else ''} rank {rank}")
 
 
 @pytest.mark.parametrize("impl", ["cpp", "reference"])
 @pytest.mark.parametrize("family", ["glm5", "qwen3_5"])
 def test_expert_parallel_2_equals_1_process(family, impl):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), family, impl), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), family, impl, False), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("impl", ["cpp", "reference"])
+def test_a_rank_that_receives_no_rows_still_exchanges(impl):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), "glm5", impl, True), nprocs=2, join=True)
+
+
+def _claims_rank_1(rank: int, size: int, init: str) -> None:
+    with _gloo(rank, size, init):
+        ep = ExpertParallel(dist.group.WORLD.group_name, 1, size)  # rank 0 says it is rank 1
+        mine = _this_rank(_weights("glm5"), 1, size)
+        x = torch.randn(3, H, dtype=torch.float64)
+        for table in (ops.resolve("v4_glm5_moe"), ops.REFERENCE):
+            if rank == 0:
+                with pytest.raises(ValueError, match="says rank 1 of 2, but this process is rank 0"):
+                    _call(table, "glm5", x, mine, ep)
+
+
+def test_an_expert_parallel_rank_other_than_the_process_s_is_refused():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_claims_rank_1, args=(2, os.path.join(tmp, "init")), nprocs=2, join=True)
 
 
 def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused():
     w = _weights("glm5")
-    with pytest.raises(ValueError, match="expert_parallel .* does not fit 4 experts"):
+    with pytest.raises(ValueError, match="expert_parallel size 3 does not divide the 4 experts"):
         _call(ops.resolve("v4_glm5_moe"), "glm5", torch.randn(3, H, dtype=torch.float64), w, ExpertParallel("g", 0, 3))
 
 

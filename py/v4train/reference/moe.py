@@ -33,6 +33,8 @@ def experts(x: torch.Tensor, idx: torch.Tensor, rw: torch.Tensor, w: ExpertsWeig
     order of random draws, so that both drop the same elements). x [T, H] -> [T, H] in x's dtype.
     """
     T, k = idx.shape
+    if ep.size < 1 or not 0 <= ep.rank < ep.size or (ep.size > 1 and not ep.group):
+        raise ValueError(f"expert_parallel {ep}: rank must lie in [0, size) and a size above 1 name its group")
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
@@ -62,6 +64,12 @@ def _exchanged(rows: torch.Tensor, expert: torch.Tensor, w: ExpertsWeights, lora
 
     group = _resolve_process_group(ep.group)
     local = w.gate_up_proj.weight.shape[0]
+    if group.rank() != ep.rank or group.size() != ep.size:
+        raise ValueError(f"expert_parallel says rank {ep.rank} of {ep.size}, but this process is rank {group.rank()} "
+                         f"of {group.size()} in group {ep.group!r}")
+    if expert.numel() and int(expert.max()) >= local * ep.size:
+        raise ValueError(f"expert_parallel size {ep.size} with {local} experts here does not hold expert "
+                         f"{int(expert.max())}")
     counts = torch.bincount(expert, minlength=local * ep.size).view(ep.size, local)
     received_counts = torch.empty_like(counts)  # [source, local expert]
     dist.all_to_all_single(received_counts, counts, group=group)
@@ -89,4 +97,9 @@ def _grouped(rows: torch.Tensor, w: Linear, counts: list[int], lora: Lora) -> to
             y = y + F.linear(F.linear(dropped[start:start + n], w.lora_A[e]), w.lora_B[e]) * lora.scaling
         outs.append(y)
         start += n
-    return torch.cat(outs) if outs else rows.new_zeros(0, weight.shape[1])
+    if outs:
+        return torch.cat(outs)
+    # No row: an empty product, not zeros, so that rows and the weights stay in the graph (an
+    # expert-parallel rank that receives no row must still run the exchange's backward).
+    y = F.linear(rows, weight[0])
+    return y + F.linear(F.linear(dropped, w.lora_A[0]), w.lora_B[0]) * lora.scaling if adapted else y
