@@ -177,16 +177,11 @@ def full_layer(args, table) -> list[dict]:
     print("|---|---|---|---|---|")
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
-        batch = Packed.from_rows(ids)
+        batch = random_batch(cfg.vocab_size, tokens)
         model.checkpointing = {"on": True, "off": False, "auto": tokens >= 16384}[args.checkpointing]
-
-        def step():
-            model.loss(batch, batch.num_targets).backward()
-            zero_grads(model)
         row = {"tokens": tokens, "checkpointing": model.checkpointing, "weight_bytes": size, "layer_bytes": layer}
         try:
-            seconds, peak = timed_steps(step, args.warmup, args.steps)
+            seconds, peak = timed_steps(backward_step(model, batch), args.warmup, args.steps)
             row.update(step_s=seconds, peak_gib=peak / GIB)
             print(f"| {tokens} | {model.checkpointing} | {seconds:.3f} | {tokens / seconds:,.0f} | {peak / GIB:.1f} |",
                   flush=True)
@@ -225,18 +220,13 @@ def fp8_main(args, hf, cfg, table) -> list[dict]:
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
-        batch = Packed.from_rows(ids)
+        batch = random_batch(cfg.vocab_size, tokens)
         ckpt = {"on": True, "off": False, "auto": tokens >= 16384}[args.checkpointing]
         for kind, model in models.items():
             model.checkpointing = ckpt
-
-            def step():
-                model.loss(batch, batch.num_targets).backward()
-                zero_grads(model)
             row = {"weights": kind, "tokens": tokens, "checkpointing": ckpt, "weight_bytes": sizes[kind][0]}
             try:
-                seconds, peak = timed_steps(step, args.warmup, args.steps)
+                seconds, peak = timed_steps(backward_step(model, batch), args.warmup, args.steps)
                 trained = [p for p in model.parameters() if p.requires_grad]
                 start = [p.detach().clone() for p in trained]
                 opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
@@ -290,6 +280,20 @@ def active_params(cfg) -> int:
             n = n // s.shape[0] * cfg.num_experts_per_tok
         total += n
     return total
+
+
+def random_batch(vocab_size: int, tokens: int) -> Packed:
+    """One sequence of `tokens` random ids on the GPU, seeded by its length."""
+    ids = torch.randint(0, vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens)).cuda()
+    return Packed.from_rows(ids)
+
+
+def backward_step(model: CausalLM, batch: Packed):
+    """step(): forward + backward of model's loss on batch, its gradients dropped after."""
+    def step():
+        model.loss(batch, batch.num_targets).backward()
+        zero_grads(model)
+    return step
 
 
 def timed_steps(step, warmup: int, steps: int) -> tuple[float, float]:

@@ -147,14 +147,11 @@ at::Tensor routed_experts(const at::Tensor& x, const ExpertsWeights& weights, co
                                                 std::vector<int64_t>(ep.size, 1), ep.group);  // [source, local expert]
   const std::vector<int64_t> sent = host_ints(counts.sum(1)), received = host_ints(received_counts.sum(1));
   const at::Tensor arrived = AllToAllRows::apply(rows, received, sent, ep.group);  // by source, then expert
-  // Here grouped by local expert (stable: by source within an expert) for the grouped GEMMs.
+  // Here grouped by local expert (stable: by source within an expert) for the grouped GEMMs: the
+  // arrived rows dispatched as one slot each to their local expert.
   const at::Tensor expert = at::repeat_interleave(at::arange(local, counts.options()).repeat({ep.size}),
                                                   received_counts.reshape(-1), /*dim=*/0, arrived.size(0));
-  Dispatch here;
-  here.order = at::argsort(expert, /*stable=*/true);
-  here.inverse = at::empty_like(here.order).scatter_(0, here.order, at::arange(here.order.size(0), here.order.options()));
-  here.counts = received_counts.sum(0);
-  here.offsets = at::cumsum(here.counts, 0).to(at::kInt);
+  const Dispatch here = dispatch(expert.unsqueeze(1), local);
   const at::Tensor y = experts(PermuteRows::apply(arrived, here.order, here.inverse), weights, lora, here, op);
   return AllToAllRows::apply(PermuteRows::apply(y, here.inverse, here.order), sent, received, ep.group);
 }

@@ -267,12 +267,12 @@ def _read_experts(spec, keys, available, read, keep: bool = False) -> tuple[torc
     scales are the parts' scales side by side), (the FP8 tensor, its [E, ...] scales)."""
     parts = [_read_weight(key, available, read, keep) for key in keys]
     n = len(spec.experts)
+
+    def pack(tensors):  # expert e's parts along dim 0, the experts stacked
+        return torch.stack([torch.cat(tensors[e * n:(e + 1) * n], dim=0) for e in range(spec.shape[0])])
     if keep and all(s is not None and w.shape[0] % FP8_BLOCK == 0 for w, s in parts):
-        pack = lambda i: torch.stack([torch.cat([p[i] for p in parts[e * n:(e + 1) * n]], dim=0)  # noqa: E731
-                                      for e in range(spec.shape[0])])
-        return pack(0), pack(1)
-    dense = [w if s is None else dequantize_fp8(w, s, torch.float32) for w, s in parts]
-    return torch.stack([torch.cat(dense[e * n:(e + 1) * n], dim=0) for e in range(spec.shape[0])]), None
+        return pack([w for w, _ in parts]), pack([s for _, s in parts])
+    return pack([w if s is None else dequantize_fp8(w, s, torch.float32) for w, s in parts]), None
 
 
 def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
