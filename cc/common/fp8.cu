@@ -1,7 +1,10 @@
-// The FP8 checkpoints' weights dequantised on the GPU in one pass (lora.cc's dequantize asks for
+// The FP8 checkpoints' weights on the GPU. Dequantised in one pass (lora.cc's dequantize asks for
 // it): ATen's broadcast multiply over the blocks runs at a third of the memory bandwidth, which
-// made an FP8 model's step 0.73x of the same model in bf16 (docs/benchmarks.md).
+// made an FP8 model's step 0.73x of the same model in bf16 (docs/benchmarks.md). And the forward
+// product x W^T on FP8 tensor cores (Fp8Linear, issue 16's path (a)): x quantised here per row per
+// 128 columns, then torch's blockwise FP8 GEMM (cuBLAS, 1x128 activation and 128x128 weight scales).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,7 +13,9 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
+#include <vector>
 
 #include "cc/common/backend.h"
 #include "cc/common/lora.h"
@@ -81,6 +86,136 @@ bool dequantize_fp8(const at::Tensor& weight, const at::Tensor& scale, at::Scala
 }
 
 const Backend<Fp8Dequantize>::Register registered(c10::DeviceType::CUDA, &dequantize_fp8);
+
+constexpr float kE4m3Max = 448.0f;  // float8_e4m3fn's largest finite value
+constexpr int kLanes = 4;           // activations a lane: a warp takes one 1 x 128 block
+// Rows padded to a multiple of this: the activation scales' leading dimension (rows) then stays
+// 16-byte aligned, which cuBLAS asks of its scale tensors' addresses (pytorch PR 159957); the
+// padding rows are zeros and are sliced off the output.
+constexpr int64_t kRowPad = 16;
+
+// q[r, c] = x[r, c] / s rounded to the nearest e4m3 (saturating at 448), with s = amax / 448 over
+// row r's block b of 128 columns (1 for a zero block; never below FLT_MIN, where a subnormal bf16
+// amax would divide by zero), stored at scale[b * padded + r]: cuBLAS's 1 x 128 scales, [rows, K/128]
+// column-major. Rows from `rows` to `padded` are zeros of scale 1. A NaN activation stays NaN; an
+// infinite one makes its block NaN (e4m3fn has no infinity). One warp a block: warp-uniform loop.
+__global__ void __launch_bounds__(kThreads)
+    quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_t ldx, int64_t rows, int64_t padded,
+                         int64_t blocks, uint8_t* __restrict__ q, float* __restrict__ scale) {
+  const int lane = threadIdx.x % 32;
+  const int64_t cols = blocks * kBlock, warps = int64_t(gridDim.x) * (kThreads / 32);
+  for (int64_t w = (blockIdx.x * int64_t(kThreads) + threadIdx.x) / 32; w < padded * blocks; w += warps) {
+    const int64_t r = w / blocks, b = w % blocks;
+    float v[kLanes] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (r < rows) {
+      const uint2 packed = *reinterpret_cast<const uint2*>(x + r * ldx + b * kBlock + lane * kLanes);
+      const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&packed);
+#pragma unroll
+      for (int j = 0; j < kLanes; ++j) v[j] = __bfloat162float(h[j]);
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kLanes; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float s = amax > 0.0f ? fmaxf(amax / kE4m3Max, FLT_MIN) : 1.0f;
+    uint32_t packed_q = 0;
+#pragma unroll
+    for (int j = 0; j < kLanes; ++j)  // v / s: an IEEE division (no fast math), then one e4m3 rounding
+      packed_q |= uint32_t(__nv_cvt_float_to_fp8(v[j] / s, __NV_SATFINITE, __NV_E4M3)) << (8 * j);
+    *reinterpret_cast<uint32_t*>(q + r * cols + b * kBlock + lane * kLanes) = packed_q;
+    if (lane == 0) scale[b * padded + r] = s;
+  }
+}
+
+// torch's blockwise FP8 GEMM (aten::_scaled_mm_v2, cuBLAS on sm90): a [M, K] row-major FP8 with
+// 1 x 128 scales times b [K, N] column-major FP8 with 128 x 128 scales, in bf16, fp32 accumulation
+// (no fast accumulation). Called through the dispatcher with its arguments by name: its C++
+// signature has moved between torch releases, and a build against another torch then still
+// compiles (an argument it does not know with a default takes the default). Empty on a refusal,
+// which is warned once with torch's reason.
+at::Tensor blockwise_fp8_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                            const at::Tensor& scale_b) {
+  constexpr int64_t kBlockWise1x128 = 4, kBlockWise128x128 = 5;  // at::blas::ScalingType
+  static const auto op = c10::Dispatcher::singleton().findSchema({"aten::_scaled_mm_v2", ""});
+  if (!op) {
+    TORCH_WARN_ONCE("v4 FP8 linear: this torch has no aten::_scaled_mm_v2; FP8 weights are dequantised instead");
+    return {};
+  }
+  torch::jit::Stack stack;
+  for (const auto& arg : op->schema().arguments()) {
+    const std::string& name = arg.name();
+    if (name == "self") stack.emplace_back(a);
+    else if (name == "mat2") stack.emplace_back(b);
+    else if (name == "scale_a") stack.emplace_back(std::vector<at::Tensor>{scale_a});
+    else if (name == "scale_b") stack.emplace_back(std::vector<at::Tensor>{scale_b});
+    else if (name == "recipe_a") stack.emplace_back(std::vector<int64_t>{kBlockWise1x128});
+    else if (name == "recipe_b") stack.emplace_back(std::vector<int64_t>{kBlockWise128x128});
+    else if (name == "swizzle_a" || name == "swizzle_b") stack.emplace_back(std::vector<int64_t>{});
+    else if (name == "bias") stack.emplace_back();
+    else if (name == "out_dtype") stack.emplace_back(at::kBFloat16);
+    else if (name == "use_fast_accum") stack.emplace_back(false);
+    else if (arg.default_value()) stack.push_back(*arg.default_value());
+    else {
+      TORCH_WARN_ONCE("v4 FP8 linear: aten::_scaled_mm_v2 has an argument ", name,
+                      " without a default that this build does not fill; FP8 weights are dequantised instead");
+      return {};
+    }
+  }
+  try {
+    op->callBoxed(&stack);
+  } catch (const c10::Error& e) {
+    TORCH_WARN_ONCE("v4 FP8 linear: torch's blockwise FP8 GEMM refused a ", a.sizes(), " x ", b.sizes(),
+                    " product (", e.what_without_backtrace(), "); FP8 weights are dequantised where it refuses");
+    return {};
+  }
+  return stack.at(0).toTensor();
+}
+
+bool fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out) {
+  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.dim() < 1) return false;
+  if (weight.dim() != 2 || weight.scalar_type() != at::kFloat8_e4m3fn || weight.device() != x.device()) return false;
+  const int64_t n = weight.size(0), k = weight.size(1);
+  // Whole blocks only: a partial one would need the zero padding that the checkpoints' scales
+  // do not describe.
+  if (n == 0 || k == 0 || n % kBlock != 0 || k % kBlock != 0 || x.size(-1) != k) return false;
+  const int64_t m = x.numel() / k;
+  if (m == 0 || !weight.is_contiguous() || reinterpret_cast<uintptr_t>(weight.const_data_ptr()) % 16 != 0) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor rows = x.reshape({m, k});
+  if (rows.stride(1) != 1 || rows.stride(0) % kLanes != 0 ||
+      reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % (kLanes * sizeof(__nv_bfloat16)) != 0)
+    rows = rows.contiguous();
+  const int64_t blocks = k / kBlock, padded = (m + kRowPad - 1) / kRowPad * kRowPad;
+  const at::Tensor q = at::empty({padded, k}, x.options().dtype(at::kFloat8_e4m3fn));
+  const at::Tensor scale_a = at::empty({blocks, padded}, x.options().dtype(at::kFloat));
+  const int64_t warps = padded * blocks;
+  const int grid = int(std::min<int64_t>((warps + kThreads / 32 - 1) / (kThreads / 32), int64_t(132) * 16));
+  quantize_rows_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(rows.const_data_ptr()), rows.stride(0), m, padded, blocks,
+      static_cast<uint8_t*>(q.mutable_data_ptr()), scale_a.mutable_data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // cuBLAS reads the weight's scales as [round_up(K/128, 4), N/128] column-major (torch checks it
+  // since pytorch PR 166752; before, K/128 % 4 != 0 gave wrong answers): the checkpoint's
+  // [N/128, K/128] row-major scales transposed, their rows padded to a multiple of 4 blocks where
+  // K/128 is not one.
+  at::Tensor scale_b = scale.to(at::kFloat);
+  const int64_t blocks4 = (blocks + 3) / 4 * 4;
+  if (blocks4 != blocks || !scale_b.is_contiguous() ||
+      reinterpret_cast<uintptr_t>(scale_b.const_data_ptr()) % 16 != 0) {
+    at::Tensor padded_b = at::zeros({n / kBlock, blocks4}, scale_b.options());
+    padded_b.narrow(1, 0, blocks).copy_(scale_b);
+    scale_b = padded_b;
+  }
+  const at::Tensor y = blockwise_fp8_mm(q, weight.t(), scale_a.t(), scale_b.t());
+  if (!y.defined()) return false;
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n;
+  out = y.narrow(0, 0, m).view(sizes);  // the first m rows of a row-major [padded, n]: contiguous
+  return true;
+}
+
+const Backend<Fp8Linear>::Register registered_linear(c10::DeviceType::CUDA, &fp8_linear);
 
 }  // namespace
 }  // namespace v4::cuda

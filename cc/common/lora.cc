@@ -64,14 +64,22 @@ void check_fp8(const Linear& w, const char* op, const char* name) {
                     "requires a gradient; an FP8 base is frozen (train LoRA adapters on it, or dequantise it on load)");
 }
 
-// x times an FP8 weight dequantised just in time: x W^T, or with a dispatch each row of x times
-// its expert's weight [E, out, in]. The backward dequantises again: it keeps the FP8 weight and
-// its scales, not the dense copy that autograd of the product would keep (more memory than the
-// weights dequantised on load).
+// x times an FP8 weight: x W^T, or with a dispatch each row of x times its expert's weight
+// [E, out, in]. The dense forward runs on FP8 tensor cores where the device has Fp8Linear and it
+// takes the inputs; else the weight is dequantised just in time. The backward dequantises (cuBLAS's
+// FP8 GEMM takes only a row-major A times a column-major B, and dy W needs W's transpose in FP8): it
+// keeps the FP8 weight and its scales, not the dense copy that autograd of the product would keep
+// (more memory than the weights dequantised on load).
 struct Fp8Product : public torch::autograd::Function<Fp8Product> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& scale, const Dispatch* grouped) {
     ctx->save_for_backward({weight, scale});
+    if (!grouped) {
+      if (const auto kernel = Backend<Fp8Linear>::find(x.device().type())) {
+        at::Tensor y;
+        if (kernel(x, weight, scale, y)) return y;
+      }
+    }
     const at::Tensor w = dequantize(weight, scale, x.scalar_type());
     if (!grouped) return at::linear(x, w);
     ctx->saved_data["counts"] = grouped->counts;

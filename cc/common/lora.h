@@ -41,9 +41,21 @@ struct Fp8Dequantize {
   using Fn = bool (*)(const at::Tensor& weight, const at::Tensor& scale, at::ScalarType dtype, at::Tensor& out);
 };
 
+// The device kernel of an FP8 weight's forward product x W^T on tensor cores (cc/common/fp8.cu on
+// CUDA, issue 16's path (a)): x (bf16 [..., in]) quantised to float8_e4m3fn per row per 128
+// columns (scale = amax / 448), times the FP8 weight [out, in] with its 128 x 128 scales, in bf16;
+// false where it declines (not CUDA, not bf16, a weight of partial blocks, no rows, unaligned), and
+// the product dequantises instead. Not exact against dequantise-then-linear: the activation's
+// rounding to e4m3 bounds its error (docs/testing.md, "FP8 path (a)").
+struct Fp8Linear {
+  using Fn = bool (*)(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out);
+};
+
 // x times w's FP8 weight (its scales checked), dequantised as dense_weight does, just in time in
 // the forward and again in the backward: x W^T, or with `grouped` each row of x (grouped by
-// expert) times its expert's weight [E, out, in]. No gradient to the weight (a frozen base).
+// expert) times its expert's weight [E, out, in]. On CUDA the dense forward takes Fp8Linear where
+// it applies; the backward and the grouped product (no blockwise grouped FP8 GEMM on sm90 in
+// torch) dequantise. No gradient to the weight (a frozen base).
 at::Tensor fp8_product(const at::Tensor& x, const Linear& w, const Dispatch* grouped, const char* op, const char* name);
 
 }  // namespace v4
