@@ -46,4 +46,5 @@ V4_OPS = {
 # Built like ops, but no ops: modules that py/tests use.
 V4_TEST_MODULES = {
     "v4_bridge_test": ("ops", []),
+    "v4_linear_test": ("ops", []),
 }

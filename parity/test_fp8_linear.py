@@ -1,0 +1,126 @@
+"""The FP8 linear map's path (a) on CUDA (issue 16): a bf16 activation quantised per row per 128
+columns to e4m3 times an FP8 weight on tensor cores. It is not exact against dequantise-then-
+linear, so it is held to the elementwise bound of parity/fp8_bound.py against the float64 truth
+x W^T (W the exact FP8 value times its scale), derived from the activation's rounding and never
+from what the kernel gives. The bound must also catch wrong implementations: emulations with a
+scale dropped, the activation scales laid out transposed, or the activation quantised with its
+blocks down the columns fail it (on any device: no kernel needed)."""
+
+import pytest
+import torch
+
+import v4_linear_test
+from parity.fp8_bound import BLOCK, Bounded, assert_within, fp8_linear
+from v4train.reference.lora import FP8_MAX, Linear, dequantize_fp8, quantize_fp8
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+# (M, K, N): one row; K/128 = 1, 3 and 10 (not multiples of 4: the weight scales are padded for
+# cuBLAS), 16 and 48; up to GLM-5's width.
+SHAPES = [(1, 128, 128), (1, 6144, 1536), (37, 384, 256), (37, 1280, 6144), (4096, 2048, 512), (4096, 6144, 6144)]
+
+
+def activations(m: int, k: int, gen: torch.Generator, signed: bool) -> torch.Tensor:
+    """bf16 [m, k] with the spread that makes the block scales matter: rows and 128-column blocks
+    2^-6..2^6 apart (tokens and channels of different sizes), outliers 50x, so that most of a
+    block with an outlier lands in e4m3's subnormals. Nonnegative values leave the bound nothing to
+    cancel: there it is tight enough to catch a wrong scale of a few percent."""
+    x = torch.randn(m, k, generator=gen)
+    x *= 2.0 ** torch.randint(-6, 7, (m, 1), generator=gen)
+    x *= (2.0 ** torch.randint(-6, 7, (1, k // BLOCK), generator=gen)).repeat_interleave(BLOCK, -1)
+    outliers = torch.rand(m, k, generator=gen) < 0.002
+    x = torch.where(outliers, x * 50, x)
+    return (x if signed else x.abs()).to(torch.bfloat16)
+
+
+def weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight [n, k] and its 128 x 128 scales, quantised as the checkpoints are, its blocks
+    of different sizes."""
+    w = torch.randn(n, k, generator=gen) * 0.05
+    w *= (2.0 ** torch.randint(-3, 4, (n // BLOCK, k // BLOCK), generator=gen)).repeat_interleave(
+        BLOCK, 0).repeat_interleave(BLOCK, 1)
+    return quantize_fp8(w)
+
+
+@CUDA
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "nonnegative"])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_the_fp8_path_is_within_its_bound_of_the_truth(m, k, n, signed):
+    gen = torch.Generator().manual_seed(m * 7 + k * 3 + n + signed)
+    q, scale = weight(n, k, gen)
+    x = activations(m, k, gen, signed).cuda()
+    q, scale = q.cuda(), scale.cuda()
+    y = v4_linear_test.linear(x, Linear(q, scale))
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # Path (a) ran, not the dequantised product (which rounds the weight to bf16 instead of x to e4m3).
+    assert not torch.equal(y, torch.nn.functional.linear(x, dequantize_fp8(q, scale, torch.bfloat16)))
+    ratio = assert_within(y, fp8_linear(Bounded.exact(x), q, scale), "y")
+    print(f"fp8 path (a) {m}x{k}x{n} {'signed' if signed else 'nonnegative'}: max |y - truth| / bound = {ratio:.3f}")
+
+
+@CUDA
+def test_the_fp8_path_keeps_the_leading_dimensions_and_its_adapter():
+    """x [2, 5, K] (a view, not contiguous in its rows) with a LoRA adapter: the adapter's term on
+    top of path (a), within the same bound plus the adapter's bf16 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    q, scale = weight(256, 384, gen)
+    base = activations(10, 768, gen, True).cuda()
+    x = base[:, :384].reshape(2, 5, 384)  # rows 768 apart
+    a = (torch.randn(4, 384, generator=gen) * 0.05).to(torch.bfloat16).cuda()
+    b = (torch.randn(256, 4, generator=gen) * 0.05).to(torch.bfloat16).cuda()
+    y = v4_linear_test.linear(x, Linear(q.cuda(), scale.cuda(), a, b), lora_scaling=2.0)
+    assert y.shape == (2, 5, 256)
+    plain = v4_linear_test.linear(x, Linear(q.cuda(), scale.cuda()))
+    adapter = torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * 2.0
+    bound = fp8_linear(Bounded.exact(x.reshape(10, 384)), q.cuda(), scale.cuda())
+    assert_within(plain.reshape(10, 256), bound, "y without its adapter")
+    # y = bf16(plain + adapter): exactly the sum of the two bf16 tensors, rounded once.
+    assert torch.equal(y, plain + adapter)
+
+
+def _emulated(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mutation: str) -> torch.Tensor:
+    """Path (a) computed in float64 (no kernel), right or with one bug, rounded to bf16."""
+    m, k = x.shape
+    blocks = x.double().view(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1)
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [m, K/128]
+    if mutation == "blocks_down_the_columns":  # scales of 128 x 1 blocks, the GEMM reading 1 x 128 ones
+        col = x.double().abs().view(m // BLOCK, BLOCK, k).amax(1)
+        col_s = torch.where(col > 0, col / FP8_MAX, torch.ones_like(col)).repeat_interleave(BLOCK, 0)
+        xq = (x.double() / col_s).float().to(torch.float8_e4m3fn).double().view(m, k // BLOCK, BLOCK)
+    else:
+        xq = (blocks / s[..., None]).float().to(torch.float8_e4m3fn).double()
+    if mutation == "activation_scale_dropped":
+        x_hat = xq
+    elif mutation == "activation_scales_transposed":  # written [m, K/128] row-major, read column-major
+        x_hat = xq * s.reshape(-1).view(k // BLOCK, m).t()[..., None]
+    elif mutation == "activation_scale_25_percent_high":
+        x_hat = xq * s[..., None] * 1.25
+    else:
+        x_hat = xq * s[..., None]
+    w = q.double() if mutation == "weight_scale_dropped" else dequantize_fp8(q, scale, torch.float64)
+    return (x_hat.view(m, k) @ w.T).to(torch.bfloat16)
+
+
+MUTATIONS = ["activation_scale_dropped", "weight_scale_dropped", "activation_scales_transposed",
+             "blocks_down_the_columns", "activation_scale_25_percent_high"]
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "nonnegative"])
+def test_the_bound_fails_a_wrong_fp8_path(mutation, signed):
+    """Every mutation breaks the bound, where the right emulation keeps it (at 0.2-0.3 of it): the
+    bound is not so loose that a wrong scale passes. It allows about 8% of sum |x||W| per element
+    (2^-4 for e4m3, 1.6% for the tensor cores' accumulation), so a scale 25% high fails it; one 5%
+    high passes (0.5-0.7 of the bound; 10% high: 0.9-1.1). A transposed scale layout or blocks down
+    the columns change nothing where rows or blocks are alike: the data's spread of rows and blocks
+    is what real activations have."""
+    gen = torch.Generator().manual_seed(11)
+    m, k, n = 256, 512, 256
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, scale = (t.to(device) for t in weight(n, k, gen))
+    x = activations(m, k, gen, signed).to(device)
+    bound = fp8_linear(Bounded.exact(x), q, scale)
+    assert_within(_emulated(x, q, scale, "none"), bound, "the right emulation")
+    with pytest.raises(AssertionError, match="outside the FP8 path"):
+        assert_within(_emulated(x, q, scale, mutation), bound, mutation)
