@@ -8,7 +8,8 @@ backward pass."""
 import pytest
 import torch
 
-from parity.fp8_bound import Bounded, add, assert_within, bf16_matmul, fp32_reductions, fp8_linear, mul, silu, silu_backward
+from parity.fp8_bound import (Bounded, add, assert_within, bf16_matmul, fp32_reductions, fp8_linear, mul, silu,
+                               silu_backward)
 from v4train.models.glm5.moe import Glm5MoeWeights
 from v4train.ops import OPS
 from v4train.reference.lora import Linear, dequantize_fp8, quantize_fp8
