@@ -15,6 +15,12 @@ from v4train.reference.lora import FP8_MAX, Linear, dequantize_fp8, quantize_fp8
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 
+
+@pytest.fixture(autouse=True)
+def tensor_cores(monkeypatch):
+    """Path (a) is opt-in (cc/common/fp8.cu)."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "1")
+
 # (M, K, N): one row; K/128 = 1, 3 and 10 (not multiples of 4: the weight scales are padded for
 # cuBLAS), 16 and 48; up to GLM-5's width.
 SHAPES = [(1, 128, 128), (1, 6144, 1536), (37, 384, 256), (37, 1280, 6144), (4096, 2048, 512), (4096, 6144, 6144)]

@@ -41,7 +41,12 @@ def test_quantised_blocks_use_the_range_of_float8():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "nonnegative"])
 @pytest.mark.parametrize("inter,hidden", [(300, 200), (256, 384)], ids=["partial blocks", "whole blocks"])
-def test_fp8_weights_over_several_blocks_equal_the_weights_dequantised_on_load(inter, hidden, signed, device):
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["dequantised", "tensor cores"])
+def test_fp8_weights_over_several_blocks_equal_the_weights_dequantised_on_load(inter, hidden, signed, device,
+                                                                               tensor_cores, monkeypatch):
+    if tensor_cores and device == "cpu":
+        pytest.skip("FP8 tensor cores: CUDA only")
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "1" if tensor_cores else "0")
     gen = torch.Generator().manual_seed(0)
     shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
     sign = (lambda t: t) if signed else torch.abs
@@ -51,7 +56,7 @@ def test_fp8_weights_over_several_blocks_equal_the_weights_dequantised_on_load(i
         fp8[name] = Linear(q.to(device), scale.to(device))
         dense[name] = Linear(dequantize_fp8(q, scale, torch.bfloat16).to(device))
     x = sign(torch.randn(37, hidden, generator=gen)).to(device, torch.bfloat16).requires_grad_()
-    if device == "cuda" and inter % 128 == 0 and hidden % 128 == 0:
+    if tensor_cores and inter % 128 == 0 and hidden % 128 == 0:
         # Path (a) rounds each activation to e4m3 (the backward's bf16 GEMMs are path (b), their
         # rounding bounded as fp32 reductions). With signed values the worst case allows for
         # cancellations that random data never has: the bound is tens of times the output there
