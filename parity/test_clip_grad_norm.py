@@ -29,3 +29,39 @@ def test_zero_max_norm_measures_without_clipping():
     grads = [torch.full((4,), 3.0)]
     assert_close(OP.cpp()(grads, 0.0), torch.tensor(6.0), "norm")
     assert torch.equal(grads[0], torch.full((4,), 3.0))
+
+
+def _sharded_worker(rank: int, size: int, init: str, impl: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (a sandbox's hostname may not resolve)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
+    try:
+        fn = OP.reference if impl == "reference" else OP.cpp()
+        gen = torch.Generator().manual_seed(2)
+        whole = [torch.randn(s, generator=gen) for s in [(6, 4), (9,), (4, 3)]]
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in whole]
+        for p, g in zip(params, whole):
+            p.grad = g.clone()
+        expected_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        # Each rank holds rows of each gradient, as FSDP2's shards do (rank 1 none of the second's).
+        shards = [g[rank::size].clone() if i != 1 else (g.clone() if rank == 0 else g[:0].clone())
+                  for i, g in enumerate(whole)]
+        norm = fn(shards, 1.0, dist.group.WORLD.group_name)
+        assert_close(norm, expected_norm, f"norm over {size} ranks")
+        for i, (s, p) in enumerate(zip(shards, params)):
+            want = p.grad[rank::size] if i != 1 else (p.grad if rank == 0 else p.grad[:0])
+            assert_close(s, want, f"clipped shard {i}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpp"])
+def test_the_norm_of_shards_over_ranks_is_the_whole_gradients(impl, tmp_path):
+    """With a group's name the gradients are each rank's shards: the norm and the clipping are those
+    of the whole gradients (2 gloo processes)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sharded_worker, args=(2, str(tmp_path / "init"), impl), nprocs=2, join=True)

@@ -21,11 +21,13 @@ def _interrupted_at_start(signum, frame):  # until main() starts: no traceback f
 signal.signal(signal.SIGINT, _interrupted_at_start)
 signal.signal(signal.SIGTERM, _interrupted_at_start)
 
+import shlex
 import sys
 
+import torch
 from absl import app
 
-from v4train import cli, ops
+from v4train import cli, distributed, ops
 from v4train.flags import FLAGS, SOURCES, FlagError
 from v4train.trainer import RunConfig, Trainer
 
@@ -68,6 +70,24 @@ def resolve_flagfiles(argv: list[str]) -> list[str]:
     return out
 
 
+LAUNCHER_FLAGS = ("nproc_per_node", "torchrun_args")
+
+
+def launch(config: RunConfig, argv: list[str]) -> None:
+    """--nproc_per_node=N from a plain command: torch's own launcher (torch.distributed.run) takes
+    this process's place and starts N copies of train.py with the same flags (LOCAL_RANK tells
+    each its device). Refused before any work when there are fewer GPUs than processes."""
+    n = FLAGS.nproc_per_node
+    if config.device == "cuda" and n > torch.cuda.device_count():
+        raise FlagError(f"--nproc_per_node={n}: this machine has {torch.cuda.device_count()} GPU(s), one process "
+                        "each at most")
+    own = [a for a in argv[1:] if not any(a.startswith(f"--{name}=") or a == f"--{name}" for name in LAUNCHER_FLAGS)]
+    rendezvous = shlex.split(FLAGS.torchrun_args) or ["--standalone"]
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *rendezvous,
+                              os.path.abspath(__file__), *own, f"--device={config.device}"])
+
+
 def main(argv):
     # From here a SIGINT is a KeyboardInterrupt again, so the output directory's claim is released.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -75,7 +95,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     try:
-        return Trainer(RunConfig.from_flags()).run()
+        config = RunConfig.from_flags()
+        if FLAGS.nproc_per_node and not distributed.launched():
+            launch(config, ARGV)
+        return Trainer(config).run()
     except (FlagError, ValueError, ops.CppOpUnavailable) as e:  # data, config, checkpoint errors are ValueErrors
         print(f"train: {e}", file=sys.stderr)
         return 2
@@ -85,4 +108,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    cli.run_app("train", main, resolve_flagfiles(sys.argv))
+    ARGV = resolve_flagfiles(sys.argv)  # flagfiles by absolute path: what a launched copy is given
+    cli.run_app("train", main, ARGV)

@@ -1,9 +1,7 @@
 #include "cc/common/experts.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
-#include <ATen/core/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -13,6 +11,7 @@
 #include <vector>
 
 #include "cc/common/checks.h"
+#include "cc/common/collectives.h"
 
 namespace v4 {
 
@@ -95,20 +94,6 @@ at::Tensor experts(const at::Tensor& x_rows, const ExpertsWeights& weights, cons
 }
 
 namespace {
-
-// x's rows to the ranks of `group`: in_splits[r] rows to rank r, out_splits[r] rows from it, by
-// the dispatcher's functional collective (_c10d_functional::all_to_all_single, the group resolved
-// by its name), waited for. Called boxed: its schema's C++ types differ between torch versions.
-at::Tensor all_to_all(const at::Tensor& x, const std::vector<int64_t>& out_splits,
-                      const std::vector<int64_t>& in_splits, const std::string& group) {
-  static const c10::OperatorHandle exchange =
-      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_to_all_single", "");
-  static const c10::OperatorHandle wait = c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
-  torch::jit::Stack stack{x.contiguous(), c10::IValue(out_splits), c10::IValue(in_splits), c10::IValue(group)};
-  exchange.callBoxed(&stack);
-  wait.callBoxed(&stack);
-  return stack.at(0).toTensor();
-}
 
 // all_to_all with its gradient: the rows' gradients go back to where the rows came from.
 struct AllToAllRows : public torch::autograd::Function<AllToAllRows> {

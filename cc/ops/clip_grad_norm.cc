@@ -8,8 +8,10 @@
 #include <string>
 
 #include "cc/common/checks.h"
+#include "cc/common/collectives.h"
 
-at::Tensor v4_clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm) {
+at::Tensor v4_clip_grad_norm(const std::vector<at::Tensor>& grads, double max_norm,
+                             const std::optional<std::string>& group) {
   constexpr const char* op = "v4_clip_grad_norm";
   TORCH_CHECK_VALUE(std::isfinite(max_norm) && max_norm >= 0, op, ": max_norm must be a finite number >= 0, got ",
                     max_norm);
@@ -17,11 +19,12 @@ at::Tensor v4_clip_grad_norm(const std::vector<at::Tensor>& grads, double max_no
     v4::check_floating(op, "grads[i]", grads[i]);
     if (max_norm > 0) v4::check_writable(op, "grads", grads[i], i);
   }
-  if (grads.empty()) return at::zeros({}, at::kFloat);
   at::NoGradGuard no_grad;
+  if (grads.empty()) return group ? at::sqrt(v4::all_reduce_sum(at::zeros({}, at::kFloat), *group)) : at::zeros({}, at::kFloat);
   std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2, at::kFloat);
   for (auto& t : norms) t = t.to(grads[0].device());
-  const at::Tensor total = at::linalg_vector_norm(at::stack(norms), 2);
+  const at::Tensor total = group ? at::sqrt(v4::all_reduce_sum(at::stack(norms).square().sum(), *group))
+                                 : at::linalg_vector_norm(at::stack(norms), 2);
   if (max_norm > 0) {
     const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
     std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> groups;  // foreach wants one dtype

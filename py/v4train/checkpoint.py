@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from v4train import hf_checkpoint, lora
 from v4train.atomic import atomic_dir, kill_point, remove_dir
+from v4train.distributed import assign
 from v4train.hf_checkpoint import CheckpointError, inside, read_json
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -133,10 +134,13 @@ def verify(path: str) -> None:
                                   f"differs from {MANIFEST})")
 
 
-def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer, state: dict, base_model_dir: str,
-         tokenizer_dir: str | None, keep: int) -> str:
+def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer_state: dict[str, torch.Tensor],
+         optimizer_steps: int, state: dict, base_model_dir: str, tokenizer_dir: str | None, keep: int,
+         rng: list[tuple[dict, dict]] | None = None) -> str:
     """Writes checkpoint-STEP, then deletes the oldest complete checkpoints beyond `keep`. A write
-    that fails (a full disk) raises CheckpointError saying which checkpoint is kept."""
+    that fails (a full disk) raises CheckpointError saying which checkpoint is kept. Adapters and
+    optimizer state come whole, and `rng` holds every rank's generators (rng_states(), default
+    this process's): a run of many processes has its rank 0 write what every rank gathered."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     try:
         with atomic_dir(final) as tmp:
@@ -148,11 +152,12 @@ def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer, state:
             for name in TOKENIZER_FILES:
                 if tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, name)):
                     shutil.copy(os.path.join(tokenizer_dir, name), tmp)
-            save_file({k: v.detach().cpu().contiguous() for k, v in optimizer.state_tensors().items()},
+            save_file({k: v.detach().cpu().contiguous() for k, v in optimizer_state.items()},
                       os.path.join(tmp, "optimizer.safetensors"))
-            _save_rng(tmp)
+            for rank, (tensors, python) in enumerate(rng or [rng_states()]):
+                _save_rng(tmp, tensors, python, rank)
             with open(os.path.join(tmp, STATE), "w") as f:
-                json.dump(dict(state, step=step, optimizer_steps=optimizer.step_count), f, indent=1, sort_keys=True)
+                json.dump(dict(state, step=step, optimizer_steps=optimizer_steps), f, indent=1, sort_keys=True)
             _write_manifest(tmp)  # last: a folder with a manifest is complete
     except (OSError, RuntimeError, SafetensorError) as e:  # torch.save and safetensors wrap the OSError
         kept = latest(output_dir)
@@ -176,9 +181,10 @@ def _check_same_lora(path: str, lcfg: lora.LoraConfig) -> None:
                                   f"run has --{flag}={ours}")
 
 
-def load(path: str, *, model, adapters, lcfg, optimizer) -> dict:
-    """Restores weights (or adapters), optimizer moments and RNG states; returns trainer_state.
-    Every problem is a CheckpointError of one line naming the file."""
+def load(path: str, *, model, adapters, lcfg, optimizer, rank: int = 0) -> dict:
+    """Restores weights (or adapters), optimizer moments and RNG states (`rank`'s, of a run of
+    many processes); returns trainer_state. Every problem is a CheckpointError of one line naming
+    the file."""
     verify(path)
     state_path = os.path.join(path, STATE)
     state = read_json(state_path)
@@ -199,7 +205,7 @@ def load(path: str, *, model, adapters, lcfg, optimizer) -> dict:
             _check_same_lora(path, lcfg)
             _, stored = lora.read_peft(model, path)
             for name, t in adapters.items():
-                t.copy_(stored[name])
+                assign(t, stored[name])
         else:
             if os.path.exists(os.path.join(path, lora.ADAPTER_CONFIG)):
                 raise CheckpointError(f"--resume_from={path}: a LoRA checkpoint, but this run is --finetune=full")
@@ -211,34 +217,45 @@ def load(path: str, *, model, adapters, lcfg, optimizer) -> dict:
         optimizer.load_state(load_file(os.path.join(path, "optimizer.safetensors")), state["optimizer_steps"])
     except ValueError as e:
         raise CheckpointError(f"{os.path.join(path, 'optimizer.safetensors')}: {e}") from None
-    _load_rng(path)
+    _load_rng(path, rank)
     return state
 
 
 RNG_TENSORS, RNG_PYTHON, RNG_PICKLE = "rng_state.safetensors", "rng_state.json", "rng_state.pt"
 
 
-def _save_rng(folder: str) -> None:
-    """torch's generator states as uint8 tensors, Python's as JSON: no pickle."""
-    states = {"torch": torch.get_rng_state()}
+def rng_states() -> tuple[dict[str, torch.Tensor], dict]:
+    """This process's generators: torch's states as uint8 tensors, Python's as plain values."""
+    tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        states.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_file(states, os.path.join(folder, RNG_TENSORS))
+        tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     version, internal, gauss = random.getstate()
-    with open(os.path.join(folder, RNG_PYTHON), "w") as f:
-        json.dump({"version": version, "state": list(internal), "gauss_next": gauss}, f)
+    return tensors, {"version": version, "state": list(internal), "gauss_next": gauss}
 
 
-def _load_rng(path: str) -> None:
+def _rank_file(name: str, rank: int) -> str:
+    """Rank 0's generators in NAME (a run of one process has only those), rank r's in NAME.rank{r}."""
+    stem, ext = os.path.splitext(name)
+    return name if rank == 0 else f"{stem}.rank{rank}{ext}"
+
+
+def _save_rng(folder: str, tensors: dict, python: dict, rank: int) -> None:
+    """torch's generator states as uint8 tensors, Python's as JSON: no pickle."""
+    save_file(tensors, os.path.join(folder, _rank_file(RNG_TENSORS, rank)))
+    with open(os.path.join(folder, _rank_file(RNG_PYTHON, rank)), "w") as f:
+        json.dump(python, f)
+
+
+def _load_rng(path: str, rank: int = 0) -> None:
     """Restores the generators, each state checked first; every problem a CheckpointError naming
     the file and the field."""
-    tensors_path = os.path.join(path, RNG_TENSORS)
+    tensors_path = os.path.join(path, _rank_file(RNG_TENSORS, rank))
     if os.path.exists(tensors_path):
         try:
             states = load_file(tensors_path)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{tensors_path}: cannot be read ({e})") from None
-        python_path = os.path.join(path, RNG_PYTHON)
+        python_path = os.path.join(path, _rank_file(RNG_PYTHON, rank))
         saved = read_json(python_path)
         python = (saved.get("version"), saved.get("state"), saved.get("gauss_next"))
         torch_state = states.get("torch")

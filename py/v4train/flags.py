@@ -76,6 +76,19 @@ flags.DEFINE_boolean("overwrite_output_dir", False, "Start afresh in an --output
                      "checkpoints, metrics.jsonl and loss.png are deleted first (with --resume_from: the checkpoints "
                      "newer than the one resumed). Without it such a run stops before any work.")
 
+# Many processes (docs/distributed.md).
+flags.DEFINE_integer("nproc_per_node", 0, "Train with this many processes on this machine (one per GPU; on the CPU "
+                     "gloo processes): the command starts torch's launcher, torch.distributed.run, with this many "
+                     "copies of itself, data parallel with FSDP2. Each step's global batch is nproc x "
+                     "--micro_batch_size x --grad_accum rows. 0: one process (or as torchrun started it).",
+                     lower_bound=0)
+flags.DEFINE_string("torchrun_args", "", "With --nproc_per_node: more arguments of torch.distributed.run, e.g. "
+                    "'--nnodes=2 --node_rank=0 --rdzv_backend=c10d --rdzv_endpoint=host:29500 --rdzv_id=job1' for "
+                    "several machines (default: --standalone, this machine alone).")
+flags.DEFINE_float("collective_timeout_s", 600.0, "In a run of several processes: a collective that waits this "
+                   "long (a rank died or hangs) ends the job with an error instead of waiting forever.",
+                   lower_bound=1.0)
+
 # Non-finite values.
 flags.DEFINE_enum("on_nonfinite", "stop", ["stop", "skip"], "When a step's loss or gradient norm is NaN or infinite "
                   "(no update is applied either way): 'stop' the run, naming the step and the first non-finite "
@@ -141,6 +154,8 @@ def validate(f=FLAGS) -> None:
         raise FlagError(f"--lora_* flags contradict --finetune=full (from {SOURCES['finetune']})")
     if f.finetune == "lora" and not f.lora_target_modules and not f.lora_experts:
         raise FlagError("--lora_target_modules is empty and --nolora_experts: nothing to adapt")
+    if f.torchrun_args and not f.nproc_per_node:
+        raise FlagError(f"--torchrun_args={f.torchrun_args!r} needs --nproc_per_node")
     if f.eval_interval and not f.eval_data:
         raise FlagError("--eval_interval needs --eval_data")
 

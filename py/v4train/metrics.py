@@ -74,17 +74,20 @@ def _read_rows(path: str) -> list[dict]:
 
 class MetricsLog:
     """OUTPUT_DIR/metrics.jsonl: one JSON object per logged step (appended, so a resumed run
-    continues it; lines past the resume step are dropped first, in an atomic rewrite)."""
+    continues it; lines past the resume step are dropped first, in an atomic rewrite). In a run of
+    many processes only rank 0's writes (`writes`); the others keep their rows in memory."""
 
-    def __init__(self, output_dir: str, resume_step: int):
+    def __init__(self, output_dir: str, resume_step: int, writes: bool = True):
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.rows = []
-        if os.path.exists(self.path):  # written by the first row: a run that failed before it leaves none
+        self.rows, self.writes = [], writes
+        if writes and os.path.exists(self.path):  # written by the first row: a run that failed before it leaves none
             self.rows = [r for r in _read_rows(self.path) if r["step"] <= resume_step]
             replace_file(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
 
     def write(self, row: dict) -> None:
         self.rows.append(row)
+        if not self.writes:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
 

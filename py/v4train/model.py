@@ -132,13 +132,14 @@ class DecoderLayer(nn.Module):
         self.lora_dropout = 0.0
         self.checkpointing = False  # recompute the layer in the backward pass (activation checkpointing)
         self.op = None  # the family's layer op from the run's OpTable (CausalLM.use_ops)
+        self.sharded = False  # FSDP2 swaps its parameters (gathered, sharded): bind them at each call
 
     @property
     def weights(self):
         """The layer's tensors (its adapters among them) as its op takes them, the family's
         layer_weights: bound once, and again after a parameter is added (put_parameter) or the
-        module moved (_apply)."""
-        if self._bound is None:
+        module moved (_apply); at each call when FSDP2 shards it (v4train.distributed.shard)."""
+        if self._bound is None or self.sharded:
             self._bound = bind(self.family.layer_weights, dict(self.named_parameters()))
         return self._bound
 

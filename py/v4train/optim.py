@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from v4train.distributed import assign, local, whole
 from v4train.ops import OpTable
 
 
@@ -31,16 +32,20 @@ def lr_at(step: int, base_lr: float, min_lr: float, warmup: int, total: int, sch
 class AdamW:
     """AdamW with fp32 moments, and fp32 master weights for parameters stored in lower precision
     (a bf16 parameter cannot hold an update below 2**-8 of itself: lr x update is often that
-    small, and would be lost every step)."""
+    small, and would be lost every step).
+
+    A parameter sharded by FSDP2 (a DTensor) is updated on this rank's shard: its moments and master
+    are shards too, and state_tensors / load_state move them whole (every rank calls them)."""
 
     def __init__(self, named: dict[str, torch.Tensor], ops: OpTable, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0):
         self.names = list(named)
-        self.params = [named[n] for n in self.names]
+        self.params = [named[n] for n in self.names]  # where the gradients arrive
+        self.shards = [local(p) for p in self.params]  # what the step updates
         self.ops = ops
-        self.exp_avgs = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        self.exp_avg_sqs = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        self.masters = {i: p.detach().float().clone() for i, p in enumerate(self.params) if p.dtype != torch.float32}
+        self.exp_avgs = [torch.zeros_like(p, dtype=torch.float32) for p in self.shards]
+        self.exp_avg_sqs = [torch.zeros_like(p, dtype=torch.float32) for p in self.shards]
+        self.masters = {i: p.detach().float().clone() for i, p in enumerate(self.shards) if p.dtype != torch.float32}
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.step_count = 0
 
@@ -50,13 +55,13 @@ class AdamW:
 
     def grads(self) -> list[torch.Tensor]:
         """The gradients that exist (a weight no loss reached this step has none, and is not updated)."""
-        return [p.grad for p in self.params if p.grad is not None]
+        return [local(p.grad) for p in self.params if p.grad is not None]
 
     def nonfinite_grads(self) -> list[str]:
         """The parameters whose gradient holds NaN or inf, in model order: the diagnosis of a step
         whose gradient norm is not finite (so not an op: it never runs in a healthy step)."""
         return [n for n, p in zip(self.names, self.params)
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+                if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
 
     def step(self, lr: float) -> None:
         self.step_count += 1
@@ -65,16 +70,17 @@ class AdamW:
         for group in ([i for i in live if i not in self.masters], [i for i in live if i in self.masters]):
             if group:
                 pick = lambda xs: [xs[i] for i in group]  # noqa: E731
-                self.ops.v4_adam_step(pick(self.params), [self.params[i].grad for i in group], pick(self.exp_avgs),
+                self.ops.v4_adam_step(pick(self.shards), [local(self.params[i].grad) for i in group], pick(self.exp_avgs),
                                       pick(self.exp_avg_sqs), self.step_count, lr, *self.betas, self.eps,
                                       self.weight_decay, [self.masters[i] for i in group] if group[0] in self.masters else [])
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The moments and masters by name, whole (gathered where sharded)."""
         out = {}
-        for i, (n, m, v) in enumerate(zip(self.names, self.exp_avgs, self.exp_avg_sqs)):
-            out[n + ".exp_avg"], out[n + ".exp_avg_sq"] = m, v
+        for i, (n, p, m, v) in enumerate(zip(self.names, self.params, self.exp_avgs, self.exp_avg_sqs)):
+            out[n + ".exp_avg"], out[n + ".exp_avg_sq"] = whole(p, m), whole(p, v)
             if i in self.masters:
-                out[n + ".master"] = self.masters[i]
+                out[n + ".master"] = whole(p, self.masters[i])
         return out
 
     def load_state(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
@@ -83,22 +89,25 @@ class AdamW:
             raise ValueError(f"optimizer state lacks {missing[:3]} (was the checkpoint made with other trainable weights?)")
         if not isinstance(step_count, int) or isinstance(step_count, bool) or step_count < 0:
             raise ValueError(f"optimizer_steps must be an integer >= 0, got {step_count!r}")
-        for i, (n, m) in enumerate(zip(self.names, self.exp_avgs)):
+        for i, (n, p) in enumerate(zip(self.names, self.params)):
             for field in ("exp_avg", "exp_avg_sq") + ((".master",) if i in self.masters else ()):
                 key = n + (field if field.startswith(".") else "." + field)
                 t = tensors.get(key)
                 if t is None:
                     continue  # a master weight absent: a checkpoint of fp32 weights (see below)
-                if t.shape != m.shape or not t.is_floating_point():
-                    raise ValueError(f"{key}: {t.dtype} {tuple(t.shape)}, expected a floating tensor of {tuple(m.shape)}")
+                if t.shape != p.shape or not t.is_floating_point():
+                    raise ValueError(f"{key}: {t.dtype} {tuple(t.shape)}, expected a floating tensor of {tuple(p.shape)}")
                 if not torch.isfinite(t).all():
                     raise ValueError(f"{key}: holds NaN or infinite values")
                 if field == "exp_avg_sq" and (t < 0).any():
                     raise ValueError(f"{key}: holds negative values (a second moment is >= 0)")
-        with torch.no_grad():
-            for i, (n, m, v) in enumerate(zip(self.names, self.exp_avgs, self.exp_avg_sqs)):
-                m.copy_(tensors[n + ".exp_avg"])
-                v.copy_(tensors[n + ".exp_avg_sq"])
-                if i in self.masters:  # a checkpoint of fp32 weights has none: start from the parameter
-                    self.masters[i].copy_(tensors.get(n + ".master", self.params[i]))
+        for i, (n, p, m, v) in enumerate(zip(self.names, self.params, self.exp_avgs, self.exp_avg_sqs)):
+            assign(m, tensors[n + ".exp_avg"], like=p)
+            assign(v, tensors[n + ".exp_avg_sq"], like=p)
+            if i in self.masters:  # a checkpoint of fp32 weights has none: start from the parameter
+                if n + ".master" in tensors:
+                    assign(self.masters[i], tensors[n + ".master"], like=p)
+                else:
+                    with torch.no_grad():
+                        self.masters[i].copy_(self.shards[i])
         self.step_count = step_count

@@ -11,6 +11,7 @@ each kind of fault: docs/reliability.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -21,7 +22,8 @@ import time
 
 import torch
 
-from v4train import checkpoint, cli, data, hf_checkpoint, lora, ops, run_dir
+from v4train import checkpoint, cli, data, distributed, hf_checkpoint, lora, ops, run_dir
+from v4train.distributed import World
 from v4train.flags import FLAGS, FlagError, validate, warmup_too_long
 from v4train.metrics import MetricsLog, Progress, peak_memory_mib
 from v4train.model import CausalLM, Packed
@@ -82,6 +84,7 @@ class RunConfig:
     overwrite_output_dir: bool = False
     on_nonfinite: str = "stop"
     max_nonfinite_skips: int = 10
+    collective_timeout_s: float = 600.0  # a collective that waits longer ends the job (a rank died or hung)
 
     @staticmethod
     def from_flags(f=FLAGS) -> "RunConfig":
@@ -107,7 +110,7 @@ class RunConfig:
             lora_experts=f.lora_experts,
             save_interval=f.save_interval, save_total_limit=f.save_total_limit, log_interval=f.log_interval,
             stop_at_step=f.stop_at_step, overwrite_output_dir=f.overwrite_output_dir, on_nonfinite=f.on_nonfinite,
-            max_nonfinite_skips=f.max_nonfinite_skips)
+            max_nonfinite_skips=f.max_nonfinite_skips, collective_timeout_s=f.collective_timeout_s)
 
 
 def resume_path(resume_from: str | None, output_dir: str) -> str | None:
@@ -140,18 +143,25 @@ class StepResult:
 
 
 def train_step(model: CausalLM, optimizer: AdamW, micro: list[list[data.Record]], lr: float, max_grad_norm: float,
-               device: str) -> StepResult:
-    """One optimizer step over the micro-batches (lists of documents): forward and backward of
-    each, the loss normalised by the step's target tokens so that accumulation gives the mean,
-    then clipping and AdamW. A step whose loss or gradient norm is NaN or inf applies no update
-    and names the gradients that hold them.
+               device: str, world: World = World()) -> StepResult:
+    """One optimizer step over the micro-batches (lists of documents) of the global batch:
+    forward and backward of each, the loss normalised by the step's target tokens so that
+    accumulation gives the mean, then clipping and AdamW. A step whose loss or gradient norm is
+    NaN or inf applies no update and names the gradients that hold them.
+
+    With many ranks, `micro` is the whole global batch (world.size x --grad_accum micro-batches, in
+    data order; every rank reads the same stream) and this rank runs its own consecutive share:
+    its losses are over the global target count / world.size, so the gradients FSDP2 averages over
+    the ranks are the global batch's, and the same rows give the same step whatever the world
+    size. The gradient norm is over every rank's shards; the loss logged is the global mean.
 
     Only data movement, backward, scalar reads and op calls happen here: every computation is
     an op (C++ or its reference), which py/tests/test_train_step.py checks.
     """
-    normalizer = max(1, sum(d.num_targets for docs in micro for d in docs))
+    normalizer = max(1, sum(d.num_targets for docs in micro for d in docs)) / world.size  # FSDP2 averages
+    share = len(micro) // world.size
     loss_value, tokens = 0.0, 0
-    for docs in micro:
+    for docs in micro[world.rank * share:(world.rank + 1) * share]:
         batch = Packed.from_documents([d.input_ids for d in docs], [d.labels for d in docs], device)
         loss = model.loss(batch, normalizer)
         loss.backward()
@@ -160,10 +170,12 @@ def train_step(model: CausalLM, optimizer: AdamW, micro: list[list[data.Record]]
     # The norm first, without clipping: clipping by a NaN norm would turn every gradient to NaN
     # and hide where the non-finite values are.
     grads = optimizer.grads()
-    result = StepResult(loss_value, optimizer.ops.v4_clip_grad_norm(grads, 0.0).item(), tokens, [])
+    norm = optimizer.ops.v4_clip_grad_norm(grads, 0.0, world.group).item()
+    loss_value, tokens = world.sum([loss_value, tokens], device)
+    result = StepResult(loss_value / world.size, norm, int(tokens), [])
     if result.finite:
         if max_grad_norm > 0:
-            optimizer.ops.v4_clip_grad_norm(grads, max_grad_norm)
+            optimizer.ops.v4_clip_grad_norm(grads, max_grad_norm, world.group)
         optimizer.step(lr)
     else:
         result.nonfinite = optimizer.nonfinite_grads()
@@ -277,6 +289,12 @@ class Trainer:
             w.requires_grad_(False)
         for w in self.trainable.values():
             w.requires_grad_(True)
+        if self.world.size > 1:
+            # FSDP2 replaces every parameter by its shard (a DTensor): what trains is looked up again.
+            distributed.shard(model, self.world)
+            self.trainable = {n: model.get_parameter(n) for n in self.trainable}
+            if self.adapters is not None:
+                self.adapters = {n: self.trainable[n] for n in self.adapters}
 
     def build_optimizer(self) -> None:
         """AdamW; it and the loader's position restored from the checkpoint resumed."""
@@ -285,9 +303,15 @@ class Trainer:
         self.start_step = 0
         if c.resume_from:
             state = checkpoint.load(c.resume_from, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
-                                    optimizer=self.optimizer)
-            try:
-                self.loader.load_state(state["loader"], state["step"] * c.grad_accum)  # each step takes grad_accum
+                                    optimizer=self.optimizer, rank=self.world.rank)
+            saved_world = state.get("world_size", 1)
+            if saved_world != self.world.size:
+                raise checkpoint.CheckpointError(
+                    f"--resume_from={c.resume_from}: it was written by {saved_world} process(es), this run has "
+                    f"{self.world.size}: resume with --nproc_per_node={saved_world} (the global batch and the data "
+                    "order depend on it); its adapter loads into any number")
+            try:  # each step takes world size x grad_accum micro-batches
+                self.loader.load_state(state["loader"], state["step"] * c.grad_accum * self.world.size)
             except ValueError as e:
                 raise checkpoint.CheckpointError(f"{c.resume_from}/{checkpoint.STATE}: field loader: {e}") from None
             self.start_step = state["step"]
@@ -297,38 +321,60 @@ class Trainer:
                                 "continue it")
 
     def save(self, step: int) -> None:
-        """The checkpointer: checkpoint-STEP of the adapters or weights, optimizer, RNG and data position."""
-        c = self.config
-        checkpoint.save(c.output_dir, step, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
-                        optimizer=self.optimizer, state={"loader": self.loader.state(), "finetune": c.finetune},
-                        base_model_dir=self.base_model_dir,
-                        tokenizer_dir=self.tokenizer_dir if self.tokenizer else None, keep=c.save_total_limit)
+        """The checkpointer: checkpoint-STEP of the adapters or weights, optimizer, RNG and data
+        position. Every rank gathers the sharded tensors whole; rank 0 writes them."""
+        c, world = self.config, self.world
+        adapters = None if self.adapters is None else \
+            {n: distributed.whole(t, distributed.local(t).detach()) for n, t in self.adapters.items()}
+        optimizer_state = self.optimizer.state_tensors()
+        rng = world.gather(checkpoint.rng_states())
+        if world.main:
+            checkpoint.save(c.output_dir, step, model=self.model, adapters=adapters, lcfg=self.lcfg,
+                            optimizer_state=optimizer_state, optimizer_steps=self.optimizer.step_count,
+                            state={"loader": self.loader.state(), "finetune": c.finetune, "world_size": world.size},
+                            base_model_dir=self.base_model_dir,
+                            tokenizer_dir=self.tokenizer_dir if self.tokenizer else None, keep=c.save_total_limit,
+                            rng=rng)
+        world.barrier()
 
     # -- the run --------------------------------------------------------------------------------
 
     def run(self) -> int:
         c = self.config
-        # From here on this run owns output_dir (run_dir.py): no other run writes it meanwhile.
-        with run_dir.Claim(c.output_dir, c.resume_from, c.overwrite_output_dir) as claim:
-            for note in claim.notes:
-                say(note)
-            self.stop_signal = StopSignal()  # from here SIGINT/SIGTERM stop the run at the end of a step
-            try:
-                return self._run()
-            finally:
-                self.stop_signal.restore()
+        self.world = distributed.join(c.device, c.collective_timeout_s)  # one process, or torchrun's world
+        try:
+            # From here on this run owns output_dir (run_dir.py): no other run writes it meanwhile.
+            # Rank 0 claims it for the job; the others wait for it.
+            claim = run_dir.Claim(c.output_dir, c.resume_from, c.overwrite_output_dir) if self.world.main else \
+                contextlib.nullcontext()
+            with claim:
+                for note in getattr(claim, "notes", []):
+                    say(note)
+                self.world.barrier()
+                self.stop_signal = StopSignal()  # from here SIGINT/SIGTERM stop the run at the end of a step
+                try:
+                    return self._run()
+                finally:
+                    self.stop_signal.restore()
+        finally:
+            distributed.leave()
 
     def _run(self) -> int:
-        c = self.config
-        torch.manual_seed(c.seed)
+        c, world = self.config, self.world
+        if world.size > 1 and c.finetune == "full":
+            raise FlagError(f"--finetune=full with {world.size} processes: full fine-tuning runs in one process for "
+                            "now (its sharded weights are not gathered for the checkpoint yet); train LoRA "
+                            "(--finetune=lora) across processes, or full weights without --nproc_per_node")
+        torch.manual_seed(c.seed + world.rank)  # each rank its own dropout masks
         # Each C++ op checked against its reference on samples of its parity strategy, in this
         # run's dtype and on its device.
         if c.self_check:
             self_check(self.table, ops.REFERENCE, c.dtype, c.device)
         self.build_model()
         self.build_optimizer()
-        self.metrics = MetricsLog(c.output_dir, self.start_step)
-        self.progress = Progress(self.total_steps, self.start_step)
+        self.metrics = MetricsLog(c.output_dir, self.start_step, writes=world.main)
+        self.progress = Progress(self.total_steps, self.start_step,
+                                 sys.stderr if world.main else open(os.devnull, "w"))  # noqa: SIM115
         if c.resume_from and self.start_step == self.total_steps:
             return self._finished()
         self._announce()
@@ -353,6 +399,8 @@ class Trainer:
         self.progress.message(f"train: the run is finished: {c.resume_from} is its last step ({self.total_steps} of "
                               f"{self.total_steps}); nothing to train. To train further, resume with a larger "
                               "--max_steps")
+        if not self.world.main:
+            return 0
         last = next((r for r in reversed(self.metrics.rows) if "loss" in r), {})
         print(json.dumps({"steps": self.total_steps, "first_loss": None, "final_loss": last.get("loss"),
                           "eval_loss": last.get("eval_loss"), "nonfinite_skips": 0, "tokens_per_s": 0.0,
@@ -367,8 +415,8 @@ class Trainer:
         for step in range(self.start_step + 1, self.total_steps + 1):
             t0 = time.time()
             lr = lr_at(step, c.lr, c.min_lr, c.warmup_steps, self.total_steps, c.lr_schedule)
-            micro = [loader.next() for _ in range(c.grad_accum)]
-            result = train_step(self.model, self.optimizer, micro, lr, c.max_grad_norm, c.device)
+            micro = [loader.next() for _ in range(c.grad_accum * self.world.size)]
+            result = train_step(self.model, self.optimizer, micro, lr, c.max_grad_norm, c.device, self.world)
             if not result.finite:  # no update was applied
                 skipped, in_a_row = skipped + 1, in_a_row + 1
                 report = nonfinite_report(step, result, micro)
@@ -400,6 +448,8 @@ class Trainer:
                     progress.update(step, result.loss, lr, tokens_per_s,
                                     f" eval {eval_loss:.4f}" if "eval_loss" in last else "")
             signum = self.stop_signal.signum
+            if self.world.size > 1 and self.world.sum([float(signum is not None)], c.device)[0] and signum is None:
+                signum = signal.SIGTERM  # another rank was signalled: every rank stops after the same step
             stop = step == c.stop_at_step or signum is not None
             if (c.save_interval and step % c.save_interval == 0) or step == self.total_steps or stop:
                 self.save(step)
@@ -411,6 +461,8 @@ class Trainer:
                 break
 
         wall = time.time() - t_start
+        if not self.world.main:
+            return exit_code
         if metrics.rows:
             try:
                 metrics.plot(os.path.join(c.output_dir, "loss.png"))

@@ -1,0 +1,73 @@
+"""//py:train with several processes (gloo on the CPU; the same code runs NCCL on GPUs): started
+by --nproc_per_node through torch's launcher, data parallel with FSDP2 over the decoder layers.
+The same global batch trains the same model whatever the number of processes: per-step losses,
+gradient norms and the final adapter of 2 processes equal those of 1 process that accumulates
+their micro-batches, for both bundled families; a resume continues exactly; refusals come
+before any work."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from golden_cases import BASE, CHAT, QWEN_BASE, SMALL, last_json, metrics, run_cli
+from v4train.testing.compare import assert_close
+
+# Loopback for gloo (a test machine's hostname may not resolve to a reachable interface).
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+def _train(out, *args, processes: int = 1):
+    launch = [f"--nproc_per_node={processes}"] if processes > 1 else []
+    result = run_cli("train.py", *SMALL, f"--output_dir={out}", "--device=cpu", *launch, *args, env=ENV)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def _curve(out, field):
+    return torch.tensor([r[field] for r in metrics(str(out))], dtype=torch.float32)  # fp32 runs
+
+
+@pytest.mark.parametrize("base", [BASE, QWEN_BASE], ids=["glm5", "qwen3_5"])
+def test_two_processes_train_as_one_that_accumulates_their_batches(base, tmp_path):
+    # A large adam_eps keeps AdamW's update linear in the gradient where the gradient is small: with
+    # the default, an element whose gradient cancels to rounding noise (a gathered weight's other
+    # alignment changes the order of a sum) moves by +-lr whatever its value, and no bound compares it.
+    args = ["--model_dir=" + base, "--max_steps=3", "--micro_batch_size=1", "--gradient_checkpointing",
+            "--adam_eps=1e-3"]
+    one = _train(tmp_path / "one", *args, "--grad_accum=2")
+    two = _train(tmp_path / "two", *args, "--grad_accum=1", processes=2)
+    for field in ("loss", "grad_norm"):
+        assert_close(_curve(tmp_path / "two", field), _curve(tmp_path / "one", field), f"per-step {field}")
+    assert last_json(two.stdout)["steps"] == 3 and len(two.stdout.strip().splitlines()) == 1  # rank 0 alone prints
+    a = load_file(str(tmp_path / "one" / "checkpoint-3" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "two" / "checkpoint-3" / "adapter_model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert_close(b[key], a[key], f"final adapter {key}")
+    assert os.path.exists(tmp_path / "two" / "loss.png")
+
+
+def test_a_two_process_run_resumes_exactly_and_refuses_another_world_size(tmp_path):
+    args = ["--max_steps=4", "--save_interval=2", "--micro_batch_size=1", "--lora_dropout=0.1"]
+    _train(tmp_path / "whole", *args, processes=2)
+    _train(tmp_path / "split", *args, "--stop_at_step=2", processes=2)
+    other = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'split'}", "--device=cpu", *args,
+                    "--resume_from=latest", env=ENV)
+    assert other.returncode == 2 and "written by 2 process(es), this run has 1" in other.stderr, other.stderr[-2000:]
+    assert "Traceback" not in other.stderr
+    _train(tmp_path / "split", *args, "--resume_from=latest", processes=2)
+    assert [r["step"] for r in metrics(str(tmp_path / "split"))] == [1, 2, 3, 4]
+    assert os.path.exists(tmp_path / "split" / "checkpoint-2" / "rng_state.rank1.safetensors")
+    for field in ("loss", "grad_norm"):  # every rank's dropout masks continue as they would have
+        assert_close(_curve(tmp_path / "split", field), _curve(tmp_path / "whole", field), f"resumed {field}")
+
+
+def test_more_processes_than_gpus_is_refused_before_any_work(tmp_path):
+    result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", "--device=cuda", "--nproc_per_node=64",
+                     env=ENV)
+    assert result.returncode == 2
+    expected = "no CUDA device" if not torch.cuda.is_available() else "--nproc_per_node=64: this machine has"
+    assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "o").exists()
