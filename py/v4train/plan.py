@@ -140,18 +140,23 @@ def fp8_config(hf_config: dict) -> dict | None:
     return q
 
 
-def _not_converted(name: str, q: dict) -> bool:
-    """transformers' rule: a module whose name contains an entry of modules_to_not_convert stays
-    in high precision."""
-    module = name.removesuffix(".weight")
-    return any(entry in module for entry in q.get("modules_to_not_convert") or [])
+def not_converted(name: str, q: dict) -> bool:
+    """Whether modules_to_not_convert keeps the weight `name` in high precision: an entry names a
+    run of whole parts of its module's dotted name ("mlp.gate" is the router, not mlp.gate_proj;
+    "lm_head" and "model.layers.3.mlp.gate" alike)."""
+    parts = name.removesuffix(".weight").split(".")
+    for entry in q.get("modules_to_not_convert") or []:
+        e = entry.split(".")
+        if any(parts[j:j + len(e)] == e for j in range(len(parts) - len(e) + 1)):
+            return True
+    return False
 
 
 def is_fp8(spec, cfg: ModelConfig, setup: Setup, maps: set[str], q: dict | None) -> bool:
     """Whether the loader (hf_checkpoint.load, --fp8=keep) keeps this weight FP8: a layer's linear
     map that the checkpoint quantises; a packed experts' tensor only where its parts fill whole
     128-row scale blocks."""
-    if q is None or setup.fp8 != "keep" or spec.name not in maps or _not_converted(spec.name, q):
+    if q is None or setup.fp8 != "keep" or spec.name not in maps or not_converted(spec.name, q):
         return False
     if spec.experts:
         return (spec.shape[1] // len(spec.experts)) % FP8_BLOCK == 0
@@ -193,11 +198,15 @@ def weight_lines(setup: Setup) -> list[WeightLine]:
         scale = 0
         if is_fp8(spec, cfg, setup, maps, q):
             dtype, per = "float8_e4m3fn", 1
+            # The scales [(E,) ceil(out / 128), ceil(in / 128)] split as their weight does: the
+            # experts over expert parallelism, a 2-D one by FSDP2 along its own dim 0.
             *lead, o, i = spec.shape
-            lead_n = (lead[0] // setup.expert_parallel if spec.experts else 1)
-            # The scales shard with their weight (FSDP2 splits them along dim 0 alike).
-            blocks = lead_n * -(-o // FP8_BLOCK) * -(-i // FP8_BLOCK)
-            scale = FP32 * (blocks if spec.experts or setup.gpus == 1 else -(-blocks // setup.gpus))
+            block_rows, block_cols = -(-o // FP8_BLOCK), -(-i // FP8_BLOCK)
+            if spec.experts:
+                blocks = lead[0] // setup.expert_parallel * block_rows * block_cols
+            else:
+                blocks = _shard_rows(block_rows, setup.gpus) * block_cols
+            scale = FP32 * blocks
         else:
             per = FP32 if spec.fp32 else setup.dtype_bytes
             dtype = _dtype_name(per)
@@ -332,7 +341,8 @@ def mlp_terms(c: Ctx, i: int, s: Saved, prefix: str, I: int) -> None:
         lora_terms(s, c, i, prefix + m, prefix + m + ".weight", T)
     s.add(prefix + "gate_up", "gate and up [T, I] each (SwiGLU's inputs)", 2 * T * I * b)
     s.add(prefix + "silu", "silu(gate) [T, I]", T * I * b)
-    s.add(prefix + "act", "silu(gate) * up [T, I] (down's input)", T * I * b, c.keeps_input(i, prefix + "down_proj.weight"))
+    s.add(prefix + "act", "silu(gate) * up [T, I] (down's input)", T * I * b,
+          c.keeps_input(i, prefix + "down_proj.weight"))
     lora_terms(s, c, i, prefix + "down_proj", prefix + "down_proj.weight", T)
 
 
@@ -377,13 +387,15 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, route_by
         weigh = [Term("combine: y * w [T, k, H]", rows * H * b)]
         combine = [Term("combine backward: y's and the routing weights' gradients [T, k, H]", 2 * rows * H * b)]
     forward = [
-        Moment("MoE dispatch", tuple(s.before("rows") + [Term("dispatch: x expanded to [T k, H]", rows * H * b), gathered])),
+        Moment("MoE dispatch", tuple(s.before("rows") + [Term("dispatch: x expanded to [T k, H]", rows * H * b),
+                                                          gathered])),
         Moment("experts' gate_up product", tuple(s.before("rows") + [gathered, deq_gu, gu_out])),
         Moment("MoE combine", tuple(s + weigh)),
     ]
     first_pass = [
         Moment("experts' gate_up product", tuple(first_pass_locals + [gathered, deq_gu, gu_out])),
-        Moment("MoE combine", tuple(first_pass_locals + [Term("the experts' outputs [T, k, H]", rows * H * b)] + weigh)),
+        Moment("MoE combine", tuple(first_pass_locals + [Term("the experts' outputs [T, k, H]", rows * H * b)] +
+                                    weigh)),
     ]
     backward = [
         Moment("MoE combine backward", tuple(s + combine)),
@@ -405,7 +417,8 @@ def layer_grads(c: Ctx, i: int, exclude: tuple[str, ...] = ()) -> int:
     out = 0
     for spec in family_of(c.cfg).layer_specs(c.cfg, i):
         if c.trains(spec.name) and spec.name not in exclude:
-            rows = spec.shape[0] // c.setup.expert_parallel if spec.experts else _shard_rows(spec.shape[0], c.setup.gpus)
+            rows = (spec.shape[0] // c.setup.expert_parallel if spec.experts else
+                    _shard_rows(spec.shape[0], c.setup.gpus))
             out += rows * math.prod(spec.shape[1:]) * (FP32 if spec.fp32 else c.b)
     return out
 
@@ -415,7 +428,8 @@ def glm5_layer(c: Ctx, i: int) -> LayerMemory:
     (mla_dsa_attention.cc), RMSNorm, the dense MLP or the MoE (glm5_moe.cc)."""
     cfg, T, b = c.cfg, c.tokens, c.b
     H, nh, K = cfg.hidden_size, cfg.num_attention_heads, cfg.index_topk
-    nope, rope, dv, C, qr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    nope, rope, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    C, qr = cfg.kv_lora_rank, cfg.q_lora_rank
     docs = c.documents
     # Documents up to MASKED_MAX_LEN attend densely (per-head keys and values for every token, a
     # [queries, keys] mask past index_topk); longer ones through the latent (per-head keys only
@@ -444,7 +458,8 @@ def glm5_layer(c: Ctx, i: int) -> LayerMemory:
     lora_terms(s, c, i, "kv_b", a + "kv_b_proj.weight", dense_rows)
     s.add("kv", "kv_b_proj's output [rows, heads, nope + v], the values (attention's backward)",
           dense_rows * nh * (nope + dv) * b)
-    s.add("k", "the per-head keys [rows, heads, nope + rope] (attention's backward)", dense_rows * nh * (nope + rope) * b)
+    s.add("k", "the per-head keys [rows, heads, nope + rope] (attention's backward)",
+          dense_rows * nh * (nope + rope) * b)
     s.add("selection", "the DSA selection [T, index_topk] (int64; the 'shared' layers' carry)", T * K * INT64,
           full_indexer)
     s.mark("attend")
@@ -459,8 +474,10 @@ def glm5_layer(c: Ctx, i: int) -> LayerMemory:
     s.add("latent_kv", "[latent | k_rope] of each key [tokens, kv_lora_rank + rope]", sum(long_docs) * (C + rope) * b)
     stash = latent_queries * nh * (C * b + FP32)
     s.add("stash", "sparse attention's output [queries, heads, kv_lora_rank] and log-sum-exp", stash)
-    s.add("kv_b_maps", "kv_b_proj's per-head maps, dense (once per long document)", len(long_docs) * nh * (nope + dv) * C * b)
-    s.add("attn", "attention's output [T, heads, v] (o_proj's input)", T * nh * dv * b, c.keeps_input(i, a + "o_proj.weight"))
+    s.add("kv_b_maps", "kv_b_proj's per-head maps, dense (once per long document)",
+          len(long_docs) * nh * (nope + dv) * C * b)
+    s.add("attn", "attention's output [T, heads, v] (o_proj's input)", T * nh * dv * b,
+          c.keeps_input(i, a + "o_proj.weight"))
     lora_terms(s, c, i, "o", a + "o_proj.weight", T)
     s.mark("mid")
     s.add("mid", "the residual after attention [T, H] (post_attention_layernorm's input)", T * H * b)
@@ -474,10 +491,12 @@ def glm5_layer(c: Ctx, i: int) -> LayerMemory:
                     2 * T * cfg.index_n_heads * cfg.index_head_dim * b),
                Term("indexer: a block of queries' fp32 scores [queries, keys]",
                     max((n * L * FP32 for n, L in zip(blocks, [L for L in docs if L > K])), default=0)),
-               Term("indexer: the block's top-k values, indices and their sort", max(blocks, default=0) * K * (FP32 + 3 * INT64))]
+               Term("indexer: the block's top-k values, indices and their sort",
+                    max(blocks, default=0) * K * (FP32 + 3 * INT64))]
     attention_locals = [Term("attention's locals: input norm, q_resid, kv_a, latent, cos / sin, queries",
                              T * (H + qr + 2 * C + 3 * rope + nh * (nope + rope)) * b),
-                        Term("attention's locals: per-head keys and values", dense_rows * nh * (2 * nope + rope + dv) * b)]
+                        Term("attention's locals: per-head keys and values",
+                             dense_rows * nh * (2 * nope + rope + dv) * b)]
     forward = [Moment("DSA indexer", tuple(s.before("attend") + indexer))] if full_indexer else []
     first_pass = [Moment("DSA indexer", tuple(attention_locals + [kept[0]] + indexer))] if full_indexer else []
     # Between the layer's blocks of a first pass: the input norm, attention's output, the
@@ -570,7 +589,8 @@ def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
         s.add("norm_w", "the normalised output [T, vd] (the norm weight's gradient)", T * nv * dv * b,
               c.trains(la + "norm.weight"))
         s.add("z", "z and silu(z) in fp32 [T, vd] (the gate)", 2 * T * nv * dv * f)
-        s.add("y", "the gated output [T, vd] (out_proj's input)", T * nv * dv * b, c.keeps_input(i, la + "out_proj.weight"))
+        s.add("y", "the gated output [T, vd] (out_proj's input)", T * nv * dv * b,
+              c.keeps_input(i, la + "out_proj.weight"))
         lora_terms(s, c, i, "out_proj", la + "out_proj.weight", T)
         # While the rule runs: its locals (q, k L2-normed, v * beta, u) and its output reordered.
         rule_locals = [Term("delta rule's locals: q, k L2-normed, v * beta, u", 2 * T * U + 2 * P * U),
@@ -602,7 +622,8 @@ def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
         # (repeat_interleave copies them), its output and log-sum-exp.
         s.add("sdpa", "queries, keys and values [T, heads, head_dim], the output and log-sum-exp (sdpa's backward)",
               T * nh * (4 * hd * b + FP32))
-        s.add("attn", "attention's output and sigmoid(gate) [T, heads * head_dim] (the gate's product)", 2 * T * nh * hd * b)
+        s.add("attn", "attention's output and sigmoid(gate) [T, heads * head_dim] (the gate's product)",
+              2 * T * nh * hd * b)
         s.add("gated", "the gated output [T, heads * head_dim] (o_proj's input)", T * nh * hd * b,
               c.keeps_input(i, sa + "o_proj.weight"))
         lora_terms(s, c, i, "o_proj", sa + "o_proj.weight", T)
@@ -617,13 +638,15 @@ def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
         E, k, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         sh = "mlp.shared_expert."
         s.add("h2", "post_attention_layernorm's output [T, H] (the router's and shared expert's input)", T * H * b,
-              c.trains("mlp.gate.weight") or c.keeps_input(i, sh + "gate_proj.weight") or c.keeps_input(i, sh + "up_proj.weight"))
+              c.trains("mlp.gate.weight") or c.keeps_input(i, sh + "gate_proj.weight") or
+              c.keeps_input(i, sh + "up_proj.weight"))
         s.add("router", "the router's softmax [T, E] (fp32), top-k values, normalised and cast [T, k], indices",
               T * E * FP32 + T * k * (FP32 + b + INT64))
         mlp_terms(c, i, s, sh, cfg.shared_expert_intermediate_size)
         s.add("shared_out", "the shared expert's output [T, H] and its sigmoid gate (their product)", T * (H + 1) * b)
         kept.append(Term("routing: the MoE routing [T, k] (int64)", T * k * INT64))
-        moe_locals = layer_locals + kept + [Term("the MoE's locals: shared expert's output, softmax", T * (H * b + E * FP32))]
+        moe_locals = layer_locals + kept + [Term("the MoE's locals: shared expert's output, softmax",
+                                                 T * (H * b + E * FP32))]
         fwd_moe, first_moe, back_moe, g_experts = moe_terms(c, i, s, E, k, H, I, b, moe_locals)
         grads = layer_grads(c, i, exclude=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) + g_experts
     else:
@@ -659,7 +682,9 @@ def _adapted_and_fp8(cfg, hf_key: str, finetune: str, fp8: str, r: int, targets:
     if finetune == "lora":
         for name in adapter_shapes(setup):
             layer, rest = name.split(".", 3)[2:]
-            weight = rest[:-len(".lora_A")] + ".weight" if rest.endswith((".lora_A", ".lora_B")) else rest[:-len("_lora_A")]
+            # X.lora_A of X.weight; a fused experts' tensor X's factors are X_lora_A (adapter_names)
+            weight = rest[:-len(".lora_A")] + ".weight" if rest.endswith((".lora_A", ".lora_B")) else \
+                rest[:-len("_lora_A")]
             adapted.add(f"{layer}:{weight}")
     q, maps = fp8_config(setup.hf_config), linear_map_names(cfg)
     fp8_names = {f"{s.name.split('.', 3)[2]}:{s.name.split('.', 3)[3]}" for s in all_specs(cfg)
@@ -801,7 +826,9 @@ def communication(setup: Setup, weights: list[WeightLine]) -> Communication:
 
 def _unsharded(w: WeightLine, setup: Setup) -> int:
     per = {"float8_e4m3fn": 1, "bfloat16": 2, "float32": 4}[w.dtype]
-    blocks = math.prod(w.shape[:-2]) * -(-w.shape[-2] // FP8_BLOCK) * -(-w.shape[-1] // FP8_BLOCK) if w.scale_bytes else 0
+    blocks = 0
+    if w.scale_bytes:
+        blocks = math.prod(w.shape[:-2]) * -(-w.shape[-2] // FP8_BLOCK) * -(-w.shape[-1] // FP8_BLOCK)
     return math.prod(w.shape) * per + blocks * FP32
 
 
@@ -849,8 +876,8 @@ def check(setup: Setup) -> None:
         if getattr(setup, name) < 1:
             raise PlanError(f"--{name}={getattr(setup, name)}: expected an integer >= 1")
     if setup.gpus % setup.expert_parallel:
-        raise PlanError(f"--expert_parallel={setup.expert_parallel} does not divide --gpus={setup.gpus}: expert-parallel "
-                        "groups split the GPUs evenly (the rest of the world is data parallel)")
+        raise PlanError(f"--expert_parallel={setup.expert_parallel} does not divide --gpus={setup.gpus}: "
+                        "expert-parallel groups split the GPUs evenly (the rest of the world is data parallel)")
     experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", 0)
     key = "n_routed_experts" if cfg.family == "glm5" else "num_experts"
     if setup.expert_parallel > 1 and (not experts or experts % setup.expert_parallel):
