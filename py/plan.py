@@ -107,7 +107,7 @@ def report(p: plan.Plan, longest: int, longest_ckpt: int | None) -> tuple[list[s
         f"  where: {p.peak.where}",
         *(f"  {gib(x.bytes)}  {x.what}" for x in sorted(p.peak.terms, key=lambda x: -x.bytes)[:TERMS_SHOWN]),
         f"communication buffers                             {gib(p.comm.bytes)} GiB",
-        f"  {'all-to-all of the routed rows (both ways)':48s}{gib(p.comm.all_to_all)}",
+        f"  {'(all-to-all of the routed rows, both ways:':48s}{gib(p.comm.all_to_all)} in the activations)",
         f"  {'FSDP2 all-gather (2 layers and the root)':48s}{gib(p.comm.all_gather)}",
         f"  {'FSDP2 reduce-scatter (one layer)':48s}{gib(p.comm.reduce_scatter)}",
         f"total                                             {gib(p.total_bytes)} GiB of {s.gpu_memory_gib:.1f}",

@@ -13,8 +13,9 @@ Everything is counted in bytes from the config and the flags, tensor by tensor:
   MoE combine's backward, the experts' dequantised FP8 weights, the LM head's fp32 logits); with
   --gradient_checkpointing each layer keeps only its input and its first pass's choices, and
   the backward pass holds one layer recomputed;
-- communication: the all-to-all of the routed rows (sent and received) and FSDP2's all-gathered
-  parameters (the layer computing and the one prefetched, and the unsharded root);
+- communication: the all-to-all of the routed rows (sent and received, counted in the MoE's
+  moments where they are alive) and FSDP2's all-gathered parameters (the layer computing and the
+  one prefetched, and the unsharded root) and one layer's gradients before their reduce-scatter;
 - the headroom left on the GPU, and the longest --seq_len that fits.
 
 Which tensors a layer keeps is written out below, named; the sizes are per token from the
@@ -366,6 +367,7 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, route_by
     s.add("silu", "silu(gate) [T k, I]", rows * I * b)
     s.add("act", "silu(gate) * up [T k, I] (down's input)", rows * I * b, c.keeps_input(i, dn))
     lora_terms(s, c, i, "act", dn, rows)
+    s.mark("combined")
     s.add("combined", "the experts' outputs in token order [T, k, H] (the routing weights' gradient)", rows * H * b)
     # FP8: this rank's experts dequantised at once for the product, in the forward pass and again
     # in the backward (Fp8Product keeps the FP8 weight, not the copy).
@@ -375,6 +377,13 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, route_by
     g_dn = local * H * I * b if c.trains(dn) else 0
     gathered = Term("the routed rows [T k, H]", rows * H * b)
     gu_out = Term("gate_up's output [T k, 2I]", rows * 2 * I * b)
+    # Expert parallelism (routed_experts): the rows sent and the rows arrived stay alive (locals)
+    # while this rank's experts compute on the arrived ones grouped by expert; their outputs go
+    # back grouped by source and arrive as another [T k, H].
+    ep = c.setup.expert_parallel > 1
+    exchange = [Term("all-to-all: the rows sent and the rows arrived [T k, H] each", 2 * rows * H * b if ep else 0)]
+    back = [Term("all-to-all: the experts' outputs, regrouped by source, and arrived back [T k, H] each",
+                 3 * rows * H * b)]
     if route_bytes > b:  # y * w promotes to fp32, then the cast
         weigh = [Term("combine: y * w in fp32 [T, k, H], and cast back", rows * H * (route_bytes + b))]
         # The backward: the sum's gradient expanded and cast to fp32 (the cast's backward); the
@@ -389,15 +398,23 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, route_by
     forward = [
         Moment("MoE dispatch", tuple(s.before("rows") + [Term("dispatch: x expanded to [T k, H]", rows * H * b),
                                                           gathered])),
-        Moment("experts' gate_up product", tuple(s.before("rows") + [gathered, deq_gu, gu_out])),
+        Moment("experts' gate_up product", tuple(s.before("rows") + exchange + [gathered, deq_gu, gu_out])),
         Moment("MoE combine", tuple(s + weigh)),
     ]
     first_pass = [
-        Moment("experts' gate_up product", tuple(first_pass_locals + [gathered, deq_gu, gu_out])),
+        Moment("experts' gate_up product", tuple(first_pass_locals + exchange + [gathered, deq_gu, gu_out])),
         Moment("MoE combine", tuple(first_pass_locals + [Term("the experts' outputs [T, k, H]", rows * H * b)] +
                                     weigh)),
     ]
-    backward = [
+    backward = []
+    if ep:
+        unsaved = [] if c.keeps_input(i, gu) else [gathered]
+        forward.append(Moment("all-to-all of the experts' outputs", tuple(s.before("combined") + exchange + unsaved +
+                                                                           back)))
+        first_pass.append(Moment("all-to-all of the experts' outputs", tuple(first_pass_locals + exchange + back)))
+        backward.append(Moment("all-to-all of the outputs' gradients", tuple(s.but(s, "combined") + [
+            Term("all-to-all backward: the outputs' gradients sent and arrived [T k, H] each", 2 * rows * H * b)])))
+    backward += [
         Moment("MoE combine backward", tuple(s + combine)),
         Moment("experts' down backward", tuple(s.but(s, "combined") + [
             Term("down backward: its output's gradient [T k, H]", rows * H * b), deq_dn,
@@ -788,21 +805,23 @@ def layouts(setup: Setup) -> list[tuple[int, ...]]:
 
 @dataclasses.dataclass(frozen=True)
 class Communication:
-    all_to_all: int  # the routed rows sent and received
+    all_to_all: int  # the routed rows sent and received (in the activation peak's moments, not added again)
     all_gather: int  # FSDP2's unsharded parameters: two decoder layers and the root
     reduce_scatter: int  # FSDP2's unsharded gradients of one layer before they are scattered
 
     @property
     def bytes(self) -> int:
-        return self.all_to_all + self.all_gather + self.reduce_scatter
+        """What comes on top of the activation peak: FSDP2's buffers, alive beside every layer's
+        compute. (The all-to-all's are tensors of the MoE's own moments: moe_terms.)"""
+        return self.all_gather + self.reduce_scatter
 
 
 def communication(setup: Setup, weights: list[WeightLine]) -> Communication:
     """The collectives' buffers. All-to-all: T k routed rows of H values each way, in the model
-    dtype. FSDP2 (gpus > 1): the all-gathered parameters of the layer computing and of the one
-    prefetched, and of the root module (embeddings, final norm, LM head), which stays unsharded
-    through the step; and one layer's unsharded gradients of what trains before their
-    reduce-scatter."""
+    dtype (the MoE moments count them where they are alive). FSDP2 (gpus > 1): the all-gathered
+    parameters of the layer computing and of the one prefetched, and of the root module
+    (embeddings, final norm, LM head), which stays unsharded through the step; and one layer's
+    unsharded gradients of what trains before their reduce-scatter."""
     cfg = setup.cfg
     a2a = 0
     if setup.expert_parallel > 1:
