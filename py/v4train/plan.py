@@ -760,7 +760,8 @@ def activation_peak(setup: Setup, documents: tuple[int, ...] | None = None) -> P
         saved = {key(t) for t in l.saved}
         return [l.input] + [t for t in l.kept if key(t) not in saved]
 
-    flow = [Term("gradients: the layer's output's, and its input's being summed [T, H]", 2 * T * cfg.hidden_size * b)]
+    flow = [Term("gradient: the layer's output's [T, H]", T * cfg.hidden_size * b),
+            Term("gradient: the layer's input's, being summed [T, H]", T * cfg.hidden_size * b)]
     candidates = []
 
     def consider(where, *groups):
