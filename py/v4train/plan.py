@@ -785,10 +785,9 @@ def activation_peak(setup: Setup, documents: tuple[int, ...] | None = None) -> P
             for m in l.forward:
                 consider(f"recomputation of layer {i}: {m.label}", below(i), own(l), m.terms, flow[:1], done)
         grads += l.grads
-    if setup.finetune == "full":  # the embeddings' and final norm's gradients last
+    if setup.finetune == "full":  # the final norm's and the embeddings' gradients last
         world = setup.gpus
-        grads += (_shard_rows(cfg.vocab_size, world) + _shard_rows(cfg.hidden_size, world) // cfg.hidden_size) * \
-            cfg.hidden_size * b
+        grads += (_shard_rows(cfg.vocab_size, world) * cfg.hidden_size + _shard_rows(cfg.hidden_size, world)) * b
         consider("end of the backward pass", [Term("every weight's gradient", grads)])
     return max(candidates, key=lambda p: p.bytes)
 
