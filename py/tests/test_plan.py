@@ -225,6 +225,61 @@ def test_the_command_prints_the_plan_and_its_json(tmp_path):
     assert r.returncode == 2 and "--model_config" in r.stderr and "not found" in r.stderr
 
 
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_the_gated_deltanet_terms_are_what_autograd_keeps_of_the_cpp_op(finetune):
+    """The planner's Gated DeltaNet terms against the storages autograd keeps from the C++ op
+    itself (v4_gated_deltanet on the CPU makes the same ATen calls as on CUDA; only its scan's
+    kernel differs, inside one autograd node): two documents (each padded to chunks of 64), bf16;
+    LoRA on attention or every weight trained. Outside Bazel it needs the op built
+    (tools/build_ext.py, its folder on PYTHONPATH)."""
+    import torch
+
+    from v4train import lora, ops
+    from v4train.model import CausalLM
+
+    with open(os.path.join(ROOT, "testdata", "sft", "qwen3_5_config.json")) as f:
+        config = json.load(f)
+    cfg = config_from_dict(config, "qwen3_5_config.json")
+    documents, r = (100, 156), 4
+    model = CausalLM.random(cfg, config, torch.bfloat16)
+    if finetune == "lora":
+        lcfg = lora.LoraConfig(r, 2.0 * r, 0.0, lora.expand_targets(model, ["attention"]), True)
+        trained = lora.add_adapters(model, lcfg, torch.bfloat16, "cpu", seed=0)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in trained)
+    else:
+        for n, p in model.named_parameters():
+            p.requires_grad_(not model.family.is_frozen(n))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    T = sum(documents)
+    h = torch.randn(T, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cu_seqlens = torch.tensor([0, documents[0], T])
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    try:
+        deltanet = ops.resolve("v4_gated_deltanet").v4_gated_deltanet
+    except ops.CppOpUnavailable as e:
+        if "TEST_SRCDIR" in os.environ:  # under Bazel the ops are built: never skipped there
+            raise
+        pytest.skip(f"{e}")
+    layer = model.layers[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        deltanet(
+            h, layer.weights.linear_attn, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, cfg.rms_norm_eps, cu_seqlens, layer.lora_scaling, 0.0)
+    setup = plan.Setup(cfg, config, finetune=finetune, fp8="dequantize", seq_len=T, lora_r=r, documents=documents)
+    terms = plan.qwen3_5_layer(plan._ctx(setup, documents), 0).saved
+    predicted = sum(t.bytes for t in terms.before("mid") if plan.key(t) != "norms")  # the block's, not the norms'
+    print(f"{finetune}: predicted {predicted:,} bytes, autograd keeps {sum(kept.values()):,}")
+    assert abs(predicted / sum(kept.values()) - 1) < 0.02
+
+
 @pytest.mark.parametrize("name,path,pattern", [
     ("MASKED_MAX_LEN", "models/glm5/glm5_layer_forward.cc", r"kMaskedMaxLen = (\d+);"),
     ("BLOCK_BYTES", "models/glm5/mla_dsa_attention.cc", r"block_bytes\{int64_t\{1\} << (\d+)\}"),
