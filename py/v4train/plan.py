@@ -38,9 +38,9 @@ from v4train.reference.cross_entropy_loss import v4_cross_entropy_loss
 from v4train.reference.lora import FP8_BLOCK
 
 GIB = 2**30
-# What PyTorch can allocate on one H200: the 143,771 MiB nvidia-smi shows (140.4 GiB), less the
-# CUDA context, cuBLAS workspaces and NCCL's own buffers, which its allocator does not count
-# (about 139 GiB on the machines of docs/gpu.md).
+# What PyTorch can allocate on one H200: the 143,771 MiB nvidia-smi shows (140.4 GiB), less about
+# 1.4 GiB for the CUDA context, cuBLAS workspaces and NCCL's own buffers, which its allocator does
+# not count (an allowance, not a measurement).
 H200_USABLE_GIB = 139.0
 # --seq_len steps of the search for the longest that fits.
 SEQ_LEN_STEP = 1024
@@ -897,11 +897,11 @@ def check(setup: Setup) -> None:
     if setup.gpus % setup.expert_parallel:
         raise PlanError(f"--expert_parallel={setup.expert_parallel} does not divide --gpus={setup.gpus}: "
                         "expert-parallel groups split the GPUs evenly (the rest of the world is data parallel)")
-    experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", 0)
-    key = "n_routed_experts" if cfg.family == "glm5" else "num_experts"
+    field = "n_routed_experts" if cfg.family == "glm5" else "num_experts"
+    experts = getattr(cfg, field)
     if setup.expert_parallel > 1 and (not experts or experts % setup.expert_parallel):
-        raise PlanError(f"--expert_parallel={setup.expert_parallel} does not divide the config's {key}={experts}: each "
-                        "rank holds an equal share of the routed experts")
+        raise PlanError(f"--expert_parallel={setup.expert_parallel} does not divide the config's {field}={experts}: "
+                        "each rank holds an equal share of the routed experts")
     if not setup.gpu_memory_gib > 0:
         raise PlanError(f"--gpu_memory_gib={setup.gpu_memory_gib}: expected a number > 0")
     if setup.finetune == "full" and setup.fp8 == "keep" and fp8_config(setup.hf_config):
@@ -926,8 +926,10 @@ def longest_seq_len(setup: Setup, step: int = SEQ_LEN_STEP) -> int:
     """The longest multiple of `step` up to the model's max_position_embeddings at which this
     setup fits, every shorter multiple fitting too (a row of seq_len tokens may hold shorter
     documents); 0 when not even `step` fits."""
+    # (the trainer cuts rows at max_position_embeddings; a config without it: its rope's length)
     limit = setup.hf_config.get("max_position_embeddings") or \
-        (setup.hf_config.get("text_config") or {}).get("max_position_embeddings") or 2**20
+        (setup.hf_config.get("text_config") or {}).get("max_position_embeddings") or \
+        setup.cfg.rope.original_max_position_embeddings
     best = 0
     for n in range(step, limit + 1, step):
         if not plan(dataclasses.replace(setup, seq_len=n, documents=None)).fits:
