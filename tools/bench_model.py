@@ -158,11 +158,16 @@ def random_fp8_model(cfg, config: dict, device) -> CausalLM:
     return CausalLM(cfg, tensors, config)
 
 
-def full_layer(args, table) -> list[dict]:
-    """The --full_layer mode: GLM-5's decoder layer at full size in FP8, with LoRA."""
+def full_layer_config() -> dict:
+    """--full_layer's model: GlmMoeDsaConfig's defaults (GLM-5's widths) with one MoE layer."""
     from transformers import GlmMoeDsaConfig
 
-    config = GlmMoeDsaConfig(num_hidden_layers=1, first_k_dense_replace=0).to_dict()
+    return GlmMoeDsaConfig(num_hidden_layers=1, first_k_dense_replace=0).to_dict()
+
+
+def full_layer(args, table) -> list[dict]:
+    """The --full_layer mode: GLM-5's decoder layer at full size in FP8, with LoRA."""
+    config = full_layer_config()
     cfg = config_from_dict(config, "GlmMoeDsaConfig's defaults")
     model = random_fp8_model(cfg, config, "cuda")
     add_lora(model, args.lora_rank)

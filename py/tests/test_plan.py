@@ -1,0 +1,291 @@
+"""The memory planner (v4train/plan.py, //py:plan): its arithmetic on a small config worked by
+hand; its predictions against the peaks measured on one H200 (docs/benchmarks.md), from the
+proxies' own configs (tools/bench_model.py builds them); the search for the longest seq_len; the
+errors of flags that cannot describe a run; the C++ constants it copies."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from v4train import plan
+from v4train.hf_checkpoint import read_config
+from v4train.models import config_from_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import bench_model  # noqa: E402
+
+GIB = 2**30
+RELEASED = os.path.join(ROOT, "testdata", "released")
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+# A GLM-5 of one MoE layer, small enough to count by hand: hidden 256; MLA with 2 heads (nope 64,
+# rope 64, v 64; q_lora 128, kv_lora 128); the indexer's 2 heads of 64; 4 routed experts of 128 and
+# a shared one; vocabulary 512. FP8 as the release keeps it (the router, weights_proj, embeddings
+# and LM head not: "mlp.gate" must not catch the shared expert's gate_proj).
+SMALL = {"model_type": "glm_moe_dsa", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 384,
+         "moe_intermediate_size": 128, "num_hidden_layers": 1, "first_k_dense_replace": 0, "num_attention_heads": 2,
+         "num_key_value_heads": 2, "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+         "kv_lora_rank": 128, "q_lora_rank": 128, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
+         "index_topk": 16, "index_head_dim": 64, "index_n_heads": 2, "max_position_embeddings": 1024,
+         "quantization_config": {**FP8, "modules_to_not_convert": ["lm_head", "model.embed_tokens",
+                                                                    "self_attn.indexer.weights_proj", "mlp.gate"]}}
+
+
+def small(**kw) -> plan.Setup:
+    return plan.Setup(config_from_dict(SMALL, "SMALL"), SMALL, **{"gpus": 2, "expert_parallel": 2, "lora_r": 4, **kw})
+
+
+def by_dtype(p: plan.Plan) -> dict[str, int]:
+    out = {}
+    for w in p.weights:
+        out[w.dtype] = out.get(w.dtype, 0) + w.bytes - w.scale_bytes
+        out["scales"] = out.get("scales", 0) + w.scale_bytes
+    return out
+
+
+def test_the_weights_of_a_small_config_by_hand():
+    """2 GPUs, expert parallel 2: each GPU holds 2 of the 4 experts and FSDP2's half (ceil(rows / 2)
+    rows) of every other tensor; FP8 maps are 1 byte a value with a 4-byte scale per 128 x 128
+    block, the scales sharded along their own rows."""
+    p = plan.plan(small())
+    # FP8 values (rows here x columns): q_a 64x256, q_b 128x128, kv_a 96x256, kv_b 128x128, o 128x128,
+    # indexer wq_b 64x128, wk 32x256, experts gate_up 2x256x256, down 2x256x128, shared gate and up
+    # 64x256 each, shared down 128x128.
+    fp8 = 16384 + 16384 + 24576 + 16384 + 16384 + 8192 + 8192 + 131072 + 65536 + 2 * 16384 + 16384
+    # Scale blocks here: q_a 1x2, q_b 1x1, kv_a 1x2, kv_b 1x1, o 1x1, wq_b 1x1, wk 1x2, gate_up 2x2x2,
+    # down 2x2x1, shared gate 1x2, up 1x2, down 1x1.
+    scales = 4 * (2 + 1 + 2 + 1 + 1 + 1 + 2 + 8 + 4 + 2 + 2 + 1)
+    # bf16: embed_tokens and lm_head 256x256 each; the final, input and post-attention norms 128
+    # each, q_a_layernorm and kv_a_layernorm 64 each, the indexer's k_norm weight and bias 32 each.
+    bf16 = 2 * (2 * 256 * 256 + 3 * 128 + 2 * 64 + 2 * 32)
+    # fp32: indexer weights_proj 1x256, the router 2x256, e_score_correction_bias 2.
+    fp32 = 4 * (256 + 2 * 256 + 2)
+    assert by_dtype(p) == {"float8_e4m3fn": fp8, "scales": scales, "bfloat16": bf16, "float32": fp32}
+    assert p.weight_bytes == fp8 + scales + bf16 + fp32
+    # LoRA r=4 on attention (A [4, in] and B [out, 4], FSDP2 halves of their rows) and on the
+    # experts (this GPU's 2 of [4, 4, in] and [4, out, 4]): q_a 2x256 + 64x4, q_b 2x128 + 128x4,
+    # kv_a 2x256 + 96x4, kv_b 2x128 + 128x4, o 2x128 + 128x4; gate_up 2x4x256 + 2x256x4, down
+    # 2x4x128 + 2x256x4.
+    values = 768 + 768 + 896 + 768 + 768 + 4096 + 3072
+    assert p.training == plan.Training(parameters=2 * values, gradients=2 * values, moments=8 * values,
+                                       masters=4 * values, count=values)
+
+
+def test_fp8_dequantize_and_no_quantization_config_keep_the_model_dtype():
+    dequantized = plan.plan(small(fp8="dequantize"))
+    assert "float8_e4m3fn" not in by_dtype(dequantized)
+    bf16 = {k: v for k, v in SMALL.items() if k != "quantization_config"}
+    setup = plan.Setup(config_from_dict(bf16, "bf16"), bf16, gpus=2, expert_parallel=2, lora_r=4)
+    assert plan.plan(setup).weight_bytes == dequantized.weight_bytes
+
+
+# The peaks measured on one H200 (torch 2.11.0+cu130), GiB above the weights, copied from
+# docs/benchmarks.md: (proxy, --finetune, tokens, checkpointing, FP8, measured GiB, the section).
+# bf16 throughout; "full": every weight trains but what the family freezes (the bench's mode);
+# "lora": r=16 on attention and experts, every other weight frozen.
+MEASURED = [
+    ("glm5", "full", 4096, False, False, 14.5, "The GLM-5 proxy, v4train against transformers (2026-11-30)"),
+    ("glm5", "full", 16384, True, False, 29.9, "The GLM-5 proxy, v4train against transformers (2026-11-30)"),
+    ("glm5", "full", 65536, True, False, 102.9, "The GLM-5 proxy, v4train against transformers (2026-11-30)"),
+    ("qwen3_5", "full", 4096, False, False, 19.4, "The Qwen3.5-MoE proxy with the delta rule's recurrence on CUDA"),
+    ("qwen3_5", "full", 65536, True, False, 55.9, "The Qwen3.5-MoE proxy with the delta rule's recurrence on CUDA"),
+    ("qwen3_5", "full", 131072, True, False, 110.7, "The Qwen3.5-MoE proxy with the delta rule's recurrence on CUDA"),
+    ("glm5", "lora", 4096, False, True, 13.9, "FP8 weights against bf16, LoRA (2026-12-02): the same for both"),
+    ("glm5", "lora", 4096, False, False, 13.9, "FP8 weights against bf16, LoRA (2026-12-02): the same for both"),
+    ("qwen3_5", "lora", 4096, False, True, 17.4, "FP8 weights against bf16, LoRA (2026-12-02): the same for both"),
+    ("qwen3_5", "lora", 4096, False, False, 17.4, "FP8 weights against bf16, LoRA (2026-12-02): the same for both"),
+    ("full_layer", "lora", 4096, False, True, 14.1, "FP8 weights against bf16, LoRA (2026-12-02): --full_layer"),
+]
+TOLERANCE = 0.10
+
+
+def proxy_config(name: str, fp8: bool) -> dict:
+    """The benchmark's model: tools/bench_model.py's proxy config, or --full_layer's; with --fp8
+    every linear map of its layers is quantised (bench_model.fp8_pair), which an FP8
+    quantization_config that converts every module says."""
+    config = bench_model.full_layer_config() if name == "full_layer" else bench_model.PROXIES[name]()[0].to_dict()
+    return {**config, "quantization_config": {**FP8, "modules_to_not_convert": []}} if fp8 else config
+
+
+def predicted(name, finetune, tokens, checkpointing, fp8) -> float:
+    """The peak above the weights the bench measures (max_memory_allocated during a forward +
+    backward, from after its warm-up): the planner's activation peak, the full fine-tune's
+    gradients in it, and LoRA's gradients."""
+    config = proxy_config(name, fp8)
+    setup = plan.Setup(config_from_dict(config, name), config, finetune=finetune, fp8="keep" if fp8 else "dequantize",
+                       seq_len=tokens, micro_batch_size=1, checkpointing=checkpointing, lora_r=16,
+                       lora_target_modules=("attention",), lora_experts=True, documents=(tokens,))
+    p = plan.plan(setup)
+    return (p.peak.bytes + (p.training.gradients if finetune == "lora" else 0)) / GIB
+
+
+@pytest.mark.parametrize("name,finetune,tokens,checkpointing,fp8,measured,source", MEASURED,
+                         ids=[f"{m[0]}-{m[1]}-{m[2]}" + "-ckpt" * m[3] + "-fp8" * m[4] for m in MEASURED])
+def test_the_prediction_is_within_10_percent_of_the_measured_peak(name, finetune, tokens, checkpointing, fp8, measured,
+                                                                    source):
+    got = predicted(name, finetune, tokens, checkpointing, fp8)
+    print(f"{name} {finetune} {tokens} ckpt={checkpointing} fp8={fp8}: predicted {got:.1f} GiB, measured {measured} "
+          f"({100 * (got / measured - 1):+.1f}%; docs/benchmarks.md, {source})")
+    assert abs(got / measured - 1) <= TOLERANCE
+
+
+def test_the_peak_grows_with_the_sequence_and_checkpointing_lowers_it():
+    config = proxy_config("glm5", False)
+    base = plan.Setup(config_from_dict(config, "glm5"), config, micro_batch_size=1, checkpointing=False)
+    peaks = [plan.plan(dataclasses.replace(base, seq_len=n)).peak.bytes for n in (1024, 2048, 4096)]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    assert plan.plan(dataclasses.replace(base, seq_len=4096, checkpointing=True)).peak.bytes < peaks[-1]
+
+
+def released(name: str, **kw) -> plan.Setup:
+    hf_config, cfg = read_config(os.path.join(RELEASED, name, "config.json"))
+    return plan.Setup(cfg, hf_config, **{"gpus": 8, "expert_parallel": 8, "micro_batch_size": 1, "checkpointing": True,
+                                         **kw})
+
+
+@pytest.mark.parametrize("name", ["GLM-5-FP8", "Qwen3.5-397B-A17B-FP8"])
+def test_the_longest_seq_len_fits_and_one_step_more_does_not(name):
+    setup = released(name)
+    longest = plan.longest_seq_len(setup)
+    assert longest > 0 and longest % plan.SEQ_LEN_STEP == 0
+    assert plan.plan(dataclasses.replace(setup, seq_len=longest)).fits
+    assert not plan.plan(dataclasses.replace(setup, seq_len=longest + plan.SEQ_LEN_STEP)).fits
+
+
+def test_the_longest_seq_len_is_monotone_in_memory_and_batch():
+    setup = released("Qwen3.5-397B-A17B-FP8")
+    by_memory = [plan.longest_seq_len(dataclasses.replace(setup, gpu_memory_gib=m)) for m in (80, 100, 139)]
+    assert by_memory == sorted(by_memory) and by_memory[0] < by_memory[-1]
+    by_batch = [plan.longest_seq_len(dataclasses.replace(setup, micro_batch_size=b)) for b in (1, 2)]
+    assert by_batch[1] < by_batch[0]
+
+
+def test_the_released_weights_are_the_published_sizes():
+    """744B weights for GLM-5 and 397B for Qwen3.5 (their vision tower and MTP layers aside): on 8
+    GPUs at expert parallel 8, an eighth of each in FP8 and little more."""
+    for name, billions in (("GLM-5-FP8", 743.9), ("Qwen3.5-397B-A17B-FP8", 396.3)):
+        p = plan.plan(released(name))
+        assert round(sum(_numel(w.shape) for w in p.weights) / 1e9, 1) == billions
+        fp8 = sum(w.bytes for w in p.weights if w.dtype == "float8_e4m3fn")
+        assert 0.95 * billions * 1e9 / 8 < fp8 < billions * 1e9 / 8
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@pytest.mark.parametrize("kw,flags", [
+    (dict(expert_parallel=3, gpus=3), ("--expert_parallel=3", "n_routed_experts=4")),
+    (dict(expert_parallel=2, gpus=3), ("--expert_parallel=2", "--gpus=3")),
+    (dict(finetune="full"), ("--finetune=full", "--fp8=keep", "--fp8=dequantize")),
+    (dict(lora_target_modules=("nothing",)), ("--lora_target_modules=nothing",)),
+    (dict(gpu_memory_gib=0.0), ("--gpu_memory_gib=0.0",)),
+])
+def test_a_bad_flag_is_an_error_naming_it(kw, flags):
+    with pytest.raises(plan.PlanError) as e:
+        plan.plan(small(**kw))
+    for flag in flags:
+        assert flag in str(e.value)
+
+
+def run_plan(*args):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "py"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, os.path.join(ROOT, "py", "plan.py"), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
+def test_the_command_prints_the_plan_and_its_json(tmp_path):
+    r = run_plan("--model_dir=testdata/released/Qwen3.5-397B-A17B-FP8", "--gpus=8", "--expert_parallel=8",
+                 "--seq_len=4096", "--micro_batch_size=1", "--gradient_checkpointing")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    p = plan.plan(released("Qwen3.5-397B-A17B-FP8", seq_len=4096))
+    assert result["total_bytes"] == p.total_bytes and result["fits"] is True
+    assert result["longest_seq_len"] == plan.longest_seq_len(released("Qwen3.5-397B-A17B-FP8"))
+    assert any(line.startswith("headroom") for line in lines) and "longest --seq_len" in r.stdout
+    # A missing config names the flag and the file it looked for.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run_plan(f"--model_dir={empty}")
+    assert r.returncode == 2 and "--model_dir" in r.stderr and "config.json" in r.stderr
+    r = run_plan(f"--model_config={tmp_path / 'missing.json'}")
+    assert r.returncode == 2 and "--model_config" in r.stderr and "not found" in r.stderr
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_the_gated_deltanet_terms_are_what_autograd_keeps_of_the_cpp_op(finetune):
+    """The planner's Gated DeltaNet terms against the storages autograd keeps from the C++ op
+    itself (v4_gated_deltanet on the CPU makes the same ATen calls as on CUDA; only its scan's
+    kernel differs, inside one autograd node): two documents (each padded to chunks of 64), bf16;
+    LoRA on attention or every weight trained. Outside Bazel it needs the op built
+    (tools/build_ext.py, its folder on PYTHONPATH)."""
+    import torch
+
+    from v4train import lora, ops
+    from v4train.model import CausalLM
+
+    with open(os.path.join(ROOT, "testdata", "sft", "qwen3_5_config.json")) as f:
+        config = json.load(f)
+    cfg = config_from_dict(config, "qwen3_5_config.json")
+    documents, r = (100, 156), 4
+    model = CausalLM.random(cfg, config, torch.bfloat16)
+    if finetune == "lora":
+        lcfg = lora.LoraConfig(r, 2.0 * r, 0.0, lora.expand_targets(model, ["attention"]), True)
+        trained = lora.add_adapters(model, lcfg, torch.bfloat16, "cpu", seed=0)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in trained)
+    else:
+        for n, p in model.named_parameters():
+            p.requires_grad_(not model.family.is_frozen(n))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    T = sum(documents)
+    h = torch.randn(T, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cu_seqlens = torch.tensor([0, documents[0], T])
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    try:
+        deltanet = ops.resolve("v4_gated_deltanet").v4_gated_deltanet
+    except ops.CppOpUnavailable as e:
+        if "TEST_SRCDIR" in os.environ:  # under Bazel the ops are built: never skipped there
+            raise
+        pytest.skip(f"{e}")
+    layer = model.layers[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        deltanet(
+            h, layer.weights.linear_attn, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, cfg.rms_norm_eps, cu_seqlens, layer.lora_scaling, 0.0)
+    setup = plan.Setup(cfg, config, finetune=finetune, fp8="dequantize", seq_len=T, lora_r=r, documents=documents)
+    terms = plan.qwen3_5_layer(plan._ctx(setup, documents), 0).saved
+    predicted = sum(t.bytes for t in terms.before("mid") if plan.key(t) != "norms")  # the block's, not the norms'
+    print(f"{finetune}: predicted {predicted:,} bytes, autograd keeps {sum(kept.values()):,}")
+    assert abs(predicted / sum(kept.values()) - 1) < 0.02
+
+
+@pytest.mark.parametrize("name,path,pattern", [
+    ("MASKED_MAX_LEN", "models/glm5/glm5_layer_forward.cc", r"kMaskedMaxLen = (\d+);"),
+    ("BLOCK_BYTES", "models/glm5/mla_dsa_attention.cc", r"block_bytes\{int64_t\{1\} << (\d+)\}"),
+    ("GDR_CHUNK", "ops/gated_delta_rule.h", r"kChunk = (\d+);"),
+])
+def test_the_constants_copied_from_the_cpp_ops_are_theirs(name, path, pattern):
+    with open(os.path.join(ROOT, "cc", path)) as f:
+        value = int(re.search(pattern, f.read()).group(1))
+    assert getattr(plan, name) == (2**value if name == "BLOCK_BYTES" else value)
