@@ -13,6 +13,7 @@ import v4_linear_test
 from parity.fp8_bound import BLOCK, Bounded, assert_within, fp8_linear
 from v4train.reference.lora import FP8_MAX, Linear, dequantize_fp8, quantize_fp8
 
+# ("cuda" in the names: the CPU suite on a GPU machine deselects them with -k "not cuda", as parity does.)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 
 
@@ -51,7 +52,7 @@ def weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Te
 @CUDA
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "nonnegative"])
 @pytest.mark.parametrize("m,k,n", SHAPES)
-def test_the_fp8_path_is_within_its_bound_of_the_truth(m, k, n, signed):
+def test_the_fp8_path_on_cuda_is_within_its_bound_of_the_truth(m, k, n, signed):
     gen = torch.Generator().manual_seed(m * 7 + k * 3 + n + signed)
     q, scale = weight(n, k, gen)
     x = activations(m, k, gen, signed).cuda()
@@ -65,7 +66,7 @@ def test_the_fp8_path_is_within_its_bound_of_the_truth(m, k, n, signed):
 
 
 @CUDA
-def test_the_fp8_path_keeps_the_leading_dimensions_and_its_adapter():
+def test_the_fp8_path_on_cuda_keeps_the_leading_dimensions_and_its_adapter():
     """x [2, 5, K] (a view, not contiguous in its rows) with a LoRA adapter: the adapter's term on
     top of path (a), within the same bound plus the adapter's bf16 rounding."""
     gen = torch.Generator().manual_seed(3)
