@@ -71,3 +71,21 @@ def test_more_processes_than_gpus_is_refused_before_any_work(tmp_path):
     expected = "no CUDA device" if not torch.cuda.is_available() else "--nproc_per_node=64: this machine has"
     assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_rank_killed_mid_checkpoint_ends_the_job_and_the_resume_is_exact(tmp_path):
+    """kill -9 of rank 0 while it writes checkpoint-4: torchrun ends the other rank (it waits in
+    the checkpoint's barrier) and the job fails within a bound; checkpoint-2 is complete and a
+    resume from it trains exactly as the uninterrupted run."""
+    import time
+
+    args = ["--max_steps=6", "--save_interval=2", "--micro_batch_size=1", "--lora_dropout=0.1"]
+    _train(tmp_path / "whole", *args, processes=2)
+    t0 = time.time()
+    killed = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'split'}", "--device=cpu", "--nproc_per_node=2",
+                     *args, env={**ENV, "V4TRAIN_KILL_AT": "checkpoint-write:2"})
+    assert killed.returncode != 0 and time.time() - t0 < 300, killed.stderr[-3000:]
+    assert sorted(p for p in os.listdir(tmp_path / "split") if p.startswith("checkpoint-")) == ["checkpoint-2"]
+    _train(tmp_path / "split", *args, "--resume_from=latest", processes=2)
+    for field in ("loss", "grad_norm"):
+        assert_close(_curve(tmp_path / "split", field), _curve(tmp_path / "whole", field), f"resumed {field}")
