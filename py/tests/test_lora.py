@@ -83,7 +83,8 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
     lcfg = lora.LoraConfig(2, 4, 0.0, ("o_proj",), False)
     adapters = lora.add_adapters(model, lcfg, torch.float32, "cpu", 0)
     opt = AdamW(adapters, ops.REFERENCE)
-    kw = dict(model=model, adapters=adapters, lcfg=lcfg, optimizer=opt, state={"loader": {}}, base_model_dir=BASE,
+    kw = dict(model=model, adapters=adapters, lcfg=lcfg, optimizer_state=opt.state_tensors(),
+              optimizer_steps=opt.step_count, state={"loader": {}}, base_model_dir=BASE,
               tokenizer_dir=None, keep=3)
     checkpoint.save(str(tmp_path), 1, **kw)
     before = (tmp_path / "checkpoint-1" / "adapter_model.safetensors").read_bytes()
