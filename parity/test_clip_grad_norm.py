@@ -41,27 +41,27 @@ def _sharded_worker(rank: int, size: int, init: str, impl: str) -> None:
     try:
         fn = OP.reference if impl == "reference" else OP.cpp()
         gen = torch.Generator().manual_seed(2)
-        whole = [torch.randn(s, generator=gen) for s in [(6, 4), (9,), (4, 3)]]
+        whole = [torch.randn(s, generator=gen) for s in [(6, 4), (9,), (4, 3), (5,)]]
         params = [torch.nn.Parameter(torch.zeros_like(g)) for g in whole]
         for p, g in zip(params, whole):
             p.grad = g.clone()
         expected_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-        # Each rank holds rows of each gradient, as FSDP2's shards do (rank 1 none of the second's).
-        shards = [g[rank::size].clone() if i != 1 else (g.clone() if rank == 0 else g[:0].clone())
-                  for i, g in enumerate(whole)]
-        norm = fn(shards, 1.0, dist.group.WORLD.group_name)
+        # Each rank holds rows of each gradient, as FSDP2's shards do (rank 1 none of the second's);
+        # the last is on both ranks whole (a replicated expert's): two copies, counted once.
+        part = lambda i, g: g if i == 3 else g[rank::size] if i != 1 else (g if rank == 0 else g[:0])  # noqa: E731
+        shards = [part(i, g).clone() for i, g in enumerate(whole)]
+        norm = fn(shards, 1.0, dist.group.WORLD.group_name, [1, 1, 1, 2])
         assert_close(norm, expected_norm, f"norm over {size} ranks")
         for i, (s, p) in enumerate(zip(shards, params)):
-            want = p.grad[rank::size] if i != 1 else (p.grad if rank == 0 else p.grad[:0])
-            assert_close(s, want, f"clipped shard {i}")
+            assert_close(s, part(i, p.grad), f"clipped shard {i}")
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpp"])
 def test_the_norm_of_shards_over_ranks_is_the_whole_gradients(impl, tmp_path):
-    """With a group's name the gradients are each rank's shards: the norm and the clipping are those
-    of the whole gradients (2 gloo processes)."""
+    """With a group's name the gradients are each rank's shards, or copies of one on several ranks:
+    the norm and the clipping are those of the whole gradients (2 gloo processes)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_sharded_worker, args=(2, str(tmp_path / "init"), impl), nprocs=2, join=True)
