@@ -27,9 +27,9 @@ import sys
 import torch
 from absl import app
 
-from v4train import cli, distributed, ops
+from v4train import cli, distributed, hf_checkpoint, ops
 from v4train.flags import FLAGS, SOURCES, FlagError
-from v4train.trainer import RunConfig, Trainer
+from v4train.trainer import RunConfig, Trainer, check_expert_parallel
 
 FLAGFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")
 
@@ -81,6 +81,11 @@ def launch(config: RunConfig, argv: list[str]) -> None:
     if config.device == "cuda" and n > torch.cuda.device_count():
         raise FlagError(f"--nproc_per_node={n}: this machine has {torch.cuda.device_count()} GPU(s), one process "
                         "each at most")
+    if n % FLAGS.expert_parallel:
+        raise FlagError(f"--expert_parallel={FLAGS.expert_parallel} does not divide --nproc_per_node={n}: each "
+                        "expert-parallel group is that many ranks")
+    config_path = os.path.join(config.model_dir, "config.json") if config.model_dir else config.model_config
+    check_expert_parallel(config.expert_parallel, hf_checkpoint.read_config(config_path)[1], config_path)
     own = [a for a in argv[1:] if not any(a.startswith(f"--{name}=") or a == f"--{name}" for name in LAUNCHER_FLAGS)]
     rendezvous = shlex.split(FLAGS.torchrun_args) or ["--standalone"]
     sys.stdout.flush()

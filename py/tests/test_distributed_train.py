@@ -1,9 +1,10 @@
 """//py:train with several processes (gloo on the CPU; the same code runs NCCL on GPUs): started
-by --nproc_per_node through torch's launcher, data parallel with FSDP2 over the decoder layers.
-The same global batch trains the same model whatever the number of processes: per-step losses,
-gradient norms and the final adapter of 2 processes equal those of 1 process that accumulates
-their micro-batches, for both bundled families; a resume continues exactly; refusals come
-before any work."""
+by --nproc_per_node through torch's launcher, data parallel with FSDP2 over the decoder layers,
+the routed experts split over --expert_parallel ranks. The same global batch trains the same model
+whatever the layout: per-step losses, gradient norms and the final adapter of 2 processes (data
+or expert parallel) and of 4 (2 x 2) equal those of 1 process that accumulates their
+micro-batches, for both bundled families; a resume continues exactly; refusals come before any
+training."""
 
 import os
 
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from golden_cases import BASE, CHAT, QWEN_BASE, SMALL, last_json, metrics, run_cli
-from v4train.testing.compare import assert_close
+from v4train.testing.compare import assert_close, assert_rel_close
 
 # Loopback for gloo (a test machine's hostname may not resolve to a reachable interface).
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
@@ -30,23 +31,43 @@ def _curve(out, field):
 
 
 @pytest.mark.parametrize("base", [BASE, QWEN_BASE], ids=["glm5", "qwen3_5"])
-def test_two_processes_train_as_one_that_accumulates_their_batches(base, tmp_path):
+def test_data_and_expert_parallel_runs_train_as_one_process_that_accumulates_their_batches(base, tmp_path):
+    """One global batch of 4 micro-batches: 1 process accumulating 4; 2 processes data parallel; 2
+    expert parallel (each holds 4 of the 8 experts); 4 as 2 data-parallel replicas of an
+    expert-parallel pair."""
     # A large adam_eps keeps AdamW's update linear in the gradient where the gradient is small: with
     # the default, an element whose gradient cancels to rounding noise (a gathered weight's other
     # alignment changes the order of a sum) moves by +-lr whatever its value, and no bound compares it.
     args = ["--model_dir=" + base, "--max_steps=3", "--micro_batch_size=1", "--gradient_checkpointing",
             "--adam_eps=1e-3"]
-    one = _train(tmp_path / "one", *args, "--grad_accum=2")
-    two = _train(tmp_path / "two", *args, "--grad_accum=1", processes=2)
-    for field in ("loss", "grad_norm"):
-        assert_close(_curve(tmp_path / "two", field), _curve(tmp_path / "one", field), f"per-step {field}")
-    assert last_json(two.stdout)["steps"] == 3 and len(two.stdout.strip().splitlines()) == 1  # rank 0 alone prints
-    a = load_file(str(tmp_path / "one" / "checkpoint-3" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "two" / "checkpoint-3" / "adapter_model.safetensors"))
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert_close(b[key], a[key], f"final adapter {key}")
-    assert os.path.exists(tmp_path / "two" / "loss.png")
+    _train(tmp_path / "one", *args, "--grad_accum=4")
+    expected = load_file(str(tmp_path / "one" / "checkpoint-3" / "adapter_model.safetensors"))
+    for processes, ep in ((2, 1), (2, 2), (4, 2)):
+        out = tmp_path / f"{processes}x{ep}"
+        run = _train(out, *args, f"--grad_accum={4 // processes}", f"--expert_parallel={ep}", processes=processes)
+        what = f"{processes} processes, expert parallel {ep}"
+        # Whole-model quantities (compare.py's model tolerance): after an update the two layouts'
+        # sums in other orders have moved the weights by rounding, and each step sums over all of them.
+        for field in ("loss", "grad_norm"):
+            assert_rel_close(_curve(out, field), _curve(tmp_path / "one", field), f"{what}: per-step {field}")
+        assert last_json(run.stdout)["steps"] == 3 and len(run.stdout.strip().splitlines()) == 1  # rank 0 prints
+        adapter = load_file(str(out / "checkpoint-3" / "adapter_model.safetensors"))  # gathered whole, PEFT's
+        assert sorted(adapter) == sorted(expected)
+        for key in expected:
+            assert_rel_close(adapter[key], expected[key], f"{what}: final adapter {key}")
+        assert os.path.exists(out / "loss.png")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nproc_per_node=2", "--expert_parallel=4"], "--expert_parallel=4 does not divide --nproc_per_node=2"),
+    (["--nproc_per_node=3", "--expert_parallel=3"], "--expert_parallel=3: "),
+    (["--expert_parallel=2"], "--expert_parallel=2 does not divide the 1 process(es)"),
+])
+def test_an_expert_parallel_that_does_not_fit_is_refused_before_training(args, message, tmp_path):
+    result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", "--device=cpu", *args, env=ENV)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
 
 def test_a_two_process_run_resumes_exactly_and_refuses_another_world_size(tmp_path):

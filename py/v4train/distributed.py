@@ -1,10 +1,16 @@
 """Many processes: the world torchrun starts (one process per device), data parallel with FSDP2
 over the decoder layers. docs/distributed.md says what each rank holds and computes.
 
-The trainer asks this module three things: which rank it is and on which device (`World`, from
-torchrun's environment), how to shard the model (`shard`: fully_shard per decoder layer, then the
-root for the embeddings, final norm and LM head), and how to move a sharded tensor between its
-shard and its whole (`whole`, `assign`) for checkpoints. FSDP2 averages the gradients over the
+The trainer asks this module which rank it is and on which device (`World`, from torchrun's
+environment), how to shard the model (`shard_experts`: with --expert_parallel=N each rank keeps
+E / N routed experts; `shard`: fully_shard per decoder layer, then the root for the embeddings,
+final norm and LM head), what gradient sync FSDP2 leaves to it (`sync_experts`), and how to move a
+sharded tensor between its shard and its whole (`whole`, `assign`) for checkpoints.
+
+The ranks form a [data parallel, expert parallel] mesh: expert-parallel groups of N consecutive
+ranks, each holding all experts between them; the world / N groups are data-parallel replicas of
+the experts. An expert's weights and adapters are DTensors on that mesh (Replicate, Shard(0));
+every other weight is FSDP2's over the whole world. FSDP2 averages the gradients over the
 ranks (gloo has no pre-scaled sum), so each rank's loss is divided by the global batch's target
 count over the world size: the average is the gradient of the global batch's mean loss.
 """
@@ -17,7 +23,9 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from v4train.layer_call import ExpertParallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +37,8 @@ class World:
     size: int = 1
     local_rank: int = 0
     group: str | None = None
+    expert_parallel: int = 1  # ranks of an expert-parallel group
+    mesh: object = None  # the [dp, ep] DeviceMesh, with expert parallelism
 
     @property
     def main(self) -> bool:
@@ -61,20 +71,59 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def join(device: str, timeout_s: float) -> World:
+def join(device: str, timeout_s: float, expert_parallel: int = 1) -> World:
     """The world of a process torchrun started: the process group initialised (NCCL on CUDA, gloo
     on the CPU) with `timeout_s` for every collective, and on CUDA this rank's device made the
-    current one (LOCAL_RANK). A process started without torchrun is a world of one."""
-    if not launched() or int(os.environ["WORLD_SIZE"]) == 1:
+    current one (LOCAL_RANK). A process started without torchrun is a world of one.
+    `expert_parallel` must divide the world size (ValueError naming both)."""
+    size = int(os.environ["WORLD_SIZE"]) if launched() else 1
+    if size % expert_parallel:
+        raise ValueError(f"--expert_parallel={expert_parallel} does not divide the {size} process(es) of this run "
+                         "(--nproc_per_node x nodes): each expert-parallel group is that many ranks")
+    if size == 1:
         return World()
-    rank, size, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if device == "cuda":
         if local >= torch.cuda.device_count():
             raise ValueError(f"--nproc_per_node: local rank {local} has no GPU of its own (this machine has "
                              f"{torch.cuda.device_count()}): start at most one process per GPU")
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    return World(rank, size, local, dist.group.WORLD.group_name)
+    mesh = None
+    if expert_parallel > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device, (size // expert_parallel, expert_parallel), mesh_dim_names=("dp", "ep"))
+    return World(rank, size, local, dist.group.WORLD.group_name, expert_parallel, mesh)
+
+
+def expert_tensor(name: str) -> bool:
+    """Whether a layer's tensor (its name under model.layers.{i}.) is a routed expert's: the
+    packed [E, ...] weights, their scales and adapters."""
+    return ".experts." in f".{name}"
+
+
+def shard_experts(model, world: World) -> None:
+    """Each rank keeps its expert-parallel rank's E / N consecutive routed experts of every MoE
+    layer (weights, FP8 scales, LoRA factors: DTensors on the mesh, replicated over the
+    data-parallel dimension), and its layer ops exchange the routed rows within its group."""
+    if world.expert_parallel == 1:
+        return
+    from v4train.model import put_parameter
+
+    n, ep = world.expert_parallel, world.mesh["ep"]
+    options = ExpertParallel(ep.get_group().group_name, ep.get_local_rank(), n)
+    for layer in model.layers:
+        experts = {k: p for k, p in layer.named_parameters() if expert_tensor(k)}
+        if not experts:
+            continue
+        E = next(iter(experts.values())).shape[0]
+        if E % n:
+            raise ValueError(f"--expert_parallel={n} does not divide the {E} routed experts of {model.cfg.model_type}")
+        for k, p in experts.items():
+            shard = distribute_tensor(p.detach(), world.mesh, [Replicate(), Shard(0)], src_data_rank=None)
+            put_parameter(layer, k, shard, requires_grad=p.requires_grad)
+        layer.expert_parallel = options
 
 
 def leave() -> None:
@@ -92,11 +141,41 @@ def shard(model, world: World) -> None:
 
     if world.size == 1:
         return
+    # The experts of expert parallelism are this rank's already (shard_experts): FSDP2 leaves them.
+    experts = {p for layer in model.layers for k, p in layer.named_parameters()
+               if expert_tensor(k) and world.expert_parallel > 1} or None
     for layer in model.layers:
         layer.sharded = True
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, ignored_params=experts)
+    fully_shard(model, ignored_params=experts)
     register_fsdp_forward_method(model, "loss")
+
+
+def sync_experts(params: list[torch.Tensor], world: World) -> None:
+    """The experts' gradients, which FSDP2 does not hold, made the global batch's: each arrived
+    through the all-to-all from every rank of its expert-parallel group, of losses scaled by the
+    world size (for FSDP2's average); summed over the data-parallel replicas and divided by the
+    world size."""
+    if world.expert_parallel == 1:
+        return
+    replicas = world.mesh["dp"].get_group()
+    for p in params:
+        if isinstance(p, DTensor) and p.grad is not None and p.device_mesh is world.mesh:
+            g = local(p.grad)
+            if world.size > world.expert_parallel:
+                dist.all_reduce(g, group=replicas)
+            g.div_(world.size)
+
+
+def copies(t: torch.Tensor) -> int:
+    """How many ranks hold the same shard of t: the sizes of the mesh dimensions it is replicated
+    over (1 for FSDP2's shards and for a tensor of one process)."""
+    if not isinstance(t, DTensor):
+        return 1
+    n = 1
+    for size, placement in zip(t.device_mesh.shape, t.placements):
+        n *= size if isinstance(placement, Replicate) else 1
+    return n
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

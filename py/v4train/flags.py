@@ -85,6 +85,11 @@ flags.DEFINE_integer("nproc_per_node", 0, "Train with this many processes on thi
 flags.DEFINE_string("torchrun_args", "", "With --nproc_per_node: more arguments of torch.distributed.run, e.g. "
                     "'--nnodes=2 --node_rank=0 --rdzv_backend=c10d --rdzv_endpoint=host:29500 --rdzv_id=job1' for "
                     "several machines (default: --standalone, this machine alone).")
+flags.DEFINE_integer("expert_parallel", 1, "With several processes: ranks of an expert-parallel group. Each rank "
+                     "holds E / N of every MoE layer's routed experts (and their adapters); the routed tokens travel "
+                     "to the ranks of their experts and back by all-to-all inside the layer op. Must divide the "
+                     "number of processes and the experts; the groups are data-parallel replicas of each other.",
+                     lower_bound=1)
 flags.DEFINE_float("collective_timeout_s", 600.0, "In a run of several processes: a collective that waits this "
                    "long (a rank died or hangs) ends the job with an error instead of waiting forever.",
                    lower_bound=1.0)

@@ -14,9 +14,10 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from v4train import ops as ops_
-from v4train.layer_call import Batch, LayerOptions
+from v4train.layer_call import Batch, ExpertParallel, LayerOptions
 from v4train.models import family_of
 from v4train.models import ModelConfig
 from v4train.models.weights import WeightSpec, init_tensor
@@ -133,14 +134,16 @@ class DecoderLayer(nn.Module):
         self.checkpointing = False  # recompute the layer in the backward pass (activation checkpointing)
         self.op = None  # the family's layer op from the run's OpTable (CausalLM.use_ops)
         self.sharded = False  # FSDP2 swaps its parameters (gathered, sharded): bind them at each call
+        self.expert_parallel = ExpertParallel()  # its MoE's group (v4train.distributed.shard_experts)
 
     @property
     def weights(self):
         """The layer's tensors (its adapters among them) as its op takes them, the family's
         layer_weights: bound once, and again after a parameter is added (put_parameter) or the
         module moved (_apply); at each call when FSDP2 shards it (v4train.distributed.shard)."""
-        if self._bound is None or self.sharded:
-            self._bound = bind(self.family.layer_weights, dict(self.named_parameters()))
+        if self._bound is None or self.sharded:  # (an expert's DTensor: this rank's experts, in the graph)
+            self._bound = bind(self.family.layer_weights, {k: p.to_local() if isinstance(p, DTensor) else p
+                                                           for k, p in self.named_parameters()})
         return self._bound
 
     def unbind(self) -> None:
@@ -152,7 +155,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: Batch, carry=None):
         """(hidden, the carry to the next layer: GLM-5's DSA selection, None for Qwen3.5)."""
-        options = LayerOptions(self.lora_scaling, self.lora_dropout if self.training else 0.0, self.checkpointing)
+        options = LayerOptions(self.lora_scaling, self.lora_dropout if self.training else 0.0, self.checkpointing,
+                               self.expert_parallel)
         if self.family.carries:
             return self.op(hidden, self.weights, self.cfg, self.index, batch, options, carry)
         return self.op(hidden, self.weights, self.cfg, self.index, batch, options), None

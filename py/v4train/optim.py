@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from v4train.distributed import assign, local, whole
+from v4train.distributed import assign, copies, local, whole
 from v4train.ops import OpTable
 
 
@@ -56,6 +56,10 @@ class AdamW:
     def grads(self) -> list[torch.Tensor]:
         """The gradients that exist (a weight no loss reached this step has none, and is not updated)."""
         return [local(p.grad) for p in self.params if p.grad is not None]
+
+    def grad_copies(self) -> list[int]:
+        """Per gradient of grads(): how many ranks hold the same one (distributed.copies)."""
+        return [copies(p) for p in self.params if p.grad is not None]
 
     def nonfinite_grads(self) -> list[str]:
         """The parameters whose gradient holds NaN or inf, in model order: the diagnosis of a step

@@ -85,6 +85,7 @@ class RunConfig:
     on_nonfinite: str = "stop"
     max_nonfinite_skips: int = 10
     collective_timeout_s: float = 600.0  # a collective that waits longer ends the job (a rank died or hung)
+    expert_parallel: int = 1  # ranks of an expert-parallel group (each holds E / N routed experts)
 
     @staticmethod
     def from_flags(f=FLAGS) -> "RunConfig":
@@ -110,7 +111,16 @@ class RunConfig:
             lora_experts=f.lora_experts,
             save_interval=f.save_interval, save_total_limit=f.save_total_limit, log_interval=f.log_interval,
             stop_at_step=f.stop_at_step, overwrite_output_dir=f.overwrite_output_dir, on_nonfinite=f.on_nonfinite,
-            max_nonfinite_skips=f.max_nonfinite_skips, collective_timeout_s=f.collective_timeout_s)
+            max_nonfinite_skips=f.max_nonfinite_skips, collective_timeout_s=f.collective_timeout_s,
+            expert_parallel=f.expert_parallel)
+
+
+def check_expert_parallel(n: int, model_cfg, config_path: str) -> None:
+    """--expert_parallel=n shares each MoE layer's routed experts equally (FlagError otherwise)."""
+    experts = getattr(model_cfg, "n_routed_experts", 0) or getattr(model_cfg, "num_experts", 0)
+    if n > 1 and (not experts or experts % n):
+        raise FlagError(f"--expert_parallel={n}: {config_path} has {experts} routed experts, which that many ranks "
+                        "cannot share equally")
 
 
 def resume_path(resume_from: str | None, output_dir: str) -> str | None:
@@ -169,13 +179,15 @@ def train_step(model: CausalLM, optimizer: AdamW, micro: list[list[data.Record]]
         tokens += sum(len(d.input_ids) for d in docs)
     # The norm first, without clipping: clipping by a NaN norm would turn every gradient to NaN
     # and hide where the non-finite values are.
+    distributed.sync_experts(optimizer.params, world)
     grads = optimizer.grads()
-    norm = optimizer.ops.v4_clip_grad_norm(grads, 0.0, world.group).item()
+    copies = optimizer.grad_copies() if world.expert_parallel > 1 else None  # the experts' replicas count once
+    norm = optimizer.ops.v4_clip_grad_norm(grads, 0.0, world.group, copies).item()
     loss_value, tokens = world.sum([loss_value, tokens], device)
     result = StepResult(loss_value / world.size, norm, int(tokens), [])
     if result.finite:
         if max_grad_norm > 0:
-            optimizer.ops.v4_clip_grad_norm(grads, max_grad_norm, world.group)
+            optimizer.ops.v4_clip_grad_norm(grads, max_grad_norm, world.group, copies)
         optimizer.step(lr)
     else:
         result.nonfinite = optimizer.nonfinite_grads()
@@ -230,6 +242,7 @@ class Trainer:
         self.config_path = os.path.join(c.model_dir, "config.json") if c.model_dir else c.model_config
         self.tokenizer_dir = c.tokenizer_dir or c.model_dir or os.path.dirname(c.model_config)
         self.hf_config, self.model_cfg = hf_checkpoint.read_config(self.config_path)
+        check_expert_parallel(c.expert_parallel, self.model_cfg, self.config_path)
         tok_file = os.path.join(self.tokenizer_dir, "tokenizer.json")
         self.tokenizer = Tokenizer(self.tokenizer_dir) if os.path.exists(tok_file) else None
         # Data cut to --seq_len, or to the model's max_position_embeddings when that is shorter
@@ -290,7 +303,9 @@ class Trainer:
         for w in self.trainable.values():
             w.requires_grad_(True)
         if self.world.size > 1:
-            # FSDP2 replaces every parameter by its shard (a DTensor): what trains is looked up again.
+            # Each rank keeps its experts, FSDP2 shards the rest: every parameter is replaced by its
+            # shard (a DTensor), so what trains is looked up again.
+            distributed.shard_experts(model, self.world)
             distributed.shard(model, self.world)
             self.trainable = {n: model.get_parameter(n) for n in self.trainable}
             if self.adapters is not None:
@@ -341,7 +356,7 @@ class Trainer:
 
     def run(self) -> int:
         c = self.config
-        self.world = distributed.join(c.device, c.collective_timeout_s)  # one process, or torchrun's world
+        self.world = distributed.join(c.device, c.collective_timeout_s, c.expert_parallel)  # or torchrun's world
         try:
             # From here on this run owns output_dir (run_dir.py): no other run writes it meanwhile.
             # Rank 0 claims it for the job; the others wait for it.
