@@ -208,3 +208,39 @@ def test_only_linear_maps_stay_fp8_a_router_in_fp8_is_dequantised(tmp_path):
         tensors = {**{n: p.detach() for n, p in kept.named_parameters()}}
         tensors[routers[0]], tensors[scale_name(routers[0])] = quantize_fp8(tensors[routers[0]])
         CausalLM(kept.cfg, tensors, kept.hf_config)
+
+
+@pytest.mark.parametrize("base", ["glm5_base", "qwen3_5_base"])
+def test_an_expert_parallel_rank_reads_only_its_experts(base, monkeypatch):
+    """experts=(4, 8): every MoE layer's packed experts are rows 4..7 of the whole load's, every
+    other tensor equal, and no tensor of experts 0..3 is read (nor reported as unexpected)."""
+    model_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "testdata", base)
+    whole, _ = hf_checkpoint.load(model_dir)
+    read = []
+    opened = hf_checkpoint._open
+
+    def recording(path):
+        handle = opened(path)
+
+        class Recorder:  # safe_open's handle, its reads noted
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def __getattr__(self, name):
+                return getattr(handle, name)
+
+            def get_tensor(self, key):
+                read.append(key)
+                return handle.get_tensor(key)
+        return Recorder()
+    monkeypatch.setattr(hf_checkpoint, "_open", recording)
+    part, _ = hf_checkpoint.load(model_dir, experts=(4, 8))
+    packed = [n for n in whole.weights() if ".mlp.experts." in n]
+    assert packed
+    for name, t in whole.weights().items():
+        assert torch.equal(part.weights()[name], t[4:8] if name in packed else t), name
+    assert read and not [k for k in read if any(f".experts.{e}." in k for e in range(4))]

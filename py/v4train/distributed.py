@@ -103,27 +103,43 @@ def expert_tensor(name: str) -> bool:
     return ".experts." in f".{name}"
 
 
+def routed_experts(cfg) -> int:
+    """The routed experts of each MoE layer of a model config (0: no MoE)."""
+    return getattr(cfg, "n_routed_experts", 0) or getattr(cfg, "num_experts", 0)
+
+
+def local_experts(cfg, world: World) -> tuple[int, int] | None:
+    """(start, stop): the routed experts this rank holds with expert parallelism (None: all)."""
+    if world.expert_parallel == 1:
+        return None
+    per_rank, ep_rank = routed_experts(cfg) // world.expert_parallel, world.rank % world.expert_parallel
+    return ep_rank * per_rank, (ep_rank + 1) * per_rank
+
+
 def shard_experts(model, world: World) -> None:
     """Each rank keeps its expert-parallel rank's E / N consecutive routed experts of every MoE
     layer (weights, FP8 scales, LoRA factors: DTensors on the mesh, replicated over the
-    data-parallel dimension), and its layer ops exchange the routed rows within its group."""
+    data-parallel dimension), and its layer ops exchange the routed rows within its group. A
+    tensor of all E experts is cut to this rank's; one of E / N (read so from the checkpoint,
+    hf_checkpoint.load's `experts`) is taken as this rank's."""
     if world.expert_parallel == 1:
         return
     from v4train.model import put_parameter
 
-    n, ep = world.expert_parallel, world.mesh["ep"]
+    n, ep, E = world.expert_parallel, world.mesh["ep"], routed_experts(model.cfg)
     options = ExpertParallel(ep.get_group().group_name, ep.get_local_rank(), n)
+    placements = [Replicate(), Shard(0)]
     for layer in model.layers:
         experts = {k: p for k, p in layer.named_parameters() if expert_tensor(k)}
-        if not experts:
-            continue
-        E = next(iter(experts.values())).shape[0]
-        if E % n:
-            raise ValueError(f"--expert_parallel={n} does not divide the {E} routed experts of {model.cfg.model_type}")
         for k, p in experts.items():
-            shard = distribute_tensor(p.detach(), world.mesh, [Replicate(), Shard(0)], src_data_rank=None)
+            if p.shape[0] == E:
+                shard = distribute_tensor(p.detach(), world.mesh, placements, src_data_rank=None)
+            else:
+                shard = DTensor.from_local(p.detach(), world.mesh, placements, run_check=False,
+                                           shape=(E, *p.shape[1:]), stride=(p[0].numel(), *p.stride()[1:]))
             put_parameter(layer, k, shard, requires_grad=p.requires_grad)
-        layer.expert_parallel = options
+        if experts:
+            layer.expert_parallel = options
 
 
 def leave() -> None:

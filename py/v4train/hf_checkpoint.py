@@ -155,14 +155,17 @@ def canonical_key(key: str) -> str:
     return "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
 
 
-def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: str = "dequantize"
-         ) -> tuple[CausalLM, dict]:
+def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: str = "dequantize",
+         experts: tuple[int, int] | None = None) -> tuple[CausalLM, dict]:
     """The model in `dtype` on `device`, and a report {'skipped': {reason: count}}. An FP8
     checkpoint's layer weights (float8_e4m3fn with a 128 x 128-block weight_scale_inv) are
     dequantised into `dtype`, or with fp8="keep" stay float8 beside their fp32 scales (frozen
     parameters the ops dequantise just in time: half the memory of bf16). A routed experts'
     tensor packed from per-expert weights stays FP8 where its parts' rows fill whole scale blocks
-    (else it is dequantised); weights outside the layers are always dequantised."""
+    (else it is dequantised); weights outside the layers are always dequantised. `experts`
+    (start, stop): only those routed experts of every MoE layer are read (an expert-parallel
+    rank's: the others' tensors are neither read nor reported), their packed tensors
+    [stop - start, ...]."""
     hf_config, cfg = read_config(os.path.join(model_dir, "config.json"))
     files = _files(model_dir)
     handles: dict[str, object] = {}
@@ -204,6 +207,9 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
         keys = _expert_keys(spec) if packed else [spec.name]
         # Every key this weight is read from is accounted for, even when another one is missing.
         used.update(k for key in keys for k in (key, key + "_scale_inv") if k in available)
+        if spec.experts and experts:
+            keys = keys[experts[0] * len(spec.experts):experts[1] * len(spec.experts)] if packed else keys
+            spec = dataclasses.replace(spec, shape=(experts[1] - experts[0], *spec.shape[1:]))
         missing = [k for k in keys if k not in available]
         if missing:
             more = f", and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -214,6 +220,8 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
         try:
             t, scale = (_read_experts(spec, keys, available, read, keep) if packed
                         else _read_weight(spec.name, available, read, keep))
+            if spec.experts and experts and not packed:  # stored packed: this rank's rows
+                t, scale = t[experts[0]:experts[1]], None if scale is None else scale[experts[0]:experts[1]]
         except CheckpointError as e:
             problems.append(str(e))
             continue

@@ -117,7 +117,7 @@ class RunConfig:
 
 def check_expert_parallel(n: int, model_cfg, config_path: str) -> None:
     """--expert_parallel=n shares each MoE layer's routed experts equally (FlagError otherwise)."""
-    experts = getattr(model_cfg, "n_routed_experts", 0) or getattr(model_cfg, "num_experts", 0)
+    experts = distributed.routed_experts(model_cfg)
     if n > 1 and (not experts or experts % n):
         raise FlagError(f"--expert_parallel={n}: {config_path} has {experts} routed experts, which that many ranks "
                         "cannot share equally")
@@ -275,7 +275,9 @@ class Trainer:
         for LoRA) and what trains: LoRA adapters (every target must match a module) or every weight."""
         c = self.config
         if c.model_dir:
-            self.model, _ = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8)  # every weight checked finite
+            # every weight checked finite; with expert parallelism only this rank's experts read
+            self.model, _ = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8,
+                                               distributed.local_experts(self.model_cfg, self.world))
             self.base_model_dir = c.model_dir
             if c.finetune == "full" and self.model.fp8:
                 raise FlagError(f"--finetune=full: {c.model_dir} is an FP8 checkpoint, kept in FP8 (--fp8=keep, the "
