@@ -110,3 +110,21 @@ def test_a_rank_killed_mid_checkpoint_ends_the_job_and_the_resume_is_exact(tmp_p
     _train(tmp_path / "split", *args, "--resume_from=latest", processes=2)
     for field in ("loss", "grad_norm"):
         assert_close(_curve(tmp_path / "split", field), _curve(tmp_path / "whole", field), f"resumed {field}")
+
+
+@pytest.mark.parametrize("action", ["raise", "hang"])
+def test_a_rank_that_fails_or_hangs_ends_the_job(action, tmp_path):
+    """Rank 1 raises (its error on the console) or hangs at its second step: rank 0, waiting in the
+    next collective, is ended by torchrun or by --collective_timeout_s; no process is left and the
+    job fails in bounded time."""
+    import time
+
+    t0 = time.time()
+    result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", "--device=cpu", "--nproc_per_node=2",
+                     "--max_steps=4", "--micro_batch_size=1", "--collective_timeout_s=20",
+                     env={**ENV, "V4TRAIN_KILL_AT": f"step:2:{action}", "V4TRAIN_KILL_RANK": "1"})
+    assert result.returncode != 0 and time.time() - t0 < 240, result.stderr[-3000:]
+    if action == "raise":
+        assert "fault injected at step" in result.stderr
+    else:
+        assert "timed out" in result.stderr.lower() or "timeout" in result.stderr.lower(), result.stderr[-3000:]

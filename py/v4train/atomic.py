@@ -5,8 +5,10 @@ away before it is deleted. What a killed process leaves behind are temporary sib
 which `remove_temporaries` clears under the run's lock (v4train.run_dir). Nothing else is ever
 deleted there: a user's `.tmp-notes/` has neither the exact name nor the marker.
 
-`kill_point` is the fault-injection hook of the tests: V4TRAIN_KILL_AT=NAME[:N] SIGKILLs the
-process the N-th time (default the first) it passes the point NAME.
+`kill_point` is the fault-injection hook of the tests: V4TRAIN_KILL_AT=NAME[:N[:ACTION]] acts the
+N-th time (default the first) the process passes the point NAME: ACTION kill (the default:
+SIGKILL), raise (an OSError) or hang (sleeps for ever); with V4TRAIN_KILL_RANK=R only the rank R
+of a run of several processes does.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 import shutil
 import signal
 import tempfile
+import time
 
 MARKER = ".v4train-temporary"  # inside every temporary sibling made here
 _OWN = re.compile(r"^\.(tmp|old)-.+-[a-z0-9_]{8}$")  # their names: tempfile.mkdtemp's 8 random characters
@@ -24,11 +27,19 @@ _passes: dict[str, int] = {}
 
 
 def kill_point(name: str) -> None:
-    point, _, nth = os.environ.get("V4TRAIN_KILL_AT", "").partition(":")
-    if point == name:
-        _passes[name] = _passes.get(name, 0) + 1
-        if _passes[name] == int(nth or 1):
-            os.kill(os.getpid(), signal.SIGKILL)
+    point, _, rest = os.environ.get("V4TRAIN_KILL_AT", "").partition(":")
+    if point != name or os.environ.get("V4TRAIN_KILL_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
+        return
+    nth, _, action = rest.partition(":")
+    _passes[name] = _passes.get(name, 0) + 1
+    if _passes[name] != int(nth or 1):
+        return
+    if action == "raise":
+        raise OSError(f"fault injected at {name} (V4TRAIN_KILL_AT)")
+    if action == "hang":
+        while True:
+            time.sleep(60)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync(path: str) -> None:

@@ -23,6 +23,7 @@ import time
 import torch
 
 from v4train import checkpoint, cli, data, distributed, hf_checkpoint, lora, ops, run_dir
+from v4train.atomic import kill_point
 from v4train.distributed import World
 from v4train.flags import FLAGS, FlagError, validate, warmup_too_long
 from v4train.metrics import MetricsLog, Progress, peak_memory_mib
@@ -168,6 +169,7 @@ def train_step(model: CausalLM, optimizer: AdamW, micro: list[list[data.Record]]
     Only data movement, backward, scalar reads and op calls happen here: every computation is
     an op (C++ or its reference), which py/tests/test_train_step.py checks.
     """
+    kill_point("step")  # (the tests' fault injection)
     normalizer = max(1, sum(d.num_targets for docs in micro for d in docs)) / world.size  # FSDP2 averages
     share = len(micro) // world.size
     loss_value, tokens = 0.0, 0
