@@ -54,6 +54,7 @@ def _sharded_worker(rank: int, size: int, init: str, impl: str) -> None:
         assert_close(norm, expected_norm, f"norm over {size} ranks")
         for i, (s, p) in enumerate(zip(shards, params)):
             assert_close(s, part(i, p.grad), f"clipped shard {i}")
+        dist.barrier()  # both done before either tears the group down
     finally:
         dist.destroy_process_group()
 

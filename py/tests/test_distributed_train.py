@@ -128,3 +128,22 @@ def test_a_rank_that_fails_or_hangs_ends_the_job(action, tmp_path):
         assert "fault injected at step" in result.stderr
     else:
         assert "timed out" in result.stderr.lower() or "timeout" in result.stderr.lower(), result.stderr[-3000:]
+
+
+def test_full_fine_tuning_over_two_expert_parallel_processes_trains_as_one(tmp_path):
+    """--finetune=full: every weight FSDP2's or (the experts) expert parallel; the checkpoint's
+    weights (gathered whole, transformers' layout) and the losses equal one process's."""
+    args = ["--finetune=full", "--max_steps=2", "--micro_batch_size=1", "--adam_eps=1e-3", "--lr=1e-3"]
+    full = [a for a in SMALL if not a.startswith("--lora")]
+    runs = {}
+    for name, extra, n in (("one", ["--grad_accum=2"], 1), ("two", ["--expert_parallel=2"], 2)):
+        launch = [f"--nproc_per_node={n}"] if n > 1 else []
+        result = run_cli("train.py", *full, f"--output_dir={tmp_path / name}", "--device=cpu", *args, *extra, *launch,
+                         env=ENV)
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[name] = load_file(str(tmp_path / name / "checkpoint-2" / "model.safetensors"))
+    for field in ("loss", "grad_norm"):
+        assert_rel_close(_curve(tmp_path / "two", field), _curve(tmp_path / "one", field), f"per-step {field}")
+    assert sorted(runs["two"]) == sorted(runs["one"])
+    for key, t in runs["one"].items():
+        assert_rel_close(runs["two"][key], t, f"final weight {key}")

@@ -103,6 +103,9 @@ def _gloo(rank: int, size: int, init: str):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
     try:
         yield
+        # Both ranks done before either tears the group down: a rank that left first once aborted
+        # the other ("terminate called without an active exception", SIGABRT) under CI's load.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -2,7 +2,8 @@
 
 A checkpoint holds what a user loads (a PEFT adapter, or full weights in Hugging Face layout,
 plus the tokenizer files) and what an exact resume needs: optimizer moments
-(optimizer.safetensors), the random generators' states (rng_state.safetensors for torch's,
+(optimizer.safetensors; a run of several processes: optimizer/, torch.distributed.checkpoint's
+shards, each rank's own), the random generators' states (rng_state.safetensors for torch's,
 rng_state.json for Python's) and the step and data position (trainer_state.json). Nothing in a
 checkpoint is unpickled: a checkpoint can carry no code (an older one's rng_state.pt is read with
 torch.load(weights_only=True), which refuses anything but tensors and plain values). manifest.json, written last, lists every file with its size and sha256: a
@@ -27,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from v4train import hf_checkpoint, lora
 from v4train.atomic import atomic_dir, kill_point, remove_dir
-from v4train.distributed import assign
+from v4train.distributed import SHARDED, assign
 from v4train.hf_checkpoint import CheckpointError, inside, read_json
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -134,26 +135,33 @@ def verify(path: str) -> None:
                                   f"differs from {MANIFEST})")
 
 
-def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer_state: dict[str, torch.Tensor],
+def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer_state: dict[str, torch.Tensor] | None,
          optimizer_steps: int, state: dict, base_model_dir: str, tokenizer_dir: str | None, keep: int,
-         rng: list[tuple[dict, dict]] | None = None) -> str:
+         rng: list[tuple[dict, dict]] | None = None, write_sharded=None,
+         weights: dict[str, torch.Tensor] | None = None) -> str:
     """Writes checkpoint-STEP, then deletes the oldest complete checkpoints beyond `keep`. A write
     that fails (a full disk) raises CheckpointError saying which checkpoint is kept. Adapters and
     optimizer state come whole, and `rng` holds every rank's generators (rng_states(), default
-    this process's): a run of many processes has its rank 0 write what every rank gathered."""
+    this process's): a run of many processes has its rank 0 write what every rank gathered; its
+    optimizer state instead goes through `write_sharded(folder)`, torch.distributed.checkpoint's
+    sharded save into the checkpoint's folder (distributed.SHARDED), each rank its own shards; and
+    a full fine-tuning's `weights` come whole (default: the model's own)."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     try:
         with atomic_dir(final) as tmp:
             if adapters is not None:
                 lora.save_peft(model, adapters, lcfg, tmp, base_model_dir)
             else:
-                hf_checkpoint.write(model, tmp)
+                hf_checkpoint.write(model, tmp, weights)
             kill_point("checkpoint-write")
             for name in TOKENIZER_FILES:
                 if tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, name)):
                     shutil.copy(os.path.join(tokenizer_dir, name), tmp)
-            save_file({k: v.detach().cpu().contiguous() for k, v in optimizer_state.items()},
-                      os.path.join(tmp, "optimizer.safetensors"))
+            if write_sharded is not None:
+                write_sharded(tmp)
+            else:
+                save_file({k: v.detach().cpu().contiguous() for k, v in optimizer_state.items()},
+                          os.path.join(tmp, "optimizer.safetensors"))
             for rank, (tensors, python) in enumerate(rng or [rng_states()]):
                 _save_rng(tmp, tensors, python, rank)
             with open(os.path.join(tmp, STATE), "w") as f:
@@ -212,11 +220,16 @@ def load(path: str, *, model, adapters, lcfg, optimizer, rank: int = 0) -> dict:
             saved, _ = hf_checkpoint.load(path, torch.float32, "cpu")
             saved_weights = saved.weights()
             for name, t in model.weights().items():
-                t.copy_(saved_weights[name])
+                assign(t, saved_weights[name])
+    sharded = os.path.join(path, SHARDED)
     try:
-        optimizer.load_state(load_file(os.path.join(path, "optimizer.safetensors")), state["optimizer_steps"])
+        if os.path.isdir(sharded):
+            optimizer.load_sharded(path, state["optimizer_steps"])
+        else:
+            optimizer.load_state(load_file(os.path.join(path, "optimizer.safetensors")), state["optimizer_steps"])
     except ValueError as e:
-        raise CheckpointError(f"{os.path.join(path, 'optimizer.safetensors')}: {e}") from None
+        where = sharded if os.path.isdir(sharded) else os.path.join(path, "optimizer.safetensors")
+        raise CheckpointError(f"{where}: {e}") from None
     _load_rng(path, rank)
     return state
 

@@ -61,6 +61,14 @@ class World:
         dist.all_gather_object(out, value)
         return out
 
+    def broadcast(self, value):
+        """Rank 0's `value` (a plain value), on every rank."""
+        if self.size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
@@ -192,6 +200,37 @@ def copies(t: torch.Tensor) -> int:
     for size, placement in zip(t.device_mesh.shape, t.placements):
         n *= size if isinstance(placement, Replicate) else 1
     return n
+
+
+SHARDED = "optimizer"  # the folder of a checkpoint that holds torch.distributed.checkpoint's shards
+
+
+def as_sharded(like: torch.Tensor, shard_: torch.Tensor) -> torch.Tensor:
+    """shard_ (this rank's part, sharing its storage) as the DTensor sharded as `like` is."""
+    if not isinstance(like, DTensor):
+        return shard_
+    return DTensor.from_local(shard_, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def save_sharded(state: dict[str, torch.Tensor], world: World, folder: str | None) -> None:
+    """torch.distributed.checkpoint's save of `state` (DTensors: each rank writes its own shards)
+    into SHARDED under rank 0's `folder` (the other ranks pass None and get its name from rank 0)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=os.path.join(world.broadcast(folder), SHARDED))
+
+
+def load_sharded(state: dict[str, torch.Tensor], folder: str) -> None:
+    """Fills `state` (this rank's shards, as as_sharded makes them) from SHARDED under `folder`,
+    written by a run of the same layout; a key or shape it lacks is a ValueError naming it."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, checkpoint_id=os.path.join(folder, SHARDED))
+    except Exception as e:  # DCP wraps what went wrong on every rank
+        raise ValueError(f"{os.path.join(folder, SHARDED)}: cannot be loaded into this run's optimizer state "
+                         f"({str(e).splitlines()[0][:300]})") from None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -283,10 +283,11 @@ def _read_experts(spec, keys, available, read, keep: bool = False) -> tuple[torc
     return pack([w if s is None else dequantize_fp8(w, s, torch.float32) for w, s in parts]), None
 
 
-def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
-    """The model's tensors under transformers' on-disk names: experts unpacked per expert."""
+def to_hf_tensors(model: CausalLM, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors (or `weights`, by the same names) under transformers' on-disk names:
+    experts unpacked per expert."""
     out = {}
-    weights = model.weights()
+    weights = weights or model.weights()
     for spec in all_specs(model.cfg):
         t = weights[spec.name].detach()
         if spec.experts:
@@ -299,9 +300,11 @@ def to_hf_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def write(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Writes config.json and safetensors shards (+ index when more than one) into out_dir."""
-    tensors = {k: v.contiguous().cpu() for k, v in to_hf_tensors(model).items()}
+def write(model: CausalLM, out_dir: str, weights: dict[str, torch.Tensor] | None = None,
+          max_shard_bytes: int = 5 * 2**30) -> None:
+    """Writes config.json and safetensors shards (+ index when more than one) into out_dir: the
+    model's weights, or `weights` by the same names (a sharded model's, gathered whole)."""
+    tensors = {k: v.contiguous().cpu() for k, v in to_hf_tensors(model, weights).items()}
     shards, current, size = [], {}, 0
     for key in sorted(tensors):
         n = tensors[key].numel() * tensors[key].element_size()
@@ -330,7 +333,7 @@ def write(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> No
 def save(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """`write`, atomically: out_dir is complete or untouched."""
     with atomic_dir(out_dir) as tmp:
-        write(model, tmp, max_shard_bytes)
+        write(model, tmp, max_shard_bytes=max_shard_bytes)
 
 
 def _hf_config_for_save(model: CausalLM) -> dict:

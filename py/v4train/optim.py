@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from v4train.distributed import assign, copies, local, whole
+from v4train.distributed import as_sharded, assign, copies, load_sharded, local, whole
 from v4train.ops import OpTable
 
 
@@ -86,6 +86,27 @@ class AdamW:
             if i in self.masters:
                 out[n + ".master"] = whole(p, self.masters[i])
         return out
+
+    def sharded_state(self) -> dict[str, torch.Tensor]:
+        """The moments and masters by name as DTensors over this rank's shards (what
+        torch.distributed.checkpoint saves rank by rank, and loads into in place)."""
+        out = {}
+        for i, (n, p, m, v) in enumerate(zip(self.names, self.params, self.exp_avgs, self.exp_avg_sqs)):
+            out[n + ".exp_avg"], out[n + ".exp_avg_sq"] = as_sharded(p, m), as_sharded(p, v)
+            if i in self.masters:
+                out[n + ".master"] = as_sharded(p, self.masters[i])
+        return out
+
+    def load_sharded(self, folder: str, step_count: int) -> None:
+        """The state torch.distributed.checkpoint wrote under `folder` (a run of the same layout),
+        each rank's shards checked as load_state checks whole tensors (ValueError naming them)."""
+        load_sharded(self.sharded_state(), folder)
+        for n, m, v in zip(self.names, self.exp_avgs, self.exp_avg_sqs):
+            if not (torch.isfinite(m).all() and torch.isfinite(v).all()):
+                raise ValueError(f"{n}: its moments hold NaN or infinite values")
+            if (v < 0).any():
+                raise ValueError(f"{n}.exp_avg_sq: holds negative values (a second moment is >= 0)")
+        self.step_count = step_count
 
     def load_state(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
         missing = [n for n in self.names if n + ".exp_avg" not in tensors]

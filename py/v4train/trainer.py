@@ -321,14 +321,14 @@ class Trainer:
         self.optimizer = AdamW(self.trainable, self.table, c.betas, c.adam_eps, c.weight_decay)
         self.start_step = 0
         if c.resume_from:
-            state = checkpoint.load(c.resume_from, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
-                                    optimizer=self.optimizer, rank=self.world.rank)
-            saved_world = state.get("world_size", 1)
+            saved_world = hf_checkpoint.read_json(os.path.join(c.resume_from, checkpoint.STATE)).get("world_size", 1)
             if saved_world != self.world.size:
                 raise checkpoint.CheckpointError(
                     f"--resume_from={c.resume_from}: it was written by {saved_world} process(es), this run has "
                     f"{self.world.size}: resume with --nproc_per_node={saved_world} (the global batch and the data "
                     "order depend on it); its adapter loads into any number")
+            state = checkpoint.load(c.resume_from, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
+                                    optimizer=self.optimizer, rank=self.world.rank)
             try:  # each step takes world size x grad_accum micro-batches
                 self.loader.load_state(state["loader"], state["step"] * c.grad_accum * self.world.size)
             except ValueError as e:
@@ -343,17 +343,24 @@ class Trainer:
         """The checkpointer: checkpoint-STEP of the adapters or weights, optimizer, RNG and data
         position. Every rank gathers the sharded tensors whole; rank 0 writes them."""
         c, world = self.config, self.world
-        adapters = None if self.adapters is None else \
-            {n: distributed.whole(t, distributed.local(t).detach()) for n, t in self.adapters.items()}
-        optimizer_state = self.optimizer.state_tensors()
+        gathered = lambda tensors: {n: distributed.whole(t, distributed.local(t).detach())  # noqa: E731
+                                    for n, t in tensors.items()}
+        adapters = None if self.adapters is None else gathered(self.adapters)
+        weights = gathered(self.model.weights()) if self.adapters is None and world.size > 1 else None
         rng = world.gather(checkpoint.rng_states())
+        # One process: the optimizer state in a file; several: each rank writes its shards (DCP).
+        whole = self.optimizer.state_tensors() if world.size == 1 else None
+        shards = None if world.size == 1 else self.optimizer.sharded_state()
         if world.main:
             checkpoint.save(c.output_dir, step, model=self.model, adapters=adapters, lcfg=self.lcfg,
-                            optimizer_state=optimizer_state, optimizer_steps=self.optimizer.step_count,
+                            optimizer_state=whole, optimizer_steps=self.optimizer.step_count,
                             state={"loader": self.loader.state(), "finetune": c.finetune, "world_size": world.size},
                             base_model_dir=self.base_model_dir,
                             tokenizer_dir=self.tokenizer_dir if self.tokenizer else None, keep=c.save_total_limit,
-                            rng=rng)
+                            rng=rng, write_sharded=None if shards is None else
+                            lambda folder: distributed.save_sharded(shards, world, folder), weights=weights)
+        elif shards is not None:
+            distributed.save_sharded(shards, world, None)
         world.barrier()
 
     # -- the run --------------------------------------------------------------------------------
@@ -380,10 +387,6 @@ class Trainer:
 
     def _run(self) -> int:
         c, world = self.config, self.world
-        if world.size > 1 and c.finetune == "full":
-            raise FlagError(f"--finetune=full with {world.size} processes: full fine-tuning runs in one process for "
-                            "now (its sharded weights are not gathered for the checkpoint yet); train LoRA "
-                            "(--finetune=lora) across processes, or full weights without --nproc_per_node")
         torch.manual_seed(c.seed + world.rank)  # each rank its own dropout masks
         # Each C++ op checked against its reference on samples of its parity strategy, in this
         # run's dtype and on its device.
