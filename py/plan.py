@@ -6,7 +6,7 @@
 --model_dir reads DIR/config.json (no weights are read), --model_config a config.json. The flags
 the trainer has (--seq_len, --micro_batch_size, --finetune, --fp8, --lora_r, --lora_target_modules,
 --lora_experts, --gradient_checkpointing, --dtype) are the trainer's own, so a --flagfile of
-//py:train plans that run; --gpus, --expert_parallel and --gpu_memory_gib are the planner's.
+//py:train plans that run (--expert_parallel too); --gpus and --gpu_memory_gib are the planner's.
 Prints per GPU: weights by dtype, what trains (LoRA factors or weights, gradients, AdamW's
 state), the activation peak and where it is, the communication buffers, the headroom, the
 longest --seq_len that fits; the last line is one JSON object with the same numbers (bytes).
@@ -31,13 +31,10 @@ from v4train.models.config import ConfigError
 
 FLAGS = flags.FLAGS
 REUSED = ("model_dir", "model_config", "seq_len", "micro_batch_size", "finetune", "fp8", "lora_r",
-          "lora_target_modules", "lora_experts", "gradient_checkpointing", "dtype")
+          "lora_target_modules", "lora_experts", "gradient_checkpointing", "dtype", "expert_parallel")
 for _name in REUSED:
     flags.declare_key_flag(_name)  # listed by --help beside the planner's own
 flags.DEFINE_integer("gpus", 1, "GPUs the run uses (the world size).", lower_bound=1)
-if "expert_parallel" not in FLAGS:  # (the trainer's, once it has one)
-    flags.DEFINE_integer("expert_parallel", 1, "GPUs over which each layer's routed experts are split; divides --gpus "
-                         "and the experts. The rest of the world is data parallel.", lower_bound=1)
 flags.DEFINE_float("gpu_memory_gib", plan.H200_USABLE_GIB,
                    "Memory of one GPU that PyTorch can allocate, GiB (default: an H200's).", lower_bound=0.0)
 GIB = plan.GIB
