@@ -17,11 +17,14 @@ from v4train.testing.compare import assert_close, assert_rel_close
 
 # Loopback for gloo (a test machine's hostname may not resolve to a reachable interface).
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+# V4TRAIN_TEST_DEVICE=cuda: the same tests on NCCL, one GPU a process (tools/multi_gpu_check.sh).
+DEVICE = f"--device={os.environ.get('V4TRAIN_TEST_DEVICE', 'cpu')}"
+DEVICES = torch.cuda.device_count() if DEVICE == "--device=cuda" else 64  # processes the machine takes
 
 
 def _train(out, *args, processes: int = 1):
     launch = [f"--nproc_per_node={processes}"] if processes > 1 else []
-    result = run_cli("train.py", *SMALL, f"--output_dir={out}", "--device=cpu", *launch, *args, env=ENV)
+    result = run_cli("train.py", *SMALL, f"--output_dir={out}", DEVICE, *launch, *args, env=ENV)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -42,7 +45,7 @@ def test_data_and_expert_parallel_runs_train_as_one_process_that_accumulates_the
             "--adam_eps=1e-3"]
     _train(tmp_path / "one", *args, "--grad_accum=4")
     expected = load_file(str(tmp_path / "one" / "checkpoint-3" / "adapter_model.safetensors"))
-    for processes, ep in ((2, 1), (2, 2), (4, 2)):
+    for processes, ep in [(n, ep) for n, ep in ((2, 1), (2, 2), (4, 2)) if n <= DEVICES]:
         out = tmp_path / f"{processes}x{ep}"
         run = _train(out, *args, f"--grad_accum={4 // processes}", f"--expert_parallel={ep}", processes=processes)
         what = f"{processes} processes, expert parallel {ep}"
@@ -64,6 +67,7 @@ def test_data_and_expert_parallel_runs_train_as_one_process_that_accumulates_the
     (["--expert_parallel=2"], "--expert_parallel=2 does not divide the 1 process(es)"),
 ])
 def test_an_expert_parallel_that_does_not_fit_is_refused_before_training(args, message, tmp_path):
+    # (the CPU on any machine: a refusal needs no GPU)
     result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", "--device=cpu", *args, env=ENV)
     assert result.returncode != 0 and message in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -74,7 +78,7 @@ def test_a_two_process_run_resumes_exactly_and_refuses_another_world_size(tmp_pa
     args = ["--max_steps=4", "--save_interval=2", "--micro_batch_size=1", "--lora_dropout=0.1"]
     _train(tmp_path / "whole", *args, processes=2)
     _train(tmp_path / "split", *args, "--stop_at_step=2", processes=2)
-    other = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'split'}", "--device=cpu", *args,
+    other = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'split'}", DEVICE, *args,
                     "--resume_from=latest", env=ENV)
     assert other.returncode == 2 and "written by 2 process(es), this run has 1" in other.stderr, other.stderr[-2000:]
     assert "Traceback" not in other.stderr
@@ -103,7 +107,7 @@ def test_a_rank_killed_mid_checkpoint_ends_the_job_and_the_resume_is_exact(tmp_p
     args = ["--max_steps=6", "--save_interval=2", "--micro_batch_size=1", "--lora_dropout=0.1"]
     _train(tmp_path / "whole", *args, processes=2)
     t0 = time.time()
-    killed = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'split'}", "--device=cpu", "--nproc_per_node=2",
+    killed = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'split'}", DEVICE, "--nproc_per_node=2",
                      *args, env={**ENV, "V4TRAIN_KILL_AT": "checkpoint-write:2"})
     assert killed.returncode != 0 and time.time() - t0 < 300, killed.stderr[-3000:]
     assert sorted(p for p in os.listdir(tmp_path / "split") if p.startswith("checkpoint-")) == ["checkpoint-2"]
@@ -120,7 +124,7 @@ def test_a_rank_that_fails_or_hangs_ends_the_job(action, tmp_path):
     import time
 
     t0 = time.time()
-    result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", "--device=cpu", "--nproc_per_node=2",
+    result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", DEVICE, "--nproc_per_node=2",
                      "--max_steps=4", "--micro_batch_size=1", "--collective_timeout_s=20",
                      env={**ENV, "V4TRAIN_KILL_AT": f"step:2:{action}", "V4TRAIN_KILL_RANK": "1"})
     assert result.returncode != 0 and time.time() - t0 < 240, result.stderr[-3000:]
@@ -138,7 +142,7 @@ def test_full_fine_tuning_over_two_expert_parallel_processes_trains_as_one(tmp_p
     runs = {}
     for name, extra, n in (("one", ["--grad_accum=2"], 1), ("two", ["--expert_parallel=2"], 2)):
         launch = [f"--nproc_per_node={n}"] if n > 1 else []
-        result = run_cli("train.py", *full, f"--output_dir={tmp_path / name}", "--device=cpu", *args, *extra, *launch,
+        result = run_cli("train.py", *full, f"--output_dir={tmp_path / name}", DEVICE, *args, *extra, *launch,
                          env=ENV)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = load_file(str(tmp_path / name / "checkpoint-2" / "model.safetensors"))

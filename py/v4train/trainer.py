@@ -297,7 +297,9 @@ class Trainer:
             self.adapters = lora.add_adapters(model, self.lcfg, c.dtype, c.device, c.seed)
             if not c.model_dir:  # the adapter needs a loadable base
                 self.base_model_dir = os.path.join(c.output_dir, "base_model")
-                hf_checkpoint.save(model, self.base_model_dir)
+                if self.world.main:  # (every rank drew the same weights from the seed)
+                    hf_checkpoint.save(model, self.base_model_dir)
+                self.world.barrier()
             self.trainable = self.adapters
         else:
             self.base_model_dir = c.model_dir or os.path.dirname(c.model_config)

@@ -56,11 +56,11 @@ def _exchanged(rows: torch.Tensor, expert: torch.Tensor, w: ExpertsWeights, lora
                ep: ExpertParallel) -> torch.Tensor:
     """The SwiGLU of rows grouped by their (global) `expert`, on the ranks that own the experts:
     each rank learns how many rows of each of its experts every rank sends, the rows travel
-    (torch.distributed.nn's all-to-all, whose gradient travels back), are grouped by local expert
-    here, and their results return."""
+    (the functional collectives' all-to-all with its autograd, as the C++ op calls it; its
+    gradient travels back), are grouped by local expert here, and their results return."""
     import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
     from torch.distributed.distributed_c10d import _resolve_process_group
-    from torch.distributed.nn.functional import all_to_all_single
 
     group = _resolve_process_group(ep.group)
     local = w.gate_up_proj.weight.shape[0]
@@ -74,12 +74,11 @@ def _exchanged(rows: torch.Tensor, expert: torch.Tensor, w: ExpertsWeights, lora
     received_counts = torch.empty_like(counts)  # [source, local expert]
     dist.all_to_all_single(received_counts, counts, group=group)
     sent, received = counts.sum(1).tolist(), received_counts.sum(1).tolist()
-    arrived = all_to_all_single(rows.new_empty(sum(received), rows.shape[1]), rows.contiguous(), received, sent,
-                                group=group)
+    arrived = all_to_all_single_autograd(rows.contiguous(), received, sent, group)
     here = torch.arange(local, device=rows.device).repeat(ep.size).repeat_interleave(received_counts.reshape(-1))
     order = torch.argsort(here, stable=True)
     y = _swiglu(arrived[order], w, received_counts.sum(0).tolist(), lora)[torch.argsort(order)]
-    return all_to_all_single(y.new_empty(rows.shape[0], y.shape[1]), y.contiguous(), sent, received, group=group)
+    return all_to_all_single_autograd(y.contiguous(), sent, received, group)
 
 
 def _grouped(rows: torch.Tensor, w: Linear, counts: list[int], lora: Lora) -> torch.Tensor:
