@@ -78,24 +78,23 @@ class AdamW:
                                       pick(self.exp_avg_sqs), self.step_count, lr, *self.betas, self.eps,
                                       self.weight_decay, [self.masters[i] for i in group] if group[0] in self.masters else [])
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The moments and masters by name, whole (gathered where sharded)."""
+    def _state(self, view) -> dict[str, torch.Tensor]:
+        """The moments and masters by name, each as view(its parameter, this rank's shard) gives it."""
         out = {}
         for i, (n, p, m, v) in enumerate(zip(self.names, self.params, self.exp_avgs, self.exp_avg_sqs)):
-            out[n + ".exp_avg"], out[n + ".exp_avg_sq"] = whole(p, m), whole(p, v)
+            out[n + ".exp_avg"], out[n + ".exp_avg_sq"] = view(p, m), view(p, v)
             if i in self.masters:
-                out[n + ".master"] = whole(p, self.masters[i])
+                out[n + ".master"] = view(p, self.masters[i])
         return out
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The moments and masters by name, whole (gathered where sharded)."""
+        return self._state(whole)
 
     def sharded_state(self) -> dict[str, torch.Tensor]:
         """The moments and masters by name as DTensors over this rank's shards (what
         torch.distributed.checkpoint saves rank by rank, and loads into in place)."""
-        out = {}
-        for i, (n, p, m, v) in enumerate(zip(self.names, self.params, self.exp_avgs, self.exp_avg_sqs)):
-            out[n + ".exp_avg"], out[n + ".exp_avg_sq"] = as_sharded(p, m), as_sharded(p, v)
-            if i in self.masters:
-                out[n + ".master"] = as_sharded(p, self.masters[i])
-        return out
+        return self._state(as_sharded)
 
     def load_sharded(self, folder: str, step_count: int) -> None:
         """The state torch.distributed.checkpoint wrote under `folder` (a run of the same layout),
