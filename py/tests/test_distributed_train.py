@@ -151,3 +151,23 @@ def test_full_fine_tuning_over_two_expert_parallel_processes_trains_as_one(tmp_p
     assert sorted(runs["two"]) == sorted(runs["one"])
     for key, t in runs["one"].items():
         assert_rel_close(runs["two"][key], t, f"final weight {key}")
+
+
+def test_an_fp8_base_trains_lora_over_two_expert_parallel_processes_as_one(tmp_path):
+    """The Qwen3.5 base quantised as its released FP8 checkpoint (--fp8=keep: float8 maps with their
+    scales, which FSDP2 shards and gathers as any weight): 2 expert-parallel processes equal 1."""
+    from golden_cases import copy_model
+    from v4train.reference.lora import quantize_fp8, scale_name
+
+    def quantise(t):
+        for name in [n for n in t if n.endswith(("in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight",
+                                                   "o_proj.weight", "shared_expert.down_proj.weight"))]:
+            t[name], t[scale_name(name)] = quantize_fp8(t[name])
+    base = copy_model(tmp_path, tensors=quantise, base=QWEN_BASE)
+    stored = load_file(os.path.join(base, "model.safetensors"))
+    assert sum(t.dtype == torch.float8_e4m3fn for t in stored.values()) >= 8  # kept so by --fp8=keep (default)
+    args = ["--model_dir=" + base, "--max_steps=3", "--micro_batch_size=1", "--adam_eps=1e-3"]
+    _train(tmp_path / "one", *args, "--grad_accum=2")
+    _train(tmp_path / "two", *args, "--expert_parallel=2", processes=2)
+    for field in ("loss", "grad_norm"):
+        assert_rel_close(_curve(tmp_path / "two", field), _curve(tmp_path / "one", field), f"per-step {field}")
