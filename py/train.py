@@ -81,9 +81,7 @@ def launch(config: RunConfig, argv: list[str]) -> None:
     if config.device == "cuda" and n > torch.cuda.device_count():
         raise FlagError(f"--nproc_per_node={n}: this machine has {torch.cuda.device_count()} GPU(s), one process "
                         "each at most")
-    if n % FLAGS.expert_parallel:
-        raise FlagError(f"--expert_parallel={FLAGS.expert_parallel} does not divide --nproc_per_node={n}: each "
-                        "expert-parallel group is that many ranks")
+    distributed.check_divides(config.expert_parallel, n, f"--nproc_per_node={n}")
     config_path = os.path.join(config.model_dir, "config.json") if config.model_dir else config.model_config
     check_expert_parallel(config.expert_parallel, hf_checkpoint.read_config(config_path)[1], config_path)
     own = [a for a in argv[1:] if not any(a.startswith(f"--{name}=") or a == f"--{name}" for name in LAUNCHER_FLAGS)]

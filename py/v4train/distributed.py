@@ -79,15 +79,20 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def check_divides(expert_parallel: int, processes: int, what: str) -> None:
+    """--expert_parallel divides the processes (`what` names them), else a ValueError."""
+    if processes % expert_parallel:
+        raise ValueError(f"--expert_parallel={expert_parallel} does not divide {what}: each expert-parallel group is "
+                         "that many ranks")
+
+
 def join(device: str, timeout_s: float, expert_parallel: int = 1) -> World:
     """The world of a process torchrun started: the process group initialised (NCCL on CUDA, gloo
     on the CPU) with `timeout_s` for every collective, and on CUDA this rank's device made the
     current one (LOCAL_RANK). A process started without torchrun is a world of one.
     `expert_parallel` must divide the world size (ValueError naming both)."""
     size = int(os.environ["WORLD_SIZE"]) if launched() else 1
-    if size % expert_parallel:
-        raise ValueError(f"--expert_parallel={expert_parallel} does not divide the {size} process(es) of this run "
-                         "(--nproc_per_node x nodes): each expert-parallel group is that many ranks")
+    check_divides(expert_parallel, size, f"the {size} process(es) of this run (--nproc_per_node x nodes)")
     if size == 1:
         return World()
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -241,10 +246,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def whole(like: torch.Tensor, shard_: torch.Tensor) -> torch.Tensor:
     """The whole tensor whose shard on this rank is `shard_`, sharded as `like` is (every rank
     calls it: a collective). `like` not sharded: shard_ itself."""
-    if not isinstance(like, DTensor):
-        return shard_
-    return DTensor.from_local(shard_, like.device_mesh, like.placements, shape=like.shape,
-                              stride=like.stride()).full_tensor()
+    return as_sharded(like, shard_).full_tensor() if isinstance(like, DTensor) else shard_
 
 
 def assign(dst: torch.Tensor, full: torch.Tensor, like: torch.Tensor | None = None) -> None:

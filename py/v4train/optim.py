@@ -99,12 +99,10 @@ class AdamW:
     def load_sharded(self, folder: str, step_count: int) -> None:
         """The state torch.distributed.checkpoint wrote under `folder` (a run of the same layout),
         each rank's shards checked as load_state checks whole tensors (ValueError naming them)."""
-        load_sharded(self.sharded_state(), folder)
-        for n, m, v in zip(self.names, self.exp_avgs, self.exp_avg_sqs):
-            if not (torch.isfinite(m).all() and torch.isfinite(v).all()):
-                raise ValueError(f"{n}: its moments hold NaN or infinite values")
-            if (v < 0).any():
-                raise ValueError(f"{n}.exp_avg_sq: holds negative values (a second moment is >= 0)")
+        state = self.sharded_state()
+        load_sharded(state, folder)
+        for key, t in state.items():
+            _check_value(key, local(t))
         self.step_count = step_count
 
     def load_state(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:
@@ -121,10 +119,7 @@ class AdamW:
                     continue  # a master weight absent: a checkpoint of fp32 weights (see below)
                 if t.shape != p.shape or not t.is_floating_point():
                     raise ValueError(f"{key}: {t.dtype} {tuple(t.shape)}, expected a floating tensor of {tuple(p.shape)}")
-                if not torch.isfinite(t).all():
-                    raise ValueError(f"{key}: holds NaN or infinite values")
-                if field == "exp_avg_sq" and (t < 0).any():
-                    raise ValueError(f"{key}: holds negative values (a second moment is >= 0)")
+                _check_value(key, t)
         for i, (n, p, m, v) in enumerate(zip(self.names, self.params, self.exp_avgs, self.exp_avg_sqs)):
             assign(m, tensors[n + ".exp_avg"], like=p)
             assign(v, tensors[n + ".exp_avg_sq"], like=p)
@@ -135,3 +130,11 @@ class AdamW:
                     with torch.no_grad():
                         self.masters[i].copy_(self.shards[i])
         self.step_count = step_count
+
+
+def _check_value(key: str, t: torch.Tensor) -> None:
+    """A moment or master read from a checkpoint: finite, and a second moment >= 0 (ValueError)."""
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{key}: holds NaN or infinite values")
+    if key.endswith(".exp_avg_sq") and (t < 0).any():
+        raise ValueError(f"{key}: holds negative values (a second moment is >= 0)")
