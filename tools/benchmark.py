@@ -1,6 +1,6 @@
 """Times each op's C++ entry against its reference: forward, forward+backward, peak memory.
 
-    PYTHONPATH=py:build/ext:. python3 tools/benchmark.py [--device cuda] [--dtype bfloat16] [--ops v4_a,v4_b]
+    PYTHONPATH=py:build/ext:. python3 tools/benchmark.py [--device cuda] [--dtype bfloat16] [--ops v4_a,v4_b] [--profile]
 
 The cases are the `benchmarks` of each op's test case (py/v4train/testing/cases/<op>.py), at the shapes of the
 models' hot paths (GLM-5: 4096 tokens x hidden 6144). Prints one markdown table row per case and
@@ -39,6 +39,20 @@ def timed(fn, device, reps):
     return statistics.median(times)
 
 
+def profile(fn, device, top=12):
+    """Where one call of fn() spends its time: the `top` kernels (or CPU ops) by total time, with counts."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    total = sum(getattr(e, key) for e in events)
+    for e in sorted(events, key=lambda e: -getattr(e, key))[:top]:
+        print(f"    {getattr(e, key) / 1e3:8.3f} ms {100 * getattr(e, key) / total:5.1f}% x{e.count:<5d} {e.key[:110]}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -46,6 +60,7 @@ def main():
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--ops", default="", help="comma list of ops to time (default: all)")
     parser.add_argument("--impl", default="reference,cpp", help="which implementations to time")
+    parser.add_argument("--profile", action="store_true", help="also print where a forward+backward spends its time")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -83,6 +98,8 @@ def main():
                 peak = f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.0f}"
             fb_ms = timed(fwd_bwd, args.device, args.reps)
             print(f"| {op_name} | {shape} | {impl} | {fwd_ms:.3f} | {fb_ms - fwd_ms:.3f} | {fb_ms:.3f} | {peak} |", flush=True)
+            if args.profile:
+                profile(fwd_bwd, args.device)
 
 
 if __name__ == "__main__":

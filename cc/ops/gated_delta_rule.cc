@@ -44,9 +44,7 @@ void recurrence_aten(Recurrence& r, const Plan& plan) {
 void run(Recurrence& r, const Plan& plan) {
   r.state_out = at::empty({r.base.size(0), r.base.size(1), r.a.size(-1), r.base.size(-1)}, r.base.options());
   r.x_out = at::empty_like(r.base);
-  if (r.base.size(0) == 0) return;
-  const auto kernel = Backend<RecurrenceKernel>::find(r.base.device().type());
-  if (kernel == nullptr || !kernel(r, plan)) recurrence_aten(r, plan);
+  if (r.base.size(0) > 0) recurrence_aten(r, plan);
 }
 
 Plan plan_from(const at::IValue& reach, const at::IValue& offset, const at::Tensor& chunks_of,
@@ -110,6 +108,38 @@ struct Scan : public torch::autograd::Function<Scan> {
             at::matmul(v_new, next.transpose(-1, -2)),
             (h * next).sum({-1, -2}),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The fused path as one autograd node: the device kernels' forward and backward passes
+// (gdr::Fused); it keeps the inputs, the states at each chunk's start and v_new.
+struct FusedRule : public torch::autograd::Function<FusedRule> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& slots,
+                            const at::Tensor& chunks_of, const at::Tensor& offset_device, std::vector<int64_t> reach,
+                            std::vector<int64_t> offset) {
+    Fused f{q.contiguous(), k.contiguous(), v.contiguous(), g.to(at::kDouble).contiguous(),
+            beta.to(at::kFloat).contiguous(), slots, Plan{chunks_of.size(0), reach, offset, chunks_of, offset_device}};
+    Backend<FusedKernel>::find(q.device().type())(f, false);
+    ctx->save_for_backward({f.q, f.k, f.v, f.g, f.beta, slots, chunks_of, offset_device, f.h, f.v_new});
+    ctx->saved_data["reach"] = std::move(reach);
+    ctx->saved_data["offset"] = std::move(offset);
+    ctx->saved_data["g_dtype"] = static_cast<int64_t>(g.scalar_type());
+    ctx->saved_data["beta_dtype"] = static_cast<int64_t>(beta.scalar_type());
+    return f.o;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    Fused f{s[0], s[1], s[2], s[3], s[4], s[5],
+            plan_from(ctx->saved_data["reach"], ctx->saved_data["offset"], s[6], s[7], s[6].size(0))};
+    f.h = s[8];
+    f.v_new = s[9];
+    f.d_o = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(f.v);
+    Backend<FusedKernel>::find(f.q.device().type())(f, true);
+    const auto dtype = [&](const char* key) { return static_cast<at::ScalarType>(ctx->saved_data[key].toInt()); };
+    return {f.dq, f.dk, f.dv, f.dg.to(dtype("g_dtype")), f.dbeta.to(dtype("beta_dtype")),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -183,7 +213,14 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
       }
     }
   }
-  const at::Tensor gather_idx = at::tensor(gather, longs), scatter_idx = at::tensor(scatter, longs);
+  const at::Tensor gather_idx = at::tensor(gather, longs);
+  const auto dtype = q.scalar_type();
+  if (Backend<FusedKernel>::find(q.device().type()) != nullptr && k.scalar_type() == dtype &&
+      v.scalar_type() == dtype && dtype != at::kDouble && Dk <= kFusedMaxDim && Dv <= kFusedMaxDim) {
+    return FusedRule::apply(q, k, v, g, beta, gather_idx, at::tensor(chunks_of, longs), at::tensor(offset, longs),
+                            reach, offset);
+  }
+  const at::Tensor scatter_idx = at::tensor(scatter, longs);
 
   // Per token, in the compute dtype, key heads repeated to value heads; then into chunk slots
   // [chunks, Hv, 64, D] with zero padding (k = v = beta = g = 0: the state passes unchanged).

@@ -1,14 +1,30 @@
-// CUDA kernel of v4_gated_delta_rule: the recurrence across chunks (gdr::Recurrence in
-// gated_delta_rule.h), forward and backward in one kernel, one launch per call whatever the
-// length. Built by tools/build_ext.py where nvcc and a CUDA torch exist; registered for CUDA
-// tensors with v4::Backend, so the op's ATen code needs no #ifdef. The work inside a chunk stays
-// batched matrix products in ATen (tensor cores); what is sequential is this kernel.
+// CUDA kernels of v4_gated_delta_rule: the fused path (gdr::Fused in gated_delta_rule.h). Built by
+// tools/build_ext.py where nvcc and a CUDA torch exist; registered for CUDA tensors with
+// v4::Backend, so the op's ATen code needs no #ifdef.
+//
+// The math, per chunk of 64 and value head (gated_delta_rule.h; the reference's `chunked`):
+// G the cumulative log decay (float64), E = exp(G), L_ij = exp(G_i - G_j) (j <= i), Q and K the
+// normalised queries and keys, A = strictly lower (diag(beta) K K^T * L), R = [beta V | beta E K],
+// X = [U | W] = (I + A)^-1 R; across chunks from S = 0: h = S, v_new = U - W S,
+// S = exp(G_63) S + Kt^T v_new with Kt = exp(G_63 - G) K; o = E (Q h) + ((Q K^T) * L) v_new.
+// Forward: prepare (U, W, Kt per chunk), recurrence (h, v_new per document), output (o per chunk).
+// Backward: local_grads (v_new's and h's gradients from o's), the recurrence in reverse (the
+// state's gradient after each chunk and v_new's whole gradient), state_grads (the products with h
+// and the state's gradient), intra_grads (q's gradient; k's and G's parts from inside the chunk),
+// wy_grads (the UT transform's backward: k's, v's, beta's and g's gradients). A kernel takes one
+// chunk and head per block; its products are shared-memory tiles through block_gemm, on TF32 tensor
+// cores for bfloat16 and float16 inputs, on the FP32 units for float32 (Mode below).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cc/common/backend.h"
 #include "cc/ops/gated_delta_rule.h"
@@ -16,14 +32,486 @@
 namespace v4::gdr {
 namespace {
 
-// A block owns kCols columns of one head's state [Dk, Dv] of one document, for all its chunks:
-// the columns of S are independent in the recurrence (x's column j reads S's column j only).
-// Thread (warp w, lane l) holds column l: rows w*8 .. w*8+7 of x, and `per_warp` rows of S.
-constexpr int kCols = 32, kWarps = 8, kThreads = kWarps * 32, kMaxDk = 128;
-constexpr int kRowsPerWarp = kChunk / kWarps;   // rows of x per warp: 8
-constexpr int kStatePerWarp = kMaxDk / kWarps;  // rows of S per warp, at most: 16
+constexpr int kThreads = 256, kWarps = kThreads / 32, kRows = static_cast<int>(kChunk);
+constexpr int kPitch64 = kRows + 4;  // a [64, 64] matrix's row pitch
+static_assert(kRows == 64, "the kernels hold one chunk of 64 slots a block");
 
+__host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
+__host__ __device__ constexpr int larger(int a, int b) { return a > b ? a : b; }
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
+  else return __half2float(x);
+}
+template <typename T>
+__device__ __forceinline__ T from_float(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16(x);
+  else return __float2half(x);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// ---- Products on tensor cores --------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+// How a kernel multiplies: on the FP32 units (float32 inputs: as the ATen path rounds), or on TF32
+// tensor cores with each operand split into two TF32 parts, x = hi + lo + O(2^-21 |x|): hi lo + lo hi
+// + hi hi is about float32's precision (bfloat16 and float16 inputs). Plain TF32 (operands rounded to
+// 10 bits) measured no faster on the H200 (2026-12-02: 3.25 / 9.87 ms against 3.21 / 9.96 at 8,192
+// tokens): the tensor cores are not what these kernels wait on.
+enum class Mode { kFp32, kTf32x3 };
+
+__device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
+  hi = __float_as_uint(x) & 0xffffe000u;  // truncated: x - hi is exact
+  lo = tf32(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Element (r, c) of a float32 matrix in shared memory, stored row-major (p[r * ld + c]) or, kT, as
+// its transpose (p[c * ld + r]). Bank-conflict free: ld = 4 mod 8 for a row-major A or a
+// transposed B, ld = 8 mod 16 for a transposed A or a row-major B.
+template <bool kT>
+__device__ __forceinline__ float at(const float* p, int ld, int r, int c) {
+  return kT ? p[c * ld + r] : p[r * ld + c];
+}
+
+// C = A B over the block, A [M, K] and B [K, N] in shared memory: each warp takes tiles of
+// 16 x 8 NT of C in turn and hands every element of C to epi(row, col, value), once. Reads A's rows
+// up to round16(M) and both operands' K up to a multiple of 8, B's columns up to a multiple of 8:
+// callers keep those paddings zero.
+template <int NT, bool kTA, bool kTB, Mode kMode, typename Epi>
+__device__ __forceinline__ void block_gemm(const float* A, int lda, const float* B, int ldb, int M, int N, int K,
+                                           Epi&& epi) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int mtiles = (M + 15) / 16, ngroups = (N + 8 * NT - 1) / (8 * NT);
+  for (int tile = warp; tile < mtiles * ngroups; tile += kWarps) {
+    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
+    float acc[NT][4] = {};
+    if constexpr (kMode == Mode::kTf32x3) {
+      for (int k0 = 0; k0 < K; k0 += 8) {
+        uint32_t ah[4], al[4];
+        split(at<kTA>(A, lda, m0 + g, k0 + t), ah[0], al[0]);
+        split(at<kTA>(A, lda, m0 + g + 8, k0 + t), ah[1], al[1]);
+        split(at<kTA>(A, lda, m0 + g, k0 + t + 4), ah[2], al[2]);
+        split(at<kTA>(A, lda, m0 + g + 8, k0 + t + 4), ah[3], al[3]);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          if (n0 + 8 * j < N) {
+            uint32_t bh[2], bl[2];
+            split(at<kTB>(B, ldb, k0 + t, n0 + 8 * j + g), bh[0], bl[0]);
+            split(at<kTB>(B, ldb, k0 + t + 4, n0 + 8 * j + g), bh[1], bl[1]);
+            mma_tf32(acc[j], al, bh);  // the small terms first
+            mma_tf32(acc[j], ah, bl);
+            mma_tf32(acc[j], ah, bh);
+          }
+        }
+      }
+    } else {
+      for (int k = 0; k < K; ++k) {
+        const float a0 = at<kTA>(A, lda, m0 + g, k), a1 = at<kTA>(A, lda, m0 + g + 8, k);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          if (n0 + 8 * j < N) {
+            const float b0 = at<kTB>(B, ldb, k, n0 + 8 * j + 2 * t), b1 = at<kTB>(B, ldb, k, n0 + 8 * j + 2 * t + 1);
+            acc[j][0] = fmaf(a0, b0, acc[j][0]);
+            acc[j][1] = fmaf(a0, b1, acc[j][1]);
+            acc[j][2] = fmaf(a1, b0, acc[j][2]);
+            acc[j][3] = fmaf(a1, b1, acc[j][3]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g + e / 2 * 8, c = n0 + 8 * j + 2 * t + e % 2;
+        if (r < M && c < N) epi(r, c, acc[j][e]);
+      }
+    }
+  }
+}
+
+// ---- Shared memory ---------------------------------------------------------------------------------
+
+// Cuts a kernel's dynamic shared memory into arrays, in the same order on the host (base null: the
+// size) and in the kernel.
+struct Carve {
+  unsigned char* base;
+  size_t used = 0;
+  template <typename X>
+  __host__ __device__ X* take(size_t n) {
+    used = (used + 15) / 16 * 16;
+    X* p = reinterpret_cast<X*>(base + used);
+    used += n * sizeof(X);
+    return p;
+  }
+};
+
+// One chunk of one value head: its slots' tokens and the decays.
+struct Info {
+  int64_t slot[kRows];  // the token of each slot; T for padding
+  double G[kRows];      // the cumulative log decay, float64
+  float beta[kRows], E[kRows], Kt[kRows];  // exp(G), exp(G_63 - G) (as the reference: exp in float64)
+  float gamma;          // exp(G_63), the chunk's decay of the state
+};
+
+// What every kernel reads: the inputs, the sizes, and the chunk-layout tensors ([chunks, Hv, 64 or
+// Dk, Dv or Dk], float32) that pass between the kernels.
 struct Args {
+  const void *q, *k, *v, *d_o;
+  const double* g;
+  const float* beta;
+  const int64_t* slots;
+  int64_t T;
+  int hk, hv, dk, dv;
+  float scale;  // Dk^-0.5
+  float *u, *w, *k_tilde, *gamma;            // prepare
+  const float *h, *v_new;                    // the forward's states and corrected values
+  void* o;                                   // output
+  float *dv_local, *dh_local;                // local_grads
+  const float *d_state, *dv_new;             // the reverse recurrence's
+  float *dq_state, *dw, *dk_tilde, *dgamma;  // state_grads
+  float *dq, *dk_part;                       // intra_grads (dq per value head, token layout)
+  double* dg_part;
+  float *dk_out, *dbeta;                     // wy_grads (dk per value head, token layout)
+  void* dv_out;
+  double* dg;
+};
+
+struct Dims {
+  int dk, dv, pk, pv;  // widths and widths padded to 16
+  __host__ __device__ Dims(int dk_, int dv_) : dk(dk_), dv(dv_), pk(round16(dk_)), pv(round16(dv_)) {}
+};
+
+// In place, 64 float64 values in shared memory, by warp 0: inclusive sums from the first (or, with
+// `reverse`, from the last). The caller synchronises after.
+__device__ __forceinline__ void scan64(double* v, bool reverse) {
+  if (threadIdx.x >= 32) return;
+  const int l = threadIdx.x, i0 = reverse ? 63 - 2 * l : 2 * l, i1 = reverse ? 62 - 2 * l : 2 * l + 1;
+  const double a = v[i0];
+  double run = a + v[i1];
+  for (int o = 1; o < 32; o *= 2) {
+    const double n = __shfl_up_sync(0xffffffffu, run, o);
+    if (l >= o) run += n;
+  }
+  double before = __shfl_up_sync(0xffffffffu, run, 1);
+  if (l == 0) before = 0.0;
+  v[i0] = before + a;
+  v[i1] = run;
+}
+
+__device__ void load_info(Info& s, const Args& p, int64_t chunk, int h) {
+  const int i = threadIdx.x;
+  if (i < kRows) {
+    const int64_t tok = p.slots[chunk * kRows + i];
+    s.slot[i] = tok;
+    s.beta[i] = tok < p.T ? p.beta[tok * p.hv + h] : 0.0f;
+    s.G[i] = tok < p.T ? p.g[tok * p.hv + h] : 0.0;
+  }
+  __syncthreads();
+  scan64(s.G, false);
+  __syncthreads();
+  if (i < kRows) {
+    s.E[i] = static_cast<float>(exp(s.G[i]));
+    s.Kt[i] = static_cast<float>(exp(s.G[kRows - 1] - s.G[i]));
+    if (i == 0) s.gamma = static_cast<float>(exp(s.G[kRows - 1]));
+  }
+  __syncthreads();
+}
+
+// The start of every per-chunk kernel: its shared arrays (Smem), the chunk and value head it takes
+// (its rows of the [chunks, Hv, 64, D] tensors from `rows`; its key head), and the chunk's Info.
+template <typename Smem>
+struct ChunkBlock {
+  Dims d;
+  Carve carve;
+  Smem m;
+  Info& s;
+  int64_t chunk, head, rows;
+  int h, kh;
+  __device__ ChunkBlock(const Args& p, unsigned char* smem)
+      : d(p.dk, p.dv), carve{smem}, m(carve, d), s(*m.info), chunk(blockIdx.x), head(chunk * p.hv + blockIdx.y),
+        rows(head * kRows), h(blockIdx.y), kh(h / (p.hv / p.hk)) {
+    load_info(s, p, chunk, h);
+  }
+};
+
+__device__ __forceinline__ float decay(const Info& s, int i, int j) { return expf(static_cast<float>(s.G[i] - s.G[j])); }
+
+// Loads from global memory are issued many at a time before any is used (a thread that loads, stores
+// and loads again waits a memory latency per element: that was most of the first version's time).
+
+// 16 bytes global -> shared without passing through registers (cp.async): complete after wait_copies().
+__device__ __forceinline__ void copy16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::); }
+
+__device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// dst [prows, pcols] (pitch ld) = src [rows, cols] (float32, row stride `stride`), zero outside it:
+// asynchronous 16-byte copies where the rows allow (then wait_copies() and a barrier before reading),
+// else plain loads, four in flight a thread.
+__device__ void load_block(float* dst, int ld, const float* src, int64_t stride, int rows, int cols, int prows,
+                           int pcols) {
+  if (cols % 4 == 0 && stride % 4 == 0 && pcols % 4 == 0 && ld % 4 == 0 && aligned16(src) && aligned16(dst)) {
+    const int quads = pcols / 4;
+    for (int idx = threadIdx.x; idx < prows * quads; idx += kThreads) {
+      const int r = idx / quads, c = idx % quads * 4;
+      if (r < rows && c < cols) copy16(dst + r * ld + c, src + r * stride + c);
+      else *reinterpret_cast<float4*>(dst + r * ld + c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    return;
+  }
+  const int n = prows * pcols;
+  for (int i0 = threadIdx.x; i0 < n; i0 += 4 * kThreads) {
+    float v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads, r = idx / pcols, c = idx % pcols;
+      v[u] = idx < n && r < rows && c < cols ? src[r * stride + c] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads;
+      if (idx < n) dst[idx / pcols * ld + idx % pcols] = v[u];
+    }
+  }
+}
+
+// The chunk's rows of x [T, heads, D] (head `head`) as float32: dst[i][c] = x[slot i][c] (times mul[i]
+// if given), zero for padding slots and columns D..padded (a multiple of 16). 16-byte loads, four in
+// flight a thread, where D and x allow.
+template <typename T>
+__device__ void load_rows(float* dst, int ld, const T* x, int heads, int head, int D, int padded, const float* mul,
+                          const Info& s, int64_t T_) {
+  constexpr int V = 16 / sizeof(T);
+  const bool vec = D % V == 0 && aligned16(x);
+  const int per_row = vec ? padded / V : padded, n = kRows * per_row, width = vec ? V : 1;
+  for (int i0 = threadIdx.x; i0 < n; i0 += 4 * kThreads) {
+    uint4 raw[4];
+    T one[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads, i = idx / per_row, c = idx % per_row * width;
+      const int64_t tok = idx < n ? s.slot[i] : T_;
+      const bool in = tok < T_ && c < D;
+      const T* src = x + (tok * heads + head) * D + c;
+      if (vec) raw[u] = in ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+      else one[u] = in ? *src : from_float<T>(0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads, i = idx / per_row, c = idx % per_row * width;
+      if (idx >= n) continue;
+      const float m = mul != nullptr ? mul[i] : 1.0f;
+      if (vec) {
+        const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+        for (int j = 0; j < V; ++j) dst[i * ld + c + j] = to_float(e[j]) * m;
+      } else {
+        dst[i * ld + c] = to_float(one[u]) * m;
+      }
+    }
+  }
+}
+
+// The chunk's rows of x [T, heads, D] L2-normalised, a warp 8 rows (their loads issued together):
+// dst[i][c] = x r scale with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if given); zero for padding slots
+// and columns D..padded (D <= 128).
+template <typename T>
+__device__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, int heads, int head, int D, int padded,
+                                float scale, const Info& s, int64_t T_) {
+  constexpr int R = kRows / kWarps;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float v[R][4];
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int64_t tok = s.slot[warp + j * kWarps];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int c = lane + 32 * m;
+      v[j][m] = tok < T_ && c < D ? to_float(x[(tok * heads + head) * D + c]) : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int i = warp + j * kWarps;
+    float ss = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) ss += v[j][m] * v[j][m];
+    const float r = rsqrtf(warp_sum(ss) + 1e-6f);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int c = lane + 32 * m;
+      if (c < padded) dst[i * ld + c] = v[j][m] * r * scale;
+    }
+    if (rnorm != nullptr && lane == 0) rnorm[i] = r;
+  }
+}
+
+// The backward of load_normalised for one row (a warp), from shared memory: with y the normalised row
+// (`row` holds y * scale) and r its rsqrt, out = r (dy - y (y . dy)), dy = scale * grad.
+__device__ void normalised_backward(float* out, const float* row, float r, const float* grad, int D, float scale) {
+  const int lane = threadIdx.x % 32;
+  float y[4], dy[4], dot = 0.0f;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const int c = lane + 32 * m;
+    y[m] = c < D ? row[c] / scale : 0.0f;
+    dy[m] = c < D ? scale * grad[c] : 0.0f;
+    dot += y[m] * dy[m];
+  }
+  dot = warp_sum(dot);
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const int c = lane + 32 * m;
+    if (c < D) out[c] = r * (dy[m] - y[m] * dot);
+  }
+}
+
+// x = (I + A)^-1 x for a strictly lower triangular A [64, ld] in shared memory (forward
+// substitution; the rows read four at a time).
+__device__ __forceinline__ void forward_substitution(float (&x)[kRows], const float* A, int ld) {
+#pragma unroll
+  for (int i = 1; i < kRows; ++i) {
+    float acc[4] = {x[i], 0.0f, 0.0f, 0.0f};  // four chains: a row's sum is not one long dependency
+#pragma unroll
+    for (int j = 0; j + 4 <= i; j += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(A + i * ld + j);
+      acc[0] = fmaf(-a.x, x[j], acc[0]);
+      acc[1] = fmaf(-a.y, x[j + 1], acc[1]);
+      acc[2] = fmaf(-a.z, x[j + 2], acc[2]);
+      acc[3] = fmaf(-a.w, x[j + 3], acc[3]);
+    }
+#pragma unroll
+    for (int j = i / 4 * 4; j < i; ++j) acc[j % 4] = fmaf(-A[i * ld + j], x[j], acc[j % 4]);
+    x[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  }
+}
+
+// x = (I + A)^-T x, given At = A^T (strictly upper) [64, ld] in shared memory (backward substitution).
+__device__ __forceinline__ void backward_substitution(float (&x)[kRows], const float* At, int ld) {
+#pragma unroll
+  for (int i = kRows - 2; i >= 0; --i) {
+    float acc[4] = {x[i], 0.0f, 0.0f, 0.0f};
+    const int aligned = (i + 4) / 4 * 4;
+#pragma unroll
+    for (int j = i + 1; j < aligned; ++j) acc[j % 4] = fmaf(-At[i * ld + j], x[j], acc[j % 4]);
+#pragma unroll
+    for (int j = aligned; j < kRows; j += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(At + i * ld + j);
+      acc[0] = fmaf(-a.x, x[j], acc[0]);
+      acc[1] = fmaf(-a.y, x[j + 1], acc[1]);
+      acc[2] = fmaf(-a.z, x[j + 2], acc[2]);
+      acc[3] = fmaf(-a.w, x[j + 3], acc[3]);
+    }
+    x[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  }
+}
+
+// A column of 64 (pitch ld) in shared memory, in place: x = (I + A)^-1 x, or with kT x = (I + A)^-T x
+// given At = A^T.
+template <bool kT>
+__device__ __noinline__ void substitute(float* x, int ld, const float* A) {
+  float r[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) r[i] = x[i * ld];
+  if constexpr (kT) backward_substitution(r, A, kPitch64);
+  else forward_substitution(r, A, kPitch64);
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) x[i * ld] = r[i];
+}
+
+// The block's sum of one float a thread (every thread calls it).
+__device__ float block_sum(float x, float* scratch) {
+  x = warp_sum(x);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
+// ---- Forward ---------------------------------------------------------------------------------------
+
+struct PrepareSmem {
+  Info* info;
+  float *R, *A;  // R [64, pv + pk + 4]: values then keys; A [64, 68]
+  int ldr;
+  __host__ __device__ PrepareSmem(Carve& c, const Dims& d) : ldr(d.pv + d.pk + 4) {
+    info = c.take<Info>(1);
+    R = c.take<float>(kRows * ldr);
+    A = c.take<float>(kRows * kPitch64);
+  }
+};
+
+// U, W (= (I + A)^-1 [beta V | beta E K]), Kt = exp(G_63 - G) K and gamma for one chunk and head
+// (U not when p.u is null: the backward's recomputation).
+template <typename T, Mode kMode>
+__global__ void __launch_bounds__(kThreads) prepare_kernel(Args p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<PrepareSmem> b(p, smem);
+  const Dims& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t chunk = b.chunk, base = b.rows;
+  const int h = b.h, kh = b.kh, tid = threadIdx.x;
+  float* K = m.R + d.pv;  // the keys' columns of R
+  load_normalised(K, m.ldr, nullptr, static_cast<const T*>(p.k), p.hk, kh, p.dk, d.pk, 1.0f, s, p.T);
+  __syncthreads();
+  for (int idx = tid; idx < kRows * p.dk; idx += kThreads) {
+    const int i = idx / p.dk, c = idx % p.dk;
+    p.k_tilde[(base + i) * p.dk + c] = s.Kt[i] * K[i * m.ldr + c];
+  }
+  if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
+  block_gemm<2, false, true, kMode>(K, m.ldr, K, m.ldr, kRows, kRows, p.dk, [&](int r, int c, float v) {
+    m.A[r * kPitch64 + c] = c < r ? s.beta[r] * (v * decay(s, r, c)) : 0.0f;
+  });
+  __syncthreads();
+  load_rows(m.R, m.ldr, static_cast<const T*>(p.v), p.hv, h, p.dv, d.pv, s.beta, s, p.T);
+  for (int idx = tid; idx < kRows * d.pk; idx += kThreads) {
+    const int i = idx / d.pk, c = idx % d.pk;
+    K[i * m.ldr + c] *= s.beta[i] * s.E[i];
+  }
+  __syncthreads();
+  // One column of X a thread: forward substitution in registers, written out row by row.
+  const bool value = tid < p.dv;
+  if (tid >= p.dv + p.dk || (value && p.u == nullptr)) return;
+  const int col = value ? tid : d.pv + tid - p.dv;
+  float x[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) x[i] = m.R[i * m.ldr + col];
+  forward_substitution(x, m.A, kPitch64);
+  float* out = value ? p.u + base * p.dv + tid : p.w + base * p.dk + (tid - p.dv);
+  const int stride = value ? p.dv : p.dk;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) out[i * stride] = x[i];
+}
+
+// The recurrence across chunks (gdr::Recurrence), a block per 32 columns of a document's head:
+// x = base + sign_a a S and S = decay S + add + sign_b b^T x as two block products a chunk, the next
+// chunk's tiles (a, b, base, add) loading (cp.async) while this one computes.
+struct RecurrenceArgs {
   const float *base, *a, *b, *add, *decay;
   float *state_out, *x_out;
   const int64_t *chunks_of, *offset;
@@ -32,164 +520,546 @@ struct Args {
   bool reverse;
 };
 
-// 16 bytes global -> shared without passing through registers (Ampere's cp.async): the next
-// chunk's tiles load while this one computes.
-__device__ __forceinline__ void copy16(float* smem, const float* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
-}
-__device__ __forceinline__ void copies_done() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::);
-}
+constexpr int kCols = 32, kColPitch = kCols + 8;
 
-// The tiles a[chunk, h] and b[chunk, h] ([64, dk] each) into A and B.
-template <bool kVec>
-__device__ __forceinline__ void load_tiles(float* A, float* B, const Args& p, int64_t tile) {
-  const int n = kChunk * p.dk;
-  if constexpr (kVec) {
-    for (int i = threadIdx.x * 4; i < n; i += kThreads * 4) {
-      copy16(A + i, p.a + tile + i);
-      copy16(B + i, p.b + tile + i);
-    }
-  } else {
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      A[i] = p.a[tile + i];
-      B[i] = p.b[tile + i];
-    }
+// Two stages of a [64, pk + 4], b [64, pk + 8], base [64, 32], add [pk, 32]; S [pk, 40]; X [64, 40].
+struct RecurrenceSmem {
+  float *a, *b, *base, *add, *S, *X;
+  int lda, ldb;
+  __host__ __device__ RecurrenceSmem(Carve& c, const Dims& d) : lda(d.pk + 4), ldb(d.pk + 8) {
+    a = c.take<float>(2 * kRows * lda);
+    b = c.take<float>(2 * kRows * ldb);
+    base = c.take<float>(2 * kRows * kCols);
+    add = c.take<float>(2 * d.pk * kCols);
+    S = c.take<float>(d.pk * kColPitch);
+    X = c.take<float>(kRows * kColPitch);
   }
-}
+};
 
-// kVec: dk a multiple of 32 (Qwen3.5's 128), so that each warp's S rows and every tile row start on
-// 16 bytes: shared reads four floats at a time. Shared memory: S [dk][kCols], two stages of a's
-// and b's tiles [64][dk], x [64][kCols].
-template <bool kVec>
-__global__ void __launch_bounds__(kThreads) recurrence_kernel(Args p) {
-  extern __shared__ __align__(16) float smem[];
-  const int dk = p.dk, tile_floats = kChunk * dk;
-  float* S = smem;
-  float* tiles = S + dk * kCols;  // stage s: A at tiles + 2 s tile_floats, B after it
-  float* X = tiles + 4 * tile_floats;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int j = blockIdx.x * kCols + lane;  // this thread's column of the state
-  const bool column = j < p.dv;
-  const int h = blockIdx.y;
+template <Mode kMode>
+__global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Dims d(p.dk, p.dv);
+  Carve carve{smem};
+  const RecurrenceSmem m(carve, d);
+  const int col0 = blockIdx.x * kCols, ncols = min(kCols, p.dv - col0), h = blockIdx.y, tid = threadIdx.x;
   const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
-  const int per_warp = (dk + kWarps - 1) / kWarps, first = warp * per_warp;  // this warp's rows of S
-  for (int i = threadIdx.x; i < dk * kCols; i += kThreads) S[i] = 0.0f;
+  for (int i = tid; i < d.pk * kColPitch; i += kThreads) m.S[i] = 0.0f;  // S = 0; its padding stays 0
+  for (int i = tid; i < kRows * kColPitch; i += kThreads) m.X[i] = 0.0f;
   const auto chunk_at = [&](int64_t step) { return p.offset[p.reverse ? chunks - 1 - step : step] + doc; };
-  if (chunks > 0) load_tiles<kVec>(tiles, tiles + tile_floats, p, (chunk_at(0) * p.heads + h) * tile_floats);
-
+  const auto load = [&](int stage, int64_t chunk) {
+    const int64_t head = chunk * p.heads + h;
+    load_block(m.a + stage * kRows * m.lda, m.lda, p.a + head * kRows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
+    load_block(m.b + stage * kRows * m.ldb, m.ldb, p.b + head * kRows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
+    load_block(m.base + stage * kRows * kCols, kCols, p.base + head * kRows * p.dv + col0, p.dv, kRows, ncols, kRows,
+               kCols);
+    if (p.add != nullptr) {
+      load_block(m.add + stage * d.pk * kCols, kCols, p.add + head * p.dk * p.dv + col0, p.dv, p.dk, ncols, d.pk,
+                 kCols);
+    }
+    commit_copies();
+  };
+  if (chunks > 0) load(0, chunk_at(0));
   for (int64_t step = 0; step < chunks; ++step) {
-    const int64_t chunk = chunk_at(step);
-    const float* A = tiles + (step % 2) * 2 * tile_floats;
-    const float* B = A + tile_floats;
-    const int64_t xs = (chunk * p.heads + h) * kChunk * p.dv;       // base / x_out [chunk, h]
-    const int64_t ss = (chunk * p.heads + h) * (int64_t)dk * p.dv;  // add / state_out [chunk, h]
-    copies_done();
+    const int64_t chunk = chunk_at(step), head = chunk * p.heads + h;
+    const int stage = step % 2;
+    const float dec = p.decay[head];
+    wait_copies();
     __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
-    if (step + 1 < chunks) {
-      float* next = tiles + ((step + 1) % 2) * 2 * tile_floats;
-      load_tiles<kVec>(next, next + tile_floats, p, (chunk_at(step + 1) * p.heads + h) * tile_floats);
+    if (step + 1 < chunks) load(1 - stage, chunk_at(step + 1));
+    const int64_t xs = head * kRows * p.dv + col0, ss = head * p.dk * p.dv + col0;  // x_out, state_out
+    for (int idx = tid; idx < p.dk * ncols; idx += kThreads) {
+      const int r = idx / ncols, c = idx % ncols;
+      p.state_out[ss + static_cast<int64_t>(r) * p.dv + c] = m.S[r * kColPitch + c];
     }
-    // state_out = S: this thread's own rows, which only it wrote.
-    if (column) {
-      for (int r = 0; r < per_warp && first + r < dk; ++r) {
-        p.state_out[ss + (int64_t)(first + r) * p.dv + j] = S[(first + r) * kCols + lane];
-      }
-    }
-
-    // x = base + sign_a * A S: this warp's 8 rows of column j.
-    float dot[kRowsPerWarp] = {};
-    const float* Aw = A + warp * kRowsPerWarp * dk;
-    if constexpr (kVec) {
-      for (int k = 0; k < dk; k += 4) {
-        const float s0 = S[k * kCols + lane], s1 = S[(k + 1) * kCols + lane], s2 = S[(k + 2) * kCols + lane],
-                    s3 = S[(k + 3) * kCols + lane];
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) {
-          const float4 a = *reinterpret_cast<const float4*>(Aw + r * dk + k);
-          dot[r] += a.x * s0 + a.y * s1 + a.z * s2 + a.w * s3;
-        }
-      }
-    } else {
-      for (int k = 0; k < dk; ++k) {
-        const float s = S[k * kCols + lane];
-#pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) dot[r] += Aw[r * dk + k] * s;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int i = warp * kRowsPerWarp + r;
-      const float x = (column ? p.base[xs + (int64_t)i * p.dv + j] : 0.0f) + p.sign_a * dot[r];
-      X[i * kCols + lane] = x;
-      if (column) p.x_out[xs + (int64_t)i * p.dv + j] = x;
-    }
+    const float *a = m.a + stage * kRows * m.lda, *b = m.b + stage * kRows * m.ldb;
+    const float *base = m.base + stage * kRows * kCols, *add = m.add + stage * d.pk * kCols;
+    block_gemm<2, false, false, kMode>(a, m.lda, m.S, kColPitch, kRows, ncols, p.dk, [&](int r, int c, float v) {
+      const float x = base[r * kCols + c] + p.sign_a * v;
+      m.X[r * kColPitch + c] = x;
+      p.x_out[xs + static_cast<int64_t>(r) * p.dv + c] = x;
+    });
     __syncthreads();
-
-    // S = decay S + add + sign_b * B^T x: this warp's rows first .. first + per_warp - 1.
-    float upd[kStatePerWarp] = {};
-    for (int i = 0; i < kChunk; ++i) {
-      const float x = X[i * kCols + lane];
-      const float* Bi = B + i * dk + first;
-      if constexpr (kVec) {
-#pragma unroll
-        for (int r = 0; r < kStatePerWarp; r += 4) {
-          if (r < per_warp) {
-            const float4 b = *reinterpret_cast<const float4*>(Bi + r);
-            upd[r] += b.x * x;
-            upd[r + 1] += b.y * x;
-            upd[r + 2] += b.z * x;
-            upd[r + 3] += b.w * x;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int r = 0; r < kStatePerWarp; ++r) {
-          if (r < per_warp && first + r < dk) upd[r] += Bi[r] * x;
-        }
-      }
-    }
-    const float decay = p.decay[chunk * p.heads + h];
-#pragma unroll
-    for (int r = 0; r < kStatePerWarp; ++r) {
-      const int k = first + r;
-      if (r < per_warp && k < dk) {
-        float s = decay * S[k * kCols + lane] + p.sign_b * upd[r];
-        if (p.add != nullptr && column) s += p.add[ss + (int64_t)k * p.dv + j];
-        S[k * kCols + lane] = s;
-      }
-    }
-    __syncthreads();  // S complete before the next step reads it
+    block_gemm<2, true, false, kMode>(b, m.ldb, m.X, kColPitch, p.dk, ncols, kRows, [&](int r, int c, float v) {
+      float s = dec * m.S[r * kColPitch + c] + p.sign_b * v;
+      if (p.add != nullptr) s += add[r * kCols + c];
+      m.S[r * kColPitch + c] = s;
+    });
+    __syncthreads();
   }
 }
 
-bool recurrence_cuda(Recurrence& r, const Plan& plan) {
-  const int64_t dk = r.a.size(-1), dv = r.base.size(-1), heads = r.base.size(1);
-  const bool fits = r.base.scalar_type() == at::kFloat && dk <= kMaxDk && r.base.size(2) == kChunk &&
-                    r.base.is_contiguous() && r.a.is_contiguous() && r.b.is_contiguous() && r.decay.is_contiguous() &&
-                    (!r.add.defined() || r.add.is_contiguous()) && r.state_out.is_contiguous() && r.x_out.is_contiguous();
-  if (!fits) return false;
-  const c10::cuda::CUDAGuard guard(r.base.device());
-  const size_t bytes = (dk * kCols + 4 * kChunk * dk + kChunk * kCols) * sizeof(float);
-  const at::Tensor chunks_of = plan.chunks_of.to(r.base.device()), offset = plan.offset_device.to(r.base.device());
-  Args p{r.base.data_ptr<float>(), r.a.data_ptr<float>(), r.b.data_ptr<float>(),
-         r.add.defined() ? r.add.data_ptr<float>() : nullptr, r.decay.data_ptr<float>(),
-         r.state_out.data_ptr<float>(), r.x_out.data_ptr<float>(),
-         chunks_of.data_ptr<int64_t>(), offset.data_ptr<int64_t>(),
-         static_cast<float>(r.sign_a), static_cast<float>(r.sign_b),
-         static_cast<int>(heads), static_cast<int>(dk), static_cast<int>(dv), r.reverse};
-  const dim3 grid((dv + kCols - 1) / kCols, heads, plan.documents);
-  const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
-  const bool vec = dk % 32 == 0 && aligned(r.a) && aligned(r.b);
-  const auto kernel = vec ? recurrence_kernel<true> : recurrence_kernel<false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return true;
+// P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
+// from the chunk's queries and keys (K into `keys`, pitch pk + 4). Used by the output and
+// local_grads kernels; QP's pitch suits each one's product.
+template <typename T, Mode kMode>
+__device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const Args& p, const Dims& d, int h) {
+  const int kh = h / (p.hv / p.hk), ldk = d.pk + 4;
+  load_normalised(QP + kRows, ldqp, nullptr, static_cast<const T*>(p.q), p.hk, kh, p.dk, d.pk, p.scale, s, p.T);
+  load_normalised(keys, ldk, nullptr, static_cast<const T*>(p.k), p.hk, kh, p.dk, d.pk, 1.0f, s, p.T);
+  __syncthreads();
+  block_gemm<2, false, true, kMode>(QP + kRows, ldqp, keys, ldk, kRows, kRows, p.dk, [&](int r, int c, float v) {
+    QP[r * ldqp + c] = c <= r ? v * decay(s, r, c) : 0.0f;
+  });
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * d.pk; idx += kThreads) {
+    const int i = idx / d.pk, c = idx % d.pk;
+    QP[i * ldqp + kRows + c] *= s.E[i];
+  }
+  __syncthreads();
 }
 
-const Backend<RecurrenceKernel>::Register registered(c10::DeviceType::CUDA, &recurrence_cuda);
+struct OutputSmem {
+  Info* info;
+  float *QP, *X;  // QP [64, 64 + pk + 4]; X: the keys [64, pk + 4], then [v_new; h] [64 + pk, 40]
+  int ldqp;
+  __host__ __device__ OutputSmem(Carve& c, const Dims& d) : ldqp(kRows + d.pk + 4) {
+    info = c.take<Info>(1);
+    QP = c.take<float>(kRows * ldqp);
+    X = c.take<float>(larger(kRows * (d.pk + 4), (kRows + d.pk) * kColPitch));
+  }
+};
+
+// o = [P | E Q] [v_new; h] for one chunk and head, 32 value columns at a time.
+template <typename T, Mode kMode>
+__global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<OutputSmem> b(p, smem);
+  const Dims& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t head = b.head;
+  const int h = b.h;
+  build_qp<T, kMode>(m.QP, m.ldqp, m.X, s, p, d, h);
+  T* o = static_cast<T*>(p.o);
+  for (int c0 = 0; c0 < p.dv; c0 += kCols) {
+    const int n = min(kCols, p.dv - c0);
+    load_block(m.X, kColPitch, p.v_new + head * kRows * p.dv + c0, p.dv, kRows, n, kRows, kCols);
+    load_block(m.X + kRows * kColPitch, kColPitch, p.h + head * p.dk * p.dv + c0, p.dv, p.dk, n, d.pk, kCols);
+    wait_copies();
+    __syncthreads();
+    block_gemm<2, false, false, kMode>(m.QP, m.ldqp, m.X, kColPitch, kRows, n, kRows + d.pk, [&](int r, int c, float v) {
+      const int64_t tok = s.slot[r];
+      if (tok < p.T) o[(tok * p.hv + h) * p.dv + c0 + c] = from_float<T>(v);
+    });
+    __syncthreads();
+  }
+}
+
+// ---- Backward --------------------------------------------------------------------------------------
+
+struct LocalSmem {
+  Info* info;
+  float *QP, *X;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4], then d_o [64, pv + 8]
+  int ldqp, ldo;
+  __host__ __device__ LocalSmem(Carve& c, const Dims& d) : ldqp(kRows + d.pk + 8), ldo(d.pv + 8) {
+    info = c.take<Info>(1);
+    QP = c.take<float>(kRows * ldqp);
+    X = c.take<float>(kRows * larger(d.pk + 4, ldo));
+  }
+};
+
+// [dv_local; dh_local] = [P | E Q]^T d_o: v_new's gradient from inside the chunk and the state's
+// from this chunk's outputs.
+template <typename T, Mode kMode>
+__global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<LocalSmem> b(p, smem);
+  const Dims& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t head = b.head;
+  const int h = b.h;
+  build_qp<T, kMode>(m.QP, m.ldqp, m.X, s, p, d, h);
+  load_rows(m.X, m.ldo, static_cast<const T*>(p.d_o), p.hv, h, p.dv, d.pv, nullptr, s, p.T);
+  __syncthreads();
+  block_gemm<4, true, false, kMode>(m.QP, m.ldqp, m.X, m.ldo, kRows + p.dk, p.dv, kRows, [&](int r, int c, float v) {
+    if (r < kRows) p.dv_local[(head * kRows + r) * p.dv + c] = v;
+    else p.dh_local[(head * p.dk + r - kRows) * p.dv + c] = v;
+  });
+}
+
+struct StateSmem {
+  Info* info;
+  float *Y, *H, *D, *scratch;  // Y [128, pv + 4]: d_o and dv_new, then v_new; H: h and D: d_state [pk, pv + 4]
+  int ld;
+  __host__ __device__ StateSmem(Carve& c, const Dims& d) : ld(d.pv + 4) {
+    info = c.take<Info>(1);
+    Y = c.take<float>(2 * kRows * ld);
+    H = c.take<float>(d.pk * ld);
+    D = c.take<float>(d.pk * ld);
+    scratch = c.take<float>(kWarps);
+  }
+};
+
+// The products with the state h and the state's gradient after the chunk (d_state):
+// dq_state = E (d_o h^T), dw = -(dv_new h^T), dk_tilde = v_new d_state^T, dgamma = <h, d_state>.
+template <typename T, Mode kMode>
+__global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<StateSmem> b(p, smem);
+  const Dims& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t head = b.head;
+  const int h = b.h;
+  load_block(m.Y + kRows * m.ld, m.ld, p.dv_new + head * kRows * p.dv, p.dv, kRows, p.dv, kRows, d.pv);
+  load_block(m.H, m.ld, p.h + head * p.dk * p.dv, p.dv, p.dk, p.dv, d.pk, d.pv);
+  load_block(m.D, m.ld, p.d_state + head * p.dk * p.dv, p.dv, p.dk, p.dv, d.pk, d.pv);
+  load_rows(m.Y, m.ld, static_cast<const T*>(p.d_o), p.hv, h, p.dv, d.pv, nullptr, s, p.T);
+  wait_copies();
+  __syncthreads();
+  block_gemm<4, false, true, kMode>(m.Y, m.ld, m.H, m.ld, 2 * kRows, p.dk, p.dv, [&](int r, int c, float v) {
+    if (r < kRows) p.dq_state[(head * kRows + r) * p.dk + c] = s.E[r] * v;
+    else p.dw[(head * kRows + r - kRows) * p.dk + c] = -v;
+  });
+  float dot = 0.0f;
+  for (int idx = threadIdx.x; idx < d.pk * d.pv; idx += kThreads) {
+    const int at = idx / d.pv * m.ld + idx % d.pv;
+    dot += m.H[at] * m.D[at];
+  }
+  dot = block_sum(dot, m.scratch);  // (synchronises: Y is free)
+  if (threadIdx.x == 0) p.dgamma[head] = dot;
+  load_block(m.Y, m.ld, p.v_new + head * kRows * p.dv, p.dv, kRows, p.dv, kRows, d.pv);
+  wait_copies();
+  __syncthreads();
+  block_gemm<4, false, true, kMode>(m.Y, m.ld, m.D, m.ld, kRows, p.dk, p.dv, [&](int r, int c, float v) {
+    p.dk_tilde[(head * kRows + r) * p.dk + c] = v;
+  });
+}
+
+struct IntraSmem {
+  Info* info;
+  double *dG, *t;
+  float *rq, *Q, *K, *D, *V, *Z, *dPL;  // Q, K [64, pk + 4]; D, V [64, max + 4]; Z, dPL [64, 68]
+  int ldq, ldd;
+  __host__ __device__ IntraSmem(Carve& c, const Dims& d) : ldq(d.pk + 4), ldd(larger(d.pk, d.pv) + 4) {
+    info = c.take<Info>(1);
+    dG = c.take<double>(kRows);
+    t = c.take<double>(kRows);
+    rq = c.take<float>(kRows);
+    Q = c.take<float>(kRows * ldq);
+    K = c.take<float>(kRows * ldq);
+    D = c.take<float>(kRows * ldd);
+    V = c.take<float>(kRows * ldd);
+    Z = c.take<float>(kRows * kPitch64);
+    dPL = c.take<float>(kRows * kPitch64);
+  }
+};
+
+// Inside the chunk: dP = d_o v_new^T; q's gradient (dq_state + (dP L) K, through the norm), k's part
+// (dP L)^T Q + exp(G_63 - G) dk_tilde, and G's parts (from L, E and Kt; gamma's at slot 63).
+// D holds d_o, then dq_state and q's gradient; V v_new, then dk_tilde and k's part.
+template <typename T, Mode kMode>
+__global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<IntraSmem> b(p, smem);
+  const Dims& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t head = b.head, rows = b.rows;
+  const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  load_block(m.V, m.ldd, p.v_new + rows * p.dv, p.dv, kRows, p.dv, kRows, d.pv);
+  load_normalised(m.Q, m.ldq, m.rq, static_cast<const T*>(p.q), p.hk, kh, p.dk, d.pk, p.scale, s, p.T);
+  load_normalised(m.K, m.ldq, nullptr, static_cast<const T*>(p.k), p.hk, kh, p.dk, d.pk, 1.0f, s, p.T);
+  load_rows(m.D, m.ldd, static_cast<const T*>(p.d_o), p.hv, h, p.dv, d.pv, nullptr, s, p.T);
+  wait_copies();
+  __syncthreads();
+  block_gemm<2, false, true, kMode>(m.Q, m.ldq, m.K, m.ldq, kRows, kRows, p.dk, [&](int r, int c, float v) {
+    m.Z[r * kPitch64 + c] = v;
+  });
+  __syncthreads();
+  // dPL = (d_o v_new^T) * L; Z = dPL * (Q K^T), G's gradient through L: dG_i = sum_j Z_ij - Z_ji.
+  block_gemm<2, false, true, kMode>(m.D, m.ldd, m.V, m.ldd, kRows, kRows, p.dv, [&](int r, int c, float v) {
+    const float dpl = c <= r ? v * decay(s, r, c) : 0.0f;
+    m.dPL[r * kPitch64 + c] = dpl;
+    m.Z[r * kPitch64 + c] *= dpl;
+  });
+  __syncthreads();
+  load_block(m.D, m.ldd, p.dq_state + rows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
+  load_block(m.V, m.ldd, p.dk_tilde + rows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
+  if (tid < kRows) {
+    double acc = 0.0;
+    for (int j = 0; j < kRows; ++j) acc += static_cast<double>(m.Z[tid * kPitch64 + j]) - m.Z[j * kPitch64 + tid];
+    m.dG[tid] = acc;
+  }
+  wait_copies();
+  __syncthreads();
+  // G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63).
+  for (int i = warp; i < kRows; i += kWarps) {
+    float e = 0.0f, kt = 0.0f;
+    for (int c = lane; c < p.dk; c += 32) {
+      e += m.Q[i * m.ldq + c] * m.D[i * m.ldd + c];
+      kt += m.K[i * m.ldq + c] * m.V[i * m.ldd + c];
+    }
+    e = warp_sum(e);
+    kt = s.Kt[i] * warp_sum(kt);
+    if (lane == 0) {
+      m.dG[i] += static_cast<double>(e) - kt;
+      m.t[i] = kt;
+    }
+  }
+  __syncthreads();
+  block_gemm<2, false, false, kMode>(m.dPL, kPitch64, m.K, m.ldq, kRows, p.dk, kRows, [&](int r, int c, float v) {
+    m.D[r * m.ldd + c] += v;
+  });
+  block_gemm<2, true, false, kMode>(m.dPL, kPitch64, m.Q, m.ldq, kRows, p.dk, kRows, [&](int r, int c, float v) {
+    m.V[r * m.ldd + c] = v + s.Kt[r] * m.V[r * m.ldd + c];
+  });
+  __syncthreads();
+  for (int i = warp; i < kRows; i += kWarps) {
+    for (int c = lane; c < p.dk; c += 32) p.dk_part[(rows + i) * p.dk + c] = m.V[i * m.ldd + c];
+    const int64_t tok = s.slot[i];
+    if (tok < p.T) normalised_backward(p.dq + (tok * p.hv + h) * p.dk, m.Q + i * m.ldq, m.rq[i], m.D + i * m.ldd, p.dk, p.scale);
+  }
+  if (tid < kRows) {
+    double v = m.dG[tid];
+    if (tid == kRows - 1) {
+      for (int j = 0; j < kRows; ++j) v += m.t[j];
+      v += static_cast<double>(p.dgamma[head]) * s.gamma;
+    }
+    p.dg_part[rows + tid] = v;
+  }
+}
+
+struct WySmem {
+  Info* info;
+  double* dG;
+  float *rk, *K, *X, *R, *A, *At, *KKL;  // K [64, pk + 4]; X, R [64, pv + pk + 4]; A, At, KKL [64, 68]
+  int ldk, ldx;
+  __host__ __device__ WySmem(Carve& c, const Dims& d) : ldk(d.pk + 4), ldx(d.pv + d.pk + 4) {
+    info = c.take<Info>(1);
+    dG = c.take<double>(kRows);
+    rk = c.take<float>(kRows);
+    K = c.take<float>(kRows * ldk);
+    X = c.take<float>(kRows * ldx);
+    R = c.take<float>(kRows * ldx);
+    A = c.take<float>(kRows * kPitch64);
+    At = c.take<float>(kRows * kPitch64);
+    KKL = c.take<float>(kRows * kPitch64);
+  }
+};
+
+// The UT transform's backward: dR = (I + A)^-T [dv_new | dw]; dA = -dR X^T (strictly lower);
+// then v's, beta's, k's (with k_part, through the norm) and g's gradients (with dg_part, summed
+// from each slot to the chunk's end). X holds R = [beta V | beta E K], then X, then [V | k_part],
+// then [V | k's gradient]; R holds [dv_new | dw], then dR.
+template <typename T, Mode kMode>
+__global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<WySmem> b(p, smem);
+  const Dims& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t rows = b.rows;
+  const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const T* v = static_cast<const T*>(p.v);
+  load_block(m.R, m.ldx, p.dv_new + rows * p.dv, p.dv, kRows, p.dv, kRows, d.pv);
+  load_block(m.R + d.pv, m.ldx, p.dw + rows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
+  load_normalised(m.K, m.ldk, m.rk, static_cast<const T*>(p.k), p.hk, kh, p.dk, d.pk, 1.0f, s, p.T);
+  load_rows(m.X, m.ldx, v, p.hv, h, p.dv, d.pv, s.beta, s, p.T);
+  __syncthreads();
+  block_gemm<2, false, true, kMode>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, p.dk, [&](int r, int c, float val) {
+    const float kkl = c < r ? val * decay(s, r, c) : 0.0f, a = s.beta[r] * kkl;
+    m.KKL[r * kPitch64 + c] = kkl;
+    m.A[r * kPitch64 + c] = a;
+    m.At[c * kPitch64 + r] = a;
+  });
+  for (int idx = tid; idx < kRows * d.pk; idx += kThreads) {
+    const int i = idx / d.pk, c = idx % d.pk;
+    m.X[i * m.ldx + d.pv + c] = s.beta[i] * s.E[i] * m.K[i * m.ldk + c];
+  }
+  wait_copies();
+  __syncthreads();
+  if (tid < p.dv + p.dk) {  // one column of X and of dR a thread, in place
+    const int col = tid < p.dv ? tid : d.pv + tid - p.dv;
+    substitute<false>(m.X + col, m.ldx, m.A);
+    substitute<true>(m.R + col, m.ldx, m.At);
+  }
+  __syncthreads();
+  // dM = -dR X^T, strictly lower (into A: A is done with).
+  block_gemm<2, false, true, kMode>(m.R, m.ldx, m.X, m.ldx, kRows, kRows, d.pv + d.pk, [&](int r, int c, float val) {
+    m.A[r * kPitch64 + c] = c < r ? -val : 0.0f;
+  });
+  __syncthreads();
+  load_rows(m.X, m.ldx, v, p.hv, h, p.dv, d.pv, nullptr, s, p.T);
+  load_block(m.X + d.pv, m.ldx, p.dk_part + rows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
+  wait_copies();
+  __syncthreads();
+  T* dv = static_cast<T*>(p.dv_out);
+  for (int i = warp; i < kRows; i += kWarps) {
+    const int64_t tok = s.slot[i];
+    float sv = 0.0f, sk = 0.0f, sa = 0.0f;
+    for (int c = lane; c < p.dv; c += 32) {
+      const float dr = m.R[i * m.ldx + c];
+      sv += m.X[i * m.ldx + c] * dr;
+      if (tok < p.T) dv[(tok * p.hv + h) * p.dv + c] = from_float<T>(s.beta[i] * dr);
+    }
+    for (int c = lane; c < p.dk; c += 32) sk += m.K[i * m.ldk + c] * m.R[i * m.ldx + d.pv + c];
+    for (int j = lane; j < kRows; j += 32) sa += m.KKL[i * kPitch64 + j] * m.A[i * kPitch64 + j];
+    sv = warp_sum(sv);
+    sk = warp_sum(sk);
+    sa = warp_sum(sa);
+    if (lane == 0) {
+      if (tok < p.T) p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;
+      m.dG[i] = static_cast<double>(s.beta[i]) * s.E[i] * sk;
+    }
+    __syncwarp();
+    // Z = beta KKL dM (G's gradient through L), C = beta L dM (k's through K K^T, into At).
+    for (int j = lane; j < kRows; j += 32) {
+      const float dm = m.A[i * kPitch64 + j];
+      m.KKL[i * kPitch64 + j] = s.beta[i] * m.KKL[i * kPitch64 + j] * dm;
+      m.At[i * kPitch64 + j] = j < i ? s.beta[i] * decay(s, i, j) * dm : 0.0f;
+    }
+  }
+  __syncthreads();
+  if (tid < kRows) {
+    double acc = 0.0;
+    for (int j = 0; j < kRows; ++j) acc += static_cast<double>(m.KKL[tid * kPitch64 + j]) - m.KKL[j * kPitch64 + tid];
+    m.dG[tid] += acc + p.dg_part[rows + tid];
+  }
+  // k's gradient: C K + C^T K + beta E dR_K + k_part, in X's key columns.
+  float* dk = m.X + d.pv;
+  block_gemm<2, false, false, kMode>(m.At, kPitch64, m.K, m.ldk, kRows, p.dk, kRows, [&](int r, int c, float val) {
+    dk[r * m.ldx + c] += val + s.beta[r] * s.E[r] * m.R[r * m.ldx + d.pv + c];
+  });
+  __syncthreads();
+  block_gemm<2, true, false, kMode>(m.At, kPitch64, m.K, m.ldk, kRows, p.dk, kRows, [&](int r, int c, float val) {
+    dk[r * m.ldx + c] += val;
+  });
+  __syncthreads();
+  for (int i = warp; i < kRows; i += kWarps) {
+    const int64_t tok = s.slot[i];
+    if (tok < p.T) normalised_backward(p.dk_out + (tok * p.hv + h) * p.dk, m.K + i * m.ldk, m.rk[i], dk + i * m.ldx, p.dk, 1.0f);
+  }
+  scan64(m.dG, true);  // g_s's gradient: the sum of G_i's over i >= s
+  __syncthreads();
+  if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
+}
+
+// ---- Host ------------------------------------------------------------------------------------------
+
+template <typename Smem, typename Kernel, typename A>
+void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args) {
+  Carve carve{nullptr};
+  const Smem layout(carve, d);
+  const size_t bytes = carve.used;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <Mode kMode>
+void recurrence(const Recurrence& r, const Plan& plan, const Dims& d) {
+  TORCH_CHECK(plan.documents < 65536, "v4_gated_delta_rule: more than 65,535 documents in one call");
+  RecurrenceArgs a{r.base.data_ptr<float>(), r.a.data_ptr<float>(), r.b.data_ptr<float>(),
+                   r.add.defined() ? r.add.data_ptr<float>() : nullptr, r.decay.data_ptr<float>(),
+                   r.state_out.data_ptr<float>(), r.x_out.data_ptr<float>(), plan.chunks_of.data_ptr<int64_t>(),
+                   plan.offset_device.data_ptr<int64_t>(), static_cast<float>(r.sign_a), static_cast<float>(r.sign_b),
+                   static_cast<int>(r.base.size(1)), d.dk, d.dv, r.reverse};
+  const dim3 grid((d.dv + kCols - 1) / kCols, r.base.size(1), plan.documents);
+  launch<RecurrenceSmem>(recurrence_kernel<kMode>, grid, d, a);
+}
+
+template <typename T, Mode kMode>
+void fused(Fused& f, bool backward) {
+  const c10::cuda::CUDAGuard guard(f.q.device());
+  const int64_t T_ = f.q.size(0), chunks = f.slots.numel() / kRows;
+  const int hk = f.q.size(1), hv = f.v.size(1);
+  const Dims d(f.q.size(2), f.v.size(2));
+  const auto f32 = f.q.options().dtype(at::kFloat);
+  const auto rows = [&](int64_t width) { return at::empty({chunks, hv, kRows, width}, f32); };
+  Plan plan = f.plan;
+  plan.chunks_of = plan.chunks_of.to(f.q.device());
+  plan.offset_device = plan.offset_device.to(f.q.device());
+  Args a{};
+  a.q = f.q.data_ptr();
+  a.k = f.k.data_ptr();
+  a.v = f.v.data_ptr();
+  a.g = f.g.data_ptr<double>();
+  a.beta = f.beta.data_ptr<float>();
+  a.slots = f.slots.data_ptr<int64_t>();
+  a.T = T_;
+  a.hk = hk;
+  a.hv = hv;
+  a.dk = d.dk;
+  a.dv = d.dv;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.dk)));
+  const dim3 grid(chunks, hv);
+  // W, Kt and gamma (and U in the forward pass).
+  at::Tensor u = backward ? at::Tensor() : rows(d.dv), w = rows(d.dk), k_tilde = rows(d.dk);
+  at::Tensor gamma = at::empty({chunks, hv}, f32);
+  a.u = backward ? nullptr : u.data_ptr<float>();
+  a.w = w.data_ptr<float>();
+  a.k_tilde = k_tilde.data_ptr<float>();
+  a.gamma = gamma.data_ptr<float>();
+  launch<PrepareSmem>(prepare_kernel<T, kMode>, grid, d, a);
+  if (!backward) {
+    Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
+    r.state_out = at::empty({chunks, hv, d.dk, d.dv}, f32);
+    r.x_out = rows(d.dv);
+    recurrence<kMode>(r, plan, d);
+    f.h = r.state_out;
+    f.v_new = r.x_out;
+    f.o = at::empty_like(f.v);
+    a.h = f.h.data_ptr<float>();
+    a.v_new = f.v_new.data_ptr<float>();
+    a.o = f.o.data_ptr();
+    launch<OutputSmem>(output_kernel<T, kMode>, grid, d, a);
+    return;
+  }
+  a.h = f.h.data_ptr<float>();
+  a.v_new = f.v_new.data_ptr<float>();
+  a.d_o = f.d_o.data_ptr();
+  Recurrence r{rows(d.dv), k_tilde, w, at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0, true};
+  a.dv_local = r.base.data_ptr<float>();
+  a.dh_local = r.add.data_ptr<float>();
+  launch<LocalSmem>(local_grads_kernel<T, kMode>, grid, d, a);
+  r.state_out = at::empty_like(r.add);
+  r.x_out = rows(d.dv);
+  recurrence<kMode>(r, plan, d);
+  r.base.reset();
+  r.add.reset();
+  a.d_state = r.state_out.data_ptr<float>();
+  a.dv_new = r.x_out.data_ptr<float>();
+  at::Tensor dq_state = rows(d.dk), dk_tilde = rows(d.dk), dgamma = at::empty({chunks, hv}, f32);
+  a.dq_state = dq_state.data_ptr<float>();
+  a.dw = w.data_ptr<float>();  // W is done with: its gradient takes its place
+  a.dk_tilde = dk_tilde.data_ptr<float>();
+  a.dgamma = dgamma.data_ptr<float>();
+  launch<StateSmem>(state_grads_kernel<T, kMode>, grid, d, a);
+  r.state_out.reset();
+  at::Tensor dq = at::empty({T_, hv, d.dk}, f32), dk_part = rows(d.dk);
+  at::Tensor dg_part = at::empty({chunks, hv, kRows}, f32.dtype(at::kDouble));
+  a.dq = dq.data_ptr<float>();
+  a.dk_part = dk_part.data_ptr<float>();
+  a.dg_part = dg_part.data_ptr<double>();
+  launch<IntraSmem>(intra_grads_kernel<T, kMode>, grid, d, a);
+  at::Tensor dk = at::empty({T_, hv, d.dk}, f32);
+  f.dv = at::empty_like(f.v);
+  f.dbeta = at::empty({T_, hv}, f32);
+  f.dg = at::empty({T_, hv}, f32.dtype(at::kDouble));
+  a.dk_out = dk.data_ptr<float>();
+  a.dv_out = f.dv.data_ptr();
+  a.dbeta = f.dbeta.data_ptr<float>();
+  a.dg = f.dg.data_ptr<double>();
+  launch<WySmem>(wy_grads_kernel<T, kMode>, grid, d, a);
+  // Key heads serve hv / hk value heads each: their gradients sum over them.
+  f.dq = dq.view({T_, hk, hv / hk, d.dk}).sum(2).to(f.q.scalar_type());
+  f.dk = dk.view({T_, hk, hv / hk, d.dk}).sum(2).to(f.q.scalar_type());
+}
+
+void fused_cuda(Fused& f, bool backward) {
+  switch (f.q.scalar_type()) {
+    case at::kFloat: return fused<float, Mode::kFp32>(f, backward);
+    case at::kBFloat16: return fused<__nv_bfloat16, Mode::kTf32x3>(f, backward);
+    case at::kHalf: return fused<__half, Mode::kTf32x3>(f, backward);
+    default: TORCH_CHECK(false, "v4_gated_delta_rule: the fused kernels take float32, bfloat16 or float16, got ",
+                         f.q.scalar_type());
+  }
+}
+
+const Backend<FusedKernel>::Register registered(c10::DeviceType::CUDA, &fused_cuda);
 
 }  // namespace
 }  // namespace v4::gdr

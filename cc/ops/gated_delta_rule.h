@@ -13,11 +13,12 @@
 // [T, Hv]; cu_seqlens int64 [N + 1]. Returns o [T, Hv, Dv] in q's dtype; fp32 math (float64 for
 // float64).
 //
-// Chunks of 64: every document is cut into chunks (its last one padded); the work inside a chunk
-// (the UT transform, a triangular solve, the intra-chunk products) runs for all chunks of all
-// documents at once as batched matrix products; what crosses chunks is one recurrence on the
-// [Dk, Dv] state (gdr::Recurrence below), forward and backward, a CUDA kernel on the GPU
-// (cc/ops/gated_delta_rule.cu) and a loop over chunk positions elsewhere. Memory is linear in T.
+// Chunks of 64: every document is cut into chunks (its last one padded). On the GPU the fused
+// kernels of cc/ops/gated_delta_rule.cu (gdr::Fused below) run it, a fixed number of launches a
+// call. Elsewhere (the CPU, float64, widths over 128) ATen does: the work inside a chunk (the UT
+// transform, a triangular solve, the intra-chunk products) for all chunks of all documents at
+// once as batched matrix products; what crosses chunks is one recurrence on the [Dk, Dv] state
+// (gdr::Recurrence below), forward and backward, a loop over chunk positions. Memory is linear in T.
 // The cumulative log decay inside a chunk is summed and differenced in float64, and its gradient
 // accumulated in float64: in fp32 the differences of sums of up to 64 log decays lose digits, and
 // the A_log / dt_bias gradients that sum them with cancellation came out up to 19% off the exact
@@ -61,9 +62,28 @@ struct Recurrence {
   at::Tensor state_out, x_out;
 };
 
-// The device kernel of the recurrence (v4::Backend): returns false where it does not cover r.
-struct RecurrenceKernel {
-  using Fn = bool (*)(Recurrence& r, const Plan& plan);
+// The fused path (cc/ops/gated_delta_rule.cu): on the GPU the whole rule runs as a few kernels a
+// pass, each over every chunk (or, for the recurrence above, every document) at once, forward and
+// backward, with nothing per chunk in between but the states. Its inputs as the kernels read them:
+// q, k [T, Hk, Dk] and v [T, Hv, Dv] contiguous in one dtype (float32, bfloat16 or float16;
+// Dk, Dv <= kFusedMaxDim), g float64 and beta float32 [T, Hv]; `slots` int64 [chunks * 64] on the
+// device, the token of each chunk slot (T for the padding of a document's last chunk), chunks in
+// the Plan's order. The forward pass sets o [T, Hv, Dv] and keeps h (the state at each chunk's
+// start, [chunks, Hv, Dk, Dv] float32) and v_new ([chunks, Hv, 64, Dv] float32) for the backward,
+// which takes d_o and sets dq, dk, dv (the inputs' dtype), dg (float64) and dbeta (float32).
+constexpr int64_t kFusedMaxDim = 128;
+
+struct Fused {
+  at::Tensor q, k, v, g, beta, slots;
+  Plan plan;
+  at::Tensor o, h, v_new;
+  at::Tensor d_o, dq, dk, dv, dg, dbeta;
+};
+
+// The device kernels of the fused path (v4::Backend): the forward pass, or with `backward` the
+// backward pass, of f.
+struct FusedKernel {
+  using Fn = void (*)(Fused& f, bool backward);
 };
 
 }  // namespace v4::gdr
