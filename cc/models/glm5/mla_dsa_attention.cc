@@ -88,10 +88,11 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Mla
       TORCH_CHECK_VALUE(!has_adapter(*map, kOp, name), kOp, ": ", name,
                         " has a LoRA adapter; the indexer is not adapted");
     }
-    q = at::linear(q_resid, dense_weight(w.wq_b, q_resid.scalar_type(), kOp, "indexer.wq_b")).view({T, n, d});
+    // The FP8-aware linear map (an FP8 weight dequantised just in time, or on FP8 tensor cores where
+    // path (a) applies); no adapter (refused above), so no Lora.
+    q = linear(q_resid, w.wq_b, Lora{}, kOp, "indexer.wq_b").view({T, n, d});
     q = at::cat({rope_interleaved(q.slice(-1, 0, r), cos, sin), q.slice(-1, r)}, -1);
-    k = at::layer_norm(at::linear(h, dense_weight(w.wk, h.scalar_type(), kOp, "indexer.wk")), {d}, w.k_norm,
-                       w.k_norm_bias, kLatentEps);
+    k = at::layer_norm(linear(h, w.wk, Lora{}, kOp, "indexer.wk"), {d}, w.k_norm, w.k_norm_bias, kLatentEps);
     k = at::cat({rope_interleaved(k.unsqueeze(1).slice(-1, 0, r), cos, sin).select(1, 0), k.slice(-1, r)}, -1);
     // transformers keeps weights_proj in fp32 (an FP8 one dequantises to fp32 on load)
     const at::Tensor wp = dense_weight(w.weights_proj, at::kFloat, kOp, "indexer.weights_proj");
