@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <vector>
@@ -141,11 +142,62 @@ at::Tensor routed_experts(const at::Tensor& x, const ExpertsWeights& weights, co
   return AllToAllRows::apply(PermuteRows::apply(y, here.inverse, here.order), sent, received, ep.group);
 }
 
+namespace {
+
+// Tokens a block of the combine takes: its float32 [tokens, k, H] temporary within 256 MiB.
+int64_t combine_block(int64_t k, int64_t H) {
+  return std::max<int64_t>(1, (int64_t{256} << 20) / (4 * std::max<int64_t>(k * H, 1)));
+}
+
+// out[t] = sum_j (w[t, j] y[t, j]) with each product in fp32 rounded to y's dtype (as the reference
+// weighs), y[t, j] = y_rows[inverse[t k + j]]. Its backward gives y's gradient in y's dtype and
+// routed order, dout[token[r]] w[order[r]] (fp32 products rounded once), and w's as fp32 (float64) sums over
+// H of dout y, token block by token block: autograd of the same expression kept the incoming
+// gradient in fp32, y's gradient in fp32 and its cast, and the products of w's gradient, each
+// [T, k, H] (96 GiB at 131,072 tokens of the GLM-5 proxy, docs/benchmarks.md); this keeps y_rows.
+struct Combine : public torch::autograd::Function<Combine> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y_rows, const at::Tensor& w,
+                            const at::Tensor& token, const at::Tensor& order, const at::Tensor& inverse) {
+    ctx->save_for_backward({y_rows, w, token, order, inverse});
+    const int64_t T = w.size(0), k = w.size(1), H = y_rows.size(1), block = combine_block(k, H);
+    at::Tensor out = at::empty({T, H}, y_rows.options());
+    for (int64_t t = 0; t < T; t += block) {
+      const int64_t n = std::min(block, T - t);
+      const at::Tensor y = y_rows.index_select(0, inverse.slice(0, t * k, (t + n) * k)).view({n, k, H});
+      at::Tensor weighted = at::empty_like(y);
+      at::mul_out(weighted, y, w.slice(0, t, t + n).unsqueeze(-1));  // fp32 products, rounded once
+      at::Tensor rows = out.slice(0, t, t + n);
+      at::sum_out(rows, weighted, 1);
+    }
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &y_rows = s[0], &w = s[1], &token = s[2], &order = s[3], &inverse = s[4];
+    const at::Tensor dout = grads[0];
+    const int64_t T = w.size(0), k = w.size(1), H = y_rows.size(1), block = combine_block(k, H);
+    at::Tensor dy_rows = dout.index_select(0, token);
+    dy_rows.mul_(w.reshape(-1).index_select(0, order).unsqueeze(-1));
+    at::Tensor dw = at::empty_like(w);
+    const auto acc = at::promote_types(y_rows.scalar_type(), at::kFloat);  // fp32, or float64
+    for (int64_t t = 0; t < T; t += block) {
+      const int64_t n = std::min(block, T - t);
+      const at::Tensor y = y_rows.index_select(0, inverse.slice(0, t * k, (t + n) * k)).view({n, k, H});
+      dw.slice(0, t, t + n).copy_((y.to(acc) * dout.slice(0, t, t + n).to(acc).unsqueeze(1)).sum(-1));
+    }
+    return {dy_rows, dw, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
 at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens) {
-  // Weighted in fp32, then in y's dtype, as the reference does; each token's k rows gathered back
-  // into its slots (in expert order, as the routing is sorted) and summed.
-  const at::Tensor y = PermuteRows::apply(y_rows, d.inverse, d.order).view({tokens, -1, y_rows.size(1)});
-  return (y * route_weights.unsqueeze(-1)).to(y_rows.scalar_type()).sum(1);
+  TORCH_CHECK(route_weights.size(0) == tokens && route_weights.size(1) * tokens == y_rows.size(0),
+              "combine: route_weights ", route_weights.sizes(), " do not fit ", y_rows.size(0), " rows of ", tokens,
+              " tokens");
+  return Combine::apply(y_rows, route_weights, d.token, d.order, d.inverse);
 }
 
 void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, int64_t top_k, int64_t E) {
