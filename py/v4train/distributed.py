@@ -155,6 +155,34 @@ def shard_experts(model, world: World) -> None:
             layer.expert_parallel = options
 
 
+def fsdp_rows(n: int, rank: int, size: int) -> tuple[int, int]:
+    """The rows (start, stop) of dim 0 that FSDP2's Shard(0) gives `rank` of `size` ranks of a
+    tensor of n rows: torch.chunk's split, ceil(n / size) rows a rank, the last ranks fewer or
+    none (fully_shard's _chunk_with_empty). fill_shards checks each shard's shape against it."""
+    per_rank = -(-n // size)
+    start = min(rank * per_rank, n)
+    return start, min(start + per_rank, n)
+
+
+def fill_shards(model, shards: dict[str, torch.Tensor]) -> None:
+    """Makes the model's meta parameters, now FSDP2's (after `shard`), this rank's rows of the
+    checkpoint (hf_checkpoint.load's `shard`: `shards` {name: rows}). A rows tensor that is not
+    the shape of FSDP2's shard, or a meta parameter left without rows, is a ValueError naming it."""
+    from torch import nn
+
+    for name, rows in shards.items():
+        p = model.get_parameter(name)
+        if not isinstance(p, DTensor) or local(p).shape != rows.shape:
+            held = f"its FSDP2 shard is {list(local(p).shape)}" if isinstance(p, DTensor) else "FSDP2 does not shard it"
+            raise ValueError(f"{name}: rank {dist.get_rank()} read rows of shape {list(rows.shape)} from the "
+                             f"checkpoint, but {held}")
+        # FSDP2 takes the new local tensor at its lazy init (FSDPParam.reset_sharded_param)
+        torch.utils.swap_tensors(p, nn.Parameter(as_sharded(p, rows), requires_grad=p.requires_grad))
+    left = [n for n, p in model.named_parameters() if local(p).is_meta]
+    if left:
+        raise ValueError(f"{left[0]}: on the meta device after loading ({len(left)} such): no rows were read for it")
+
+
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

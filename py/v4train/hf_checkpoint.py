@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from v4train.atomic import atomic_dir
+from v4train.distributed import fsdp_rows
 from v4train.model import CausalLM, all_specs, linear_map_names
 from v4train.models import FAMILIES, ModelConfig, config_from_dict
 from v4train.models.config import ConfigError
@@ -156,7 +157,7 @@ def canonical_key(key: str) -> str:
 
 
 def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: str = "dequantize",
-         experts: tuple[int, int] | None = None) -> tuple[CausalLM, dict]:
+         experts: tuple[int, int] | None = None, shard: tuple[int, int] | None = None) -> tuple[CausalLM, dict]:
     """The model in `dtype` on `device`, and a report {'skipped': {reason: count}}. An FP8
     checkpoint's layer weights (float8_e4m3fn with a 128 x 128-block weight_scale_inv) are
     dequantised into `dtype`, or with fp8="keep" stay float8 beside their fp32 scales (frozen
@@ -165,25 +166,22 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
     (else it is dequantised); weights outside the layers are always dequantised. `experts`
     (start, stop): only those routed experts of every MoE layer are read (an expert-parallel
     rank's: the others' tensors are neither read nor reported), their packed tensors
-    [stop - start, ...]."""
+    [stop - start, ...].
+
+    `shard` (rank, size): rank `rank` of `size` processes that FSDP2 shards the model over reads,
+    of every tensor FSDP2 shards (all but the experts `experts` gives the rank), only the rows of
+    its Shard(0) part (distributed.fsdp_rows; a packed experts' tensor's rows are experts). Such a
+    tensor is on the meta device in the returned model (its whole shape, its dtype), and its rows
+    are the report's 'shards' {name: rows}, which distributed.fill_shards puts into FSDP2's shards.
+    A dequantised weight's rows read the scale rows that cover them; a scale kept beside an FP8
+    weight is a tensor FSDP2 shards on its own, so its own rows are read."""
     hf_config, cfg = read_config(os.path.join(model_dir, "config.json"))
     files = _files(model_dir)
-    handles: dict[str, object] = {}
     absent = collections.Counter(p for p in files.values() if not os.path.exists(p))
     if absent:  # one line per missing file, not one per tensor it holds
         listed = "; ".join(f"{p} ({n} tensors) is missing" for p, n in sorted(absent.items()))
         raise CheckpointError(f"{model_dir}: {listed}; {INDEX} lists {'it' if len(absent) == 1 else 'them'}")
-
-    def read(key):
-        path = files[key]
-        if path not in handles:
-            if not os.path.exists(path):
-                raise CheckpointError(f"{path}: listed in {INDEX} but missing")
-            handles[path] = _open(path)
-        try:
-            return handles[path].get_tensor(key)
-        except Exception as e:
-            raise CheckpointError(f"{path}: cannot read tensor {key} ({e}){_truncation(path)}") from None
+    reader = _Reader(files)
 
     available = {}  # canonical key -> checkpoint key
     skipped: dict[str, int] = {}
@@ -199,7 +197,14 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
         else:
             available[canon] = key
 
-    problems, weights, used = [], {}, set()
+    problems, weights, shards, used = [], {}, {}, set()
+
+    def put(name, tensor, whole_rows, sharded):
+        """The model's tensor; of a sharded one, the rows go to `shards` and the model gets its shape."""
+        if sharded:
+            shards[name] = tensor
+            tensor = torch.empty((whole_rows, *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+        weights[name] = tensor
     fp8_maps = linear_map_names(cfg)  # (a router stays dequantised)
     for spec in all_specs(cfg):
         target = torch.float32 if spec.fp32 else dtype
@@ -207,9 +212,13 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
         keys = _expert_keys(spec) if packed else [spec.name]
         # Every key this weight is read from is accounted for, even when another one is missing.
         used.update(k for key in keys for k in (key, key + "_scale_inv") if k in available)
-        if spec.experts and experts:
-            keys = keys[experts[0] * len(spec.experts):experts[1] * len(spec.experts)] if packed else keys
-            spec = dataclasses.replace(spec, shape=(experts[1] - experts[0], *spec.shape[1:]))
+        # rows(n): the rows of dim 0 read of a tensor of n rows (None: whole)
+        sharded = shard is not None and not (spec.experts and experts)
+        rows = (lambda n: experts) if spec.experts and experts else \
+            (lambda n: fsdp_rows(n, *shard)) if sharded else None
+        start, stop = rows(spec.shape[0]) if rows else (0, spec.shape[0])
+        if packed:  # the rows of a packed tensor are experts
+            keys = keys[start * len(spec.experts):stop * len(spec.experts)]
         missing = [k for k in keys if k not in available]
         if missing:
             more = f", and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -217,27 +226,35 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
                             + (f"(for {spec.name}{more})" if packed else str(list(spec.shape))))
             continue
         keep = fp8 == "keep" and spec.name in fp8_maps  # the linear maps the ops take FP8 for
+        part = (stop - start, *spec.shape[1:])
         try:
-            t, scale = (_read_experts(spec, keys, available, read, keep) if packed
-                        else _read_weight(spec.name, available, read, keep))
-            if spec.experts and experts and not packed:  # stored packed: this rank's rows
-                t, scale = t[experts[0]:experts[1]], None if scale is None else scale[experts[0]:experts[1]]
+            if not packed and reader.shape(available[spec.name]) != spec.shape:  # (the header's: nothing read)
+                problems.append(f"{spec.name}: shape {list(reader.shape(available[spec.name]))}, expected "
+                                f"{list(spec.shape)}")
+                continue
+            t, scale = (_read_experts(dataclasses.replace(spec, shape=part), keys, available, reader, keep) if packed
+                        else _read_weight(spec.name, available, reader, keep, rows))
+            scale_rows = None if scale is None or not sharded else \
+                spec.shape[0] if len(spec.shape) > 2 else reader.shape(available[scale_name(spec.name)])[0]
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        if tuple(t.shape) != spec.shape:
-            problems.append(f"{spec.name}: shape {list(t.shape)}, expected {list(spec.shape)}")
+        if tuple(t.shape) != part:
+            problems.append(f"{spec.name}: shape {list(t.shape)}, expected {list(part)}")
             continue
+        where = f" (in rows {start}..{stop - 1}, rank {shard[0]}'s)" if sharded else ""
         if scale is not None:  # kept in FP8: its values as stored, its scales in fp32
-            weights[spec.name], weights[scale_name(spec.name)] = t.to(device), scale.to(device, torch.float32)
+            put(spec.name, t.to(device), spec.shape[0], sharded)
+            put(scale_name(spec.name), scale.to(device, torch.float32), scale_rows, sharded)
             bad = nonfinite(t.float()) or nonfinite(scale)
             if bad:
-                problems.append(f"{spec.name}: {bad}")
+                problems.append(f"{spec.name}: {bad}{where}")
             continue
-        weights[spec.name] = t.to(device=device, dtype=target)
-        bad = nonfinite(weights[spec.name])
+        cast = t.to(device=device, dtype=target)
+        put(spec.name, cast, spec.shape[0], sharded)
+        bad = nonfinite(cast)
         if bad:
-            problems.append(f"{spec.name}: {bad}" + (f" once cast to {target}" if nonfinite(t) is None else ""))
+            problems.append(f"{spec.name}: {bad}{where}" + (f" once cast to {target}" if nonfinite(t) is None else ""))
     unexpected = sorted(set(available) - used)
     problems += [f"unexpected tensor {k}" for k in unexpected[:20]]
     if len(unexpected) > 20:
@@ -245,13 +262,52 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
     if problems:
         listed = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)  # one problem, one line
         raise CheckpointError(f"{model_dir}: cannot be loaded as {cfg.model_type}: {listed}")
-    return CausalLM(cfg, weights, hf_config), {"skipped": skipped}
+    report = {"skipped": skipped}
+    if shard is not None:
+        report["shards"] = shards
+    return CausalLM(cfg, weights, hf_config), report
 
 
-def _read_weight(key, available, read, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+class _Reader:
+    """A checkpoint's tensors by key, each file opened once: a tensor's shape (from the file's
+    header, nothing read), the tensor whole, or a range of its rows (dim 0, read alone). Every
+    failure is a CheckpointError naming the file."""
+
+    def __init__(self, files: dict[str, str]):
+        self.files, self.handles = files, {}
+
+    def _call(self, key, what):
+        path = self.files[key]
+        try:
+            if path not in self.handles:
+                if not os.path.exists(path):
+                    raise CheckpointError(f"{path}: listed in {INDEX} but missing")
+                self.handles[path] = _open(path)
+            return what(self.handles[path])
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor {key} ({e}){_truncation(path)}") from None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._call(key, lambda f: f.get_slice(key).get_shape()))
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `key`, or its rows rows[0]..rows[1] - 1."""
+        if rows is None:
+            return self._call(key, lambda f: f.get_tensor(key))
+        return self._call(key, lambda f: f.get_slice(key)[rows[0]:rows[1]])
+
+
+def _read_weight(key, available, reader: _Reader, keep: bool = False,
+                 rows=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the tensor `key` in floating point, None), an FP8 weight dequantised with its
-    weight_scale_inv; or, with `keep`, (the FP8 weight, its scales)."""
-    t = read(available[key])
+    weight_scale_inv; or, with `keep`, (the FP8 weight, its scales). rows(n): the rows (start,
+    stop) read of a tensor of n rows, the weight's and a kept scale's (an [E, ...] tensor's scale
+    has its E rows too); None: whole. A dequantised [out, in] weight's rows read the rows of
+    128 x 128 blocks that hold them."""
+    part = rows(reader.shape(available[key])[0]) if rows else None
+    t = reader.read(available[key], part)
     if not t.is_floating_point():
         raise CheckpointError(f"{key}: dtype {str(t.dtype).removeprefix('torch.')}, expected a floating-point weight")
     if t.dtype != torch.float8_e4m3fn:
@@ -259,8 +315,16 @@ def _read_weight(key, available, read, keep: bool = False) -> tuple[torch.Tensor
     scale_key = scale_name(key)
     if scale_key not in available:
         raise CheckpointError(f"{key}: float8 weight without {scale_key}")
-    scale = read(available[scale_key])
-    return (t, scale) if keep else (dequantize_fp8(t, scale, torch.float32), None)
+    if part is None or keep or t.dim() > 2:
+        scale = reader.read(available[scale_key], rows(reader.shape(available[scale_key])[0]) if rows else None)
+        return (t, scale) if keep else (dequantize_fp8(t, scale, torch.float32), None)
+    # The block rows over the weight's rows, the weight padded to the first block's first row:
+    # a shard boundary need not fall on a block's.
+    first, pad = divmod(part[0], FP8_BLOCK)
+    scale = reader.read(available[scale_key], (first, -(-part[1] // FP8_BLOCK)))
+    padded = t.new_zeros(pad + t.shape[0], *t.shape[1:])
+    padded[pad:] = t
+    return dequantize_fp8(padded, scale, torch.float32)[pad:], None
 
 
 def _expert_keys(spec) -> list[str]:
@@ -269,11 +333,12 @@ def _expert_keys(spec) -> list[str]:
     return [f"{prefix}{e}.{proj}.weight" for e in range(spec.shape[0]) for proj in spec.experts]
 
 
-def _read_experts(spec, keys, available, read, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _read_experts(spec, keys, available, reader: _Reader,
+                  keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packs the per-expert tensors `keys` (possibly FP8) into spec's [E, ...] tensor: (it, None), or
     with `keep`, where every part is FP8 and fills whole 128-row scale blocks (so that the packed
     scales are the parts' scales side by side), (the FP8 tensor, its [E, ...] scales)."""
-    parts = [_read_weight(key, available, read, keep) for key in keys]
+    parts = [_read_weight(key, available, reader, keep) for key in keys]
     n = len(spec.experts)
 
     def pack(tensors):  # expert e's parts along dim 0, the experts stacked

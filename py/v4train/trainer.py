@@ -276,10 +276,14 @@ class Trainer:
         """The model (a checkpoint, or random weights from a config, saved as the adapter's base
         for LoRA) and what trains: LoRA adapters (every target must match a module) or every weight."""
         c = self.config
+        shards = {}  # this rank's rows of the tensors FSDP2 shards, read alone (several processes)
         if c.model_dir:
             # every weight checked finite; with expert parallelism only this rank's experts read
-            self.model, _ = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8,
-                                               distributed.local_experts(self.model_cfg, self.world))
+            world = self.world
+            self.model, report = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8,
+                                                    distributed.local_experts(self.model_cfg, world),
+                                                    (world.rank, world.size) if world.size > 1 else None)
+            shards = report.get("shards", {})
             self.base_model_dir = c.model_dir
             if c.finetune == "full" and self.model.fp8:
                 raise FlagError(f"--finetune=full: {c.model_dir} is an FP8 checkpoint, kept in FP8 (--fp8=keep, the "
@@ -309,10 +313,12 @@ class Trainer:
         for w in self.trainable.values():
             w.requires_grad_(True)
         if self.world.size > 1:
-            # Each rank keeps its experts, FSDP2 shards the rest: every parameter is replaced by its
-            # shard (a DTensor), so what trains is looked up again.
+            # Each rank keeps its experts, FSDP2 shards the rest (the checkpoint's on the meta device
+            # until their rows fill the shards): every parameter is replaced by its shard (a
+            # DTensor), so what trains is looked up again.
             distributed.shard_experts(model, self.world)
             distributed.shard(model, self.world)
+            distributed.fill_shards(model, shards)
             self.trainable = {n: model.get_parameter(n) for n in self.trainable}
             if self.adapters is not None:
                 self.adapters = {n: self.trainable[n] for n in self.adapters}
