@@ -134,16 +134,46 @@ def test_a_rank_that_fails_or_hangs_ends_the_job(action, tmp_path):
         assert "timed out" in result.stderr.lower() or "timeout" in result.stderr.lower(), result.stderr[-3000:]
 
 
-def test_full_fine_tuning_over_two_expert_parallel_processes_trains_as_one(tmp_path):
+# A sitecustomize module for the processes of a //py:train run (the test's import path is their
+# PYTHONPATH): each counts the tensors DTensor.full_tensor gathered that are alive at once, and
+# writes the most to $V4TRAIN_TEST_GATHERS/rank{RANK}.
+GATHER_COUNTER = """
+import os, weakref
+if os.environ.get("V4TRAIN_TEST_GATHERS") and "RANK" in os.environ:
+    from torch.distributed.tensor import DTensor
+    full_tensor, live, most = DTensor.full_tensor, [0], [0]
+
+    def gone():
+        live[0] -= 1
+
+    def counted(self, *args, **kwargs):
+        t = full_tensor(self, *args, **kwargs)
+        live[0] += 1
+        weakref.finalize(t, gone)
+        if live[0] > most[0]:
+            most[0] = live[0]
+            with open(os.path.join(os.environ["V4TRAIN_TEST_GATHERS"], "rank" + os.environ["RANK"]), "w") as f:
+                f.write(str(most[0]))
+        return t
+    DTensor.full_tensor = counted
+"""
+
+
+def test_full_fine_tuning_over_two_expert_parallel_processes_trains_as_one(tmp_path, monkeypatch):
     """--finetune=full: every weight FSDP2's or (the experts) expert parallel; the checkpoint's
-    weights (gathered whole, transformers' layout) and the losses equal one process's."""
+    weights (gathered whole, transformers' layout) and the losses equal one process's; the save
+    holds one gathered tensor at a time on each rank (rank 0 writes each before the next gather)."""
     args = ["--finetune=full", "--max_steps=2", "--micro_batch_size=1", "--adam_eps=1e-3", "--lr=1e-3"]
     full = [a for a in SMALL if not a.startswith("--lora")]
+    counter = tmp_path / "site"
+    counter.mkdir()
+    (counter / "sitecustomize.py").write_text(GATHER_COUNTER)
+    monkeypatch.syspath_prepend(str(counter))
     runs = {}
     for name, extra, n in (("one", ["--grad_accum=2"], 1), ("two", ["--expert_parallel=2"], 2)):
         launch = [f"--nproc_per_node={n}"] if n > 1 else []
         result = run_cli("train.py", *full, f"--output_dir={tmp_path / name}", DEVICE, *args, *extra, *launch,
-                         env=ENV)
+                         env={**ENV, "V4TRAIN_TEST_GATHERS": str(counter)})
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = load_file(str(tmp_path / name / "checkpoint-2" / "model.safetensors"))
     for field in ("loss", "grad_norm"):
@@ -151,6 +181,9 @@ def test_full_fine_tuning_over_two_expert_parallel_processes_trains_as_one(tmp_p
     assert sorted(runs["two"]) == sorted(runs["one"])
     for key, t in runs["one"].items():
         assert_rel_close(runs["two"][key], t, f"final weight {key}")
+    for rank in (0, 1):  # (the file is there: the save gathered)
+        most = int((counter / f"rank{rank}").read_text())
+        assert most == 1, f"rank {rank} held {most} gathered tensors at once while saving"
 
 
 def test_an_fp8_base_trains_lora_over_two_expert_parallel_processes_as_one(tmp_path):

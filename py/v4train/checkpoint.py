@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+from typing import Iterable
 
 import torch
 from safetensors import SafetensorError
@@ -138,14 +139,15 @@ def verify(path: str) -> None:
 def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer_state: dict[str, torch.Tensor] | None,
          optimizer_steps: int, state: dict, base_model_dir: str, tokenizer_dir: str | None, keep: int,
          rng: list[tuple[dict, dict]] | None = None, write_sharded=None,
-         weights: dict[str, torch.Tensor] | None = None) -> str:
+         weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> str:
     """Writes checkpoint-STEP, then deletes the oldest complete checkpoints beyond `keep`. A write
     that fails (a full disk) raises CheckpointError saying which checkpoint is kept. Adapters and
     optimizer state come whole, and `rng` holds every rank's generators (rng_states(), default
     this process's): a run of many processes has its rank 0 write what every rank gathered; its
     optimizer state instead goes through `write_sharded(folder)`, torch.distributed.checkpoint's
     sharded save into the checkpoint's folder (distributed.SHARDED), each rank its own shards; and
-    a full fine-tuning's `weights` come whole (default: the model's own)."""
+    a full fine-tuning's `weights` come whole, one at a time as hf_checkpoint.write takes them
+    (distributed.gathered; default: the model's own)."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     try:
         with atomic_dir(final) as tmp:

@@ -5,7 +5,8 @@ The trainer asks this module which rank it is and on which device (`World`, from
 environment), how to shard the model (`shard_experts`: with --expert_parallel=N each rank keeps
 E / N routed experts; `shard`: fully_shard per decoder layer, then the root for the embeddings,
 final norm and LM head), what gradient sync FSDP2 leaves to it (`sync_experts`), and how to move a
-sharded tensor between its shard and its whole (`whole`, `assign`) for checkpoints.
+sharded tensor between its shard and its whole (`whole`, `gathered`, `assign`) for checkpoints;
+a rank that loads a checkpoint reads only its shards' rows (`fsdp_rows`, `fill_shards`).
 
 The ranks form a [data parallel, expert parallel] mesh: expert-parallel groups of N consecutive
 ranks, each holding all experts between them; the world / N groups are data-parallel replicas of
@@ -275,6 +276,14 @@ def whole(like: torch.Tensor, shard_: torch.Tensor) -> torch.Tensor:
     """The whole tensor whose shard on this rank is `shard_`, sharded as `like` is (every rank
     calls it: a collective). `like` not sharded: shard_ itself."""
     return as_sharded(like, shard_).full_tensor() if isinstance(like, DTensor) else shard_
+
+
+def gathered(tensors: dict[str, torch.Tensor]):
+    """(name, whole tensor) of each of `tensors` (shards or plain), in order, each gathered as it
+    is taken: every rank takes them all in the same order (each gather is a collective), and one
+    that lets each go before taking the next holds one gathered tensor at a time."""
+    for name, t in tensors.items():
+        yield name, whole(t, local(t).detach())
 
 
 def assign(dst: torch.Tensor, full: torch.Tensor, like: torch.Tensor | None = None) -> None:

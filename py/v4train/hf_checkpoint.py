@@ -9,7 +9,8 @@ weight that is not floating point or holds NaN/inf, a truncated file) is collect
 in one error before anything is returned; a malformed JSON file or a config.json value of the
 wrong type is one line naming the file.
 Writing produces the layout transformers reads: per-expert keys, shards above a size limit with
-model.safetensors.index.json, written to a temporary folder and renamed into place.
+model.safetensors.index.json, written to a temporary folder and renamed into place; one tensor
+at a time, so that a sharded model's write gathers one tensor at a time.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import dataclasses
 import json
 import os
 import re
+import struct
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from v4train.atomic import atomic_dir
 from v4train.distributed import fsdp_rows
@@ -348,51 +350,79 @@ def _read_experts(spec, keys, available, reader: _Reader,
     return pack([w if s is None else dequantize_fp8(w, s, torch.float32) for w, s in parts]), None
 
 
-def to_hf_tensors(model: CausalLM, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors (or `weights`, by the same names) under transformers' on-disk names:
-    experts unpacked per expert."""
-    out = {}
-    weights = weights or model.weights()
-    for spec in all_specs(model.cfg):
-        t = weights[spec.name].detach()
-        if spec.experts:
-            prefix = spec.name[: spec.name.rindex("experts.") + len("experts.")]
-            for e in range(t.shape[0]):
-                for proj, part in zip(spec.experts, t[e].chunk(len(spec.experts), dim=0)):
-                    out[f"{prefix}{e}.{proj}.weight"] = part
-        else:
-            out[spec.name] = t
-    return out
+# safetensors' names of the dtypes a model's tensors have
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.float8_e4m3fn: "F8_E4M3"}
 
 
-def write(model: CausalLM, out_dir: str, weights: dict[str, torch.Tensor] | None = None,
+def _hf_tensors(spec, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensor `t` of `spec` under transformers' on-disk names: a packed experts'
+    tensor split per expert (views of t)."""
+    if not spec.experts:
+        return [(spec.name, t)]
+    prefix = spec.name[: spec.name.rindex("experts.") + len("experts.")]
+    return [(f"{prefix}{e}.{proj}.weight", part) for e in range(t.shape[0])
+            for proj, part in zip(spec.experts, t[e].chunk(len(spec.experts), dim=0))]
+
+
+def write(model: CausalLM, out_dir: str, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
           max_shard_bytes: int = 5 * 2**30) -> None:
-    """Writes config.json and safetensors shards (+ index when more than one) into out_dir: the
-    model's weights, or `weights` by the same names (a sharded model's, gathered whole)."""
-    tensors = {k: v.contiguous().cpu() for k, v in to_hf_tensors(model, weights).items()}
-    shards, current, size = [], {}, 0
-    for key in sorted(tensors):
-        n = tensors[key].numel() * tensors[key].element_size()
-        if current and size + n > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[key] = tensors[key]
+    """Writes config.json and safetensors shards (+ index when more than one) into out_dir, in
+    transformers' layout: the model's weights, or `weights`, the same tensors whole as (name,
+    tensor) in model.weights() order (a sharded model's: distributed.gathered gathers each as it
+    is taken). Each tensor is written and let go before the next is taken, so a write holds one
+    tensor beyond the model, never a copy of it; each file's header comes first, from the shapes
+    and dtypes, and a tensor's per-expert parts stay in one file (files follow model order)."""
+    like = model.weights()  # the shapes and dtypes written (a DTensor's are its whole tensor's)
+    files, size = [[]], 0
+    for spec in all_specs(model.cfg):
+        n = like[spec.name].numel() * like[spec.name].element_size()
+        if files[-1] and size + n > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(spec)
         size += n
-    shards.append(current)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(_hf_config_for_save(model), f, indent=2, sort_keys=True)
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, SINGLE), metadata=meta)
-        return
+    source = iter(weights) if weights is not None else ((name, t.detach()) for name, t in like.items())
+    names = [SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                              for i in range(len(files))]
     weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, name), metadata=meta)
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(out_dir, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    for name, specs in zip(names, files):
+        keys = _write_file(os.path.join(out_dir, name), specs, like, source)
+        weight_map.update({k: name for k in keys})
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for t in like.values())
+        with open(os.path.join(out_dir, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+def _write_file(path: str, specs, like: dict[str, torch.Tensor], source) -> list[str]:
+    """One safetensors file of the model's tensors of `specs`: the header (from `like`'s shapes
+    and dtypes), then each tensor's bytes as `source` yields it. Returns the keys written."""
+    header, offset = {}, 0
+    for spec in specs:
+        meta = torch.empty(like[spec.name].shape, dtype=like[spec.name].dtype, device="meta")
+        for key, part in _hf_tensors(spec, meta):
+            if part.dtype not in _DTYPES:
+                raise ValueError(f"{key}: cannot be written in safetensors as {part.dtype}")
+            n = part.numel() * part.element_size()
+            header[key] = {"dtype": _DTYPES[part.dtype], "shape": list(part.shape),
+                           "data_offsets": [offset, offset + n]}
+            offset += n
+    text = json.dumps({**header, "__metadata__": {"format": "pt"}}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # (as safetensors pads its header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for spec in specs:
+            name, t = next(source)
+            if name != spec.name or t.shape != like[spec.name].shape or t.dtype != like[spec.name].dtype:
+                raise RuntimeError(f"write: {spec.name} {list(like[spec.name].shape)} expected, given {name} "
+                                   f"{list(t.shape)} {t.dtype}")
+            for _, part in _hf_tensors(spec, t.detach()):
+                f.write(part.contiguous().cpu().view(-1).view(torch.uint8).numpy())
+            t = part = None  # let go before the next is taken (gathered)
+    return list(header)
 
 
 def save(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:

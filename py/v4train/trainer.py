@@ -11,6 +11,7 @@ each kind of fault: docs/reliability.md.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -349,12 +350,12 @@ class Trainer:
 
     def save(self, step: int) -> None:
         """The checkpointer: checkpoint-STEP of the adapters or weights, optimizer, RNG and data
-        position. Every rank gathers the sharded tensors whole; rank 0 writes them."""
+        position. Every rank gathers the sharded tensors whole; rank 0 writes them: the adapters
+        gathered at once (they are small), a full fine-tuning's weights one at a time as rank 0
+        writes each (the other ranks take part in each gather, in the same order)."""
         c, world = self.config, self.world
-        gathered = lambda tensors: {n: distributed.whole(t, distributed.local(t).detach())  # noqa: E731
-                                    for n, t in tensors.items()}
-        adapters = None if self.adapters is None else gathered(self.adapters)
-        weights = gathered(self.model.weights()) if self.adapters is None and world.size > 1 else None
+        adapters = None if self.adapters is None else dict(distributed.gathered(self.adapters))
+        weights = distributed.gathered(self.model.weights()) if self.adapters is None and world.size > 1 else None
         rng = world.gather(checkpoint.rng_states())
         # One process: the optimizer state in a file; several: each rank writes its shards (DCP).
         whole = self.optimizer.state_tensors() if world.size == 1 else None
@@ -367,8 +368,11 @@ class Trainer:
                             tokenizer_dir=self.tokenizer_dir if self.tokenizer else None, keep=c.save_total_limit,
                             rng=rng, write_sharded=None if shards is None else
                             lambda folder: distributed.save_sharded(shards, world, folder), weights=weights)
-        elif shards is not None:
-            distributed.save_sharded(shards, world, None)
+        else:
+            if weights is not None:
+                collections.deque(weights, maxlen=0)  # each gathered and let go, as rank 0 writes it
+            if shards is not None:
+                distributed.save_sharded(shards, world, None)
         world.barrier()
 
     # -- the run --------------------------------------------------------------------------------
