@@ -321,7 +321,7 @@ def _sharded_load_worker(rank: int, size: int, init: str, model_dir: str) -> Non
             hf_checkpoint._open = _recording(reads)  # (this process's own module)
             model, report = hf_checkpoint.load(model_dir, fp8=fp8, shard=(rank, size))
             distributed.shard(model, distributed.World(rank, size, rank, dist.group.WORLD.group_name))
-            distributed.fill_shards(model, report["shards"])
+            distributed.fill_shards(model, report["rows"])
             params = dict(model.named_parameters())
             assert sorted(params) == sorted(n for n, _ in whole.named_parameters())
             for name, t in whole.named_parameters():

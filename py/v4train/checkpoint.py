@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from v4train import hf_checkpoint, lora
 from v4train.atomic import atomic_dir, kill_point, remove_dir
-from v4train.distributed import SHARDED, assign
+from v4train.distributed import SHARDED, World, assign, expert_tensor, local, local_experts
 from v4train.hf_checkpoint import CheckpointError, inside, read_json
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -191,10 +191,11 @@ def _check_same_lora(path: str, lcfg: lora.LoraConfig) -> None:
                                   f"run has --{flag}={ours}")
 
 
-def load(path: str, *, model, adapters, lcfg, optimizer, rank: int = 0) -> dict:
-    """Restores weights (or adapters), optimizer moments and RNG states (`rank`'s, of a run of
-    many processes); returns trainer_state. Every problem is a CheckpointError of one line naming
-    the file."""
+def load(path: str, *, model, adapters, lcfg, optimizer, world: World = World()) -> dict:
+    """Restores weights (or adapters), optimizer moments and RNG states (this rank's, of a run of
+    many processes); returns trainer_state. A full fine-tuning's weights are read as the model's
+    are (hf_checkpoint.load): each rank only its experts and its FSDP2 shards' rows. Every problem
+    is a CheckpointError of one line naming the file."""
     verify(path)
     state_path = os.path.join(path, STATE)
     state = read_json(state_path)
@@ -219,10 +220,14 @@ def load(path: str, *, model, adapters, lcfg, optimizer, rank: int = 0) -> dict:
         else:
             if os.path.exists(os.path.join(path, lora.ADAPTER_CONFIG)):
                 raise CheckpointError(f"--resume_from={path}: a LoRA checkpoint, but this run is --finetune=full")
-            saved, _ = hf_checkpoint.load(path, torch.float32, "cpu")
-            saved_weights = saved.weights()
+            experts = local_experts(model.cfg, world)
+            saved, report = hf_checkpoint.load(path, torch.float32, "cpu", experts=experts, shard=world.shard)
+            rows, saved_weights = report.get("rows", {}), saved.weights()
             for name, t in model.weights().items():
-                assign(t, saved_weights[name])
+                if name in rows or (experts and expert_tensor(name)):  # read as this rank's part
+                    local(t).copy_(rows.get(name, saved_weights[name]))
+                else:
+                    assign(t, saved_weights[name])
     sharded = os.path.join(path, SHARDED)
     try:
         if os.path.isdir(sharded):
@@ -232,7 +237,7 @@ def load(path: str, *, model, adapters, lcfg, optimizer, rank: int = 0) -> dict:
     except ValueError as e:
         where = sharded if os.path.isdir(sharded) else os.path.join(path, "optimizer.safetensors")
         raise CheckpointError(f"{where}: {e}") from None
-    _load_rng(path, rank)
+    _load_rng(path, world.rank)
     return state
 
 

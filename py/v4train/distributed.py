@@ -46,6 +46,11 @@ class World:
         """Rank 0: the one that logs, plots and writes."""
         return self.rank == 0
 
+    @property
+    def shard(self) -> tuple[int, int] | None:
+        """(rank, size): what hf_checkpoint.load reads of FSDP2's shards (None: one process, whole)."""
+        return (self.rank, self.size) if self.size > 1 else None
+
     def sum(self, values: list[float], device: str) -> list[float]:
         """Each value summed over the ranks (float64; one collective), for what the step logs."""
         if self.size == 1:
@@ -165,20 +170,20 @@ def fsdp_rows(n: int, rank: int, size: int) -> tuple[int, int]:
     return start, min(start + per_rank, n)
 
 
-def fill_shards(model, shards: dict[str, torch.Tensor]) -> None:
+def fill_shards(model, rows: dict[str, torch.Tensor]) -> None:
     """Makes the model's meta parameters, now FSDP2's (after `shard`), this rank's rows of the
-    checkpoint (hf_checkpoint.load's `shard`: `shards` {name: rows}). A rows tensor that is not
-    the shape of FSDP2's shard, or a meta parameter left without rows, is a ValueError naming it."""
+    checkpoint (hf_checkpoint.load's `shard`: its report's 'rows' {name: rows}). Rows that are not
+    the shape of FSDP2's shard, or a meta parameter left without rows, are a ValueError naming it."""
     from torch import nn
 
-    for name, rows in shards.items():
+    for name, part in rows.items():
         p = model.get_parameter(name)
-        if not isinstance(p, DTensor) or local(p).shape != rows.shape:
+        if not isinstance(p, DTensor) or local(p).shape != part.shape:
             held = f"its FSDP2 shard is {list(local(p).shape)}" if isinstance(p, DTensor) else "FSDP2 does not shard it"
-            raise ValueError(f"{name}: rank {dist.get_rank()} read rows of shape {list(rows.shape)} from the "
+            raise ValueError(f"{name}: rank {dist.get_rank()} read rows of shape {list(part.shape)} from the "
                              f"checkpoint, but {held}")
         # FSDP2 takes the new local tensor at its lazy init (FSDPParam.reset_sharded_param)
-        torch.utils.swap_tensors(p, nn.Parameter(as_sharded(p, rows), requires_grad=p.requires_grad))
+        torch.utils.swap_tensors(p, nn.Parameter(as_sharded(p, part), requires_grad=p.requires_grad))
     left = [n for n, p in model.named_parameters() if local(p).is_meta]
     if left:
         raise ValueError(f"{left[0]}: on the meta device after loading ({len(left)} such): no rows were read for it")

@@ -174,7 +174,7 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
     of every tensor FSDP2 shards (all but the experts `experts` gives the rank), only the rows of
     its Shard(0) part (distributed.fsdp_rows; a packed experts' tensor's rows are experts). Such a
     tensor is on the meta device in the returned model (its whole shape, its dtype), and its rows
-    are the report's 'shards' {name: rows}, which distributed.fill_shards puts into FSDP2's shards.
+    are the report's 'rows' {name: rows}, which distributed.fill_shards puts into FSDP2's shards.
     A dequantised weight's rows read the scale rows that cover them; a scale kept beside an FP8
     weight is a tensor FSDP2 shards on its own, so its own rows are read."""
     hf_config, cfg = read_config(os.path.join(model_dir, "config.json"))
@@ -199,12 +199,12 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
         else:
             available[canon] = key
 
-    problems, weights, shards, used = [], {}, {}, set()
+    problems, weights, rows_read, used = [], {}, {}, set()
 
     def put(name, tensor, whole_rows, sharded):
-        """The model's tensor; of a sharded one, the rows go to `shards` and the model gets its shape."""
+        """The model's tensor; of a sharded one, the rows go to `rows_read` and the model gets its shape."""
         if sharded:
-            shards[name] = tensor
+            rows_read[name] = tensor
             tensor = torch.empty((whole_rows, *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
         weights[name] = tensor
     fp8_maps = linear_map_names(cfg)  # (a router stays dequantised)
@@ -266,7 +266,7 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
         raise CheckpointError(f"{model_dir}: cannot be loaded as {cfg.model_type}: {listed}")
     report = {"skipped": skipped}
     if shard is not None:
-        report["shards"] = shards
+        report["rows"] = rows_read
     return CausalLM(cfg, weights, hf_config), report
 
 

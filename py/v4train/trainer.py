@@ -277,14 +277,13 @@ class Trainer:
         """The model (a checkpoint, or random weights from a config, saved as the adapter's base
         for LoRA) and what trains: LoRA adapters (every target must match a module) or every weight."""
         c = self.config
-        shards = {}  # this rank's rows of the tensors FSDP2 shards, read alone (several processes)
+        rows = {}  # this rank's rows of the tensors FSDP2 shards, read alone (several processes)
         if c.model_dir:
             # every weight checked finite; with expert parallelism only this rank's experts read
-            world = self.world
             self.model, report = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8,
-                                                    distributed.local_experts(self.model_cfg, world),
-                                                    (world.rank, world.size) if world.size > 1 else None)
-            shards = report.get("shards", {})
+                                                    distributed.local_experts(self.model_cfg, self.world),
+                                                    self.world.shard)
+            rows = report.get("rows", {})
             self.base_model_dir = c.model_dir
             if c.finetune == "full" and self.model.fp8:
                 raise FlagError(f"--finetune=full: {c.model_dir} is an FP8 checkpoint, kept in FP8 (--fp8=keep, the "
@@ -319,7 +318,7 @@ class Trainer:
             # DTensor), so what trains is looked up again.
             distributed.shard_experts(model, self.world)
             distributed.shard(model, self.world)
-            distributed.fill_shards(model, shards)
+            distributed.fill_shards(model, rows)
             self.trainable = {n: model.get_parameter(n) for n in self.trainable}
             if self.adapters is not None:
                 self.adapters = {n: self.trainable[n] for n in self.adapters}
@@ -337,7 +336,7 @@ class Trainer:
                     f"{self.world.size}: resume with --nproc_per_node={saved_world} (the global batch and the data "
                     "order depend on it); its adapter loads into any number")
             state = checkpoint.load(c.resume_from, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
-                                    optimizer=self.optimizer, rank=self.world.rank)
+                                    optimizer=self.optimizer, world=self.world)
             try:  # each step takes world size x grad_accum micro-batches
                 self.loader.load_state(state["loader"], state["step"] * c.grad_accum * self.world.size)
             except ValueError as e:
