@@ -1,6 +1,7 @@
 """The golden checkpoints of testdata/models (written by tools/make_goldens.py) and how to
 run v4train on them."""
 
+import contextlib
 import json
 import os
 
@@ -82,6 +83,23 @@ def start_cli(script: str, *args: str, env: dict | None = None, **kwargs):
     command, env = _cli(script, args, env)
     return subprocess.Popen(command, **dict(dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), **kwargs),
                             env=env)
+
+
+@contextlib.contextmanager
+def gloo(rank: int, size: int, init: str):
+    """This process as rank `rank` of a gloo group of `size` (mp.spawn's workers), rendezvous
+    through the file `init`."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (a sandbox's hostname may not resolve)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
+    try:
+        yield
+        # Both ranks done before either tears the group down: a rank that left first once aborted
+        # the other ("terminate called without an active exception", SIGABRT) under CI's load.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def run_train(*args: str, **kwargs):

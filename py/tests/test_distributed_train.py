@@ -7,6 +7,7 @@ micro-batches, for both bundled families; a resume continues exactly; refusals c
 training."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -134,16 +135,75 @@ def test_a_rank_that_fails_or_hangs_ends_the_job(action, tmp_path):
         assert "timed out" in result.stderr.lower() or "timeout" in result.stderr.lower(), result.stderr[-3000:]
 
 
-def test_full_fine_tuning_over_two_expert_parallel_processes_trains_as_one(tmp_path):
+# A sitecustomize module for the processes of a //py:train run (the test's import path is their
+# PYTHONPATH), writing to $V4TRAIN_TEST_PROBES/rank{RANK}.gathers the most tensors
+# DTensor.full_tensor gathered that were alive at once, and to .../rank{RANK}.whole the key of
+# every tensor read whole from a safetensors file.
+PROBES = """
+import os, weakref
+if os.environ.get("V4TRAIN_TEST_PROBES") and "RANK" in os.environ:
+    import safetensors
+    from torch.distributed.tensor import DTensor
+    out = os.path.join(os.environ["V4TRAIN_TEST_PROBES"], "rank" + os.environ["RANK"])
+    full_tensor, live, most = DTensor.full_tensor, [0], [0]
+
+    def gone():
+        live[0] -= 1
+
+    def counted(self, *args, **kwargs):
+        t = full_tensor(self, *args, **kwargs)
+        live[0] += 1
+        weakref.finalize(t, gone)
+        if live[0] > most[0]:
+            most[0] = live[0]
+            with open(out + ".gathers", "w") as f:
+                f.write(str(most[0]))
+        return t
+    DTensor.full_tensor = counted
+    opened = safetensors.safe_open
+
+    class Logged:  # safe_open's handle, each tensor read whole noted
+        def __init__(self, *args, **kwargs):
+            self.handle = opened(*args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def get_tensor(self, key):
+            with open(out + ".whole", "a") as f:
+                f.write(key + "\\n")
+            return self.handle.get_tensor(key)
+    safetensors.safe_open = Logged
+"""
+
+
+def test_full_fine_tuning_over_two_expert_parallel_processes_trains_as_one(tmp_path, monkeypatch):
     """--finetune=full: every weight FSDP2's or (the experts) expert parallel; the checkpoint's
-    weights (gathered whole, transformers' layout) and the losses equal one process's."""
-    args = ["--finetune=full", "--max_steps=2", "--micro_batch_size=1", "--adam_eps=1e-3", "--lr=1e-3"]
+    weights (gathered whole, transformers' layout) and the losses equal one process's; the save
+    holds one gathered tensor at a time on each rank (rank 0 writes each before the next gather);
+    a resume from checkpoint-1 continues exactly; no rank reads, of the base or of the checkpoint,
+    a weight whole but its own experts' (the rest: its FSDP2 shards' rows)."""
+    import shutil
+
+    args = ["--finetune=full", "--max_steps=2", "--micro_batch_size=1", "--adam_eps=1e-3", "--lr=1e-3",
+            "--save_interval=1"]
     full = [a for a in SMALL if not a.startswith("--lora")]
+    probes = tmp_path / "site"
+    probes.mkdir()
+    (probes / "sitecustomize.py").write_text(PROBES)
+    monkeypatch.syspath_prepend(str(probes))
+    env = {**ENV, "V4TRAIN_TEST_PROBES": str(probes)}
     runs = {}
     for name, extra, n in (("one", ["--grad_accum=2"], 1), ("two", ["--expert_parallel=2"], 2)):
         launch = [f"--nproc_per_node={n}"] if n > 1 else []
         result = run_cli("train.py", *full, f"--output_dir={tmp_path / name}", DEVICE, *args, *extra, *launch,
-                         env=ENV)
+                         env=env)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = load_file(str(tmp_path / name / "checkpoint-2" / "model.safetensors"))
     for field in ("loss", "grad_norm"):
@@ -151,6 +211,23 @@ def test_full_fine_tuning_over_two_expert_parallel_processes_trains_as_one(tmp_p
     assert sorted(runs["two"]) == sorted(runs["one"])
     for key, t in runs["one"].items():
         assert_rel_close(runs["two"][key], t, f"final weight {key}")
+    for rank in (0, 1):  # (the file is there: the save gathered)
+        most = int((probes / f"rank{rank}.gathers").read_text())
+        assert most == 1, f"rank {rank} held {most} gathered tensors at once while saving"
+    shutil.copytree(tmp_path / "two", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoint-2")
+    result = run_cli("train.py", *full, f"--output_dir={tmp_path / 'resumed'}", DEVICE, *args, "--expert_parallel=2",
+                     "--nproc_per_node=2", "--resume_from=latest", env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    resumed = load_file(str(tmp_path / "resumed" / "checkpoint-2" / "model.safetensors"))
+    for key, t in runs["two"].items():
+        assert_close(resumed[key], t, f"resumed weight {key}")
+    for rank in (0, 1):  # the base's and checkpoint-1's weights (and the generators' states)
+        whole = (probes / f"rank{rank}.whole").read_text().split()
+        experts = [re.search(r"\.experts\.(\d+)\.", k) for k in whole]  # rank r's: 4r .. 4r + 3
+        others = [k for k, e in zip(whole, experts)
+                  if k.startswith(("model.", "lm_head.")) and not (e and int(e.group(1)) // 4 == rank)]
+        assert not others, f"rank {rank} read {len(others)} tensor(s) whole besides its experts', first {others[0]}"
 
 
 def test_an_fp8_base_trains_lora_over_two_expert_parallel_processes_as_one(tmp_path):

@@ -6,7 +6,6 @@ tokens' share, which summed over the ranks (as data-parallel sync does) is the w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import tempfile
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from golden_cases import gloo
 from v4train import ops
 from v4train.layer_call import ExpertParallel
 from v4train.models.glm5.moe import Glm5MoeWeights
@@ -97,19 +97,6 @@ def _compare_grads(full, mine, rank: int, size: int, what: str) -> None:
         assert_close(leaf.grad, want, f"{what}: gradient of {name}")
 
 
-@contextlib.contextmanager
-def _gloo(rank: int, size: int, init: str):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (a sandbox's hostname may not resolve)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
-    try:
-        yield
-        # Both ranks done before either tears the group down: a rank that left first once aborted
-        # the other ("terminate called without an active exception", SIGABRT) under CI's load.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def _check(call, full, rank: int, size: int, width: int, what: str) -> None:
     """call(x, weights, r, ep): the op on rank r's tokens x, with an ExpertParallel or (None) in
     one process with every expert. This rank's output and gradients against one process's."""
@@ -128,7 +115,7 @@ def _check(call, full, rank: int, size: int, width: int, what: str) -> None:
 
 
 def _worker(rank: int, size: int, init: str, family: str, impl: str, skewed: bool) -> None:
-    with _gloo(rank, size, init):
+    with gloo(rank, size, init):
         table = ops.resolve(f"v4_{family}_moe") if impl == "cpp" else ops.REFERENCE
 
         def call(x, w, r, ep):
@@ -152,7 +139,7 @@ def test_a_rank_that_receives_no_rows_still_exchanges(impl):
 
 
 def _claims_rank_1(rank: int, size: int, init: str) -> None:
-    with _gloo(rank, size, init):
+    with gloo(rank, size, init):
         ep = ExpertParallel(dist.group.WORLD.group_name, 1, size)  # rank 0 says it is rank 1
         mine = _this_rank(_weights("glm5"), 1, size)
         x = torch.randn(3, H, dtype=torch.float64)
@@ -182,7 +169,7 @@ def _layer_worker(rank: int, size: int, init: str, family: str) -> None:
     from v4train.model import CausalLM
     from v4train.models import config_from_dict
 
-    with _gloo(rank, size, init):
+    with gloo(rank, size, init):
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         with open(os.path.join(root, "testdata", "sft", f"{family}_config.json")) as f:
             config = json.load(f)

@@ -2,10 +2,12 @@
 
 import json
 import os
+import re
 import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from golden_cases import golden
@@ -37,7 +39,7 @@ def test_saved_checkpoint_loads_in_transformers_with_the_same_logits(case, tmp_p
 
 
 def test_sharded_save_writes_an_index_and_reads_back_identically(tmp_path):
-    model, _ = hf_checkpoint.load(golden("glm5")[0])
+    model, _ = hf_checkpoint.load(golden("glm5")[0], torch.bfloat16)  # (its router in float32: two dtypes)
     hf_checkpoint.save(model, str(tmp_path / "out"), max_shard_bytes=200_000)
     out = tmp_path / "out"
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -47,7 +49,7 @@ def test_sharded_save_writes_an_index_and_reads_back_identically(tmp_path):
         tensors = load_file(str(out / shard))
         assert sum(t.numel() * t.element_size() for t in tensors.values()) <= 200_000
         assert all(index["weight_map"][k] == shard for k in tensors)
-    again, _ = hf_checkpoint.load(str(tmp_path / "out"))
+    again, _ = hf_checkpoint.load(str(tmp_path / "out"), torch.bfloat16)
     assert all(torch.equal(again.get_parameter(k), v) for k, v in model.weights().items())
 
 
@@ -60,7 +62,7 @@ def test_save_is_atomic_and_replaces_the_old_checkpoint(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf_checkpoint, "save_file", broken)
+    monkeypatch.setattr(hf_checkpoint, "_write_file", broken)
     with pytest.raises(OSError, match="disk full"):
         hf_checkpoint.save(model, str(out))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"], "no temporary folder is left behind"
@@ -210,18 +212,24 @@ def test_only_linear_maps_stay_fp8_a_router_in_fp8_is_dequantised(tmp_path):
         CausalLM(kept.cfg, tensors, kept.hf_config)
 
 
-@pytest.mark.parametrize("base", ["glm5_base", "qwen3_5_base"])
-def test_an_expert_parallel_rank_reads_only_its_experts(base, monkeypatch):
-    """experts=(4, 8): every MoE layer's packed experts are rows 4..7 of the whole load's, every
-    other tensor equal, and no tensor of experts 0..3 is read (nor reported as unexpected)."""
-    model_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                             "testdata", base)
-    whole, _ = hf_checkpoint.load(model_dir)
-    read = []
+def _recording(reads: list):
+    """hf_checkpoint._open that notes each read in `reads`: (key, None) for a whole tensor,
+    (key, (start, stop)) for a range of its rows."""
     opened = hf_checkpoint._open
 
     def recording(path):
         handle = opened(path)
+
+        class Slice:  # safe_open's slice of one tensor, its reads noted
+            def __init__(self, key):
+                self.key, self.slice = key, handle.get_slice(key)
+
+            def __getattr__(self, name):
+                return getattr(self.slice, name)
+
+            def __getitem__(self, rows):
+                reads.append((self.key, (rows.start, rows.stop)))
+                return self.slice[rows]
 
         class Recorder:  # safe_open's handle, its reads noted
             def __enter__(self):
@@ -234,13 +242,112 @@ def test_an_expert_parallel_rank_reads_only_its_experts(base, monkeypatch):
                 return getattr(handle, name)
 
             def get_tensor(self, key):
-                read.append(key)
+                reads.append((key, None))
                 return handle.get_tensor(key)
+
+            def get_slice(self, key):
+                return Slice(key)
         return Recorder()
-    monkeypatch.setattr(hf_checkpoint, "_open", recording)
+    return recording
+
+
+def _base(name: str) -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "testdata", name)
+
+
+@pytest.mark.parametrize("base", ["glm5_base", "qwen3_5_base"])
+def test_an_expert_parallel_rank_reads_only_its_experts(base, monkeypatch):
+    """experts=(4, 8): every MoE layer's packed experts are rows 4..7 of the whole load's, every
+    other tensor equal, and no tensor of experts 0..3 is read (nor reported as unexpected)."""
+    model_dir = _base(base)
+    whole, _ = hf_checkpoint.load(model_dir)
+    reads = []
+    monkeypatch.setattr(hf_checkpoint, "_open", _recording(reads))
     part, _ = hf_checkpoint.load(model_dir, experts=(4, 8))
     packed = [n for n in whole.weights() if ".mlp.experts." in n]
     assert packed
     for name, t in whole.weights().items():
         assert torch.equal(part.weights()[name], t[4:8] if name in packed else t), name
-    assert read and not [k for k in read if any(f".experts.{e}." in k for e in range(4))]
+    assert reads and not [k for k, _ in reads if any(f".experts.{e}." in k for e in range(4))]
+
+
+def _fp8_base(tmp_path, base: str) -> str:
+    """The bundled base with FP8 weights of each kind a rank reads rows of: linear maps (kept in
+    FP8 by --fp8=keep), the embedding (always dequantised; its 384 rows split at 192, inside a
+    128-row scale block) and layer 1's routed experts stored packed, [E, ...] with [E, 1, 1] scales."""
+    from golden_cases import copy_model
+    from v4train.reference.lora import quantize_fp8, scale_name
+
+    def quantise(t):
+        for name in [n for n in t if n.endswith(("o_proj.weight", "kv_b_proj.weight", "in_proj_qkv.weight",
+                                                  "shared_expert.up_proj.weight", "embed_tokens.weight"))]:
+            t[name], t[scale_name(name)] = quantize_fp8(t[name])
+        prefix = "model.layers.1.mlp.experts."
+        for packed, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            w = torch.stack([torch.cat([t.pop(f"{prefix}{e}.{p}.weight") for p in parts]) for e in range(8)])
+            t[prefix + packed], t[scale_name(prefix + packed)] = quantize_fp8(w)
+    return copy_model(tmp_path, tensors=quantise, base=_base(base))
+
+
+def _needed_rows(key: str, shapes: dict, rank: int, size: int, kept: set[str]) -> set[int]:
+    """The rows of checkpoint tensor `key` that rank `rank` of `size` needs for its FSDP2 shards
+    (torch.chunk's split of dim 0); the scale of an [out, in] weight dequantised on load (not in
+    `kept`): the 128-row blocks over the weight's rows; a per-expert tensor: all its rows if the
+    rank's shard holds the expert."""
+    def chunk(n):
+        parts = torch.arange(n).chunk(size)
+        return set(parts[rank].tolist()) if rank < len(parts) else set()
+    expert = re.search(r"\.experts\.(\d+)\.", key)
+    if expert:
+        return set(range(shapes[key][0])) if int(expert.group(1)) in chunk(8) else set()
+    weight = key.removesuffix("_scale_inv")
+    if weight != key and weight not in kept and len(shapes[weight]) == 2:
+        return {r // 128 for r in chunk(shapes[weight][0])}
+    return chunk(shapes[key][0])
+
+
+def _sharded_load_worker(rank: int, size: int, init: str, model_dir: str) -> None:
+    from golden_cases import gloo
+    from safetensors import safe_open
+    from v4train import distributed
+
+    with gloo(rank, size, init), safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        opened = hf_checkpoint._open
+        for fp8 in ("keep", "dequantize"):
+            hf_checkpoint._open = opened
+            whole, _ = hf_checkpoint.load(model_dir, fp8=fp8)
+            reads = []
+            hf_checkpoint._open = _recording(reads)  # (this process's own module)
+            model, report = hf_checkpoint.load(model_dir, fp8=fp8, shard=(rank, size))
+            distributed.shard(model, distributed.World(rank, size, rank, dist.group.WORLD.group_name))
+            distributed.fill_shards(model, report["rows"])
+            params = dict(model.named_parameters())
+            assert sorted(params) == sorted(n for n, _ in whole.named_parameters())
+            for name, t in whole.named_parameters():
+                shards = [None] * size  # FSDP2's shards, gathered as bytes (gloo gathers no float8)
+                dist.all_gather_object(shards, params[name].to_local().detach().view(torch.uint8))
+                assert params[name].dtype == t.dtype and torch.equal(torch.cat(shards), t.detach().view(torch.uint8)), \
+                    f"--fp8={fp8}: {name}"
+            kept = {n for n, t in whole.named_parameters() if t.dtype == torch.float8_e4m3fn}
+            assert kept if fp8 == "keep" else not kept
+            for key, rows in reads:
+                read = set(range(*rows) if rows else range(shapes[key][0]))
+                extra = read - _needed_rows(key, shapes, rank, size, kept)
+                assert not extra, f"--fp8={fp8}: rank {rank} read rows {min(extra)}..{max(extra)} of {key}, " \
+                    "another rank's"
+            per_expert = re.compile(r"\.experts\.\d+\.")
+            assert {k for k, rows in reads if rows} >= {k for k in shapes if not per_expert.search(k)}
+
+
+@pytest.mark.parametrize("base", ["glm5_base", "qwen3_5_base"])
+def test_a_rank_of_two_fsdp2_processes_reads_only_its_rows(base, tmp_path):
+    """Two gloo processes load the base (FP8 weights of each kind among its tensors, kept or
+    dequantised) with shard=(rank, 2), FSDP2 shards the model and each fills its shards: gathered,
+    every tensor equals one process's whole load, and no rank read a row that only another rank's
+    shard holds (a dequantised weight reads the scale blocks over its rows; the embedding's split
+    falls inside a block)."""
+    import torch.multiprocessing as mp
+
+    model_dir = _fp8_base(tmp_path, base)
+    mp.spawn(_sharded_load_worker, args=(2, str(tmp_path / "init"), model_dir), nprocs=2, join=True)

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import shutil
+from typing import Iterable
 
 import torch
 from safetensors import SafetensorError
@@ -28,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from v4train import hf_checkpoint, lora
 from v4train.atomic import atomic_dir, kill_point, remove_dir
-from v4train.distributed import SHARDED, assign
+from v4train.distributed import SHARDED, World, assign, expert_tensor, local, local_experts
 from v4train.hf_checkpoint import CheckpointError, inside, read_json
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -138,14 +139,15 @@ def verify(path: str) -> None:
 def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer_state: dict[str, torch.Tensor] | None,
          optimizer_steps: int, state: dict, base_model_dir: str, tokenizer_dir: str | None, keep: int,
          rng: list[tuple[dict, dict]] | None = None, write_sharded=None,
-         weights: dict[str, torch.Tensor] | None = None) -> str:
+         weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> str:
     """Writes checkpoint-STEP, then deletes the oldest complete checkpoints beyond `keep`. A write
     that fails (a full disk) raises CheckpointError saying which checkpoint is kept. Adapters and
     optimizer state come whole, and `rng` holds every rank's generators (rng_states(), default
     this process's): a run of many processes has its rank 0 write what every rank gathered; its
     optimizer state instead goes through `write_sharded(folder)`, torch.distributed.checkpoint's
     sharded save into the checkpoint's folder (distributed.SHARDED), each rank its own shards; and
-    a full fine-tuning's `weights` come whole (default: the model's own)."""
+    a full fine-tuning's `weights` come whole, one at a time as hf_checkpoint.write takes them
+    (distributed.gathered; default: the model's own)."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
     try:
         with atomic_dir(final) as tmp:
@@ -189,10 +191,11 @@ def _check_same_lora(path: str, lcfg: lora.LoraConfig) -> None:
                                   f"run has --{flag}={ours}")
 
 
-def load(path: str, *, model, adapters, lcfg, optimizer, rank: int = 0) -> dict:
-    """Restores weights (or adapters), optimizer moments and RNG states (`rank`'s, of a run of
-    many processes); returns trainer_state. Every problem is a CheckpointError of one line naming
-    the file."""
+def load(path: str, *, model, adapters, lcfg, optimizer, world: World = World()) -> dict:
+    """Restores weights (or adapters), optimizer moments and RNG states (this rank's, of a run of
+    many processes); returns trainer_state. A full fine-tuning's weights are read as the model's
+    are (hf_checkpoint.load): each rank only its experts and its FSDP2 shards' rows. Every problem
+    is a CheckpointError of one line naming the file."""
     verify(path)
     state_path = os.path.join(path, STATE)
     state = read_json(state_path)
@@ -217,10 +220,14 @@ def load(path: str, *, model, adapters, lcfg, optimizer, rank: int = 0) -> dict:
         else:
             if os.path.exists(os.path.join(path, lora.ADAPTER_CONFIG)):
                 raise CheckpointError(f"--resume_from={path}: a LoRA checkpoint, but this run is --finetune=full")
-            saved, _ = hf_checkpoint.load(path, torch.float32, "cpu")
-            saved_weights = saved.weights()
+            experts = local_experts(model.cfg, world)
+            saved, report = hf_checkpoint.load(path, torch.float32, "cpu", experts=experts, shard=world.shard)
+            rows, saved_weights = report.get("rows", {}), saved.weights()
             for name, t in model.weights().items():
-                assign(t, saved_weights[name])
+                if name in rows or (experts and expert_tensor(name)):  # read as this rank's part
+                    local(t).copy_(rows.get(name, saved_weights[name]))
+                else:
+                    assign(t, saved_weights[name])
     sharded = os.path.join(path, SHARDED)
     try:
         if os.path.isdir(sharded):
@@ -230,7 +237,7 @@ def load(path: str, *, model, adapters, lcfg, optimizer, rank: int = 0) -> dict:
     except ValueError as e:
         where = sharded if os.path.isdir(sharded) else os.path.join(path, "optimizer.safetensors")
         raise CheckpointError(f"{where}: {e}") from None
-    _load_rng(path, rank)
+    _load_rng(path, world.rank)
     return state
 
 

@@ -5,7 +5,8 @@ The trainer asks this module which rank it is and on which device (`World`, from
 environment), how to shard the model (`shard_experts`: with --expert_parallel=N each rank keeps
 E / N routed experts; `shard`: fully_shard per decoder layer, then the root for the embeddings,
 final norm and LM head), what gradient sync FSDP2 leaves to it (`sync_experts`), and how to move a
-sharded tensor between its shard and its whole (`whole`, `assign`) for checkpoints.
+sharded tensor between its shard and its whole (`whole`, `gathered`, `assign`) for checkpoints;
+a rank that loads a checkpoint reads only its shards' rows (`fsdp_rows`, `fill_shards`).
 
 The ranks form a [data parallel, expert parallel] mesh: expert-parallel groups of N consecutive
 ranks, each holding all experts between them; the world / N groups are data-parallel replicas of
@@ -44,6 +45,11 @@ class World:
     def main(self) -> bool:
         """Rank 0: the one that logs, plots and writes."""
         return self.rank == 0
+
+    @property
+    def shard(self) -> tuple[int, int] | None:
+        """(rank, size): what hf_checkpoint.load reads of FSDP2's shards (None: one process, whole)."""
+        return (self.rank, self.size) if self.size > 1 else None
 
     def sum(self, values: list[float], device: str) -> list[float]:
         """Each value summed over the ranks (float64; one collective), for what the step logs."""
@@ -155,6 +161,34 @@ def shard_experts(model, world: World) -> None:
             layer.expert_parallel = options
 
 
+def fsdp_rows(n: int, rank: int, size: int) -> tuple[int, int]:
+    """The rows (start, stop) of dim 0 that FSDP2's Shard(0) gives `rank` of `size` ranks of a
+    tensor of n rows: torch.chunk's split, ceil(n / size) rows a rank, the last ranks fewer or
+    none (fully_shard's _chunk_with_empty). fill_shards checks each shard's shape against it."""
+    per_rank = -(-n // size)
+    start = min(rank * per_rank, n)
+    return start, min(start + per_rank, n)
+
+
+def fill_shards(model, rows: dict[str, torch.Tensor]) -> None:
+    """Makes the model's meta parameters, now FSDP2's (after `shard`), this rank's rows of the
+    checkpoint (hf_checkpoint.load's `shard`: its report's 'rows' {name: rows}). Rows that are not
+    the shape of FSDP2's shard, or a meta parameter left without rows, are a ValueError naming it."""
+    from torch import nn
+
+    for name, part in rows.items():
+        p = model.get_parameter(name)
+        if not isinstance(p, DTensor) or local(p).shape != part.shape:
+            held = f"its FSDP2 shard is {list(local(p).shape)}" if isinstance(p, DTensor) else "FSDP2 does not shard it"
+            raise ValueError(f"{name}: rank {dist.get_rank()} read rows of shape {list(part.shape)} from the "
+                             f"checkpoint, but {held}")
+        # FSDP2 takes the new local tensor at its lazy init (FSDPParam.reset_sharded_param)
+        torch.utils.swap_tensors(p, nn.Parameter(as_sharded(p, part), requires_grad=p.requires_grad))
+    left = [n for n, p in model.named_parameters() if local(p).is_meta]
+    if left:
+        raise ValueError(f"{left[0]}: on the meta device after loading ({len(left)} such): no rows were read for it")
+
+
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -247,6 +281,14 @@ def whole(like: torch.Tensor, shard_: torch.Tensor) -> torch.Tensor:
     """The whole tensor whose shard on this rank is `shard_`, sharded as `like` is (every rank
     calls it: a collective). `like` not sharded: shard_ itself."""
     return as_sharded(like, shard_).full_tensor() if isinstance(like, DTensor) else shard_
+
+
+def gathered(tensors: dict[str, torch.Tensor]):
+    """(name, whole tensor) of each of `tensors` (shards or plain), in order, each gathered as it
+    is taken: every rank takes them all in the same order (each gather is a collective), and one
+    that lets each go before taking the next holds one gathered tensor at a time."""
+    for name, t in tensors.items():
+        yield name, whole(t, local(t).detach())
 
 
 def assign(dst: torch.Tensor, full: torch.Tensor, like: torch.Tensor | None = None) -> None:

@@ -9,7 +9,8 @@ weight that is not floating point or holds NaN/inf, a truncated file) is collect
 in one error before anything is returned; a malformed JSON file or a config.json value of the
 wrong type is one line naming the file.
 Writing produces the layout transformers reads: per-expert keys, shards above a size limit with
-model.safetensors.index.json, written to a temporary folder and renamed into place.
+model.safetensors.index.json, written to a temporary folder and renamed into place; one tensor
+at a time, so that a sharded model's write gathers one tensor at a time.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import dataclasses
 import json
 import os
 import re
+import struct
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from v4train.atomic import atomic_dir
+from v4train.distributed import fsdp_rows
 from v4train.model import CausalLM, all_specs, linear_map_names
 from v4train.models import FAMILIES, ModelConfig, config_from_dict
 from v4train.models.config import ConfigError
@@ -156,7 +159,7 @@ def canonical_key(key: str) -> str:
 
 
 def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: str = "dequantize",
-         experts: tuple[int, int] | None = None) -> tuple[CausalLM, dict]:
+         experts: tuple[int, int] | None = None, shard: tuple[int, int] | None = None) -> tuple[CausalLM, dict]:
     """The model in `dtype` on `device`, and a report {'skipped': {reason: count}}. An FP8
     checkpoint's layer weights (float8_e4m3fn with a 128 x 128-block weight_scale_inv) are
     dequantised into `dtype`, or with fp8="keep" stay float8 beside their fp32 scales (frozen
@@ -165,25 +168,22 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
     (else it is dequantised); weights outside the layers are always dequantised. `experts`
     (start, stop): only those routed experts of every MoE layer are read (an expert-parallel
     rank's: the others' tensors are neither read nor reported), their packed tensors
-    [stop - start, ...]."""
+    [stop - start, ...].
+
+    `shard` (rank, size): rank `rank` of `size` processes that FSDP2 shards the model over reads,
+    of every tensor FSDP2 shards (all but the experts `experts` gives the rank), only the rows of
+    its Shard(0) part (distributed.fsdp_rows; a packed experts' tensor's rows are experts). Such a
+    tensor is on the meta device in the returned model (its whole shape, its dtype), and its rows
+    are the report's 'rows' {name: rows}, which distributed.fill_shards puts into FSDP2's shards.
+    A dequantised weight's rows read the scale rows that cover them; a scale kept beside an FP8
+    weight is a tensor FSDP2 shards on its own, so its own rows are read."""
     hf_config, cfg = read_config(os.path.join(model_dir, "config.json"))
     files = _files(model_dir)
-    handles: dict[str, object] = {}
     absent = collections.Counter(p for p in files.values() if not os.path.exists(p))
     if absent:  # one line per missing file, not one per tensor it holds
         listed = "; ".join(f"{p} ({n} tensors) is missing" for p, n in sorted(absent.items()))
         raise CheckpointError(f"{model_dir}: {listed}; {INDEX} lists {'it' if len(absent) == 1 else 'them'}")
-
-    def read(key):
-        path = files[key]
-        if path not in handles:
-            if not os.path.exists(path):
-                raise CheckpointError(f"{path}: listed in {INDEX} but missing")
-            handles[path] = _open(path)
-        try:
-            return handles[path].get_tensor(key)
-        except Exception as e:
-            raise CheckpointError(f"{path}: cannot read tensor {key} ({e}){_truncation(path)}") from None
+    reader = _Reader(files)
 
     available = {}  # canonical key -> checkpoint key
     skipped: dict[str, int] = {}
@@ -199,7 +199,14 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
         else:
             available[canon] = key
 
-    problems, weights, used = [], {}, set()
+    problems, weights, rows_read, used = [], {}, {}, set()
+
+    def put(name, tensor, whole_rows, sharded):
+        """The model's tensor; of a sharded one, the rows go to `rows_read` and the model gets its shape."""
+        if sharded:
+            rows_read[name] = tensor
+            tensor = torch.empty((whole_rows, *tensor.shape[1:]), dtype=tensor.dtype, device="meta")
+        weights[name] = tensor
     fp8_maps = linear_map_names(cfg)  # (a router stays dequantised)
     for spec in all_specs(cfg):
         target = torch.float32 if spec.fp32 else dtype
@@ -207,9 +214,13 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
         keys = _expert_keys(spec) if packed else [spec.name]
         # Every key this weight is read from is accounted for, even when another one is missing.
         used.update(k for key in keys for k in (key, key + "_scale_inv") if k in available)
-        if spec.experts and experts:
-            keys = keys[experts[0] * len(spec.experts):experts[1] * len(spec.experts)] if packed else keys
-            spec = dataclasses.replace(spec, shape=(experts[1] - experts[0], *spec.shape[1:]))
+        # rows(n): the rows of dim 0 read of a tensor of n rows (None: whole)
+        sharded = shard is not None and not (spec.experts and experts)
+        rows = (lambda n: experts) if spec.experts and experts else \
+            (lambda n: fsdp_rows(n, *shard)) if sharded else None
+        start, stop = rows(spec.shape[0]) if rows else (0, spec.shape[0])
+        if packed:  # the rows of a packed tensor are experts
+            keys = keys[start * len(spec.experts):stop * len(spec.experts)]
         missing = [k for k in keys if k not in available]
         if missing:
             more = f", and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -217,27 +228,35 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
                             + (f"(for {spec.name}{more})" if packed else str(list(spec.shape))))
             continue
         keep = fp8 == "keep" and spec.name in fp8_maps  # the linear maps the ops take FP8 for
+        part = (stop - start, *spec.shape[1:])
         try:
-            t, scale = (_read_experts(spec, keys, available, read, keep) if packed
-                        else _read_weight(spec.name, available, read, keep))
-            if spec.experts and experts and not packed:  # stored packed: this rank's rows
-                t, scale = t[experts[0]:experts[1]], None if scale is None else scale[experts[0]:experts[1]]
+            if not packed and reader.shape(available[spec.name]) != spec.shape:  # (the header's: nothing read)
+                problems.append(f"{spec.name}: shape {list(reader.shape(available[spec.name]))}, expected "
+                                f"{list(spec.shape)}")
+                continue
+            t, scale = (_read_experts(dataclasses.replace(spec, shape=part), keys, available, reader, keep) if packed
+                        else _read_weight(spec.name, available, reader, keep, rows))
+            scale_rows = None if scale is None or not sharded else \
+                spec.shape[0] if len(spec.shape) > 2 else reader.shape(available[scale_name(spec.name)])[0]
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        if tuple(t.shape) != spec.shape:
-            problems.append(f"{spec.name}: shape {list(t.shape)}, expected {list(spec.shape)}")
+        if tuple(t.shape) != part:
+            problems.append(f"{spec.name}: shape {list(t.shape)}, expected {list(part)}")
             continue
+        where = f" (in rows {start}..{stop - 1}, rank {shard[0]}'s)" if sharded else ""
         if scale is not None:  # kept in FP8: its values as stored, its scales in fp32
-            weights[spec.name], weights[scale_name(spec.name)] = t.to(device), scale.to(device, torch.float32)
+            put(spec.name, t.to(device), spec.shape[0], sharded)
+            put(scale_name(spec.name), scale.to(device, torch.float32), scale_rows, sharded)
             bad = nonfinite(t.float()) or nonfinite(scale)
             if bad:
-                problems.append(f"{spec.name}: {bad}")
+                problems.append(f"{spec.name}: {bad}{where}")
             continue
-        weights[spec.name] = t.to(device=device, dtype=target)
-        bad = nonfinite(weights[spec.name])
+        cast = t.to(device=device, dtype=target)
+        put(spec.name, cast, spec.shape[0], sharded)
+        bad = nonfinite(cast)
         if bad:
-            problems.append(f"{spec.name}: {bad}" + (f" once cast to {target}" if nonfinite(t) is None else ""))
+            problems.append(f"{spec.name}: {bad}{where}" + (f" once cast to {target}" if nonfinite(t) is None else ""))
     unexpected = sorted(set(available) - used)
     problems += [f"unexpected tensor {k}" for k in unexpected[:20]]
     if len(unexpected) > 20:
@@ -245,13 +264,52 @@ def load(model_dir: str, dtype: torch.dtype = torch.float32, device="cpu", fp8: 
     if problems:
         listed = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)  # one problem, one line
         raise CheckpointError(f"{model_dir}: cannot be loaded as {cfg.model_type}: {listed}")
-    return CausalLM(cfg, weights, hf_config), {"skipped": skipped}
+    report = {"skipped": skipped}
+    if shard is not None:
+        report["rows"] = rows_read
+    return CausalLM(cfg, weights, hf_config), report
 
 
-def _read_weight(key, available, read, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+class _Reader:
+    """A checkpoint's tensors by key, each file opened once: a tensor's shape (from the file's
+    header, nothing read), the tensor whole, or a range of its rows (dim 0, read alone). Every
+    failure is a CheckpointError naming the file."""
+
+    def __init__(self, files: dict[str, str]):
+        self.files, self.handles = files, {}
+
+    def _call(self, key, what):
+        path = self.files[key]
+        try:
+            if path not in self.handles:
+                if not os.path.exists(path):
+                    raise CheckpointError(f"{path}: listed in {INDEX} but missing")
+                self.handles[path] = _open(path)
+            return what(self.handles[path])
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read tensor {key} ({e}){_truncation(path)}") from None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._call(key, lambda f: f.get_slice(key).get_shape()))
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `key`, or its rows rows[0]..rows[1] - 1."""
+        if rows is None:
+            return self._call(key, lambda f: f.get_tensor(key))
+        return self._call(key, lambda f: f.get_slice(key)[rows[0]:rows[1]])
+
+
+def _read_weight(key, available, reader: _Reader, keep: bool = False,
+                 rows=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the tensor `key` in floating point, None), an FP8 weight dequantised with its
-    weight_scale_inv; or, with `keep`, (the FP8 weight, its scales)."""
-    t = read(available[key])
+    weight_scale_inv; or, with `keep`, (the FP8 weight, its scales). rows(n): the rows (start,
+    stop) read of a tensor of n rows, the weight's and a kept scale's (an [E, ...] tensor's scale
+    has its E rows too); None: whole. A dequantised [out, in] weight's rows read the rows of
+    128 x 128 blocks that hold them."""
+    part = rows(reader.shape(available[key])[0]) if rows else None
+    t = reader.read(available[key], part)
     if not t.is_floating_point():
         raise CheckpointError(f"{key}: dtype {str(t.dtype).removeprefix('torch.')}, expected a floating-point weight")
     if t.dtype != torch.float8_e4m3fn:
@@ -259,8 +317,16 @@ def _read_weight(key, available, read, keep: bool = False) -> tuple[torch.Tensor
     scale_key = scale_name(key)
     if scale_key not in available:
         raise CheckpointError(f"{key}: float8 weight without {scale_key}")
-    scale = read(available[scale_key])
-    return (t, scale) if keep else (dequantize_fp8(t, scale, torch.float32), None)
+    if part is None or keep or t.dim() > 2:
+        scale = reader.read(available[scale_key], rows(reader.shape(available[scale_key])[0]) if rows else None)
+        return (t, scale) if keep else (dequantize_fp8(t, scale, torch.float32), None)
+    # The block rows over the weight's rows, the weight padded to the first block's first row:
+    # a shard boundary need not fall on a block's.
+    first, pad = divmod(part[0], FP8_BLOCK)
+    scale = reader.read(available[scale_key], (first, -(-part[1] // FP8_BLOCK)))
+    padded = t.new_zeros(pad + t.shape[0], *t.shape[1:])
+    padded[pad:] = t
+    return dequantize_fp8(padded, scale, torch.float32)[pad:], None
 
 
 def _expert_keys(spec) -> list[str]:
@@ -269,11 +335,12 @@ def _expert_keys(spec) -> list[str]:
     return [f"{prefix}{e}.{proj}.weight" for e in range(spec.shape[0]) for proj in spec.experts]
 
 
-def _read_experts(spec, keys, available, read, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _read_experts(spec, keys, available, reader: _Reader,
+                  keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Packs the per-expert tensors `keys` (possibly FP8) into spec's [E, ...] tensor: (it, None), or
     with `keep`, where every part is FP8 and fills whole 128-row scale blocks (so that the packed
     scales are the parts' scales side by side), (the FP8 tensor, its [E, ...] scales)."""
-    parts = [_read_weight(key, available, read, keep) for key in keys]
+    parts = [_read_weight(key, available, reader, keep) for key in keys]
     n = len(spec.experts)
 
     def pack(tensors):  # expert e's parts along dim 0, the experts stacked
@@ -283,51 +350,79 @@ def _read_experts(spec, keys, available, read, keep: bool = False) -> tuple[torc
     return pack([w if s is None else dequantize_fp8(w, s, torch.float32) for w, s in parts]), None
 
 
-def to_hf_tensors(model: CausalLM, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The model's tensors (or `weights`, by the same names) under transformers' on-disk names:
-    experts unpacked per expert."""
-    out = {}
-    weights = weights or model.weights()
-    for spec in all_specs(model.cfg):
-        t = weights[spec.name].detach()
-        if spec.experts:
-            prefix = spec.name[: spec.name.rindex("experts.") + len("experts.")]
-            for e in range(t.shape[0]):
-                for proj, part in zip(spec.experts, t[e].chunk(len(spec.experts), dim=0)):
-                    out[f"{prefix}{e}.{proj}.weight"] = part
-        else:
-            out[spec.name] = t
-    return out
+# safetensors' names of the dtypes a model's tensors have
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.float8_e4m3fn: "F8_E4M3"}
 
 
-def write(model: CausalLM, out_dir: str, weights: dict[str, torch.Tensor] | None = None,
+def _hf_tensors(spec, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensor `t` of `spec` under transformers' on-disk names: a packed experts'
+    tensor split per expert (views of t)."""
+    if not spec.experts:
+        return [(spec.name, t)]
+    prefix = spec.name[: spec.name.rindex("experts.") + len("experts.")]
+    return [(f"{prefix}{e}.{proj}.weight", part) for e in range(t.shape[0])
+            for proj, part in zip(spec.experts, t[e].chunk(len(spec.experts), dim=0))]
+
+
+def write(model: CausalLM, out_dir: str, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
           max_shard_bytes: int = 5 * 2**30) -> None:
-    """Writes config.json and safetensors shards (+ index when more than one) into out_dir: the
-    model's weights, or `weights` by the same names (a sharded model's, gathered whole)."""
-    tensors = {k: v.contiguous().cpu() for k, v in to_hf_tensors(model, weights).items()}
-    shards, current, size = [], {}, 0
-    for key in sorted(tensors):
-        n = tensors[key].numel() * tensors[key].element_size()
-        if current and size + n > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[key] = tensors[key]
+    """Writes config.json and safetensors shards (+ index when more than one) into out_dir, in
+    transformers' layout: the model's weights, or `weights`, the same tensors whole as (name,
+    tensor) in model.weights() order (a sharded model's: distributed.gathered gathers each as it
+    is taken). Each tensor is written and let go before the next is taken, so a write holds one
+    tensor beyond the model, never a copy of it; each file's header comes first, from the shapes
+    and dtypes, and a tensor's per-expert parts stay in one file (files follow model order)."""
+    like = model.weights()  # the shapes and dtypes written (a DTensor's are its whole tensor's)
+    files, size = [[]], 0
+    for spec in all_specs(model.cfg):
+        n = like[spec.name].numel() * like[spec.name].element_size()
+        if files[-1] and size + n > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(spec)
         size += n
-    shards.append(current)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(_hf_config_for_save(model), f, indent=2, sort_keys=True)
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, SINGLE), metadata=meta)
-        return
+    source = iter(weights) if weights is not None else ((name, t.detach()) for name, t in like.items())
+    names = [SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                              for i in range(len(files))]
     weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, name), metadata=meta)
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(out_dir, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    for name, specs in zip(names, files):
+        keys = _write_file(os.path.join(out_dir, name), specs, like, source)
+        weight_map.update({k: name for k in keys})
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for t in like.values())
+        with open(os.path.join(out_dir, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+
+
+def _write_file(path: str, specs, like: dict[str, torch.Tensor], source) -> list[str]:
+    """One safetensors file of the model's tensors of `specs`: the header (from `like`'s shapes
+    and dtypes), then each tensor's bytes as `source` yields it. Returns the keys written."""
+    header, offset = {}, 0
+    for spec in specs:
+        meta = torch.empty(like[spec.name].shape, dtype=like[spec.name].dtype, device="meta")
+        for key, part in _hf_tensors(spec, meta):
+            if part.dtype not in _DTYPES:
+                raise ValueError(f"{key}: cannot be written in safetensors as {part.dtype}")
+            n = part.numel() * part.element_size()
+            header[key] = {"dtype": _DTYPES[part.dtype], "shape": list(part.shape),
+                           "data_offsets": [offset, offset + n]}
+            offset += n
+    text = json.dumps({**header, "__metadata__": {"format": "pt"}}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # (as safetensors pads its header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for spec in specs:
+            name, t = next(source)
+            if name != spec.name or t.shape != like[spec.name].shape or t.dtype != like[spec.name].dtype:
+                raise RuntimeError(f"write: {spec.name} {list(like[spec.name].shape)} expected, given {name} "
+                                   f"{list(t.shape)} {t.dtype}")
+            for _, part in _hf_tensors(spec, t.detach()):
+                f.write(part.contiguous().cpu().view(-1).view(torch.uint8).numpy())
+            t = part = None  # let go before the next is taken (gathered)
+    return list(header)
 
 
 def save(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:

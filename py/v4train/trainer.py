@@ -11,6 +11,7 @@ each kind of fault: docs/reliability.md.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -276,10 +277,13 @@ class Trainer:
         """The model (a checkpoint, or random weights from a config, saved as the adapter's base
         for LoRA) and what trains: LoRA adapters (every target must match a module) or every weight."""
         c = self.config
+        rows = {}  # this rank's rows of the tensors FSDP2 shards, read alone (several processes)
         if c.model_dir:
             # every weight checked finite; with expert parallelism only this rank's experts read
-            self.model, _ = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8,
-                                               distributed.local_experts(self.model_cfg, self.world))
+            self.model, report = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8,
+                                                    distributed.local_experts(self.model_cfg, self.world),
+                                                    self.world.shard)
+            rows = report.get("rows", {})
             self.base_model_dir = c.model_dir
             if c.finetune == "full" and self.model.fp8:
                 raise FlagError(f"--finetune=full: {c.model_dir} is an FP8 checkpoint, kept in FP8 (--fp8=keep, the "
@@ -309,10 +313,12 @@ class Trainer:
         for w in self.trainable.values():
             w.requires_grad_(True)
         if self.world.size > 1:
-            # Each rank keeps its experts, FSDP2 shards the rest: every parameter is replaced by its
-            # shard (a DTensor), so what trains is looked up again.
+            # Each rank keeps its experts, FSDP2 shards the rest (the checkpoint's on the meta device
+            # until their rows fill the shards): every parameter is replaced by its shard (a
+            # DTensor), so what trains is looked up again.
             distributed.shard_experts(model, self.world)
             distributed.shard(model, self.world)
+            distributed.fill_shards(model, rows)
             self.trainable = {n: model.get_parameter(n) for n in self.trainable}
             if self.adapters is not None:
                 self.adapters = {n: self.trainable[n] for n in self.adapters}
@@ -330,7 +336,7 @@ class Trainer:
                     f"{self.world.size}: resume with --nproc_per_node={saved_world} (the global batch and the data "
                     "order depend on it); its adapter loads into any number")
             state = checkpoint.load(c.resume_from, model=self.model, adapters=self.adapters, lcfg=self.lcfg,
-                                    optimizer=self.optimizer, rank=self.world.rank)
+                                    optimizer=self.optimizer, world=self.world)
             try:  # each step takes world size x grad_accum micro-batches
                 self.loader.load_state(state["loader"], state["step"] * c.grad_accum * self.world.size)
             except ValueError as e:
@@ -343,12 +349,12 @@ class Trainer:
 
     def save(self, step: int) -> None:
         """The checkpointer: checkpoint-STEP of the adapters or weights, optimizer, RNG and data
-        position. Every rank gathers the sharded tensors whole; rank 0 writes them."""
+        position. Every rank gathers the sharded tensors whole; rank 0 writes them: the adapters
+        gathered at once (they are small), a full fine-tuning's weights one at a time as rank 0
+        writes each (the other ranks take part in each gather, in the same order)."""
         c, world = self.config, self.world
-        gathered = lambda tensors: {n: distributed.whole(t, distributed.local(t).detach())  # noqa: E731
-                                    for n, t in tensors.items()}
-        adapters = None if self.adapters is None else gathered(self.adapters)
-        weights = gathered(self.model.weights()) if self.adapters is None and world.size > 1 else None
+        adapters = None if self.adapters is None else dict(distributed.gathered(self.adapters))
+        weights = distributed.gathered(self.model.weights()) if self.adapters is None and world.size > 1 else None
         rng = world.gather(checkpoint.rng_states())
         # One process: the optimizer state in a file; several: each rank writes its shards (DCP).
         whole = self.optimizer.state_tensors() if world.size == 1 else None
@@ -361,8 +367,11 @@ class Trainer:
                             tokenizer_dir=self.tokenizer_dir if self.tokenizer else None, keep=c.save_total_limit,
                             rng=rng, write_sharded=None if shards is None else
                             lambda folder: distributed.save_sharded(shards, world, folder), weights=weights)
-        elif shards is not None:
-            distributed.save_sharded(shards, world, None)
+        else:
+            if weights is not None:
+                collections.deque(weights, maxlen=0)  # each gathered and let go, as rank 0 writes it
+            if shards is not None:
+                distributed.save_sharded(shards, world, None)
         world.barrier()
 
     # -- the run --------------------------------------------------------------------------------
