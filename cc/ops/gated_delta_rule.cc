@@ -216,7 +216,8 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   const at::Tensor gather_idx = at::tensor(gather, longs);
   const auto dtype = q.scalar_type();
   if (Backend<FusedKernel>::find(q.device().type()) != nullptr && k.scalar_type() == dtype &&
-      v.scalar_type() == dtype && dtype != at::kDouble && Dk <= kFusedMaxDim && Dv <= kFusedMaxDim) {
+      v.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16) && Dk <= kFusedMaxDim &&
+      Dv <= kFusedMaxDim) {
     return FusedRule::apply(q, k, v, g, beta, gather_idx, at::tensor(chunks_of, longs), at::tensor(offset, longs),
                             reach, offset);
   }

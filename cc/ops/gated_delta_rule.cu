@@ -13,13 +13,12 @@
 // and the state's gradient), intra_grads (q's gradient; k's and G's parts from inside the chunk),
 // wy_grads (the UT transform's backward: k's, v's, beta's and g's gradients). A kernel takes one
 // chunk and head per block; its products are shared-memory tiles through block_gemm, on TF32 tensor
-// cores for bfloat16 and float16 inputs, on the FP32 units for float32 (Mode below).
+// cores for bfloat16 inputs, on the FP32 units for float32 (Mode below).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -39,17 +38,15 @@ static_assert(kRows == 64, "the kernels hold one chunk of 64 slots a block");
 __host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
 __host__ __device__ constexpr int larger(int a, int b) { return a > b ? a : b; }
 
-template <typename T>
+template <typename T>  // float or __nv_bfloat16
 __device__ __forceinline__ float to_float(T x) {
   if constexpr (std::is_same_v<T, float>) return x;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
-  else return __half2float(x);
+  else return __bfloat162float(x);
 }
 template <typename T>
 __device__ __forceinline__ T from_float(float x) {
   if constexpr (std::is_same_v<T, float>) return x;
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16(x);
-  else return __float2half(x);
+  else return __float2bfloat16(x);
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -66,7 +63,7 @@ __device__ __forceinline__ uint32_t tf32(float x) {
 }
 // How a kernel multiplies: on the FP32 units (float32 inputs: as the ATen path rounds), or on TF32
 // tensor cores with each operand split into two TF32 parts, x = hi + lo + O(2^-21 |x|): hi lo + lo hi
-// + hi hi is about float32's precision (bfloat16 and float16 inputs). Plain TF32 (operands rounded to
+// + hi hi is about float32's precision (bfloat16 inputs). Plain TF32 (operands rounded to
 // 10 bits) measured no faster on the H200 (2026-12-02: 3.25 / 9.87 ms against 3.21 / 9.96 at 8,192
 // tokens): the tensor cores are not what these kernels wait on.
 enum class Mode { kFp32, kTf32x3 };
@@ -1053,8 +1050,7 @@ void fused_cuda(Fused& f, bool backward) {
   switch (f.q.scalar_type()) {
     case at::kFloat: return fused<float, Mode::kFp32>(f, backward);
     case at::kBFloat16: return fused<__nv_bfloat16, Mode::kTf32x3>(f, backward);
-    case at::kHalf: return fused<__half, Mode::kTf32x3>(f, backward);
-    default: TORCH_CHECK(false, "v4_gated_delta_rule: the fused kernels take float32, bfloat16 or float16, got ",
+    default: TORCH_CHECK(false, "v4_gated_delta_rule: the fused kernels take float32 or bfloat16, got ",
                          f.q.scalar_type());
   }
 }

@@ -15,7 +15,8 @@
 //
 // Chunks of 64: every document is cut into chunks (its last one padded). On the GPU the fused
 // kernels of cc/ops/gated_delta_rule.cu (gdr::Fused below) run it, a fixed number of launches a
-// call. Elsewhere (the CPU, float64, widths over 128) ATen does: the work inside a chunk (the UT
+// call. Elsewhere (the CPU; float16 and float64, which the parity suite does not draw for the
+// kernels; widths over 128) ATen does: the work inside a chunk (the UT
 // transform, a triangular solve, the intra-chunk products) for all chunks of all documents at
 // once as batched matrix products; what crosses chunks is one recurrence on the [Dk, Dv] state
 // (gdr::Recurrence below), forward and backward, a loop over chunk positions. Memory is linear in T.
@@ -65,7 +66,7 @@ struct Recurrence {
 // The fused path (cc/ops/gated_delta_rule.cu): on the GPU the whole rule runs as a few kernels a
 // pass, each over every chunk (or, for the recurrence above, every document) at once, forward and
 // backward, with nothing per chunk in between but the states. Its inputs as the kernels read them:
-// q, k [T, Hk, Dk] and v [T, Hv, Dv] contiguous in one dtype (float32, bfloat16 or float16;
+// q, k [T, Hk, Dk] and v [T, Hv, Dv] contiguous in one dtype (float32 or bfloat16;
 // Dk, Dv <= kFusedMaxDim), g float64 and beta float32 [T, Hv]; `slots` int64 [chunks * 64] on the
 // device, the token of each chunk slot (T for the padding of a document's last chunk), chunks in
 // the Plan's order. The forward pass sets o [T, Hv, Dv] and keeps h (the state at each chunk's
