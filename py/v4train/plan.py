@@ -9,7 +9,8 @@ Everything is counted in bytes from the config and the flags, tensor by tensor:
 - what trains: LoRA factors (or, --finetune=full, every weight) with their gradients, AdamW's two
   fp32 moments and the fp32 master copy of a weight kept in lower precision (v4train.optim);
 - activations: the tensors autograd keeps for the backward pass, op by op as the C++ layer ops
-  make them (cc/models/*), and at the moments where they peak the transients beside them (the
+  make them (cc/models/*; Qwen3.5's delta rule on the path the op takes on Setup.device: its fused
+  CUDA kernels on the GPU), and at the moments where they peak the transients beside them (the
   MoE combine's backward, the experts' dequantised FP8 weights, the LM head's fp32 logits); with
   --gradient_checkpointing each layer keeps only its input and its first pass's choices, and
   the backward pass holds one layer recomputed;
