@@ -9,7 +9,8 @@ Everything is counted in bytes from the config and the flags, tensor by tensor:
 - what trains: LoRA factors (or, --finetune=full, every weight) with their gradients, AdamW's two
   fp32 moments and the fp32 master copy of a weight kept in lower precision (v4train.optim);
 - activations: the tensors autograd keeps for the backward pass, op by op as the C++ layer ops
-  make them (cc/models/*), and at the moments where they peak the transients beside them (the
+  make them (cc/models/*; Qwen3.5's delta rule on the path the op takes on Setup.device: its fused
+  CUDA kernels on the GPU), and at the moments where they peak the transients beside them (the
   MoE combine's backward, the experts' dequantised FP8 weights, the LM head's fp32 logits); with
   --gradient_checkpointing each layer keeps only its input and its first pass's choices, and
   the backward pass holds one layer recomputed;
@@ -48,6 +49,7 @@ SEQ_LEN_STEP = 1024
 MASKED_MAX_LEN = 8192  # glm5_layer_forward.cc kMaskedMaxLen: longer documents attend through MLA's latent
 BLOCK_BYTES = 2**30  # mla_dsa_attention.cc block_bytes: the indexer's scores of a block of queries
 GDR_CHUNK = 64  # gated_delta_rule.h kChunk: the delta rule's chunks (each document padded to them)
+FUSED_MAX_DIM = 128  # gated_delta_rule.h kFusedMaxDim: the widest heads its fused CUDA kernels take
 # The LM head's chunk of tokens (the C++ op takes the reference's default).
 CE_CHUNK = inspect.signature(v4_cross_entropy_loss).parameters["chunk_tokens"].default
 FP32 = 4
@@ -119,6 +121,7 @@ class Setup:
     dtype_bytes: int = 2
     gpu_memory_gib: float = H200_USABLE_GIB
     documents: tuple[int, ...] | None = None
+    device: str = "cuda"  # the ops' device: on "cuda" the delta rule takes its fused kernels where it can
 
     @property
     def tokens(self) -> int:
@@ -552,6 +555,123 @@ def glm5_layer(c: Ctx, i: int) -> LayerMemory:
                        first_pass + first_moe, backward, grads + g_experts)
 
 
+def fused_delta_rule(setup: Setup) -> bool:
+    """Whether v4_gated_delta_rule runs its fused CUDA kernels, as gated_delta_rule.cc picks them:
+    CUDA tensors q, k, v of one dtype that is not float64 (the block's are), Dk and Dv at most
+    kFusedMaxDim. Otherwise (the CPU, float64, wider heads) the ATen path."""
+    cfg = setup.cfg
+    return (setup.device == "cuda" and setup.dtype_bytes in (2, FP32) and
+            max(cfg.linear_key_head_dim, cfg.linear_value_head_dim) <= FUSED_MAX_DIM)
+
+
+def padded_tokens(c: Ctx) -> int:
+    """P: the tokens with each document padded to whole chunks of 64 (the delta rule's slots)."""
+    return sum(-(-L // GDR_CHUNK) * GDR_CHUNK for L in c.documents)
+
+
+def delta_rule_aten(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Moment], list[Moment]]:
+    """The delta rule's ATen path (gated_delta_rule.cc below FusedRule): adds what its autograd
+    graph keeps to the block's `s`; returns the moments of its forward pass, of a checkpointed
+    first pass and of its backward."""
+    cfg, T, b, f = c.cfg, c.tokens, c.b, c.f
+    nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    # The delta rule's [chunks, value heads, 64, dim] tensors, in fp32, each document padded to
+    # whole chunks: U a [.., dk] (or dv) row, M a [.., 64] row per padded token, S the state
+    # [dk, dv] at each chunk's start per padded token.
+    P = padded_tokens(c)
+    U, M, S = nv * dk * f, nv * GDR_CHUNK * f, nv * dk * dv * f // GDR_CHUNK
+    # gated_delta_rule.cc: q and k repeated to the value heads (the L2 norms' input); q, k, v in
+    # chunks; k * beta; at::matmul's contiguous copies of its non-contiguous chunk views (q,
+    # k^T twice, k * beta), which its batched products keep; the decay matrices and the two
+    # masked products with them; the UT solve's result [u | w]; w, k_out and v_new (the
+    # scan's); the states; q decayed to the chunk start, copied for the output product.
+    s.add("gdr_l2", "q and k repeated to the value heads [T, heads, dk] (fp32; the L2 norms' input)", 2 * T * U)
+    s.add("gdr_chunks", "q, k, v and k * beta in chunks (fp32)", 4 * P * U)
+    s.add("gdr_copies", "matmul's contiguous copies of q, k (twice, transposed), k * beta", 4 * P * U)
+    s.add("gdr_decay", "the decay matrices and the two products masked by them [chunks, heads, 64, 64]", 5 * P * M)
+    s.add("gdr_uw", "the UT transform's solution [u | w] (the solve's backward)", 2 * P * U)
+    s.add("gdr_scan", "w, k_out, v_new (the scan's backward)", 3 * P * U)
+    s.add("gdr_state", "the state at each chunk's start [chunks, heads, dk, dv]", P * S)
+    s.add("gdr_out", "q decayed to the chunk start, copied for the output product", P * U)
+    held = list(s)
+    # While the rule runs: its locals (q, k L2-normed, v * beta, u) and its output reordered.
+    rule_locals = [Term("delta rule's locals: q, k L2-normed, v * beta, u", 2 * T * U + 2 * P * U),
+                   Term("delta rule's output and its reordered copies", 3 * P * U)]
+    forward = [Moment("gated delta rule", tuple(held + rule_locals))]
+    first_pass = [Moment("gated delta rule", (
+        Term("the block's locals: h, qkv after the conv, z", T * (cfg.hidden_size + conv + nv * dv) * b),
+        Term("delta rule's locals: q, k, v, k * beta, v * beta, the solution, u, w, k_out, v_new",
+             2 * T * U + 12 * P * U),
+        Term("delta rule's decays, products and states", 3 * P * M + P * S)) + tuple(rule_locals[1:]))]
+    # The scan's backward: the incoming gradients of the states and values, the reverse scan's
+    # states and outputs, dw and dk_out (and a temporary), q's gradient held for its sum.
+    backward = [Moment("delta rule's scan backward", tuple(s.but(held, "gdr_out") + [
+        Term("scan backward: the states' and values' incoming gradients", P * S + P * U),
+        Term("scan backward: the reverse scan's states and outputs", P * S + P * U),
+        Term("scan backward: dw, dk_out and a temporary", 3 * P * U),
+        Term("scan backward: q's gradient in chunks, and the rule's output gradient (fp32)", P * U + T * U)]))]
+    return forward, first_pass, backward
+
+
+def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Moment], list[Moment]]:
+    """The delta rule's fused path (gated_delta_rule.cc's FusedRule, gated_delta_rule.cu's host
+    function fused()): adds what the autograd node keeps to the block's `s`; returns the moments of
+    its forward pass, of a checkpointed first pass and of its backward. The kernels' work tensors
+    are fp32 (float64 for dg) whatever the model's dtype."""
+    cfg, T, b = c.cfg, c.tokens, c.b
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    P = padded_tokens(c)
+    chunks = P // GDR_CHUNK
+
+    def rows(d: int) -> int:  # fused()'s rows(d): [chunks, value heads, 64, d] fp32
+        return P * nv * d * FP32
+
+    state = chunks * nv * dk * dv * FP32  # [chunks, value heads, dk, dv] fp32
+    gamma = chunks * nv * FP32  # the chunks' decays [chunks, value heads] fp32 (and their gradient)
+    # FusedRule saves its inputs as the kernels read them: q, k, v copied by contiguous() (the
+    # block's are views of the conv's output), g as it is (float64: beta_g), beta cast to fp32 (in
+    # an fp32 model beta itself, which sigmoid keeps: beta_g), the slots; and the forward pass's
+    # states at each chunk's start and v_new.
+    s.mark("gdr")
+    s.add("gdr_inputs", "q, k [T, key heads, dk] and v [T, value heads, dv] made contiguous",
+          T * (2 * nk * dk + nv * dv) * b)
+    s.add("gdr_beta", "beta in fp32 [T, value heads]", T * nv * FP32, b != FP32)
+    s.add("gdr_slots", "the token of each chunk slot [P] (int64)", P * INT64)
+    s.add("gdr_state", "h: the state at each chunk's start [chunks, value heads, dk, dv] (fp32)", state)
+    s.add("gdr_v_new", "v_new [chunks, value heads, 64, dv] (fp32)", rows(dv))
+    held, rule = list(s), s.since("gdr")
+    # The forward pass: the block's locals alive around the call, fused()'s U, W, K~ and decays
+    # (freed when it returns), the output.
+    block = Term("the block's locals: qkv before and after the conv [T, conv dim], z [T, vd], a (float64)",
+                 T * ((2 * conv + nv * dv) * b + nv * INT64))
+    work = [Term("delta rule forward: U [.., dv], W and K~ [.., dk] (fp32) and the chunks' decays",
+                 rows(dv) + 2 * rows(dk) + gamma),
+            Term("delta rule's output o [T, value heads, dv]", T * nv * dv * b)]
+    forward = [Moment("gated delta rule", tuple(held + [block] + work))]
+    inputs = Term("the block's input h [T, H], beta and g (float64)", T * (cfg.hidden_size * b + nv * (b + INT64)))
+    first_pass = [Moment("gated delta rule", tuple([inputs, block] + rule + work))]
+    # The backward pass (fused() with backward): o's incoming gradient, and z's, whose node comes
+    # after the rule's in the engine's order; W (its memory then takes dW), K~ and the decays
+    # throughout. It peaks in the reverse recurrence (dv_local, dh_local, d_state, dv_new) or at
+    # its end: wy_grads' inputs and outputs, then the key heads' sums of dq and dk (sum, then cast).
+    incoming = Term("the rule's output gradient [T, value heads, dv], and z's waiting", 2 * T * nv * dv * b)
+    wk = Term("delta rule backward: W (then dW), K~ [.., dk] and the chunks' decays (fp32)", 2 * rows(dk) + gamma)
+    cast = b if b < FP32 else 0  # .to() of an fp32 sum to fp32 is the sum itself
+    backward = [
+        Moment("delta rule's reverse recurrence", tuple(held + [incoming, wk, Term(
+            "reverse recurrence: dv_local, dv_new [.., 64, dv]; dh_local, d_state [chunks, value heads, dk, dv] (fp32)",
+            2 * rows(dv) + 2 * state)])),
+        Moment("delta rule's UT-transform gradients", tuple(held + [incoming, wk, Term(
+            "state and intra gradients: dv_new [.., dv], dq_state, dk_tilde, dk_part [.., dk] (fp32), dgamma, "
+            "dg_part [chunks, value heads, 64] (float64)", rows(dv) + 3 * rows(dk) + gamma + P * nv * INT64), Term(
+            "UT-transform gradients: dq, dk [T, value heads, dk] (fp32), dv [T, value heads, dv], dbeta (fp32), "
+            "dg (float64)", T * nv * (2 * dk * FP32 + dv * b + FP32 + INT64)), Term(
+            "key heads' sums: dq and dk summed over each key head's value heads [T, key heads, dk] (dk's sum in "
+            "fp32, then cast)", T * nk * dk * (b + FP32 + cast))]))]
+    return forward, first_pass, backward
+
+
 def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
     """v4_qwen3_5_layer_forward (cc/models/qwen3_5): zero-centred RMSNorm, Gated DeltaNet
     (gated_deltanet.cc, causal_conv1d.cc, gated_delta_rule.cc) or gated attention
@@ -563,14 +683,8 @@ def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
     forward, first_pass, backward = [], [], []
     if cfg.layer_types[i] == "linear_attention":
         la = "linear_attn."
-        nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
-            cfg.linear_value_head_dim
-        conv = 2 * nk * dk + nv * dv
-        # The delta rule's [chunks, value heads, 64, dim] tensors, in fp32, each document padded to
-        # whole chunks: U a [.., dk] (or dv) row, M a [.., 64] row per padded token, S the state
-        # [dk, dv] at each chunk's start per padded token.
-        P = sum(-(-L // GDR_CHUNK) * GDR_CHUNK for L in c.documents)
-        U, M, S = nv * dk * f, nv * GDR_CHUNK * f, nv * dk * dv * f // GDR_CHUNK
+        nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        conv = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + nv * dv
         projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         s.add("h", "input_layernorm's output [T, H] (the projections' input)", T * H * b,
               any(c.keeps_input(i, la + m + ".weight") for m in projections))
@@ -585,19 +699,9 @@ def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
         s.add("conv_taps", "each shifted tap's product [T - j, conv dim] (fp32; index_add's source)", taps * conv * f)
         s.add("conv_rows", "the conv's fp32 input and each tap's gathered rows (the conv weight's gradient)",
               (T + taps) * conv * f, c.trains(la + "conv1d.weight"))
-        # gated_delta_rule.cc: q and k repeated to the value heads (the L2 norms' input); q, k, v in
-        # chunks; k * beta; at::matmul's contiguous copies of its non-contiguous chunk views (q,
-        # k^T twice, k * beta), which its batched products keep; the decay matrices and the two
-        # masked products with them; the UT solve's result [u | w]; w, k_out and v_new (the
-        # scan's); the states; q decayed to the chunk start, copied for the output product.
-        s.add("gdr_l2", "q and k repeated to the value heads [T, heads, dk] (fp32; the L2 norms' input)", 2 * T * U)
-        s.add("gdr_chunks", "q, k, v and k * beta in chunks (fp32)", 4 * P * U)
-        s.add("gdr_copies", "matmul's contiguous copies of q, k (twice, transposed), k * beta", 4 * P * U)
-        s.add("gdr_decay", "the decay matrices and the two products masked by them [chunks, heads, 64, 64]", 5 * P * M)
-        s.add("gdr_uw", "the UT transform's solution [u | w] (the solve's backward)", 2 * P * U)
-        s.add("gdr_scan", "w, k_out, v_new (the scan's backward)", 3 * P * U)
-        s.add("gdr_state", "the state at each chunk's start [chunks, heads, dk, dv]", P * S)
-        s.add("gdr_out", "q decayed to the chunk start, copied for the output product", P * U)
+        # The delta rule as the op runs it on the device planned for.
+        rule = delta_rule_fused if fused_delta_rule(c.setup) else delta_rule_aten
+        forward, first_pass, backward = rule(c, s, conv)
         s.mark("norm")
         # The gated RMSNorm: the rule's output in fp32 (the norm's input), normed times its weight
         # (the gate's product), silu(z) and z in fp32; the gated output (out_proj's input).
@@ -609,22 +713,6 @@ def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
         s.add("y", "the gated output [T, vd] (out_proj's input)", T * nv * dv * b,
               c.keeps_input(i, la + "out_proj.weight"))
         lora_terms(s, c, i, "out_proj", la + "out_proj.weight", T)
-        # While the rule runs: its locals (q, k L2-normed, v * beta, u) and its output reordered.
-        rule_locals = [Term("delta rule's locals: q, k L2-normed, v * beta, u", 2 * T * U + 2 * P * U),
-                       Term("delta rule's output and its reordered copies", 3 * P * U)]
-        forward.append(Moment("gated delta rule", tuple(s.before("norm") + rule_locals)))
-        first_pass.append(Moment("gated delta rule", (
-            Term("the block's locals: h, qkv after the conv, z", T * (H + conv + nv * dv) * b),
-            Term("delta rule's locals: q, k, v, k * beta, v * beta, the solution, u, w, k_out, v_new",
-                 2 * T * U + 12 * P * U),
-            Term("delta rule's decays, products and states", 3 * P * M + P * S)) + tuple(rule_locals[1:])))
-        # The scan's backward: the incoming gradients of the states and values, the reverse scan's
-        # states and outputs, dw and dk_out (and a temporary), q's gradient held for its sum.
-        backward.append(Moment("delta rule's scan backward", tuple(s.but(s.before("norm"), "gdr_out") + [
-            Term("scan backward: the states' and values' incoming gradients", P * S + P * U),
-            Term("scan backward: the reverse scan's states and outputs", P * S + P * U),
-            Term("scan backward: dw, dk_out and a temporary", 3 * P * U),
-            Term("scan backward: q's gradient in chunks, and the rule's output gradient (fp32)", P * U + T * U)])))
     else:
         sa = "self_attn."
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
