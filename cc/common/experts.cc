@@ -144,9 +144,10 @@ at::Tensor routed_experts(const at::Tensor& x, const ExpertsWeights& weights, co
 
 namespace {
 
-// Tokens a block of the combine takes: its float32 [tokens, k, H] temporary within 256 MiB.
+// Tokens a block of the combine takes: its float32 [tokens, k, H] temporary within kCombineBlockMiB.
+constexpr int64_t kCombineBlockMiB = 256;
 int64_t combine_block(int64_t k, int64_t H) {
-  return std::max<int64_t>(1, (int64_t{256} << 20) / (4 * std::max<int64_t>(k * H, 1)));
+  return std::max<int64_t>(1, (kCombineBlockMiB << 20) / (4 * std::max<int64_t>(k * H, 1)));
 }
 
 // out[t] = sum_j (w[t, j] y[t, j]) with each product in fp32 rounded to y's dtype (as the reference
@@ -154,7 +155,8 @@ int64_t combine_block(int64_t k, int64_t H) {
 // routed order, dout[token[r]] w[order[r]] (fp32 products rounded once), and w's as fp32 (float64) sums over
 // H of dout y, token block by token block: autograd of the same expression kept the incoming
 // gradient in fp32, y's gradient in fp32 and its cast, and the products of w's gradient, each
-// [T, k, H] (96 GiB at 131,072 tokens of the GLM-5 proxy, docs/benchmarks.md); this keeps y_rows.
+// [T, k, H] (96 GiB at 131,072 tokens of the GLM-5 proxy by //py:plan); this keeps y_rows, and
+// writes y's gradient over them.
 struct Combine : public torch::autograd::Function<Combine> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y_rows, const at::Tensor& w,
                             const at::Tensor& token, const at::Tensor& order, const at::Tensor& inverse) {
@@ -178,8 +180,6 @@ struct Combine : public torch::autograd::Function<Combine> {
     const at::Tensor &y_rows = s[0], &w = s[1], &token = s[2], &order = s[3], &inverse = s[4];
     const at::Tensor dout = grads[0];
     const int64_t T = w.size(0), k = w.size(1), H = y_rows.size(1), block = combine_block(k, H);
-    at::Tensor dy_rows = dout.index_select(0, token);
-    dy_rows.mul_(w.reshape(-1).index_select(0, order).unsqueeze(-1));
     at::Tensor dw = at::empty_like(w);
     const auto acc = at::promote_types(y_rows.scalar_type(), at::kFloat);  // fp32, or float64
     for (int64_t t = 0; t < T; t += block) {
@@ -187,6 +187,12 @@ struct Combine : public torch::autograd::Function<Combine> {
       const at::Tensor y = y_rows.index_select(0, inverse.slice(0, t * k, (t + n) * k)).view({n, k, H});
       dw.slice(0, t, t + n).copy_((y.to(acc) * dout.slice(0, t, t + n).to(acc).unsqueeze(1)).sum(-1));
     }
+    // y is done with: its gradient takes its rows (12 GiB of the GLM-5 proxy's peak at 131,072
+    // tokens). Writing over a saved tensor bumps its version: a second backward through this node
+    // (retain_graph) is refused by autograd, never run on the overwritten rows.
+    at::Tensor dy_rows = y_rows.is_contiguous() && y_rows.scalar_type() == dout.scalar_type() ? y_rows : at::empty_like(y_rows);
+    at::index_select_out(dy_rows, dout, 0, token);
+    dy_rows.mul_(w.reshape(-1).index_select(0, order).unsqueeze(-1));
     return {dy_rows, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

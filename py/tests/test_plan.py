@@ -115,6 +115,12 @@ MEASURED = [
     ("qwen3_5", "full", 131072, True, False, 77.6, FUSED, "fused"),
 ]
 TOLERANCE = 0.10
+# Rows whose peak was the MoE combine's backward when measured, before the combine became one
+# autograd node (cc/common/experts.cc Combine, stop 27), which keeps far less there (no [T, k, H]
+# fp32 tensor): the planner models the node, so these wait for the next GPU run's measurements.
+BEFORE_COMBINE_NODE = {("glm5", "full", 16384, None), ("glm5", "full", 65536, None), ("qwen3_5", "full", 65536, "aten"),
+                       ("qwen3_5", "full", 131072, "aten"), ("qwen3_5", "full", 65536, "fused"),
+                       ("qwen3_5", "full", 131072, "fused")}
 
 
 def proxy_config(name: str, fp8: bool) -> dict:
@@ -143,6 +149,9 @@ def predicted(name, finetune, tokens, checkpointing, fp8, path=None) -> float:
                               for m in MEASURED])
 def test_the_prediction_is_within_10_percent_of_the_measured_peak(name, finetune, tokens, checkpointing, fp8, measured,
                                                                     source, path):
+    if (name, finetune, tokens, path) in BEFORE_COMBINE_NODE:
+        pytest.skip(f"measured at the MoE combine's backward before the combine became one node (stop 27): "
+                    f"{measured} GiB measures code that no longer runs; remeasure on the GPU (docs/gpu.md)")
     got = predicted(name, finetune, tokens, checkpointing, fp8, path)
     rule = f" delta rule {path}" if path else ""
     print(f"{name} {finetune} {tokens} ckpt={checkpointing} fp8={fp8}{rule}: predicted {got:.1f} GiB, measured "
@@ -333,6 +342,7 @@ def test_the_gated_deltanet_terms_are_what_autograd_keeps_of_the_cpp_op(finetune
     ("BLOCK_BYTES", "models/glm5/mla_dsa_attention.cc", r"block_bytes\{int64_t\{1\} << (\d+)\}"),
     ("GDR_CHUNK", "ops/gated_delta_rule.h", r"kChunk = (\d+);"),
     ("FUSED_MAX_DIM", "ops/gated_delta_rule.h", r"kFusedMaxDim = (\d+);"),
+    ("COMBINE_BLOCK_MIB", "common/experts.cc", r"kCombineBlockMiB = (\d+);"),
 ])
 def test_the_constants_copied_from_the_cpp_ops_are_theirs(name, path, pattern):
     with open(os.path.join(ROOT, "cc", path)) as f:

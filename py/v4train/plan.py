@@ -49,6 +49,7 @@ SEQ_LEN_STEP = 1024
 MASKED_MAX_LEN = 8192  # glm5_layer_forward.cc kMaskedMaxLen: longer documents attend through MLA's latent
 BLOCK_BYTES = 2**30  # mla_dsa_attention.cc block_bytes: the indexer's scores of a block of queries
 GDR_CHUNK = 64  # gated_delta_rule.h kChunk: the delta rule's chunks (each document padded to them)
+COMBINE_BLOCK_MIB = 256  # experts.cc kCombineBlockMiB: the MoE combine's fp32 [tokens, k, H] block
 FUSED_MAX_DIM = 128  # gated_delta_rule.h kFusedMaxDim: the widest heads its fused CUDA kernels take
 # The LM head's chunk of tokens (the C++ op takes the reference's default).
 CE_CHUNK = inspect.signature(v4_cross_entropy_loss).parameters["chunk_tokens"].default
@@ -350,14 +351,13 @@ def mlp_terms(c: Ctx, i: int, s: Saved, prefix: str, I: int) -> None:
     lora_terms(s, c, i, prefix + "down_proj", prefix + "down_proj.weight", T)
 
 
-def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, route_bytes: int,
+def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int,
               first_pass_locals: list[Term]) -> tuple[list[Moment], list[Moment], list[Moment], int]:
     """The routed experts of either family (cc/common/experts.cc) on the T k routed rows, grouped
     by expert; with expert parallelism the rows of this rank's E / expert_parallel experts, T k on
     average (balanced routing assumed). Adds their saved tensors to `s`; returns the moments of
     the forward pass, of a checkpointed first pass and of the backward, and the experts' weight
-    gradients (--finetune=full). route_bytes: the routing weights' bytes (GLM-5's are fp32, so
-    combine's weighting is a fp32 product cast back; Qwen3.5's are in the model's dtype)."""
+    gradients (--finetune=full)."""
     T, b = c.tokens, c.b
     rows = T * k
     local = E // c.setup.expert_parallel
@@ -371,7 +371,8 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, route_by
     s.add("act", "silu(gate) * up [T k, I] (down's input)", rows * I * b, c.keeps_input(i, dn))
     lora_terms(s, c, i, "act", dn, rows)
     s.mark("combined")
-    s.add("combined", "the experts' outputs in token order [T, k, H] (the routing weights' gradient)", rows * H * b)
+    s.add("combined", "the experts' outputs in routed order [T k, H] and each row's token (the combine's backward)",
+          rows * (H * b + INT64))
     # FP8: this rank's experts dequantised at once for the product, in the forward pass and again
     # in the backward (Fp8Product keeps the FP8 weight, not the copy).
     deq_gu = Term("gate_up's FP8 weights dequantised [E / ep, 2I, H]", local * 2 * I * H * b if c.is_fp8(i, gu) else 0)
@@ -387,17 +388,13 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, route_by
     exchange = [Term("all-to-all: the rows sent and the rows arrived [T k, H] each", 2 * rows * H * b if ep else 0)]
     back = [Term("all-to-all: the experts' outputs, regrouped by source, and arrived back [T k, H] each",
                  3 * rows * H * b)]
-    if route_bytes > b:  # y * w promotes to fp32, then the cast
-        weigh = [Term("combine: y * w in fp32 [T, k, H], and cast back", rows * H * (route_bytes + b))]
-        # The backward: the sum's gradient expanded and cast to fp32 (the cast's backward); the
-        # product's backward makes both gradients at full size in fp32 while that is held, then
-        # the engine casts y's back and reduces the weights' to [T, k, 1].
-        combine = [Term("combine backward: the incoming gradient in fp32 [T, k, H]", rows * H * route_bytes),
-                   Term("combine backward: y's and the routing weights' gradients in fp32, y's cast",
-                        rows * H * (2 * route_bytes + b))]
-    else:
-        weigh = [Term("combine: y * w [T, k, H]", rows * H * b)]
-        combine = [Term("combine backward: y's and the routing weights' gradients [T, k, H]", 2 * rows * H * b)]
+    # The combine (experts.cc Combine) weighs and sums a block of tokens at a time, B k H elements
+    # (B: its fp32 [B, k, H] within COMBINE_BLOCK_MIB); its backward, block by block, gathers the
+    # rows, in fp32, times the incoming gradient (fp32), then writes y's gradient over y's rows.
+    block = min(T, max(1, (COMBINE_BLOCK_MIB << 20) // (FP32 * k * H))) * k * H
+    weigh = [Term("combine: the output [T, H]; a block's rows gathered and weighed [B, k, H]", T * H * b + 2 * block * b)]
+    combine = [Term("combine backward: a block's rows gathered, in fp32, times the incoming gradient (fp32)",
+                    block * (b + (FP32 if b < FP32 else 0) + FP32))]
     forward = [
         Moment("MoE dispatch", tuple(s.before("rows") + [Term("dispatch: x expanded to [T k, H]", rows * H * b),
                                                           gathered])),
@@ -535,7 +532,7 @@ def glm5_layer(c: Ctx, i: int) -> LayerMemory:
         kept.append(Term("routing: the MoE routing [T, k] (int64)", T * k * INT64))
         moe_locals = layer_locals + [Term("the MoE's locals: the shared expert's output [T, H], scores [T, E]",
                                           T * (H * b + E * FP32))]
-        fwd_moe, first_moe, back_moe, g_experts = moe_terms(c, i, s, E, k, H, I, FP32, moe_locals)
+        fwd_moe, first_moe, back_moe, g_experts = moe_terms(c, i, s, E, k, H, I, moe_locals)
         grads = layer_grads(c, i, exclude=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
     else:
         s.add("h", "post_attention_layernorm's output [T, H] (the MLP's input)", T * H * b,
@@ -752,7 +749,7 @@ def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
         kept.append(Term("routing: the MoE routing [T, k] (int64)", T * k * INT64))
         moe_locals = layer_locals + kept + [Term("the MoE's locals: shared expert's output, softmax",
                                                  T * (H * b + E * FP32))]
-        fwd_moe, first_moe, back_moe, g_experts = moe_terms(c, i, s, E, k, H, I, b, moe_locals)
+        fwd_moe, first_moe, back_moe, g_experts = moe_terms(c, i, s, E, k, H, I, moe_locals)
         grads = layer_grads(c, i, exclude=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) + g_experts
     else:
         s.add("h2", "post_attention_layernorm's output [T, H] (the MLP's input)", T * H * b,
