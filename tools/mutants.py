@@ -56,6 +56,14 @@ MUTATIONS = (
     Mutation("moe_slot_off_by_one", "an off-by-one in the experts' row offsets (each expert's rows start one late)",
              "cc/common/experts.cc", "const at::Tensor start = d.offsets.to(at::kLong) - d.counts;",
              "const at::Tensor start = d.offsets.to(at::kLong) - d.counts + 1;", parity("glm5_moe")),
+    Mutation("combine_backward_unweighted", "backward only: the MoE combine's y gradient without its routing "
+             "weight", "cc/common/experts.cc", "dy_rows.mul_(w.reshape(-1).index_select(0, order).unsqueeze(-1));", "",
+             parity("glm5_moe")),
+    Mutation("combine_backward_other_slot", "backward only: the routing weights' gradient summed over another "
+             "token's rows (the gather's index off by one slot)", "cc/common/experts.cc",
+             "y_rows.index_select(0, inverse.slice(0, t * k, (t + n) * k)).view({n, k, H});\n      dw",
+             "y_rows.index_select(0, inverse.roll(1).slice(0, t * k, (t + n) * k)).view({n, k, H});\n      dw",
+             parity("qwen3_5_moe")),
     Mutation("conv_document_boundary", "an off-by-one at a document boundary of cu_seqlens (a tap reaches the "
              "previous document)", "cc/ops/causal_conv1d.cc", "for (int64_t t = start + j; t < end; ++t)",
              "for (int64_t t = start + (j > 0 ? j - 1 : 0); t < end; ++t)", parity("causal_conv1d")),
