@@ -150,7 +150,8 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, name: str,
 # modules may lie from the exact answer.
 SPREAD_FACTOR = 4
 
-UNIT_ROUNDOFF: dict[torch.dtype, float] = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-53}
+UNIT_ROUNDOFF: dict[torch.dtype, float] = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11,
+                                          torch.float64: 2.0**-53}
 
 
 def rounding_spread(model: torch.nn.Module, gradients, dtype: torch.dtype = torch.float32, draws: int = 4,

@@ -23,13 +23,12 @@ import torch
 
 from v4train.op import OpTable
 from v4train.ops import OPS, REFERENCE
+from v4train.testing.compare import UNIT_ROUNDOFF
 
 # The number of units of roundoff by which each element of the MoE input may differ between two
 # correct evaluations of the layer (see the module docstring). Every flip that 400 bf16 samples
 # of each layer op's strategy met (5 Qwen3.5, 2 GLM-5) lies within a quarter of it.
 ROUNDING_ULPS = 2
-
-UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-53}
 
 
 def _logit_bounds(x: torch.Tensor, weight: torch.Tensor, logit_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
