@@ -160,7 +160,7 @@ def rounding_spread(model: torch.nn.Module, gradients, dtype: torch.dtype = torc
     every weight, every module's output and the gradient of every module's output of `model`
     (float64) are rounded as working in `dtype` would round them, modelled as a factor 1 + u xi
     per element (u the unit roundoff of `dtype`, xi = +-1 drawn per element). `gradients(model)` -> {name: gradient}, evaluated on a copy each
-    draw. See assert_rel_close."""
+    draw. See assert_rel_close. (Its twin for one op, every aten op's output rounded: spread.op_spread.)"""
     import copy
 
     u = UNIT_ROUNDOFF[dtype]
