@@ -2,9 +2,12 @@
 C++ ops than in the references, the layer is judged against the reference routed as the C++ ops
 routed (v4train.testing.ties): the correct layer passes there, a wrong one still fails."""
 
+import functools
+
 import pytest
 import torch
 
+from v4train.op import OpTable
 from v4train.ops import REFERENCE
 from v4train.testing.cases import CASES
 from v4train.testing.check import check_parity
@@ -18,12 +21,29 @@ def _wrong(*args, **kwargs):
     return OP.cpp()(*args, **kwargs) * 1.3
 
 
+def _routes_some_token(sample, layer) -> bool:
+    """Whether `layer` (a layer reference with ops=, partial) routes some token of the sample
+    otherwise than the references."""
+    from v4train.testing import ties
+
+    args, kwargs = sample.build({k: v.detach() for k, v in sample.leaves.items()})
+    theirs, ours = [], []
+    with torch.no_grad():
+        torch.manual_seed(0)
+        layer.func(*args, **kwargs, ops=ties._table(REFERENCE, None, theirs))
+        torch.manual_seed(0)
+        layer.func(*args, **kwargs, ops=ties._table(layer.keywords["ops"], None, ours))
+    return any(not torch.equal(a[2].sort(-1).values, b[2].sort(-1).values) for a, b in zip(theirs, ours))
+
+
 def _flips(sample) -> bool:
+    """Whether the C++ ops route some token otherwise than the references, each at a near-tie."""
     args, kwargs = sample.build({k: v.detach() for k, v in sample.leaves.items()})
     with torch.no_grad():
         torch.manual_seed(0)
         out = OP.cpp()(*args, **kwargs)
-    return sample.reroute(args, kwargs, out, 0) is not None
+    cpp_layer = functools.partial(OP.reference, ops=OpTable(CASES, frozenset(n for n, o in CASES.items() if o.has_cpp)))
+    return sample.reroute(args, kwargs, out, 0) is not None and _routes_some_token(sample, cpp_layer)
 
 
 def _moe_samples():
@@ -51,9 +71,10 @@ def test_a_routing_flip_is_judged_with_the_cpp_ops_routing():
     for sample in FLIPS:
         check_parity(OP, OP.cpp(), REFERENCE[NAME], sample, 0)
         assert _fails(sample, _wrong)
-    # Judged against the references' own routing instead, the correct layer fails on some of them
-    # (where the flipped token's expert changes the output beyond the tolerance).
-    assert any(_fails(Sample(s.leaves, s.build, s.note)) for s in FLIPS), \
+    # Judged against the references' own routing instead (a reroute that refuses), the correct
+    # layer fails on some of them (where the flipped token's expert changes the output beyond the
+    # tolerance; a layer takes no rounding-spread exit on a routing it did not take).
+    assert any(_fails(Sample(s.leaves, s.build, s.note, reroute=lambda *_: None)) for s in FLIPS), \
         "no flip matters: the case this mechanism exists for is not exercised"
 
 
@@ -94,11 +115,9 @@ def test_a_router_that_picks_another_expert_without_a_tie_fails(monkeypatch, nam
     not choose. The layer composed from the C++ ops then matches the wrong layer bit for bit and
     routes otherwise, so only the near-tie test of ties.py stands between it and an excuse: with
     it the layer fails; without it (unexplained_flips made to find none) the same layer passes."""
-    import functools
     import importlib
 
     from v4train.testing import ties
-    from v4train.op import OpTable
 
     op, router = CASES[name], ROUTER_OF[name]
     module = importlib.import_module(router)
@@ -124,15 +143,3 @@ def test_a_router_that_picks_another_expert_without_a_tie_fails(monkeypatch, nam
         check_parity(op, layer, REFERENCE[name], sample, 0)
     monkeypatch.setattr(ties, "unexplained_flips", lambda theirs, ours: 0)
     check_parity(op, layer, REFERENCE[name], sample, 0)
-
-
-def _routes_some_token(sample, layer) -> bool:
-    """Whether the wrong router of the test above changes some token's experts on this sample."""
-    from v4train.testing import ties
-
-    args, kwargs = sample.build({k: v.detach() for k, v in sample.leaves.items()})
-    theirs, ours = [], []
-    with torch.no_grad():
-        layer.func(*args, **kwargs, ops=ties._table(REFERENCE, None, theirs))
-        layer.func(*args, **kwargs, ops=ties._table(layer.keywords["ops"], None, ours))
-    return any(not torch.equal(a[2].sort(-1).values, b[2].sort(-1).values) for a, b in zip(theirs, ours))

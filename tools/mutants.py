@@ -81,8 +81,8 @@ MUTATIONS = (
              "return {m.sum(-1, false, at::kDouble), at::Tensor()};", parity("gated_delta_rule")),
     Mutation("latent_backward_softmax_scale", "backward only: the latent sparse attention's backward drops the "
              "softmax scale (survived the judge's old exit)", "cc/models/glm5/mla_dsa_attention.cc",
-             "const at::Tensor ds = (p * (dp - delta.slice(0, b0, b1).unsqueeze(-1)) * scale).to(q.scalar_type());",
-             "const at::Tensor ds = (p * (dp - delta.slice(0, b0, b1).unsqueeze(-1))).to(q.scalar_type());",
+             "const at::Tensor ds = (p * (dp - (p * dp).sum(-1, true)) * scale).to(q.scalar_type());",
+             "const at::Tensor ds = (p * (dp - (p * dp).sum(-1, true))).to(q.scalar_type());",
              parity("mla_dsa_attention")),
     Mutation("blocked_selection_causal_mask", "the blocked DSA selection lets a query select itself out: its "
              "causal mask off by one", "cc/models/glm5/mla_dsa_attention.cc",

@@ -27,6 +27,16 @@ def test_the_module_list_is_the_registry_s_cpp_ops():
         assert set(deps) <= set(bzl["V4_OPS"]), f"{name} calls unknown ops {set(deps) - set(bzl['V4_OPS'])}"
 
 
+def test_every_mutation_of_the_mutation_check_still_applies():
+    """tools/mutants.py finds each bug's text exactly once: a source edited since leaves its
+    mutation unable to apply (latent_backward_softmax_scale's did, from 3071b91 until found)."""
+    import mutants
+
+    for m in mutants.MUTATIONS:
+        with open(os.path.join(ROOT, m.path)) as f:
+            assert f.read().count(m.find) == 1, f"{m.name}: its text is not in {m.path} exactly once"
+
+
 def _tools_bazel(tmp_path, base_python):
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "V4TRAIN_HOME": str(tmp_path / "home"),
            "V4TRAIN_BASE_PYTHON": base_python}

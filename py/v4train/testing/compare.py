@@ -150,7 +150,8 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, name: str,
 # modules may lie from the exact answer.
 SPREAD_FACTOR = 4
 
-UNIT_ROUNDOFF: dict[torch.dtype, float] = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float64: 2.0**-53}
+UNIT_ROUNDOFF: dict[torch.dtype, float] = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11,
+                                          torch.float64: 2.0**-53}
 
 
 def rounding_spread(model: torch.nn.Module, gradients, dtype: torch.dtype = torch.float32, draws: int = 4,
@@ -159,7 +160,7 @@ def rounding_spread(model: torch.nn.Module, gradients, dtype: torch.dtype = torc
     every weight, every module's output and the gradient of every module's output of `model`
     (float64) are rounded as working in `dtype` would round them, modelled as a factor 1 + u xi
     per element (u the unit roundoff of `dtype`, xi = +-1 drawn per element). `gradients(model)` -> {name: gradient}, evaluated on a copy each
-    draw. See assert_rel_close."""
+    draw. See assert_rel_close. (Its twin for one op, every aten op's output rounded: spread.op_spread.)"""
     import copy
 
     u = UNIT_ROUNDOFF[dtype]

@@ -119,8 +119,8 @@ class Sample:
       gradient of each, and for in-place ops the value each is left with.
     build: leaves -> (args, kwargs) for the op, making the views and adding the other arguments.
     reroute: (args, kwargs, the C++ op's first output, the seed its run started from) -> the
-      reference routing a layer's MoE as the C++ ops did, where they routed a token otherwise
-      (rounding at a near-tie), or None (v4train.testing.ties.rerouted).
+      reference routing a layer's MoE as the C++ ops did, where they routed each token as the
+      references did or otherwise only at a near-tie, or None (v4train.testing.ties.rerouted).
     """
 
     def __init__(self, leaves: dict[str, torch.Tensor],
