@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from v4train import checkpoint, cli, data, distributed, hf_checkpoint, lora, ops, run_dir
+from v4train import checkpoint, cli, data, distributed, hf_checkpoint, lora, ops, random_init, run_dir
 from v4train.atomic import kill_point
 from v4train.distributed import World
 from v4train.flags import FLAGS, FlagError, validate, warmup_too_long
@@ -46,7 +46,8 @@ class RunConfig:
     data: str
     output_dir: str
     model_dir: str | None = None  # a checkpoint to fine-tune, or
-    model_config: str | None = None  # a config.json to start from random weights
+    model_config: str | None = None  # a config.json to start from random weights (drawn on the device)
+    save_base_model: bool = True  # a --model_config LoRA run writes its random base to output_dir/base_model
     tokenizer_dir: str | None = None  # default: the model's folder
     eval_data: str | None = None
     resume_from: str | None = None  # a checkpoint folder (already resolved from 'latest')
@@ -100,6 +101,7 @@ class RunConfig:
         output_dir = cli.output_path(f.output_dir)
         return RunConfig(
             data=path("data"), output_dir=output_dir, model_dir=model_dir, model_config=config_path,
+            save_base_model=f.save_base_model,
             tokenizer_dir=path("tokenizer_dir", True) if f.tokenizer_dir else None,
             eval_data=path("eval_data") if f.eval_data else None,
             resume_from=resume_path(f.resume_from, output_dir), eval_interval=f.eval_interval, seq_len=f.seq_len,
@@ -123,6 +125,22 @@ def check_expert_parallel(n: int, model_cfg, config_path: str) -> None:
     if n > 1 and (not experts or experts % n):
         raise FlagError(f"--expert_parallel={n}: {config_path} has {experts} routed experts, which that many ranks "
                         "cannot share equally")
+
+
+def check_random_base(c: RunConfig, model_cfg, hf_config: dict) -> None:
+    """What a --model_config run cannot do with its random base (FlagError): fine-tune every weight
+    of an FP8 one (a frozen base), or write an FP8 one as base_model/ (the writer has no scales)."""
+    if not random_init.fp8_weights(model_cfg, hf_config, c.fp8, c.model_config):
+        return
+    what = (f"--model_config={c.model_config} has an FP8 quantization_config, so its random base is drawn in FP8 "
+            "(--fp8=keep, the default)")
+    if c.finetune == "full":
+        raise FlagError(f"--finetune=full: {what}, a frozen base that only LoRA adapters train on; full fine-tuning "
+                        "trains every weight: pass --fp8=dequantize to draw it in --dtype")
+    if c.save_base_model:
+        raise FlagError(f"--save_base_model: {what}, which cannot be written as base_model/ (v4train writes weights "
+                        "unquantised); pass --nosave_base_model (a resume draws the same base again from --seed), or "
+                        "--fp8=dequantize to draw it in --dtype")
 
 
 def resume_path(resume_from: str | None, output_dir: str) -> str | None:
@@ -246,6 +264,8 @@ class Trainer:
         self.tokenizer_dir = c.tokenizer_dir or c.model_dir or os.path.dirname(c.model_config)
         self.hf_config, self.model_cfg = hf_checkpoint.read_config(self.config_path)
         check_expert_parallel(c.expert_parallel, self.model_cfg, self.config_path)
+        if not c.model_dir:
+            check_random_base(c, self.model_cfg, self.hf_config)
         tok_file = os.path.join(self.tokenizer_dir, "tokenizer.json")
         self.tokenizer = Tokenizer(self.tokenizer_dir) if os.path.exists(tok_file) else None
         # Data cut to --seq_len, or to the model's max_position_embeddings when that is shorter
@@ -275,22 +295,23 @@ class Trainer:
 
     def build_model(self) -> None:
         """The model (a checkpoint, or random weights from a config, saved as the adapter's base
-        for LoRA) and what trains: LoRA adapters (every target must match a module) or every weight."""
+        for LoRA unless --nosave_base_model) and what trains: LoRA adapters (every target must
+        match a module) or every weight. Each rank reads, or draws, only its experts and its FSDP2
+        shards' rows."""
         c = self.config
-        rows = {}  # this rank's rows of the tensors FSDP2 shards, read alone (several processes)
+        experts = distributed.local_experts(self.model_cfg, self.world)
+        self.base_model_dir = c.model_dir or os.path.dirname(c.model_config)
         if c.model_dir:
             # every weight checked finite; with expert parallelism only this rank's experts read
-            self.model, report = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8,
-                                                    distributed.local_experts(self.model_cfg, self.world),
-                                                    self.world.shard)
-            rows = report.get("rows", {})
-            self.base_model_dir = c.model_dir
+            self.model, report = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8, experts, self.world.shard)
             if c.finetune == "full" and self.model.fp8:
                 raise FlagError(f"--finetune=full: {c.model_dir} is an FP8 checkpoint, kept in FP8 (--fp8=keep, the "
                                 "default), a frozen base that only LoRA adapters train on; full fine-tuning trains "
                                 "every weight: pass --fp8=dequantize")
         else:
-            self.model = CausalLM.random(self.model_cfg, self.hf_config, c.dtype, c.device, c.seed)
+            self.model, report = random_init.draw(self.model_cfg, self.hf_config, c.dtype, c.device, c.fp8, c.seed,
+                                                  experts, self.world.shard, c.model_config)
+        rows = report.get("rows", {})  # this rank's rows of the tensors FSDP2 shards (several processes)
         model = self.model
         model.use_ops(self.table)
         model.checkpointing = c.gradient_checkpointing
@@ -299,14 +320,8 @@ class Trainer:
             targets = lora.expand_targets(model, list(c.lora_target_modules))
             self.lcfg = lora.LoraConfig(c.lora_r, c.lora_alpha, c.lora_dropout, targets, c.lora_experts)
             self.adapters = lora.add_adapters(model, self.lcfg, c.dtype, c.device, c.seed)
-            if not c.model_dir:  # the adapter needs a loadable base
-                self.base_model_dir = os.path.join(c.output_dir, "base_model")
-                if self.world.main:  # (every rank drew the same weights from the seed)
-                    hf_checkpoint.save(model, self.base_model_dir)
-                self.world.barrier()
             self.trainable = self.adapters
         else:
-            self.base_model_dir = c.model_dir or os.path.dirname(c.model_config)
             self.trainable = {n: w for n, w in model.weights().items() if not model.family.is_frozen(n)}
         for w in model.parameters():
             w.requires_grad_(False)
@@ -322,6 +337,20 @@ class Trainer:
             self.trainable = {n: model.get_parameter(n) for n in self.trainable}
             if self.adapters is not None:
                 self.adapters = {n: self.trainable[n] for n in self.adapters}
+        if self.adapters is not None and not c.model_dir and c.save_base_model:  # the adapters' loadable base
+            self.base_model_dir = os.path.join(c.output_dir, "base_model")
+            self.write_weights(lambda weights: hf_checkpoint.save(model, self.base_model_dir, weights=weights))
+
+    def write_weights(self, write) -> None:
+        """Rank 0 calls write(weights), with the model's weights whole: over several processes
+        gathered one at a time as write takes them (every rank takes part in each gather, in
+        model order), else the model's own (None)."""
+        weights = distributed.gathered(self.model.weights()) if self.world.size > 1 else None
+        if self.world.main:
+            write(weights)
+        elif weights is not None:
+            collections.deque(weights, maxlen=0)  # each gathered and let go, as rank 0 writes it
+        self.world.barrier()
 
     def build_optimizer(self) -> None:
         """AdamW; it and the loader's position restored from the checkpoint resumed."""
