@@ -150,6 +150,7 @@ def _trainer(tmp_path, config: dict, **flags) -> Trainer:
     ({"finetune": "full"}, "--finetune=full: --model_config=.* has an FP8 quantization_config, so its random base is "
                            "drawn in FP8 .* pass --fp8=dequantize"),
     ({}, "--save_base_model: --model_config=.* has an FP8 quantization_config.* pass --nosave_base_model"),
+    ({"save_base_model": False, "profile_step": 3}, "--profile_step=3 is past the last of the run's 2 steps"),
 ])
 def test_what_a_random_fp8_base_cannot_do_is_refused_naming_the_flag(flags, message, tmp_path):
     with pytest.raises(FlagError, match=message):

@@ -41,6 +41,10 @@ flags.DEFINE_string("cpp_ops", "all", "Ops on the C++ path: 'all' (every op with
 flags.DEFINE_boolean("self_check", True, "Before training, compare each C++ op with its reference on small random "
                      "inputs of the run's dtype and device; stop on a mismatch.")
 flags.DEFINE_boolean("gradient_checkpointing", False, "Recompute each layer's activations in the backward pass.")
+flags.DEFINE_integer("profile_step", 0, "Profile this optimizer step on rank 0 with torch.profiler: its metrics row "
+                     "gets the step's time split into compute and communication (collectives: NCCL kernels on the GPU, "
+                     "gloo's ops on the CPU), and --output_dir/profile-stepN.json its Chrome trace. 0: no profile.",
+                     lower_bound=0)
 
 # Batch and schedule.
 flags.DEFINE_integer("micro_batch_size", 4, "Rows per forward/backward pass.", lower_bound=1)
@@ -174,6 +178,8 @@ def validate(f=FLAGS) -> None:
         raise FlagError("--nosave_base_model: only a --model_config LoRA run writes a base (base_model/); "
                         + ("a --model_dir checkpoint is its own base" if f.model_dir else
                            "--finetune=full saves every weight in its checkpoints"))
+    if f.max_steps and f.profile_step > f.max_steps:
+        raise FlagError(f"{shown('profile_step', f)} is past the last step (--max_steps={f.max_steps})")
     if f.eval_interval and not f.eval_data:
         raise FlagError("--eval_interval needs --eval_data")
 

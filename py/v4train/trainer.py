@@ -31,6 +31,7 @@ from v4train.metrics import MetricsLog, Progress, peak_memory_mib
 from v4train.model import CausalLM, Packed
 from v4train.testing.check import self_check
 from v4train.optim import AdamW, lr_at
+from v4train.step_profile import Profiled
 from v4train.tokenizer import Tokenizer
 
 
@@ -60,6 +61,7 @@ class RunConfig:
     cpp_ops: str = "all"
     self_check: bool = True
     gradient_checkpointing: bool = False
+    profile_step: int = 0  # the step rank 0 profiles (0: none)
     micro_batch_size: int = 4
     grad_accum: int = 1
     max_steps: int = 0
@@ -107,6 +109,7 @@ class RunConfig:
             resume_from=resume_path(f.resume_from, output_dir), eval_interval=f.eval_interval, seq_len=f.seq_len,
             overlong=f.overlong, packing=f.packing, dtype=getattr(torch, f.dtype), device=cli.pick_device(f.device),
             cpp_ops=f.cpp_ops, self_check=f.self_check, gradient_checkpointing=f.gradient_checkpointing,
+            profile_step=f.profile_step,
             micro_batch_size=f.micro_batch_size, grad_accum=f.grad_accum, max_steps=f.max_steps, epochs=f.epochs,
             lr=f.lr, min_lr=f.min_lr, warmup_steps=f.warmup_steps, lr_schedule=f.lr_schedule,
             weight_decay=f.weight_decay, betas=(f.adam_beta1, f.adam_beta2), adam_eps=f.adam_eps,
@@ -290,6 +293,8 @@ class Trainer:
         if c.warmup_steps > self.total_steps:
             raise FlagError(warmup_too_long(self.total_steps, f"--epochs={c.epochs} of {batches} micro-batches, "
                                                               f"--grad_accum={c.grad_accum}"))
+        if c.profile_step > self.total_steps:
+            raise FlagError(f"--profile_step={c.profile_step} is past the last of the run's {self.total_steps} steps")
 
     # -- the parts, built in run() in this order ------------------------------------------------
 
@@ -478,7 +483,10 @@ class Trainer:
             t0 = time.time()
             lr = lr_at(step, c.lr, c.min_lr, c.warmup_steps, self.total_steps, c.lr_schedule)
             micro = [loader.next() for _ in range(c.grad_accum * self.world.size)]
-            result = train_step(self.model, self.optimizer, micro, lr, c.max_grad_norm, c.device, self.world)
+            profiled = Profiled(c.device, os.path.join(c.output_dir, f"profile-step{step}.json")) \
+                if step == c.profile_step and self.world.main else contextlib.nullcontext()
+            with profiled:
+                result = train_step(self.model, self.optimizer, micro, lr, c.max_grad_norm, c.device, self.world)
             if not result.finite:  # no update was applied
                 skipped, in_a_row = skipped + 1, in_a_row + 1
                 report = nonfinite_report(step, result, micro)
@@ -502,10 +510,12 @@ class Trainer:
                 last = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                         "tokens_per_s": tokens_per_s, "peak_mem_mib": round(peak_memory_mib(c.device), 1),
                         "epoch": loader.epoch}
+                if getattr(profiled, "split", None):
+                    last["profile"] = profiled.split
                 if self.eval_records and ((c.eval_interval and step % c.eval_interval == 0) or step == self.total_steps):
                     eval_loss = last["eval_loss"] = cli.mean_loss(self.model, self.eval_records,
                                                                   c.seq_len * c.micro_batch_size, c.device)[0]
-                if step % c.log_interval == 0 or step == self.total_steps or "eval_loss" in last:
+                if step % c.log_interval == 0 or step == self.total_steps or {"eval_loss", "profile"} & set(last):
                     metrics.write(last)
                     progress.update(step, result.loss, lr, tokens_per_s,
                                     f" eval {eval_loss:.4f}" if "eval_loss" in last else "")
