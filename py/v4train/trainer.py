@@ -344,15 +344,15 @@ class Trainer:
                 self.adapters = {n: self.trainable[n] for n in self.adapters}
         if self.adapters is not None and not c.model_dir and c.save_base_model:  # the adapters' loadable base
             self.base_model_dir = os.path.join(c.output_dir, "base_model")
-            self.write_weights(lambda weights: hf_checkpoint.save(model, self.base_model_dir, weights=weights))
+            self.write_base()
 
-    def write_weights(self, write) -> None:
-        """Rank 0 calls write(weights), with the model's weights whole: over several processes
-        gathered one at a time as write takes them (every rank takes part in each gather, in
-        model order), else the model's own (None)."""
+    def write_base(self) -> None:
+        """The random base into base_model_dir, written by rank 0: over several processes each
+        weight gathered whole as rank 0 writes it (every rank takes part in each gather, in model
+        order), one at a time."""
         weights = distributed.gathered(self.model.weights()) if self.world.size > 1 else None
         if self.world.main:
-            write(weights)
+            hf_checkpoint.save(self.model, self.base_model_dir, weights=weights)
         elif weights is not None:
             collections.deque(weights, maxlen=0)  # each gathered and let go, as rank 0 writes it
         self.world.barrier()
