@@ -29,7 +29,7 @@ from absl import app
 
 from v4train import cli, distributed, hf_checkpoint, ops
 from v4train.flags import FLAGS, SOURCES, FlagError
-from v4train.trainer import RunConfig, Trainer, check_expert_parallel
+from v4train.trainer import RunConfig, Trainer, check_expert_parallel, check_random_base
 
 FLAGFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")
 
@@ -83,7 +83,10 @@ def launch(config: RunConfig, argv: list[str]) -> None:
                         "each at most")
     distributed.check_divides(config.expert_parallel, n, f"--nproc_per_node={n}")
     config_path = os.path.join(config.model_dir, "config.json") if config.model_dir else config.model_config
-    check_expert_parallel(config.expert_parallel, hf_checkpoint.read_config(config_path)[1], config_path)
+    hf_config, model_cfg = hf_checkpoint.read_config(config_path)
+    check_expert_parallel(config.expert_parallel, model_cfg, config_path)
+    if not config.model_dir:
+        check_random_base(config, model_cfg, hf_config)
     own = [a for a in argv[1:] if not any(a.startswith(f"--{name}=") or a == f"--{name}" for name in LAUNCHER_FLAGS)]
     rendezvous = shlex.split(FLAGS.torchrun_args) or ["--standalone"]
     sys.stdout.flush()

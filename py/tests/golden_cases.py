@@ -8,7 +8,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from v4train import hf_checkpoint
+from v4train import distributed, hf_checkpoint
 from v4train.model import Packed
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "testdata", "models")
@@ -51,6 +51,48 @@ BASE = os.path.join(REPO, "testdata", "glm5_base")
 QWEN_BASE = os.path.join(REPO, "testdata", "qwen3_5_base")
 CHAT = os.path.join(REPO, "testdata", "sft", "chat.jsonl")
 CHAT_EVAL = os.path.join(REPO, "testdata", "sft", "chat_eval.jsonl")
+
+
+# The released GLM-5 config (FP8 quantization_config and all) shrunk for the CPU: 3 layers (1 dense,
+# 2 MoE of 8 experts, top-2), widths that are multiples of FP8's 128-row blocks except
+# kv_a_proj_with_mqa's 128 + 64 rows (a partial block, as the release's 512 + 64).
+RELEASED_GLM5 = os.path.join(REPO, "testdata", "released", "GLM-5-FP8", "config.json")
+GLM5_FP8_SMALL = {"num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
+                  "indexer_types": ["full"] * 3, "layer_types": ["indexed_attention"] * 3, "hidden_size": 256,
+                  "intermediate_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 8,
+                  "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 256,
+                  "kv_lora_rank": 128, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 128,
+                  "head_dim": 64, "index_n_heads": 4, "index_head_dim": 128, "index_topk": 64, "vocab_size": 512}
+
+
+def small_glm5_fp8() -> dict:
+    """The released GLM-5 config.json with GLM5_FP8_SMALL's changes."""
+    with open(RELEASED_GLM5) as f:
+        return dict(json.load(f), **GLM5_FP8_SMALL)
+
+
+def assert_each_rank_drew_its_part(drawn: list[list], experts: int, ep: int) -> None:
+    """drawn[r]: rank r's draws of a random base, (tensor, (start, stop), the tensor's rows) of each
+    piece that v4train.random_init.draw_rows drew (instrumented). Each rank drew exactly its rows of
+    each tensor: of a routed experts' tensor (rows are experts) its expert-parallel rank's, of any
+    other its FSDP2 shard's (none of another rank's, and never a tensor whole unless it is the
+    rank's); between the ranks every row of every tensor once."""
+    size, rows_of = len(drawn), {}
+    for rank, log in enumerate(drawn):
+        assert log, f"rank {rank} drew nothing"
+        mine = {}
+        for name, (start, stop), n in log:
+            mine.setdefault(name, (n, []))[1].extend(range(start, stop))
+        for name, (n, rows) in mine.items():
+            per = experts // ep
+            start, stop = (rank % ep * per, (rank % ep + 1) * per) if distributed.expert_tensor(name) else \
+                distributed.fsdp_rows(n, rank, size)
+            assert sorted(rows) == list(range(start, stop)), \
+                f"rank {rank} drew rows {min(rows)}..{max(rows)} of {name} ({n} rows; a packed experts' tensor's rows " \
+                f"are experts), its own are {start}..{stop - 1}"
+            rows_of.setdefault(name, [n, []])[1] += rows
+    for name, (n, rows) in rows_of.items():
+        assert sorted(rows) == list(range(n)), f"{name}: the ranks drew its rows {sorted(rows)[:8]}..., not each once"
 
 
 # A small, fast //py:train run (LoRA on the bundled base, fp32) for the end-to-end tests.

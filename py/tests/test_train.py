@@ -22,6 +22,11 @@ from v4train.testing.compare import assert_close
      "--cpp_ops: unknown op(s) v4_nope"),
     (["--model_dir=" + BASE, "--data=" + CHAT, "--output_dir=o", "--lora_target_modules=nope", "--nolora_experts"],
      "--lora_target_modules=nope: nope matches no module of glm_moe_dsa"),
+    (["--model_dir=x", "--data=d", "--output_dir=o", "--nosave_base_model"],
+     "--nosave_base_model: only a --model_config LoRA run writes a base (base_model/); a --model_dir checkpoint is "
+     "its own base"),
+    (["--model_dir=x", "--data=d", "--output_dir=o", "--max_steps=5", "--profile_step=6"],
+     "--profile_step=6 is past the last step (--max_steps=5)"),
     (["--lr=-1"], "--lr"),
     (["--nonsense=1"], "Unknown command line flag 'nonsense'"),
     (["--flagfile=missing.flags"], "--flagfile=missing.flags: not found"),

@@ -14,7 +14,16 @@ FLAGS = flags.FLAGS
 # Model and data.
 flags.DEFINE_string("model_dir", None, "Hugging Face checkpoint directory to fine-tune (config.json + safetensors; "
                     "its tokenizer files are used unless --tokenizer_dir says otherwise).")
-flags.DEFINE_string("model_config", None, "A config.json to start from random weights instead of --model_dir.")
+flags.DEFINE_string("model_config", None, "A config.json to start from random weights instead of --model_dir, drawn "
+                    "on the device, each process only what it keeps (its experts, its FSDP2 shard of the rest): no "
+                    "file is read. In FP8 where the config's quantization_config is FP8 and --fp8=keep (float8 linear "
+                    "maps with their 128x128 block scales, as an FP8 checkpoint loads: a frozen base for LoRA), else "
+                    "in --dtype. --seed gives one base whatever the number of processes.")
+flags.DEFINE_boolean("save_base_model", True, "With --model_config and LoRA: write the random base to "
+                     "--output_dir/base_model before the first step, the base its adapters name (peft loads them onto "
+                     "it). --nosave_base_model for a base too large to write (GLM-5's 744B) or an FP8 one (which "
+                     "cannot be written): the adapters then name the config's folder, and a resume draws the same base "
+                     "again from --seed.")
 flags.DEFINE_string("tokenizer_dir", None, "Directory with tokenizer.json (+ tokenizer_config.json for the chat "
                     "template). Default: --model_dir, or the folder of --model_config.")
 flags.DEFINE_string("data", None, "Training data: JSONL of messages, prompt/completion, text or input_ids records.")
@@ -32,6 +41,10 @@ flags.DEFINE_string("cpp_ops", "all", "Ops on the C++ path: 'all' (every op with
 flags.DEFINE_boolean("self_check", True, "Before training, compare each C++ op with its reference on small random "
                      "inputs of the run's dtype and device; stop on a mismatch.")
 flags.DEFINE_boolean("gradient_checkpointing", False, "Recompute each layer's activations in the backward pass.")
+flags.DEFINE_integer("profile_step", 0, "Profile this optimizer step on rank 0 with torch.profiler: its metrics row "
+                     "gets the step's time split into compute and communication (collectives: NCCL kernels on the GPU, "
+                     "gloo's ops on the CPU), and --output_dir/profile-stepN.json its Chrome trace. 0: no profile.",
+                     lower_bound=0)
 
 # Batch and schedule.
 flags.DEFINE_integer("micro_batch_size", 4, "Rows per forward/backward pass.", lower_bound=1)
@@ -161,6 +174,12 @@ def validate(f=FLAGS) -> None:
         raise FlagError("--lora_target_modules is empty and --nolora_experts: nothing to adapt")
     if f.torchrun_args and not f.nproc_per_node:
         raise FlagError(f"--torchrun_args={f.torchrun_args!r} needs --nproc_per_node")
+    if not f.save_base_model and (f.model_dir or f.finetune == "full"):
+        raise FlagError("--nosave_base_model: only a --model_config LoRA run writes a base (base_model/); "
+                        + ("a --model_dir checkpoint is its own base" if f.model_dir else
+                           "--finetune=full saves every weight in its checkpoints"))
+    if f.max_steps and f.profile_step > f.max_steps:
+        raise FlagError(f"{shown('profile_step', f)} is past the last step (--max_steps={f.max_steps})")
     if f.eval_interval and not f.eval_data:
         raise FlagError("--eval_interval needs --eval_data")
 

@@ -425,10 +425,11 @@ def _write_file(path: str, specs, like: dict[str, torch.Tensor], source) -> list
     return list(header)
 
 
-def save(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
+def save(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 * 2**30,
+         weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
     """`write`, atomically: out_dir is complete or untouched."""
     with atomic_dir(out_dir) as tmp:
-        write(model, tmp, max_shard_bytes=max_shard_bytes)
+        write(model, tmp, weights, max_shard_bytes=max_shard_bytes)
 
 
 def _hf_config_for_save(model: CausalLM) -> dict:

@@ -157,11 +157,12 @@ def not_converted(name: str, q: dict) -> bool:
     return False
 
 
-def is_fp8(spec, cfg: ModelConfig, setup: Setup, maps: set[str], q: dict | None) -> bool:
-    """Whether the loader (hf_checkpoint.load, --fp8=keep) keeps this weight FP8: a layer's linear
-    map that the checkpoint quantises; a packed experts' tensor only where its parts fill whole
-    128-row scale blocks."""
-    if q is None or setup.fp8 != "keep" or spec.name not in maps or not_converted(spec.name, q):
+def is_fp8(spec, fp8: str, maps: set[str], q: dict | None) -> bool:
+    """Whether the loader (hf_checkpoint.load, with --fp8=`fp8`) keeps this weight FP8: a layer's
+    linear map (in `maps`) that the checkpoint quantises (q: fp8_config); a packed experts' tensor
+    only where its parts fill whole 128-row scale blocks. The random base of --model_config draws
+    the same weights FP8 (v4train.random_init)."""
+    if q is None or fp8 != "keep" or spec.name not in maps or not_converted(spec.name, q):
         return False
     if spec.experts:
         return (spec.shape[1] // len(spec.experts)) % FP8_BLOCK == 0
@@ -201,7 +202,7 @@ def weight_lines(setup: Setup) -> list[WeightLine]:
             rows = _shard_rows(rows, setup.gpus)
         n = rows * rest
         scale = 0
-        if is_fp8(spec, cfg, setup, maps, q):
+        if is_fp8(spec, setup.fp8, maps, q):
             dtype, per = "float8_e4m3fn", 1
             # The scales [(E,) ceil(out / 128), ceil(in / 128)] split as their weight does: the
             # experts over expert parallelism, a 2-D one by FSDP2 along its own dim 0.
@@ -790,7 +791,7 @@ def _adapted_and_fp8(cfg, hf_key: str, finetune: str, fp8: str, r: int, targets:
             adapted.add(f"{layer}:{weight}")
     q, maps = fp8_config(setup.hf_config), linear_map_names(cfg)
     fp8_names = {f"{s.name.split('.', 3)[2]}:{s.name.split('.', 3)[3]}" for s in all_specs(cfg)
-                 if s.name.startswith("model.layers.") and is_fp8(s, cfg, setup, maps, q)}
+                 if s.name.startswith("model.layers.") and is_fp8(s, setup.fp8, maps, q)}
     return frozenset(adapted), frozenset(fp8_names)
 
 

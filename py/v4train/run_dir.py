@@ -22,7 +22,8 @@ from v4train import checkpoint
 from v4train.atomic import is_temporary, remove_dir, remove_temporaries
 
 LOCK = ".lock"
-RUN_OUTPUTS = re.compile(r"^(checkpoint-\d+|metrics\.jsonl|loss\.png|base_model)$")  # what --overwrite_output_dir deletes
+# what --overwrite_output_dir deletes
+RUN_OUTPUTS = re.compile(r"^(checkpoint-\d+|metrics\.jsonl|loss\.png|base_model|profile-step\d+\.json)$")
 
 
 class Claim:

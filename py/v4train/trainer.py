@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from v4train import checkpoint, cli, data, distributed, hf_checkpoint, lora, ops, run_dir
+from v4train import checkpoint, cli, data, distributed, hf_checkpoint, lora, ops, random_init, run_dir
 from v4train.atomic import kill_point
 from v4train.distributed import World
 from v4train.flags import FLAGS, FlagError, validate, warmup_too_long
@@ -31,6 +31,7 @@ from v4train.metrics import MetricsLog, Progress, peak_memory_mib
 from v4train.model import CausalLM, Packed
 from v4train.testing.check import self_check
 from v4train.optim import AdamW, lr_at
+from v4train.step_profile import Profiled
 from v4train.tokenizer import Tokenizer
 
 
@@ -46,7 +47,8 @@ class RunConfig:
     data: str
     output_dir: str
     model_dir: str | None = None  # a checkpoint to fine-tune, or
-    model_config: str | None = None  # a config.json to start from random weights
+    model_config: str | None = None  # a config.json to start from random weights (drawn on the device)
+    save_base_model: bool = True  # a --model_config LoRA run writes its random base to output_dir/base_model
     tokenizer_dir: str | None = None  # default: the model's folder
     eval_data: str | None = None
     resume_from: str | None = None  # a checkpoint folder (already resolved from 'latest')
@@ -59,6 +61,7 @@ class RunConfig:
     cpp_ops: str = "all"
     self_check: bool = True
     gradient_checkpointing: bool = False
+    profile_step: int = 0  # the step rank 0 profiles (0: none)
     micro_batch_size: int = 4
     grad_accum: int = 1
     max_steps: int = 0
@@ -100,11 +103,13 @@ class RunConfig:
         output_dir = cli.output_path(f.output_dir)
         return RunConfig(
             data=path("data"), output_dir=output_dir, model_dir=model_dir, model_config=config_path,
+            save_base_model=f.save_base_model,
             tokenizer_dir=path("tokenizer_dir", True) if f.tokenizer_dir else None,
             eval_data=path("eval_data") if f.eval_data else None,
             resume_from=resume_path(f.resume_from, output_dir), eval_interval=f.eval_interval, seq_len=f.seq_len,
             overlong=f.overlong, packing=f.packing, dtype=getattr(torch, f.dtype), device=cli.pick_device(f.device),
             cpp_ops=f.cpp_ops, self_check=f.self_check, gradient_checkpointing=f.gradient_checkpointing,
+            profile_step=f.profile_step,
             micro_batch_size=f.micro_batch_size, grad_accum=f.grad_accum, max_steps=f.max_steps, epochs=f.epochs,
             lr=f.lr, min_lr=f.min_lr, warmup_steps=f.warmup_steps, lr_schedule=f.lr_schedule,
             weight_decay=f.weight_decay, betas=(f.adam_beta1, f.adam_beta2), adam_eps=f.adam_eps,
@@ -123,6 +128,22 @@ def check_expert_parallel(n: int, model_cfg, config_path: str) -> None:
     if n > 1 and (not experts or experts % n):
         raise FlagError(f"--expert_parallel={n}: {config_path} has {experts} routed experts, which that many ranks "
                         "cannot share equally")
+
+
+def check_random_base(c: RunConfig, model_cfg, hf_config: dict) -> None:
+    """What a --model_config run cannot do with its random base (FlagError): fine-tune every weight
+    of an FP8 one (a frozen base), or write an FP8 one as base_model/ (the writer has no scales)."""
+    if not random_init.fp8_weights(model_cfg, hf_config, c.fp8, c.model_config):
+        return
+    what = (f"--model_config={c.model_config} has an FP8 quantization_config, so its random base is drawn in FP8 "
+            "(--fp8=keep, the default)")
+    if c.finetune == "full":
+        raise FlagError(f"--finetune=full: {what}, a frozen base that only LoRA adapters train on; full fine-tuning "
+                        "trains every weight: pass --fp8=dequantize to draw it in --dtype")
+    if c.save_base_model:
+        raise FlagError(f"--save_base_model: {what}, which cannot be written as base_model/ (v4train writes weights "
+                        "unquantised); pass --nosave_base_model (a resume draws the same base again from --seed), or "
+                        "--fp8=dequantize to draw it in --dtype")
 
 
 def resume_path(resume_from: str | None, output_dir: str) -> str | None:
@@ -246,6 +267,8 @@ class Trainer:
         self.tokenizer_dir = c.tokenizer_dir or c.model_dir or os.path.dirname(c.model_config)
         self.hf_config, self.model_cfg = hf_checkpoint.read_config(self.config_path)
         check_expert_parallel(c.expert_parallel, self.model_cfg, self.config_path)
+        if not c.model_dir:
+            check_random_base(c, self.model_cfg, self.hf_config)
         tok_file = os.path.join(self.tokenizer_dir, "tokenizer.json")
         self.tokenizer = Tokenizer(self.tokenizer_dir) if os.path.exists(tok_file) else None
         # Data cut to --seq_len, or to the model's max_position_embeddings when that is shorter
@@ -270,27 +293,30 @@ class Trainer:
         if c.warmup_steps > self.total_steps:
             raise FlagError(warmup_too_long(self.total_steps, f"--epochs={c.epochs} of {batches} micro-batches, "
                                                               f"--grad_accum={c.grad_accum}"))
+        if c.profile_step > self.total_steps:
+            raise FlagError(f"--profile_step={c.profile_step} is past the last of the run's {self.total_steps} steps")
 
     # -- the parts, built in run() in this order ------------------------------------------------
 
     def build_model(self) -> None:
         """The model (a checkpoint, or random weights from a config, saved as the adapter's base
-        for LoRA) and what trains: LoRA adapters (every target must match a module) or every weight."""
+        for LoRA unless --nosave_base_model) and what trains: LoRA adapters (every target must
+        match a module) or every weight. Each rank reads, or draws, only its experts and its FSDP2
+        shards' rows."""
         c = self.config
-        rows = {}  # this rank's rows of the tensors FSDP2 shards, read alone (several processes)
+        experts = distributed.local_experts(self.model_cfg, self.world)
+        self.base_model_dir = c.model_dir or os.path.dirname(c.model_config)
         if c.model_dir:
             # every weight checked finite; with expert parallelism only this rank's experts read
-            self.model, report = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8,
-                                                    distributed.local_experts(self.model_cfg, self.world),
-                                                    self.world.shard)
-            rows = report.get("rows", {})
-            self.base_model_dir = c.model_dir
+            self.model, report = hf_checkpoint.load(c.model_dir, c.dtype, c.device, c.fp8, experts, self.world.shard)
             if c.finetune == "full" and self.model.fp8:
                 raise FlagError(f"--finetune=full: {c.model_dir} is an FP8 checkpoint, kept in FP8 (--fp8=keep, the "
                                 "default), a frozen base that only LoRA adapters train on; full fine-tuning trains "
                                 "every weight: pass --fp8=dequantize")
         else:
-            self.model = CausalLM.random(self.model_cfg, self.hf_config, c.dtype, c.device, c.seed)
+            self.model, report = random_init.draw(self.model_cfg, self.hf_config, c.dtype, c.device, c.fp8, c.seed,
+                                                  experts, self.world.shard, c.model_config)
+        rows = report.get("rows", {})  # this rank's rows of the tensors FSDP2 shards (several processes)
         model = self.model
         model.use_ops(self.table)
         model.checkpointing = c.gradient_checkpointing
@@ -299,14 +325,8 @@ class Trainer:
             targets = lora.expand_targets(model, list(c.lora_target_modules))
             self.lcfg = lora.LoraConfig(c.lora_r, c.lora_alpha, c.lora_dropout, targets, c.lora_experts)
             self.adapters = lora.add_adapters(model, self.lcfg, c.dtype, c.device, c.seed)
-            if not c.model_dir:  # the adapter needs a loadable base
-                self.base_model_dir = os.path.join(c.output_dir, "base_model")
-                if self.world.main:  # (every rank drew the same weights from the seed)
-                    hf_checkpoint.save(model, self.base_model_dir)
-                self.world.barrier()
             self.trainable = self.adapters
         else:
-            self.base_model_dir = c.model_dir or os.path.dirname(c.model_config)
             self.trainable = {n: w for n, w in model.weights().items() if not model.family.is_frozen(n)}
         for w in model.parameters():
             w.requires_grad_(False)
@@ -322,6 +342,20 @@ class Trainer:
             self.trainable = {n: model.get_parameter(n) for n in self.trainable}
             if self.adapters is not None:
                 self.adapters = {n: self.trainable[n] for n in self.adapters}
+        if self.adapters is not None and not c.model_dir and c.save_base_model:  # the adapters' loadable base
+            self.base_model_dir = os.path.join(c.output_dir, "base_model")
+            self.write_base()
+
+    def write_base(self) -> None:
+        """The random base into base_model_dir, written by rank 0: over several processes each
+        weight gathered whole as rank 0 writes it (every rank takes part in each gather, in model
+        order), one at a time."""
+        weights = distributed.gathered(self.model.weights()) if self.world.size > 1 else None
+        if self.world.main:
+            hf_checkpoint.save(self.model, self.base_model_dir, weights=weights)
+        elif weights is not None:
+            collections.deque(weights, maxlen=0)  # each gathered and let go, as rank 0 writes it
+        self.world.barrier()
 
     def build_optimizer(self) -> None:
         """AdamW; it and the loader's position restored from the checkpoint resumed."""
@@ -449,7 +483,10 @@ class Trainer:
             t0 = time.time()
             lr = lr_at(step, c.lr, c.min_lr, c.warmup_steps, self.total_steps, c.lr_schedule)
             micro = [loader.next() for _ in range(c.grad_accum * self.world.size)]
-            result = train_step(self.model, self.optimizer, micro, lr, c.max_grad_norm, c.device, self.world)
+            profiled = Profiled(c.device, os.path.join(c.output_dir, f"profile-step{step}.json")) \
+                if step == c.profile_step and self.world.main else contextlib.nullcontext()
+            with profiled:
+                result = train_step(self.model, self.optimizer, micro, lr, c.max_grad_norm, c.device, self.world)
             if not result.finite:  # no update was applied
                 skipped, in_a_row = skipped + 1, in_a_row + 1
                 report = nonfinite_report(step, result, micro)
@@ -473,10 +510,12 @@ class Trainer:
                 last = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                         "tokens_per_s": tokens_per_s, "peak_mem_mib": round(peak_memory_mib(c.device), 1),
                         "epoch": loader.epoch}
+                if getattr(profiled, "split", None):
+                    last["profile"] = profiled.split
                 if self.eval_records and ((c.eval_interval and step % c.eval_interval == 0) or step == self.total_steps):
                     eval_loss = last["eval_loss"] = cli.mean_loss(self.model, self.eval_records,
                                                                   c.seq_len * c.micro_batch_size, c.device)[0]
-                if step % c.log_interval == 0 or step == self.total_steps or "eval_loss" in last:
+                if step % c.log_interval == 0 or step == self.total_steps or {"eval_loss", "profile"} & set(last):
                     metrics.write(last)
                     progress.update(step, result.loss, lr, tokens_per_s,
                                     f" eval {eval_loss:.4f}" if "eval_loss" in last else "")
