@@ -214,12 +214,12 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
     }
   }
   const at::Tensor gather_idx = at::tensor(gather, longs);
+  const at::Tensor chunks_of_device = at::tensor(chunks_of, longs), offset_device = at::tensor(offset, longs);
   const auto dtype = q.scalar_type();
   if (Backend<FusedKernel>::find(q.device().type()) != nullptr && k.scalar_type() == dtype &&
       v.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16) && Dk <= kFusedMaxDim &&
       Dv <= kFusedMaxDim) {
-    return FusedRule::apply(q, k, v, g, beta, gather_idx, at::tensor(chunks_of, longs), at::tensor(offset, longs),
-                            reach, offset);
+    return FusedRule::apply(q, k, v, g, beta, gather_idx, chunks_of_device, offset_device, reach, offset);
   }
   const at::Tensor scatter_idx = at::tensor(scatter, longs);
 
@@ -250,8 +250,7 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   const at::Tensor k_out = (kc * (G_last - G).exp().to(compute).unsqueeze(-1)).contiguous();
   const at::Tensor chunk_decay = G_last.squeeze(-1).exp().to(compute).contiguous();
 
-  const auto scanned = Scan::apply(u, w, k_out, chunk_decay, at::tensor(chunks_of, longs),
-                                            at::tensor(offset, longs), reach, offset);
+  const auto scanned = Scan::apply(u, w, k_out, chunk_decay, chunks_of_device, offset_device, reach, offset);
   const at::Tensor& h = scanned[0];
   const at::Tensor& v_new = scanned[1];
   const at::Tensor o = at::matmul(qc * to_chunk_start, h) + at::matmul(intra, v_new);  // [chunks, Hv, 64, Dv]

@@ -966,9 +966,6 @@ void fused(Fused& f, bool backward) {
   const Dims d(f.q.size(2), f.v.size(2));
   const auto f32 = f.q.options().dtype(at::kFloat);
   const auto rows = [&](int64_t width) { return at::empty({chunks, hv, kRows, width}, f32); };
-  Plan plan = f.plan;
-  plan.chunks_of = plan.chunks_of.to(f.q.device());
-  plan.offset_device = plan.offset_device.to(f.q.device());
   Args a{};
   a.q = f.q.data_ptr();
   a.k = f.k.data_ptr();
@@ -995,7 +992,7 @@ void fused(Fused& f, bool backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
     r.state_out = at::empty({chunks, hv, d.dk, d.dv}, f32);
     r.x_out = rows(d.dv);
-    recurrence<kMode>(r, plan, d);
+    recurrence<kMode>(r, f.plan, d);
     f.h = r.state_out;
     f.v_new = r.x_out;
     f.o = at::empty_like(f.v);
@@ -1014,7 +1011,7 @@ void fused(Fused& f, bool backward) {
   launch<LocalSmem>(local_grads_kernel<T, kMode>, grid, d, a);
   r.state_out = at::empty_like(r.add);
   r.x_out = rows(d.dv);
-  recurrence<kMode>(r, plan, d);
+  recurrence<kMode>(r, f.plan, d);
   r.base.reset();
   r.add.reset();
   a.d_state = r.state_out.data_ptr<float>();

@@ -18,6 +18,7 @@ count over the world size: the average is the gradient of the global batch's mea
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import os
@@ -289,6 +290,12 @@ def gathered(tensors: dict[str, torch.Tensor]):
     that lets each go before taking the next holds one gathered tensor at a time."""
     for name, t in tensors.items():
         yield name, whole(t, local(t).detach())
+
+
+def take_part(gathers) -> None:
+    """A rank other than the writer's share of `gathered(...)`: each gather joined, in order, and
+    let go at once, while rank 0 writes what it takes."""
+    collections.deque(gathers, maxlen=0)
 
 
 def assign(dst: torch.Tensor, full: torch.Tensor, like: torch.Tensor | None = None) -> None:

@@ -11,7 +11,6 @@ each kind of fault: docs/reliability.md.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
@@ -354,7 +353,7 @@ class Trainer:
         if self.world.main:
             hf_checkpoint.save(self.model, self.base_model_dir, weights=weights)
         elif weights is not None:
-            collections.deque(weights, maxlen=0)  # each gathered and let go, as rank 0 writes it
+            distributed.take_part(weights)
         self.world.barrier()
 
     def build_optimizer(self) -> None:
@@ -403,7 +402,7 @@ class Trainer:
                             lambda folder: distributed.save_sharded(shards, world, folder), weights=weights)
         else:
             if weights is not None:
-                collections.deque(weights, maxlen=0)  # each gathered and let go, as rank 0 writes it
+                distributed.take_part(weights)
             if shards is not None:
                 distributed.save_sharded(shards, world, None)
         world.barrier()
