@@ -17,7 +17,8 @@ the baselines. Per sequence length: median step time over --steps after --warmup
 the peak memory above the weights (gradients included), TFLOP/s (6 x active parameters per
 token, attention not counted), and the loss difference; then, for v4train, the forward time of
 each op call, the top CUDA kernels of one step (torch.profiler), and the share of the step's
-FLOPs that ran in C++ ops. A run that runs out of memory is reported as such. Activation
+FLOPs that ran in C++ ops; with --memory, the blocks alive at v4train's peak, grouped by the line
+that allocated them (peak_breakdown). A run that runs out of memory is reported as such. Activation
 checkpointing is used where --checkpointing says (auto: from 16,384 tokens for v4train; never
 for transformers, whose own checkpointing runs out of memory at 16,384 on the GLM-5 proxy, see
 baselines.md).
@@ -371,6 +372,60 @@ def per_op_times(model, batch) -> dict[str, float]:
     return dict(times)
 
 
+def peak_breakdown(trace: list[dict], tokens: int, top: int = 12) -> tuple[int, list[dict]]:
+    """(bytes at the peak above the start, the groups of blocks alive then, largest first) from one
+    device's trace of the caching allocator (torch.cuda.memory._snapshot()["device_traces"][i]).
+    Replaying alloc and free_completed in order gives the bytes in use after every event; the peak
+    is the largest. Blocks allocated before the recording started are the base and are not named;
+    their frees count, so the sum is relative to the start. A group is the Python line that
+    allocated (innermost frame in the repository; "(autograd backward)" for the engine's thread,
+    which has no Python frames) and the block's size; bytes per token tells [T, width] tensors
+    apart (2 x width for bf16, 4 x width for fp32)."""
+    def replay(stop):
+        alive, used, peak, at = {}, 0, 0, -1
+        for i, e in enumerate(trace[:stop]):
+            if e["action"] == "alloc":
+                alive[e["addr"]] = e
+                used += e["size"]
+            elif e["action"] == "free_completed":
+                alive.pop(e["addr"], None)
+                used -= e["size"]
+            if used > peak:
+                peak, at = used, i
+        return alive, peak, at
+
+    _, peak, at = replay(len(trace))
+    alive, _, _ = replay(at + 1)
+    groups = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    for e in alive.values():
+        frames = [f for f in e.get("frames", []) if "v4train" in f["filename"] or "/tools/" in f["filename"]]
+        where = (f"{os.path.basename(frames[0]['filename'])}:{frames[0]['line']} {frames[0]['name']}"
+                 if frames else "(autograd backward)")
+        g = groups[(where, e["size"])]
+        g["count"] += 1
+        g["bytes"] += e["size"]
+    rows = [{"where": w, "block_bytes": size, "bytes_per_token": size / tokens, **g} for (w, size), g in groups.items()]
+    return peak, sorted(rows, key=lambda r: -r["bytes"])[:top]
+
+
+def memory_at_peak(step, tokens: int) -> str:
+    """One step() with the allocator's history recorded: what is alive at its peak (peak_breakdown)."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
+    try:
+        step()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak, rows = peak_breakdown(trace, tokens)
+    lines = [f"{peak / GIB:.2f} GiB above the step's start at its peak; the largest groups alive then:",
+             "| where allocated | blocks | block MiB | bytes per token | GiB |", "|---|---|---|---|---|"]
+    lines += [f"| {r['where']} | {r['count']} | {r['block_bytes'] / 2**20:.1f} | {r['bytes_per_token']:,.0f} | "
+              f"{r['bytes'] / GIB:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def profile(model, batch, top: int = 25) -> str:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -391,6 +446,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="per-op times, kernel table and FLOP share at every length")
+    parser.add_argument("--memory", action="store_true",
+                        help="for v4train at every length, the blocks alive at the step's peak, grouped by where they were allocated")
     parser.add_argument("--exact", action="store_true",
                         help="also the loss in float64 (transformers on the same weights) up to 8,192 tokens: which side rounds less")
     parser.add_argument("--fp8", action="store_true", help="the FP8 model against its dequantised bf16 twin, LoRA")
@@ -467,6 +524,8 @@ def main() -> int:
             except RuntimeError as e:  # reported, and the other rows still run
                 row["error"] = str(e)[:2000]
                 print(f"| {impl} | {tokens} | {ckpt} | error: {str(e).splitlines()[0][:200]} | - | - | - | - |", flush=True)
+            if args.memory and impl == "v4train" and "step_s" in row:
+                print(f"v4train at {tokens} tokens, checkpointing {ckpt}: " + memory_at_peak(step, tokens), flush=True)
             zero_grads(hf)
             gc.collect()
             torch.cuda.empty_cache()

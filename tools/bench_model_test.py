@@ -108,3 +108,23 @@ def test_the_full_size_layer_is_built_in_fp8_and_trains_its_adapters():
     trained = {n for n, p in model.named_parameters() if p.grad is not None}
     assert trained and all("lora_" in n for n in trained)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trained
+
+
+def test_peak_breakdown_names_what_is_alive_at_the_peak():
+    # A hand-made allocator trace (the field names of torch.cuda.memory._snapshot()): the peak is
+    # after event 3 (a 100 + b 300 + c 50 - the base block's 40 freed = 410 bytes), before b's free.
+    fwd = [{"filename": "/r/py/v4train/model.py", "line": 7, "name": "loss"}]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": fwd},
+        {"action": "free_completed", "addr": 99, "size": 40, "frames": []},  # allocated before the recording
+        {"action": "alloc", "addr": 2, "size": 300, "frames": []},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": fwd},
+        {"action": "free_requested", "addr": 2, "size": 300, "frames": []},
+        {"action": "free_completed", "addr": 2, "size": 300, "frames": []},
+        {"action": "alloc", "addr": 4, "size": 200, "frames": fwd},
+    ]
+    peak, rows = bench_model.peak_breakdown(trace, tokens=10)
+    assert peak == 410
+    assert [(r["where"], r["block_bytes"], r["count"], r["bytes"]) for r in rows] == [
+        ("(autograd backward)", 300, 1, 300), ("model.py:7 loss", 100, 1, 100), ("model.py:7 loss", 50, 1, 50)]
+    assert rows[0]["bytes_per_token"] == 30
