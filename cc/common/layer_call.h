@@ -19,7 +19,9 @@ namespace v4 {
   X(at::Tensor, cu_seqlens, {})
 
 // LoRA's scaling (alpha / r) and the dropout probability on an adapter's input (0 when not
-// training); checkpoint: keep only the layer's input and recompute the layer in the backward pass.
+// training); checkpoint: keep only the layer's input and recompute the layer in the backward pass;
+// checkpoint_block: the tokens of a block of its MLP or MoE (0: all at once in a plain call, as
+// many as kTailBlockMiB of their activations hold in a checkpointed one; tests shrink it).
 // The expert-parallel group of the MoE ops: `size` ranks of the torch.distributed group
 // registered as `group` (its group_name), rank `rank` holding the E / size consecutive experts
 // from rank * E / size. size 1: no group, every expert here.
@@ -32,7 +34,8 @@ namespace v4 {
   X(double, lora_scaling, 0.0)          \
   X(double, lora_dropout, 0.0)          \
   X(bool, checkpoint, false)            \
-  X(ExpertParallel, expert_parallel, {})
+  X(ExpertParallel, expert_parallel, {}) \
+  X(int64_t, checkpoint_block, 0)
 
 struct ExpertParallel {
   V4_EXPERT_PARALLEL_FIELDS(V4_DECLARE_FIELD)

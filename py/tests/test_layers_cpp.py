@@ -9,6 +9,7 @@ import torch
 from v4train import trainer as train
 from golden_cases import BASE, CASES, CHAT, QWEN_BASE, golden, run
 from v4train import data, hf_checkpoint, lora, ops
+from v4train.layer_call import LayerOptions
 from v4train.model import Packed
 from v4train.testing.compare import assert_close, assert_rel_close
 from v4train.optim import AdamW
@@ -122,3 +123,45 @@ def test_reference_layers_over_the_cpp_ops_checkpoint(family):
     assert torch.equal(ckpt_loss, plain_loss)
     for n in plain:
         assert_close(ckpt[n], plain[n], f"checkpointed gradient of {n}")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_checkpointed_layer_in_blocks_recomputes_each_block_as_it_ran(family):
+    """An MoE layer with its MoE in blocks of 3 tokens (cc/common/checkpoint.h), LoRA dropout on,
+    every adapter nonzero: checkpointed (each block recomputed with the first pass's masks and
+    routing, then differentiated, its input's gradient and its weights' gathered) against the
+    plain call in the same blocks, which draws the same masks from the same seed: the same output
+    and gradients. Another seed gives other gradients (the masks matter)."""
+    model_dir, tensors, _ = golden(FAMILIES[family][1])
+    model, _ = hf_checkpoint.load(model_dir, torch.float32)
+    lora.add_adapters(model, lora.LoraConfig(4, 8, 0.3, model.family.attention_targets, True), torch.float32, "cpu", 0)
+    index = 2 if family == "glm5" else 0  # an MoE layer; GLM-5's with its own ("full") indexer
+    layer = model.layers[index]
+    batch = Packed.from_rows(tensors["input_ids"])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch.positions.numel(), model.cfg.hidden_size, generator=gen)
+    trained = dict((n, p) for n, p in layer.named_parameters() if "lora_" in n)
+    for p in trained.values():  # lora_B starts at 0: every adapter in play
+        p.data.normal_(0, 0.1, generator=gen)
+    weigh = torch.randn(x.shape, generator=gen)
+    op = ops.resolve("all")[model.family.layer_op]
+    assert x.shape[0] > 3
+
+    def run(checkpoint, seed):
+        torch.manual_seed(seed)
+        h = x.clone().requires_grad_(True)
+        options = LayerOptions(layer.lora_scaling, 0.3, checkpoint, checkpoint_block=3)
+        args = (h, layer.weights, layer.cfg, index, batch.batch, options)
+        out = op(*args, None)[0] if family == "glm5" else op(*args)
+        for p in trained.values():
+            p.grad = None
+        (out * weigh).sum().backward()
+        return out.detach(), {"hidden": h.grad, **{n: p.grad.clone() for n, p in trained.items()}}
+
+    plain_out, plain = run(False, 5)
+    ckpt_out, ckpt = run(True, 5)
+    assert_close(ckpt_out, plain_out, "checkpointed output")
+    for n in plain:
+        assert_close(ckpt[n], plain[n], f"checkpointed gradient of {n}")
+    _, other = run(True, 6)
+    assert any(not torch.equal(other[n], plain[n]) for n in plain), "dropout is on: another seed gives other gradients"

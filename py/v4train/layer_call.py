@@ -35,9 +35,12 @@ class LayerOptions:
     """lora_scaling: alpha / r of the layer's adapters; lora_dropout: the dropout probability on an
     adapter's input (0 when not training); checkpoint: keep only the layer's input for the backward
     pass and recompute the layer there (activation checkpointing); expert_parallel: the MoE
-    block's group (its routed experts' weights are this rank's share)."""
+    block's group (its routed experts' weights are this rank's share); checkpoint_block: the
+    tokens a block of a checkpointed layer's MLP or MoE takes (cc/common/checkpoint.h; 0: as many
+    as the C++ op's memory budget for them holds; tests shrink it)."""
 
     lora_scaling: float = 0.0
     lora_dropout: float = 0.0
     checkpoint: bool = False
     expert_parallel: ExpertParallel = ExpertParallel()
+    checkpoint_block: int = 0

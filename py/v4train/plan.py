@@ -13,7 +13,7 @@ Everything is counted in bytes from the config and the flags, tensor by tensor:
   CUDA kernels on the GPU), and at the moments where they peak the transients beside them (the
   MoE combine's backward, the experts' dequantised FP8 weights, the LM head's fp32 logits); with
   --gradient_checkpointing each layer keeps only its input and its first pass's choices, and
-  the backward pass holds one layer recomputed;
+  the backward pass holds one layer recomputed, its MLP or MoE a block of tokens at a time;
 - communication: the all-to-all of the routed rows (sent and received, counted in the MoE's
   moments where they are alive) and FSDP2's all-gathered parameters (the layer computing and the
   one prefetched, and the unsharded root) and one layer's gradients before their reduce-scatter;
@@ -50,6 +50,7 @@ MASKED_MAX_LEN = 8192  # glm5_layer_forward.cc kMaskedMaxLen: longer documents a
 BLOCK_BYTES = 2**30  # mla_dsa_attention.cc block_bytes: the indexer's scores of a block of queries
 GDR_CHUNK = 64  # gated_delta_rule.h kChunk: the delta rule's chunks (each document padded to them)
 COMBINE_BLOCK_MIB = 256  # experts.cc kCombineBlockMiB: the MoE combine's fp32 [tokens, k, H] block
+TAIL_BLOCK_MIB = 2048  # checkpoint.h kTailBlockMiB: a checkpointed layer's block of MLP / MoE activations
 FUSED_MAX_DIM = 128  # gated_delta_rule.h kFusedMaxDim: the widest heads its fused CUDA kernels take
 # The LM head's chunk of tokens (the C++ op takes the reference's default).
 CE_CHUNK = inspect.signature(v4_cross_entropy_loss).parameters["chunk_tokens"].default
@@ -339,10 +340,10 @@ def lora_terms(saved: Saved, c: Ctx, i: int, name: str, weight: str, rows: int) 
     saved.add(name + ".lora", "x A of its adapter [rows, r]", rows * c.r * c.b, c.is_adapted(i, weight))
 
 
-def mlp_terms(c: Ctx, i: int, s: Saved, prefix: str, I: int) -> None:
-    """v4_mlp (cc/ops/mlp.cc) on [T, H]: silu keeps gate, the product silu(gate) and up, down its
-    input where its weight trains or is adapted."""
-    T, b = c.tokens, c.b
+def mlp_terms(c: Ctx, i: int, s: Saved, prefix: str, I: int, T: int) -> None:
+    """v4_mlp (cc/ops/mlp.cc) on [T, H] (T: the tail's tokens, tail_tokens): silu keeps gate, the
+    product silu(gate) and up, down its input where its weight trains or is adapted."""
+    b = c.b
     for m in ("gate_proj", "up_proj"):
         lora_terms(s, c, i, prefix + m, prefix + m + ".weight", T)
     s.add(prefix + "gate_up", "gate and up [T, I] each (SwiGLU's inputs)", 2 * T * I * b)
@@ -352,14 +353,14 @@ def mlp_terms(c: Ctx, i: int, s: Saved, prefix: str, I: int) -> None:
     lora_terms(s, c, i, prefix + "down_proj", prefix + "down_proj.weight", T)
 
 
-def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int,
+def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
               first_pass_locals: list[Term]) -> tuple[list[Moment], list[Moment], list[Moment], int]:
-    """The routed experts of either family (cc/common/experts.cc) on the T k routed rows, grouped
-    by expert; with expert parallelism the rows of this rank's E / expert_parallel experts, T k on
-    average (balanced routing assumed). Adds their saved tensors to `s`; returns the moments of
-    the forward pass, of a checkpointed first pass and of the backward, and the experts' weight
-    gradients (--finetune=full)."""
-    T, b = c.tokens, c.b
+    """The routed experts of either family (cc/common/experts.cc) on the T k routed rows of the
+    tail's T tokens (tail_tokens), grouped by expert; with expert parallelism the rows of this
+    rank's E / expert_parallel experts, T k on average (balanced routing assumed). Adds their saved
+    tensors to `s`; returns the moments of the forward pass, of a checkpointed first pass and of
+    the backward, and the experts' weight gradients (--finetune=full)."""
+    b = c.b
     rows = T * k
     local = E // c.setup.expert_parallel
     gu, dn = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
@@ -429,16 +430,51 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int,
     return forward, first_pass, backward, g_gu + g_dn
 
 
-def layer_grads(c: Ctx, i: int, exclude: tuple[str, ...] = ()) -> int:
-    """--finetune=full: the gradients of layer i's trained weights on this GPU, as sharded (the
-    names in `exclude` are counted where they are made)."""
+def layer_grads(c: Ctx, i: int, exclude: tuple[str, ...] = (), within: str = "") -> int:
+    """--finetune=full: the gradients of layer i's trained weights named `within`... on this GPU,
+    as sharded (the names in `exclude` are counted where they are made)."""
     out = 0
     for spec in family_of(c.cfg).layer_specs(c.cfg, i):
-        if c.trains(spec.name) and spec.name not in exclude:
+        if c.trains(spec.name) and spec.name not in exclude and spec.name.startswith(within):
             rows = (spec.shape[0] // c.setup.expert_parallel if spec.experts else
                     _shard_rows(spec.shape[0], c.setup.gpus))
             out += rows * math.prod(spec.shape[1:]) * (FP32 if spec.fp32 else c.b)
     return out
+
+
+def tail_tokens(c: Ctx, i: int) -> int:
+    """The tokens that layer i's tail (its MLP or MoE, after post_attention_layernorm) takes at
+    once: all T in a plain call. A checkpointed call (cc/common/checkpoint.cc tail_block) runs,
+    recomputes and differentiates it a block at a time, as many tokens as TAIL_BLOCK_MIB of its
+    largest activations hold (swiglu_tail_bytes: 2 H + 4 I values for each of an MoE's top-k
+    routed rows, or an MLP's one row, a token); under expert parallelism one block, so that every
+    rank's all-to-alls pair up."""
+    cfg, T = c.cfg, c.tokens
+    if not c.setup.checkpointing or c.setup.expert_parallel > 1:
+        return T
+    moe = cfg.mlp_layer_types[i] == "sparse" if cfg.family == "glm5" else cfg.is_moe
+    rows, I = (cfg.num_experts_per_tok, cfg.moe_intermediate_size) if moe else (1, cfg.intermediate_size)
+    return min(T, max(1, (TAIL_BLOCK_MIB << 20) // (rows * (2 * cfg.hidden_size + 4 * I) * c.b)))
+
+
+def beside(moments: list[Moment], terms: list[Term]) -> list[Moment]:
+    return [Moment(m.label, m.terms + tuple(terms)) for m in moments]
+
+
+def checkpoint_terms(c: Ctx, tail_T: int, tail_grads: int) -> tuple[list[Term], list[Term]]:
+    """What a checkpointed call's backward (checkpoint.cc) holds besides the saved tensors. Beside
+    the moments of its tail's recomputation and backward (a block of tail_T tokens at a time): h's
+    gradient dh [T, H], filled block by block, and from the second block on the tail's weight
+    gradients of the blocks before, summed (--finetune=full; LoRA's are small; counted beside a
+    whole block, though a second one may be shorter). Beside those of its head's backward, which
+    comes last: dh and the head's outputs mid and h (the call's locals). A plain call: none."""
+    if not c.setup.checkpointing:
+        return [], []
+    TH = c.tokens * c.cfg.hidden_size * c.b
+    dh = Term("dh: h's gradient, filled a block of the tail at a time [T, H]", TH)
+    summed = Term("the tail's weight gradients of the blocks before, summed", tail_grads if tail_T < c.tokens else 0)
+    outputs = Term("the head's outputs mid and h [T, H], held to the end of the call's backward", 2 * TH)
+    return [dh, summed], [outputs, dh]
 
 
 def glm5_layer(c: Ctx, i: int) -> LayerMemory:
@@ -517,28 +553,31 @@ def glm5_layer(c: Ctx, i: int) -> LayerMemory:
                              dense_rows * nh * (2 * nope + rope + dv) * b)]
     forward = [Moment("DSA indexer", tuple(s.before("attend") + indexer))] if full_indexer else []
     first_pass = [Moment("DSA indexer", tuple(attention_locals + [kept[0]] + indexer))] if full_indexer else []
-    # Between the layer's blocks of a first pass: the input norm, attention's output, the
-    # residual and the second norm's output (locals of the layer), the stash and selection.
-    layer_locals = [Term("the layer's locals: normed, attention's output, mid, h [T, H]", 4 * T * H * b)] + kept
+    # The tail (MLP or MoE) on Tt tokens at once: a block of them in a checkpointed call. Beside
+    # a checkpointed first pass's blocks: the head's outputs mid and h, the output being summed
+    # (mid's clone), the stash and selection. Its backward holds h (the head's output) throughout.
+    Tt, ckpt = tail_tokens(c, i), c.setup.checkpointing
+    layer_locals = [Term("the layer's locals: mid, h and the output summed block by block [T, H]",
+                         3 * T * H * b)] + kept
     if cfg.mlp_layer_types[i] == "sparse":
         E, k, I = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         sh = "mlp.shared_experts."
         s.add("h", "post_attention_layernorm's output [T, H] (the shared expert's input)", T * H * b,
-              c.keeps_input(i, sh + "gate_proj.weight") or c.keeps_input(i, sh + "up_proj.weight"))
-        s.add("router_x", "the router's input in fp32 [T, H] (the router weight's gradient)", T * H * FP32,
+              ckpt or c.keeps_input(i, sh + "gate_proj.weight") or c.keeps_input(i, sh + "up_proj.weight"))
+        s.add("router_x", "the router's input in fp32 [T, H] (the router weight's gradient)", Tt * H * FP32,
               c.trains("mlp.gate.weight"))
         s.add("router", "the router's fp32 weight copy [E, H], sigmoid scores [T, E], routing weights [T, k] (fp32)",
-              E * H * FP32 + T * E * FP32 + 2 * T * k * FP32)
-        mlp_terms(c, i, s, sh, I * cfg.n_shared_experts)
+              E * H * FP32 + Tt * E * FP32 + 2 * Tt * k * FP32)
+        mlp_terms(c, i, s, sh, I * cfg.n_shared_experts, Tt)
         kept.append(Term("routing: the MoE routing [T, k] (int64)", T * k * INT64))
         moe_locals = layer_locals + [Term("the MoE's locals: the shared expert's output [T, H], scores [T, E]",
-                                          T * (H * b + E * FP32))]
-        fwd_moe, first_moe, back_moe, g_experts = moe_terms(c, i, s, E, k, H, I, moe_locals)
+                                          Tt * (H * b + E * FP32))]
+        fwd_moe, first_moe, back_moe, g_experts = moe_terms(c, i, s, E, k, H, I, Tt, moe_locals)
         grads = layer_grads(c, i, exclude=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
     else:
         s.add("h", "post_attention_layernorm's output [T, H] (the MLP's input)", T * H * b,
-              c.keeps_input(i, "mlp.gate_proj.weight") or c.keeps_input(i, "mlp.up_proj.weight"))
-        mlp_terms(c, i, s, "mlp.", cfg.intermediate_size)
+              ckpt or c.keeps_input(i, "mlp.gate_proj.weight") or c.keeps_input(i, "mlp.up_proj.weight"))
+        mlp_terms(c, i, s, "mlp.", cfg.intermediate_size, Tt)
         fwd_moe, first_moe, back_moe, g_experts = [], [], [], 0
         grads = layer_grads(c, i)
     # The attention's backward (the MLP's tensors freed): o_proj's input gradient; dense
@@ -547,10 +586,16 @@ def glm5_layer(c: Ctx, i: int) -> LayerMemory:
                  Term("attention backward: dense attention's dq, dk, dv", dense_rows * nh * 3 * (nope + rope) * b),
                  Term("attention backward: sparse dq and the latents' fp32 gradient",
                       latent_queries * nh * (C + rope) * b + sum(long_docs) * (C + rope) * FP32),
+                 # (latent_attention's last product gives it transposed, [heads, queries, C], which
+                 # the CUDA kernel reads in place)
+                 Term("attention backward: the latent output's gradient [queries, heads, kv_lora_rank]",
+                      latent_queries * nh * C * b),
                  Term("the MLP's / experts' weight gradients", g_experts)]
-    backward = back_moe + [Moment("attention backward", tuple(s.before("mid") + attn_back))]
-    return LayerMemory(Term("input: the layer's input [T, H]", T * H * b), s, kept, forward + fwd_moe,
-                       first_pass + first_moe, backward, grads + g_experts)
+    attention = Moment("attention backward", tuple(s.before("mid") + attn_back))
+    by_tail, by_head = checkpoint_terms(c, Tt, layer_grads(c, i, within="mlp."))
+    return LayerMemory(Term("input: the layer's input [T, H]", T * H * b), s, kept, forward + beside(fwd_moe, by_tail),
+                       first_pass + first_moe, beside(back_moe, by_tail) + beside([attention], by_head),
+                       grads + g_experts)
 
 
 def fused_delta_rule(setup: Setup) -> bool:
@@ -736,30 +781,34 @@ def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
     s.mark("mid")
     s.add("mid", "the residual after the mixer [T, H] (post_attention_layernorm's input)", T * H * b)
     kept = []
-    layer_locals = [Term("the layer's locals: h, the mixer's output, mid, h2 [T, H]", 4 * T * H * b)]
+    # The tail (MoE or MLP) on Tt tokens at once, as in glm5_layer: beside a checkpointed first
+    # pass's blocks mid, h2 and the output being summed; its backward holds h2 throughout.
+    Tt, ckpt = tail_tokens(c, i), c.setup.checkpointing
+    layer_locals = [Term("the layer's locals: mid, h2 and the output summed block by block [T, H]", 3 * T * H * b)]
     if cfg.is_moe:
         E, k, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
         sh = "mlp.shared_expert."
         s.add("h2", "post_attention_layernorm's output [T, H] (the router's and shared expert's input)", T * H * b,
-              c.trains("mlp.gate.weight") or c.keeps_input(i, sh + "gate_proj.weight") or
+              ckpt or c.trains("mlp.gate.weight") or c.keeps_input(i, sh + "gate_proj.weight") or
               c.keeps_input(i, sh + "up_proj.weight"))
         s.add("router", "the router's softmax [T, E] (fp32), top-k values, normalised and cast [T, k], indices",
-              T * E * FP32 + T * k * (FP32 + b + INT64))
-        mlp_terms(c, i, s, sh, cfg.shared_expert_intermediate_size)
-        s.add("shared_out", "the shared expert's output [T, H] and its sigmoid gate (their product)", T * (H + 1) * b)
+              Tt * E * FP32 + Tt * k * (FP32 + b + INT64))
+        mlp_terms(c, i, s, sh, cfg.shared_expert_intermediate_size, Tt)
+        s.add("shared_out", "the shared expert's output [T, H] and its sigmoid gate (their product)", Tt * (H + 1) * b)
         kept.append(Term("routing: the MoE routing [T, k] (int64)", T * k * INT64))
         moe_locals = layer_locals + kept + [Term("the MoE's locals: shared expert's output, softmax",
-                                                 T * (H * b + E * FP32))]
-        fwd_moe, first_moe, back_moe, g_experts = moe_terms(c, i, s, E, k, H, I, moe_locals)
+                                                 Tt * (H * b + E * FP32))]
+        fwd_moe, first_moe, back_moe, g_experts = moe_terms(c, i, s, E, k, H, I, Tt, moe_locals)
         grads = layer_grads(c, i, exclude=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) + g_experts
     else:
         s.add("h2", "post_attention_layernorm's output [T, H] (the MLP's input)", T * H * b,
-              c.keeps_input(i, "mlp.gate_proj.weight") or c.keeps_input(i, "mlp.up_proj.weight"))
-        mlp_terms(c, i, s, "mlp.", cfg.intermediate_size)
+              ckpt or c.keeps_input(i, "mlp.gate_proj.weight") or c.keeps_input(i, "mlp.up_proj.weight"))
+        mlp_terms(c, i, s, "mlp.", cfg.intermediate_size, Tt)
         fwd_moe, first_moe, back_moe = [], [], []
         grads = layer_grads(c, i)
-    return LayerMemory(Term("input: the layer's input [T, H]", T * H * b), s, kept, forward + fwd_moe,
-                       first_pass + first_moe, back_moe + backward, grads)
+    by_tail, by_head = checkpoint_terms(c, Tt, layer_grads(c, i, within="mlp."))
+    return LayerMemory(Term("input: the layer's input [T, H]", T * H * b), s, kept, forward + beside(fwd_moe, by_tail),
+                       first_pass + first_moe, beside(back_moe, by_tail) + beside(backward, by_head), grads)
 
 
 LAYERS = {"glm5": glm5_layer, "qwen3_5": qwen3_5_layer}

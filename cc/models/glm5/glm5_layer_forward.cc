@@ -23,31 +23,32 @@ constexpr const char* kOp = "v4_glm5_layer_forward";
 constexpr int64_t kMaskedMaxLen = 8192;
 
 // Everything a layer call needs besides its input and the weights that train: kept by a
-// checkpointed layer for its recomputation, with the first pass's choices (the DSA selection,
-// the MoE routing), which the recomputation repeats, and its sparse attention outputs, which the
-// recomputation takes instead of attending again (AttentionStash: the costliest part of a long
-// document's recomputation, [tokens, heads, 513] values per layer).
+// checkpointed layer for its recomputation, with the first pass's DSA selection, which the
+// recomputation repeats, and its sparse attention outputs, which the recomputation takes instead
+// of attending again (AttentionStash: the costliest part of a long document's recomputation,
+// [tokens, heads, 513] values per layer). The MoE routing is the tail's record (checkpoint.h).
 struct LayerCall : LayerCallOf<Glm5LayerWeights> {
   using LayerCallOf::LayerCallOf;
   Glm5Config cfg;
   std::optional<at::Tensor> carry;
-  at::Tensor selection, routing;
+  at::Tensor selection;
   AttentionStash stash;
 
-  // {hidden, selection}
-  std::vector<at::Tensor> run(const at::Tensor& hidden, bool first) override {
-    stash.replay = !first;
+  // {mid, h, selection}
+  std::vector<at::Tensor> head(const at::Tensor& hidden, Pass pass) override {
+    stash.replay = pass == Pass::kRecompute;
     stash.next = 0;
     std::vector<at::Tensor> out;
     {
-      StashScope scope(&stash);
-      out = forward(hidden);
+      std::optional<StashScope> scope;
+      if (pass != Pass::kPlain) scope.emplace(&stash);
+      out = attend(hidden);
     }
-    if (!first) stash = AttentionStash{};
+    if (pass == Pass::kRecompute) stash = AttentionStash{};
     return out;
   }
 
-  std::vector<at::Tensor> forward(const at::Tensor& hidden) override {
+  std::vector<at::Tensor> attend(const at::Tensor& hidden) {
     const bool shared = cfg.indexer_types[layer] == "shared";
     std::optional<at::Tensor> given = shared ? carry : std::nullopt;
     if (!shared && selection.defined()) given = selection;
@@ -56,19 +57,32 @@ struct LayerCall : LayerCallOf<Glm5LayerWeights> {
                                                     batch.cu_seqlens, given, lora.scaling, lora.dropout, kMaskedMaxLen);
     selection = chosen_keys;
     const at::Tensor mid = hidden + attn;
-    const at::Tensor h = v4_rms_norm(mid, weights.post_attention_layernorm, cfg.rms_norm_eps, false);
-    if (cfg.mlp_layer_types[layer] == "dense") {
+    return {mid, v4_rms_norm(mid, weights.post_attention_layernorm, cfg.rms_norm_eps, false), selection};
+  }
+
+  std::pair<at::Tensor, at::Tensor> tail(const at::Tensor& h, const at::Tensor& given) override {
+    if (!sparse()) {
       TORCH_CHECK_VALUE(weights.mlp.has_value(), kOp, ": layer ", layer, " is a dense layer but weights has no mlp");
-      return {mid + v4_mlp(h, *weights.mlp, lora.scaling, lora.dropout), selection};
+      return {v4_mlp(h, *weights.mlp, lora.scaling, lora.dropout), at::Tensor()};
     }
     TORCH_CHECK_VALUE(weights.moe.has_value(), kOp, ": layer ", layer, " is an MoE layer but weights has no moe");
-    const std::optional<at::Tensor> given_routing = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;
+    const std::optional<at::Tensor> routing = given.defined() ? std::optional<at::Tensor>(given) : std::nullopt;
     auto [out, chosen] = v4_glm5_moe(h, *weights.moe, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                                cfg.norm_topk_prob, cfg.routed_scaling_factor, lora.scaling, lora.dropout, given_routing,
-                                options.expert_parallel);
-    routing = chosen;
-    return {mid + out, selection};
+                                     cfg.norm_topk_prob, cfg.routed_scaling_factor, lora.scaling, lora.dropout, routing,
+                                     options.expert_parallel);
+    return {out, chosen};
   }
+
+  int64_t tail_bytes_per_token(int64_t element_size) const override {  // (a missing block: tail() says so)
+    if (!sparse()) {
+      return weights.mlp ? swiglu_tail_bytes(1, cfg.hidden_size, weights.mlp->gate_proj.weight.size(0), element_size) : 1;
+    }
+    return weights.moe ? swiglu_tail_bytes(cfg.num_experts_per_tok, cfg.hidden_size,
+                                           weights.moe->experts.gate_up_proj.weight.size(1) / 2, element_size)
+                       : 1;
+  }
+
+  bool sparse() const { return cfg.mlp_layer_types[layer] != "dense"; }
 };
 
 }  // namespace

@@ -193,15 +193,16 @@ struct SparseShape {
   __host__ __device__ int pitch() const { return dp + 8; }
 };
 
-// 64 rows (heads row0..) of a [rows, width] matrix at src (row stride `width`) into dst (pitch
-// `pitch`), zero past `valid` rows and past `width` columns up to `cols`.
+// 64 rows (heads row0..) of a [rows, width] matrix at src (row stride `stride`, a multiple of 8)
+// into dst (pitch `pitch`), zero past `valid` rows and past `width` columns up to `cols`.
 template <typename T>
-__device__ __forceinline__ void load_rows_async(T* dst, int pitch, const T* src, int width, int valid, int cols) {
+__device__ __forceinline__ void load_rows_async(T* dst, int pitch, const T* src, int64_t stride, int width, int valid,
+                                                int cols) {
   const int chunks = cols / 8;
   for (int i = threadIdx.x; i < kHeads * chunks; i += kSparseThreads) {
     const int r = i / chunks, c = (i % chunks) * 8;
     const bool ok = r < valid && c < width;
-    cp_async16(dst + r * pitch + c, ok ? src + int64_t(r) * width + c : src, ok);
+    cp_async16(dst + r * pitch + c, ok ? src + r * stride + c : src, ok);
   }
 }
 
@@ -298,7 +299,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
   const float sl2 = scale * kLog2e;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-  load_rows_async(sQ, pitch, q + (int64_t(t) * s.nh + row0) * s.D, s.D, valid, s.dp);
+  load_rows_async(sQ, pitch, q + (int64_t(t) * s.nh + row0) * s.D, s.D, s.D, valid, s.dp);
   float acc[NT][4] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
   for_each_key_tile(sK, sKey, kv, idx, s, t, [&](const T* keys, const int* key_ids) {
     float sc[2][4];
@@ -376,14 +377,17 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
 }
 
 // dq[t] and the atomic dkv contributions of query t: with p = exp(scale s - lse), dp = dout . v,
+// (dout [Lq, nh, C] with strides dout_stride = (query, head), as autograd gives it: see
+// sparse_latent_backward)
 // ds = p (dp - delta) scale: dq = ds . k; dkv[idx] += ds^T q + (p^T dout on the value columns).
 // Warp w: scores of rows 16 (w % 4).. and keys 16 (w / 4)..; dq columns (w / 4) dp / 2 ..;
 // the dkv tile's keys 16 (w % 2).. and columns (w / 2) dp / 4 .., NQ = dp / 16 dq tiles per warp.
 template <typename T, int NQ>
 __global__ void __launch_bounds__(kSparseThreads, 1)
     sparse_backward_kernel(const T* __restrict__ q, const T* __restrict__ kv, const int64_t* __restrict__ idx,
-                           const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                           T* __restrict__ dq, float* __restrict__ dkv, SparseShape s, float scale) {
+                           const T* __restrict__ dout, longlong2 dout_stride, const float* __restrict__ lse,
+                           const float* __restrict__ delta, T* __restrict__ dq, float* __restrict__ dkv, SparseShape s,
+                           float scale) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int pitch = s.pitch(), cpitch = s.cp + 8, t = blockIdx.x, row0 = blockIdx.y * kHeads,
             valid = min(kHeads, s.nh - row0);
@@ -400,8 +404,8 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
   const int vk = (warp % 2) * 16, vc = (warp / 2) * (s.dp / 4);
   const float sl2 = scale * kLog2e;
 
-  load_rows_async(sQ, pitch, q + (int64_t(t) * s.nh + row0) * s.D, s.D, valid, s.dp);
-  load_rows_async(sdO, cpitch, dout + (int64_t(t) * s.nh + row0) * s.C, s.C, valid, s.cp);
+  load_rows_async(sQ, pitch, q + (int64_t(t) * s.nh + row0) * s.D, s.D, s.D, valid, s.dp);
+  load_rows_async(sdO, cpitch, dout + t * dout_stride.x + row0 * dout_stride.y, dout_stride.y, s.C, valid, s.cp);
   for (int r = threadIdx.x; r < kHeads; r += kSparseThreads) {
     const int64_t row = int64_t(t) * s.nh + row0 + r;
     sStat[r] = r < valid ? lse[row] * kLog2e : std::numeric_limits<float>::infinity();  // p = 0 on padding rows
@@ -596,7 +600,13 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
                                                           double scale, int64_t C) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = dense16(q_in), kv = dense16(kv_in), idx = idx_in.contiguous();
-  const at::Tensor dout = dense16(dout_in.to(q.scalar_type())), lse_c = lse.contiguous();
+  // latent_attention's last product gives dout transposed ([nh, Lq, C] in memory): read in place
+  // where cp.async can (16-byte aligned rows), not copied (a [Lq, nh, C] tensor: 8 GiB of GLM-5's
+  // 131,072-token step).
+  const at::Tensor dout_typed = dout_in.to(q.scalar_type());
+  const bool in_place = dout_typed.stride(2) == 1 && dout_typed.stride(0) % 8 == 0 && dout_typed.stride(1) % 8 == 0 &&
+                        aligned16(dout_typed.const_data_ptr());
+  const at::Tensor dout = in_place ? dout_typed : dense16(dout_typed), lse_c = lse.contiguous();
   const SparseShape s = sparse_shape(q, kv, idx, C);
   at::Tensor dkv = at::zeros({kv.size(0), s.D}, kv.options().dtype(at::kFloat));
   if (s.Lq == 0 || s.nh == 0 || s.K == 0) return {at::zeros_like(q), dkv};
@@ -617,7 +627,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       kernel<<<grid, kSparseThreads, smem, stream>>>(
           reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
-          idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()), lse_c.const_data_ptr<float>(),
+          idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()),
+          longlong2{dout.stride(0), dout.stride(1)}, lse_c.const_data_ptr<float>(),
           delta.const_data_ptr<float>(), reinterpret_cast<T*>(dq.mutable_data_ptr()), dkv.mutable_data_ptr<float>(), s,
           float(scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -17,14 +17,13 @@ namespace {
 
 constexpr const char* kOp = "v4_qwen3_5_layer_forward";
 
-// A layer call; a checkpointed one keeps it, with the first pass's MoE routing, for the recomputation.
+// A layer call; a checkpointed one keeps it (the MoE routing is the tail's record, checkpoint.h).
 struct QwenLayerCall : LayerCallOf<Qwen35LayerWeights> {
   using LayerCallOf::LayerCallOf;
   Qwen35Config cfg;
-  at::Tensor routing;
 
-  // {hidden}
-  std::vector<at::Tensor> forward(const at::Tensor& hidden) override {
+  // {mid, h}
+  std::vector<at::Tensor> head(const at::Tensor& hidden, Pass) override {
     const double eps = cfg.rms_norm_eps;
     const at::Tensor h = v4_rms_norm(hidden, weights.input_layernorm, eps, true);
     const bool deltanet = cfg.layer_types[layer] == "linear_attention";
@@ -38,16 +37,29 @@ struct QwenLayerCall : LayerCallOf<Qwen35LayerWeights> {
             : v4_gated_attention(h, *weights.self_attn, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rope,
                                  eps, batch.positions, batch.cu_seqlens, lora.scaling, lora.dropout);
     const at::Tensor mid = hidden + mixed;
-    const at::Tensor h2 = v4_rms_norm(mid, weights.post_attention_layernorm, eps, true);
     TORCH_CHECK_VALUE(cfg.is_moe ? weights.moe.has_value() : weights.mlp.has_value(), kOp, ": layer ", layer,
                       cfg.is_moe ? " is an MoE layer but weights has no moe" : " is a dense layer but weights has no mlp");
-    if (!cfg.is_moe) return {mid + v4_mlp(h2, *weights.mlp, lora.scaling, lora.dropout)};
-    const std::optional<at::Tensor> given = routing.defined() ? std::optional<at::Tensor>(routing) : std::nullopt;
-    auto [out, chosen] = v4_qwen3_5_moe(h2, *weights.moe, cfg.num_experts_per_tok, true, lora.scaling, lora.dropout, given,
-                                        options.expert_parallel);
-    routing = chosen;
-    return {mid + out};
+    return {mid, v4_rms_norm(mid, weights.post_attention_layernorm, eps, true)};
   }
+
+  std::pair<at::Tensor, at::Tensor> tail(const at::Tensor& h, const at::Tensor& given) override {
+    if (!cfg.is_moe) return {v4_mlp(h, *weights.mlp, lora.scaling, lora.dropout), at::Tensor()};
+    const std::optional<at::Tensor> routing = given.defined() ? std::optional<at::Tensor>(given) : std::nullopt;
+    auto [out, chosen] = v4_qwen3_5_moe(h, *weights.moe, cfg.num_experts_per_tok, true, lora.scaling, lora.dropout,
+                                        routing, options.expert_parallel);
+    return {out, chosen};
+  }
+
+  int64_t tail_bytes_per_token(int64_t element_size) const override {  // (a missing block: head() says so)
+    if (!cfg.is_moe) {
+      return weights.mlp ? swiglu_tail_bytes(1, h_size(), weights.mlp->gate_proj.weight.size(0), element_size) : 1;
+    }
+    return weights.moe ? swiglu_tail_bytes(cfg.num_experts_per_tok, h_size(),
+                                           weights.moe->experts.gate_up_proj.weight.size(1) / 2, element_size)
+                       : 1;
+  }
+
+  int64_t h_size() const { return weights.post_attention_layernorm.size(0); }
 };
 
 }  // namespace

@@ -78,6 +78,14 @@ def lora_dropout(draw: Draw, checkpoint: bool, device) -> float:
     return draw.sampled_from([0.0, 0.25]) if checkpoint and torch.device(device).type == "cpu" else 0.0
 
 
+def checkpoint_block(draw: Draw, checkpoint: bool, dropout: float, tokens: int) -> int:
+    """A layer sample's LayerOptions.checkpoint_block: where the layer checkpoints, a few tokens,
+    so that its MLP or MoE runs, recomputes and differentiates in several blocks, or 0 (one block
+    at these sizes). Not with dropout, whose masks the blocks draw in another order than the
+    reference's whole pass (the recomputation's replay of them: test_layers_cpp's gradcheck)."""
+    return draw.integers(1, max(1, tokens - 1)) if checkpoint and dropout == 0 and draw.booleans() else 0
+
+
 def seed(draw: Draw) -> int:
     return draw.integers(0, 2**31 - 1)
 

@@ -13,7 +13,7 @@ from v4train.reference.lora import bind
 from v4train.testing.cases.mla_dsa_attention import documents, packed, random_selection, small_config
 from v4train.ops import OPS
 from v4train.testing.case import ErrorCase, OpCase
-from v4train.testing.samples import Sample, layout, lora_dropout, make_leaf, seed, view_as_layout, weight_leaves, width
+from v4train.testing.samples import Sample, checkpoint_block, layout, lora_dropout, make_leaf, seed, view_as_layout, weight_leaves, width
 from v4train.testing.ties import rerouted
 from v4train.models.glm5.layer import v4_glm5_layer_forward
 
@@ -53,13 +53,14 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     positions, cu = packed(lengths, device)
     carry = random_selection(lengths, cfg.index_topk, torch.Generator().manual_seed(s)).to(device) if shared else None
     leaves = {"hidden": make_leaf((sum(lengths), cfg.hidden_size), h_layout, dtype, device, s + 100), **weights}
+    block = checkpoint_block(draw, checkpoint, dropout, sum(lengths))  # (drawn last: the other draws as before)
 
     def build(lv):
         return (view_as_layout(lv["hidden"], h_layout), bind(Glm5LayerWeights, lv), cfg, layer, Batch(positions, cu),
-                LayerOptions(scaling, dropout, checkpoint), carry), {}
+                LayerOptions(scaling, dropout, checkpoint, checkpoint_block=block), carry), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, {'MoE' if moe else 'dense'}, shared {shared}, "
-                                      f"checkpoint {checkpoint}, dropout {dropout}, cfg {cfg}",
+                                      f"checkpoint {checkpoint} (blocks of {block}), dropout {dropout}, cfg {cfg}",
                   reroute=(lambda args, kwargs, out, seed: rerouted(v4_glm5_layer_forward, args, kwargs, out, seed)) if moe else None)
 
 

@@ -16,7 +16,7 @@ from v4train.testing.cases.mla_dsa_attention import packed
 from v4train.ops import OPS
 from v4train.reference.lora import bind
 from v4train.testing.case import ErrorCase, OpCase
-from v4train.testing.samples import Sample, layout, lora_dropout, make_leaf, seed, view_as_layout
+from v4train.testing.samples import Sample, checkpoint_block, layout, lora_dropout, make_leaf, seed, view_as_layout
 from v4train.testing.ties import rerouted
 from v4train.models.qwen3_5.layer import v4_qwen3_5_layer_forward
 
@@ -45,13 +45,14 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     weights, scaling = layer_leaves(draw, cfg, layer, dtype, device, s, layer_specs, FAMILY.lora_excluded)
     positions, cu = packed(lengths, device)
     leaves = {"hidden": make_leaf((sum(lengths), cfg.hidden_size), h_layout, dtype, device, s + 100), **weights}
+    block = checkpoint_block(draw, checkpoint, dropout, sum(lengths))  # (drawn last: the other draws as before)
 
     def build(lv):
         return (view_as_layout(lv["hidden"], h_layout), bind(Qwen35LayerWeights, lv), cfg, layer, Batch(positions, cu.to(device)),
-                LayerOptions(scaling, dropout, checkpoint)), {}
+                LayerOptions(scaling, dropout, checkpoint, checkpoint_block=block)), {}
 
     return Sample(leaves, build, note=f"documents {lengths}, {cfg.layer_types[layer]}, {'MoE' if moe else 'dense'}, "
-                                      f"checkpoint {checkpoint}, dropout {dropout}, cfg {cfg}",
+                                      f"checkpoint {checkpoint} (blocks of {block}), dropout {dropout}, cfg {cfg}",
                   reroute=(lambda args, kwargs, out, seed: rerouted(v4_qwen3_5_layer_forward, args, kwargs, out, seed)) if moe else None)
 
 
