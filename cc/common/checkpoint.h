@@ -76,6 +76,13 @@ struct LayerCallOf : CheckpointedCall {
     visit_fields(weights, "", add);
     return out;
   }
+  // swiglu_tail_bytes of the layer's MLP, or of its MoE's top_k rows a token; 1 where the weights
+  // lack the block (the layer call names what is missing).
+  int64_t mlp_or_moe_bytes(bool moe, int64_t top_k, int64_t H, int64_t element_size) const {
+    if (!moe) return weights.mlp ? swiglu_tail_bytes(1, H, weights.mlp->gate_proj.weight.size(0), element_size) : 1;
+    return weights.moe ? swiglu_tail_bytes(top_k, H, weights.moe->experts.gate_up_proj.weight.size(1) / 2, element_size)
+                       : 1;
+  }
 };
 
 // The checks every layer op makes of its arguments (named in op's messages): hidden a floating

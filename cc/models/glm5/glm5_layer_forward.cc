@@ -73,13 +73,8 @@ struct LayerCall : LayerCallOf<Glm5LayerWeights> {
     return {out, chosen};
   }
 
-  int64_t tail_bytes_per_token(int64_t element_size) const override {  // (a missing block: tail() says so)
-    if (!sparse()) {
-      return weights.mlp ? swiglu_tail_bytes(1, cfg.hidden_size, weights.mlp->gate_proj.weight.size(0), element_size) : 1;
-    }
-    return weights.moe ? swiglu_tail_bytes(cfg.num_experts_per_tok, cfg.hidden_size,
-                                           weights.moe->experts.gate_up_proj.weight.size(1) / 2, element_size)
-                       : 1;
+  int64_t tail_bytes_per_token(int64_t element_size) const override {
+    return mlp_or_moe_bytes(sparse(), cfg.num_experts_per_tok, cfg.hidden_size, element_size);
   }
 
   bool sparse() const { return cfg.mlp_layer_types[layer] != "dense"; }

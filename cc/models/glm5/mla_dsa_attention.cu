@@ -377,9 +377,9 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
 }
 
 // dq[t] and the atomic dkv contributions of query t: with p = exp(scale s - lse), dp = dout . v,
-// (dout [Lq, nh, C] with strides dout_stride = (query, head), as autograd gives it: see
-// sparse_latent_backward)
 // ds = p (dp - delta) scale: dq = ds . k; dkv[idx] += ds^T q + (p^T dout on the value columns).
+// dout [Lq, nh, C] is read in place, with strides dout_stride = (query, head), as autograd gives
+// it (sparse_latent_backward).
 // Warp w: scores of rows 16 (w % 4).. and keys 16 (w / 4)..; dq columns (w / 4) dp / 2 ..;
 // the dkv tile's keys 16 (w % 2).. and columns (w / 2) dp / 4 .., NQ = dp / 16 dq tiles per warp.
 template <typename T, int NQ>

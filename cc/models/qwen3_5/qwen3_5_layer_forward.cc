@@ -50,13 +50,8 @@ struct QwenLayerCall : LayerCallOf<Qwen35LayerWeights> {
     return {out, chosen};
   }
 
-  int64_t tail_bytes_per_token(int64_t element_size) const override {  // (a missing block: head() says so)
-    if (!cfg.is_moe) {
-      return weights.mlp ? swiglu_tail_bytes(1, h_size(), weights.mlp->gate_proj.weight.size(0), element_size) : 1;
-    }
-    return weights.moe ? swiglu_tail_bytes(cfg.num_experts_per_tok, h_size(),
-                                           weights.moe->experts.gate_up_proj.weight.size(1) / 2, element_size)
-                       : 1;
+  int64_t tail_bytes_per_token(int64_t element_size) const override {
+    return mlp_or_moe_bytes(cfg.is_moe, cfg.num_experts_per_tok, h_size(), element_size);
   }
 
   int64_t h_size() const { return weights.post_attention_layernorm.size(0); }
