@@ -350,8 +350,21 @@ def run_case(op, seed: int) -> str:
             pass
     nonfinite_in = _nonfinite_inputs(op, seed)
     _compare(op, ours[0], theirs[0], truth[0], "output", nonfinite_in)
+    if nonfinite_in and op.composite and _confined_better(ours[0], theirs[0]):
+        # Rows the reference spoilt with NaN route and select differently from the C++ op's finite
+        # ones (an MoE's experts, the indexer's keys): its gradients, finite ones included, are then
+        # of other choices, not a reference (the fuzzer's case 9 of v4_glm5_layer_forward, seen
+        # with other draws: an expert that only the C++ op routes to has a finite gradient where
+        # the reference's is 0).
+        return "compared the outputs (the C++ op confined a non-finite input better)"
     _compare(op, ours[1], theirs[1], truth[1], "updated tensor" if op.inplace else "gradient", nonfinite_in)
     return "compared"
+
+
+def _confined_better(ours: list, theirs: list) -> bool:
+    """Some output element finite in the C++ op's result and not in the reference's."""
+    return any(isinstance(a, torch.Tensor) and a.is_floating_point() and a.device.type != "meta"
+               and bool((a.isfinite() & ~b.isfinite()).any()) for a, b in zip(ours, theirs))
 
 
 def worker(name: str, seeds: list[int]) -> int:
