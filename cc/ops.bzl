@@ -21,7 +21,8 @@ V4_NANOBIND_EXTRA_COPTS = ["-fno-strict-aliasing"]
 # exist; each registers its kernels for CUDA tensors (cc/common/backend.h), so no source needs a
 # CUDA #define, and the Bazel build (CPU) is the ATen path alone.
 V4_NVCC_FLAGS = ["-std=c++20", "-O3", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "--expt-relaxed-constexpr",
-                 "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden", "-Xptxas=-warn-spills"]
+                 "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden", "-Xptxas=-warn-spills",
+                 "-lineinfo"]  # source lines for Nsight Compute; no cost at run time
 
 # op name -> (its folder under cc/, the ops it calls).
 V4_OPS = {

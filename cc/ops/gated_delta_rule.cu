@@ -63,9 +63,12 @@ __device__ __forceinline__ uint32_t tf32(float x) {
 }
 // How a kernel multiplies: on the FP32 units (float32 inputs: as the ATen path rounds), or on TF32
 // tensor cores with each operand split into two TF32 parts, x = hi + lo + O(2^-21 |x|): hi lo + lo hi
-// + hi hi is about float32's precision (bfloat16 inputs). Plain TF32 (operands rounded to
-// 10 bits) measured no faster on the H200 (2026-12-02: 3.25 / 9.87 ms against 3.21 / 9.96 at 8,192
-// tokens): the tensor cores are not what these kernels wait on.
+// + hi hi is about float32's precision (bfloat16 inputs); the cross terms accumulate apart from
+// hi hi, a second chain of tensor-core instructions. Plain TF32 (operands rounded to 10 bits)
+// measured no faster on the H200 (2026-12-02: 3.25 / 9.87 ms against 3.21 / 9.96 at 8,192 tokens).
+// Operands rounded to bfloat16 (fla's precision, one m16n8k16 instruction for six) took 1.76 / 6.37
+// ms against 2.20 / 7.34 at 8,192 with the widths fixed, and failed a bf16 parity sample of
+// v4_gated_deltanet (2026-12-02, stop 29; docs/benchmarks.md): not used.
 enum class Mode { kFp32, kTf32x3 };
 
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
@@ -98,7 +101,7 @@ __device__ __forceinline__ void block_gemm(const float* A, int lda, const float*
   const int mtiles = (M + 15) / 16, ngroups = (N + 8 * NT - 1) / (8 * NT);
   for (int tile = warp; tile < mtiles * ngroups; tile += kWarps) {
     const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
-    float acc[NT][4] = {};
+    float acc[NT][4] = {}, small[NT][4] = {};  // small: the cross terms (Mode)
     if constexpr (kMode == Mode::kTf32x3) {
       for (int k0 = 0; k0 < K; k0 += 8) {
         uint32_t ah[4], al[4];
@@ -112,8 +115,8 @@ __device__ __forceinline__ void block_gemm(const float* A, int lda, const float*
             uint32_t bh[2], bl[2];
             split(at<kTB>(B, ldb, k0 + t, n0 + 8 * j + g), bh[0], bl[0]);
             split(at<kTB>(B, ldb, k0 + t + 4, n0 + 8 * j + g), bh[1], bl[1]);
-            mma_tf32(acc[j], al, bh);  // the small terms first
-            mma_tf32(acc[j], ah, bl);
+            mma_tf32(small[j], al, bh);
+            mma_tf32(small[j], ah, bl);
             mma_tf32(acc[j], ah, bh);
           }
         }
@@ -138,7 +141,7 @@ __device__ __forceinline__ void block_gemm(const float* A, int lda, const float*
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = m0 + g + e / 2 * 8, c = n0 + 8 * j + 2 * t + e % 2;
-        if (r < M && c < N) epi(r, c, acc[j][e]);
+        if (r < M && c < N) epi(r, c, kMode == Mode::kTf32x3 ? acc[j][e] + small[j][e] : acc[j][e]);
       }
     }
   }
@@ -195,6 +198,18 @@ struct Dims {
   int dk, dv, pk, pv;  // widths and widths padded to 16
   __host__ __device__ Dims(int dk_, int dv_) : dk(dk_), dv(dv_), pk(round16(dk_)), pv(round16(dv_)) {}
 };
+// Qwen3.5's widths as constants, so every pitch, loop bound and index division folds: with the
+// widths read at run time those were most of the kernels' instructions (ncu on the H200,
+// 2026-12-02: 33,000 a block per chunk step of the recurrence, for 96 tensor-core instructions).
+template <int kDk, int kDv>
+struct FixedDims {
+  static constexpr int dk = kDk, dv = kDv, pk = round16(kDk), pv = round16(kDv);
+};
+template <typename DimsT>
+__host__ __device__ DimsT dims_of(int dk, int dv) {
+  if constexpr (std::is_same_v<DimsT, Dims>) return Dims(dk, dv);
+  else return DimsT{};
+}
 
 // In place, 64 float64 values in shared memory, by warp 0: inclusive sums from the first (or, with
 // `reverse`, from the last). The caller synchronises after.
@@ -234,16 +249,16 @@ __device__ void load_info(Info& s, const Args& p, int64_t chunk, int h) {
 
 // The start of every per-chunk kernel: its shared arrays (Smem), the chunk and value head it takes
 // (its rows of the [chunks, Hv, 64, D] tensors from `rows`; its key head), and the chunk's Info.
-template <typename Smem>
+template <typename Smem, typename DimsT>
 struct ChunkBlock {
-  Dims d;
+  DimsT d;
   Carve carve;
   Smem m;
   Info& s;
   int64_t chunk, head, rows;
   int h, kh;
   __device__ ChunkBlock(const Args& p, unsigned char* smem)
-      : d(p.dk, p.dv), carve{smem}, m(carve, d), s(*m.info), chunk(blockIdx.x), head(chunk * p.hv + blockIdx.y),
+      : d(dims_of<DimsT>(p.dk, p.dv)), carve{smem}, m(carve, d), s(*m.info), chunk(blockIdx.x), head(chunk * p.hv + blockIdx.y),
         rows(head * kRows), h(blockIdx.y), kh(h / (p.hv / p.hk)) {
     load_info(s, p, chunk, h);
   }
@@ -267,7 +282,7 @@ __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_ca
 // dst [prows, pcols] (pitch ld) = src [rows, cols] (float32, row stride `stride`), zero outside it:
 // asynchronous 16-byte copies where the rows allow (then wait_copies() and a barrier before reading),
 // else plain loads, four in flight a thread.
-__device__ void load_block(float* dst, int ld, const float* src, int64_t stride, int rows, int cols, int prows,
+__device__ __forceinline__ void load_block(float* dst, int ld, const float* src, int64_t stride, int rows, int cols, int prows,
                            int pcols) {
   if (cols % 4 == 0 && stride % 4 == 0 && pcols % 4 == 0 && ld % 4 == 0 && aligned16(src) && aligned16(dst)) {
     const int quads = pcols / 4;
@@ -298,7 +313,7 @@ __device__ void load_block(float* dst, int ld, const float* src, int64_t stride,
 // if given), zero for padding slots and columns D..padded (a multiple of 16). 16-byte loads, four in
 // flight a thread, where D and x allow.
 template <typename T>
-__device__ void load_rows(float* dst, int ld, const T* x, int heads, int head, int D, int padded, const float* mul,
+__device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int heads, int head, int D, int padded, const float* mul,
                           const Info& s, int64_t T_) {
   constexpr int V = 16 / sizeof(T);
   const bool vec = D % V == 0 && aligned16(x);
@@ -335,7 +350,7 @@ __device__ void load_rows(float* dst, int ld, const T* x, int heads, int head, i
 // dst[i][c] = x r scale with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if given); zero for padding slots
 // and columns D..padded (D <= 128).
 template <typename T>
-__device__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, int heads, int head, int D, int padded,
+__device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, int heads, int head, int D, int padded,
                                 float scale, const Info& s, int64_t T_) {
   constexpr int R = kRows / kWarps;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -367,7 +382,7 @@ __device__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, in
 
 // The backward of load_normalised for one row (a warp), from shared memory: with y the normalised row
 // (`row` holds y * scale) and r its rsqrt, out = r (dy - y (y . dy)), dy = scale * grad.
-__device__ void normalised_backward(float* out, const float* row, float r, const float* grad, int D, float scale) {
+__device__ __forceinline__ void normalised_backward(float* out, const float* row, float r, const float* grad, int D, float scale) {
   const int lane = threadIdx.x % 32;
   float y[4], dy[4], dot = 0.0f;
 #pragma unroll
@@ -455,7 +470,8 @@ struct PrepareSmem {
   Info* info;
   float *R, *A;  // R [64, pv + pk + 4]: values then keys; A [64, 68]
   int ldr;
-  __host__ __device__ PrepareSmem(Carve& c, const Dims& d) : ldr(d.pv + d.pk + 4) {
+  template <typename DimsT>
+  __host__ __device__ PrepareSmem(Carve& c, const DimsT& d) : ldr(d.pv + d.pk + 4) {
     info = c.take<Info>(1);
     R = c.take<float>(kRows * ldr);
     A = c.take<float>(kRows * kPitch64);
@@ -464,43 +480,43 @@ struct PrepareSmem {
 
 // U, W (= (I + A)^-1 [beta V | beta E K]), Kt = exp(G_63 - G) K and gamma for one chunk and head
 // (U not when p.u is null: the backward's recomputation).
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kThreads) prepare_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<PrepareSmem> b(p, smem);
-  const Dims& d = b.d;
+  const ChunkBlock<PrepareSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t chunk = b.chunk, base = b.rows;
   const int h = b.h, kh = b.kh, tid = threadIdx.x;
   float* K = m.R + d.pv;  // the keys' columns of R
-  load_normalised(K, m.ldr, nullptr, static_cast<const T*>(p.k), p.hk, kh, p.dk, d.pk, 1.0f, s, p.T);
+  load_normalised(K, m.ldr, nullptr, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
   __syncthreads();
-  for (int idx = tid; idx < kRows * p.dk; idx += kThreads) {
-    const int i = idx / p.dk, c = idx % p.dk;
-    p.k_tilde[(base + i) * p.dk + c] = s.Kt[i] * K[i * m.ldr + c];
+  for (int idx = tid; idx < kRows * d.dk; idx += kThreads) {
+    const int i = idx / d.dk, c = idx % d.dk;
+    p.k_tilde[(base + i) * d.dk + c] = s.Kt[i] * K[i * m.ldr + c];
   }
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
-  block_gemm<2, false, true, kMode>(K, m.ldr, K, m.ldr, kRows, kRows, p.dk, [&](int r, int c, float v) {
+  block_gemm<2, false, true, kMode>(K, m.ldr, K, m.ldr, kRows, kRows, d.dk, [&](int r, int c, float v) {
     m.A[r * kPitch64 + c] = c < r ? s.beta[r] * (v * decay(s, r, c)) : 0.0f;
   });
   __syncthreads();
-  load_rows(m.R, m.ldr, static_cast<const T*>(p.v), p.hv, h, p.dv, d.pv, s.beta, s, p.T);
+  load_rows(m.R, m.ldr, static_cast<const T*>(p.v), p.hv, h, d.dv, d.pv, s.beta, s, p.T);
   for (int idx = tid; idx < kRows * d.pk; idx += kThreads) {
     const int i = idx / d.pk, c = idx % d.pk;
     K[i * m.ldr + c] *= s.beta[i] * s.E[i];
   }
   __syncthreads();
   // One column of X a thread: forward substitution in registers, written out row by row.
-  const bool value = tid < p.dv;
-  if (tid >= p.dv + p.dk || (value && p.u == nullptr)) return;
-  const int col = value ? tid : d.pv + tid - p.dv;
+  const bool value = tid < d.dv;
+  if (tid >= d.dv + d.dk || (value && p.u == nullptr)) return;
+  const int col = value ? tid : d.pv + tid - d.dv;
   float x[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) x[i] = m.R[i * m.ldr + col];
   forward_substitution(x, m.A, kPitch64);
-  float* out = value ? p.u + base * p.dv + tid : p.w + base * p.dk + (tid - p.dv);
-  const int stride = value ? p.dv : p.dk;
+  float* out = value ? p.u + base * d.dv + tid : p.w + base * d.dk + (tid - d.dv);
+  const int stride = value ? d.dv : d.dk;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) out[i * stride] = x[i];
 }
@@ -523,7 +539,8 @@ constexpr int kCols = 32, kColPitch = kCols + 8;
 struct RecurrenceSmem {
   float *a, *b, *base, *add, *S, *X;
   int lda, ldb;
-  __host__ __device__ RecurrenceSmem(Carve& c, const Dims& d) : lda(d.pk + 4), ldb(d.pk + 8) {
+  template <typename DimsT>
+  __host__ __device__ RecurrenceSmem(Carve& c, const DimsT& d) : lda(d.pk + 4), ldb(d.pk + 8) {
     a = c.take<float>(2 * kRows * lda);
     b = c.take<float>(2 * kRows * ldb);
     base = c.take<float>(2 * kRows * kCols);
@@ -533,25 +550,26 @@ struct RecurrenceSmem {
   }
 };
 
-template <Mode kMode>
+template <Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const Dims d(p.dk, p.dv);
+  const DimsT d = dims_of<DimsT>(p.dk, p.dv);
   Carve carve{smem};
   const RecurrenceSmem m(carve, d);
-  const int col0 = blockIdx.x * kCols, ncols = min(kCols, p.dv - col0), h = blockIdx.y, tid = threadIdx.x;
+  const int col0 = blockIdx.x * kCols, ncols = d.dv % kCols == 0 ? kCols : min(kCols, d.dv - col0);
+  const int h = blockIdx.y, tid = threadIdx.x;
   const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
   for (int i = tid; i < d.pk * kColPitch; i += kThreads) m.S[i] = 0.0f;  // S = 0; its padding stays 0
   for (int i = tid; i < kRows * kColPitch; i += kThreads) m.X[i] = 0.0f;
   const auto chunk_at = [&](int64_t step) { return p.offset[p.reverse ? chunks - 1 - step : step] + doc; };
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
-    load_block(m.a + stage * kRows * m.lda, m.lda, p.a + head * kRows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
-    load_block(m.b + stage * kRows * m.ldb, m.ldb, p.b + head * kRows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
-    load_block(m.base + stage * kRows * kCols, kCols, p.base + head * kRows * p.dv + col0, p.dv, kRows, ncols, kRows,
+    load_block(m.a + stage * kRows * m.lda, m.lda, p.a + head * kRows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
+    load_block(m.b + stage * kRows * m.ldb, m.ldb, p.b + head * kRows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
+    load_block(m.base + stage * kRows * kCols, kCols, p.base + head * kRows * d.dv + col0, d.dv, kRows, ncols, kRows,
                kCols);
     if (p.add != nullptr) {
-      load_block(m.add + stage * d.pk * kCols, kCols, p.add + head * p.dk * p.dv + col0, p.dv, p.dk, ncols, d.pk,
+      load_block(m.add + stage * d.pk * kCols, kCols, p.add + head * d.dk * d.dv + col0, d.dv, d.dk, ncols, d.pk,
                  kCols);
     }
     commit_copies();
@@ -564,20 +582,20 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
     wait_copies();
     __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
     if (step + 1 < chunks) load(1 - stage, chunk_at(step + 1));
-    const int64_t xs = head * kRows * p.dv + col0, ss = head * p.dk * p.dv + col0;  // x_out, state_out
-    for (int idx = tid; idx < p.dk * ncols; idx += kThreads) {
+    const int64_t xs = head * kRows * d.dv + col0, ss = head * d.dk * d.dv + col0;  // x_out, state_out
+    for (int idx = tid; idx < d.dk * ncols; idx += kThreads) {
       const int r = idx / ncols, c = idx % ncols;
-      p.state_out[ss + static_cast<int64_t>(r) * p.dv + c] = m.S[r * kColPitch + c];
+      p.state_out[ss + static_cast<int64_t>(r) * d.dv + c] = m.S[r * kColPitch + c];
     }
     const float *a = m.a + stage * kRows * m.lda, *b = m.b + stage * kRows * m.ldb;
     const float *base = m.base + stage * kRows * kCols, *add = m.add + stage * d.pk * kCols;
-    block_gemm<2, false, false, kMode>(a, m.lda, m.S, kColPitch, kRows, ncols, p.dk, [&](int r, int c, float v) {
+    block_gemm<2, false, false, kMode>(a, m.lda, m.S, kColPitch, kRows, ncols, d.dk, [&](int r, int c, float v) {
       const float x = base[r * kCols + c] + p.sign_a * v;
       m.X[r * kColPitch + c] = x;
-      p.x_out[xs + static_cast<int64_t>(r) * p.dv + c] = x;
+      p.x_out[xs + static_cast<int64_t>(r) * d.dv + c] = x;
     });
     __syncthreads();
-    block_gemm<2, true, false, kMode>(b, m.ldb, m.X, kColPitch, p.dk, ncols, kRows, [&](int r, int c, float v) {
+    block_gemm<2, true, false, kMode>(b, m.ldb, m.X, kColPitch, d.dk, ncols, kRows, [&](int r, int c, float v) {
       float s = dec * m.S[r * kColPitch + c] + p.sign_b * v;
       if (p.add != nullptr) s += add[r * kCols + c];
       m.S[r * kColPitch + c] = s;
@@ -589,13 +607,13 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 // P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
 // from the chunk's queries and keys (K into `keys`, pitch pk + 4). Used by the output and
 // local_grads kernels; QP's pitch suits each one's product.
-template <typename T, Mode kMode>
-__device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const Args& p, const Dims& d, int h) {
+template <typename T, Mode kMode, typename DimsT>
+__device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const Args& p, const DimsT& d, int h) {
   const int kh = h / (p.hv / p.hk), ldk = d.pk + 4;
-  load_normalised(QP + kRows, ldqp, nullptr, static_cast<const T*>(p.q), p.hk, kh, p.dk, d.pk, p.scale, s, p.T);
-  load_normalised(keys, ldk, nullptr, static_cast<const T*>(p.k), p.hk, kh, p.dk, d.pk, 1.0f, s, p.T);
+  load_normalised(QP + kRows, ldqp, nullptr, static_cast<const T*>(p.q), p.hk, kh, d.dk, d.pk, p.scale, s, p.T);
+  load_normalised(keys, ldk, nullptr, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
   __syncthreads();
-  block_gemm<2, false, true, kMode>(QP + kRows, ldqp, keys, ldk, kRows, kRows, p.dk, [&](int r, int c, float v) {
+  block_gemm<2, false, true, kMode>(QP + kRows, ldqp, keys, ldk, kRows, kRows, d.dk, [&](int r, int c, float v) {
     QP[r * ldqp + c] = c <= r ? v * decay(s, r, c) : 0.0f;
   });
   __syncthreads();
@@ -610,7 +628,8 @@ struct OutputSmem {
   Info* info;
   float *QP, *X;  // QP [64, 64 + pk + 4]; X: the keys [64, pk + 4], then [v_new; h] [64 + pk, 40]
   int ldqp;
-  __host__ __device__ OutputSmem(Carve& c, const Dims& d) : ldqp(kRows + d.pk + 4) {
+  template <typename DimsT>
+  __host__ __device__ OutputSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 4) {
     info = c.take<Info>(1);
     QP = c.take<float>(kRows * ldqp);
     X = c.take<float>(larger(kRows * (d.pk + 4), (kRows + d.pk) * kColPitch));
@@ -618,26 +637,26 @@ struct OutputSmem {
 };
 
 // o = [P | E Q] [v_new; h] for one chunk and head, 32 value columns at a time.
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<OutputSmem> b(p, smem);
-  const Dims& d = b.d;
+  const ChunkBlock<OutputSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t head = b.head;
   const int h = b.h;
-  build_qp<T, kMode>(m.QP, m.ldqp, m.X, s, p, d, h);
+  build_qp<T, kMode, DimsT>(m.QP, m.ldqp, m.X, s, p, d, h);
   T* o = static_cast<T*>(p.o);
-  for (int c0 = 0; c0 < p.dv; c0 += kCols) {
-    const int n = min(kCols, p.dv - c0);
-    load_block(m.X, kColPitch, p.v_new + head * kRows * p.dv + c0, p.dv, kRows, n, kRows, kCols);
-    load_block(m.X + kRows * kColPitch, kColPitch, p.h + head * p.dk * p.dv + c0, p.dv, p.dk, n, d.pk, kCols);
+  for (int c0 = 0; c0 < d.dv; c0 += kCols) {
+    const int n = min(kCols, d.dv - c0);
+    load_block(m.X, kColPitch, p.v_new + head * kRows * d.dv + c0, d.dv, kRows, n, kRows, kCols);
+    load_block(m.X + kRows * kColPitch, kColPitch, p.h + head * d.dk * d.dv + c0, d.dv, d.dk, n, d.pk, kCols);
     wait_copies();
     __syncthreads();
     block_gemm<2, false, false, kMode>(m.QP, m.ldqp, m.X, kColPitch, kRows, n, kRows + d.pk, [&](int r, int c, float v) {
       const int64_t tok = s.slot[r];
-      if (tok < p.T) o[(tok * p.hv + h) * p.dv + c0 + c] = from_float<T>(v);
+      if (tok < p.T) o[(tok * p.hv + h) * d.dv + c0 + c] = from_float<T>(v);
     });
     __syncthreads();
   }
@@ -649,7 +668,8 @@ struct LocalSmem {
   Info* info;
   float *QP, *X;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4], then d_o [64, pv + 8]
   int ldqp, ldo;
-  __host__ __device__ LocalSmem(Carve& c, const Dims& d) : ldqp(kRows + d.pk + 8), ldo(d.pv + 8) {
+  template <typename DimsT>
+  __host__ __device__ LocalSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8), ldo(d.pv + 8) {
     info = c.take<Info>(1);
     QP = c.take<float>(kRows * ldqp);
     X = c.take<float>(kRows * larger(d.pk + 4, ldo));
@@ -658,21 +678,21 @@ struct LocalSmem {
 
 // [dv_local; dh_local] = [P | E Q]^T d_o: v_new's gradient from inside the chunk and the state's
 // from this chunk's outputs.
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<LocalSmem> b(p, smem);
-  const Dims& d = b.d;
+  const ChunkBlock<LocalSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t head = b.head;
   const int h = b.h;
-  build_qp<T, kMode>(m.QP, m.ldqp, m.X, s, p, d, h);
-  load_rows(m.X, m.ldo, static_cast<const T*>(p.d_o), p.hv, h, p.dv, d.pv, nullptr, s, p.T);
+  build_qp<T, kMode, DimsT>(m.QP, m.ldqp, m.X, s, p, d, h);
+  load_rows(m.X, m.ldo, static_cast<const T*>(p.d_o), p.hv, h, d.dv, d.pv, nullptr, s, p.T);
   __syncthreads();
-  block_gemm<4, true, false, kMode>(m.QP, m.ldqp, m.X, m.ldo, kRows + p.dk, p.dv, kRows, [&](int r, int c, float v) {
-    if (r < kRows) p.dv_local[(head * kRows + r) * p.dv + c] = v;
-    else p.dh_local[(head * p.dk + r - kRows) * p.dv + c] = v;
+  block_gemm<4, true, false, kMode>(m.QP, m.ldqp, m.X, m.ldo, kRows + d.dk, d.dv, kRows, [&](int r, int c, float v) {
+    if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
+    else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
   });
 }
 
@@ -680,7 +700,8 @@ struct StateSmem {
   Info* info;
   float *Y, *H, *D, *scratch;  // Y [128, pv + 4]: d_o and dv_new, then v_new; H: h and D: d_state [pk, pv + 4]
   int ld;
-  __host__ __device__ StateSmem(Carve& c, const Dims& d) : ld(d.pv + 4) {
+  template <typename DimsT>
+  __host__ __device__ StateSmem(Carve& c, const DimsT& d) : ld(d.pv + 4) {
     info = c.take<Info>(1);
     Y = c.take<float>(2 * kRows * ld);
     H = c.take<float>(d.pk * ld);
@@ -691,24 +712,24 @@ struct StateSmem {
 
 // The products with the state h and the state's gradient after the chunk (d_state):
 // dq_state = E (d_o h^T), dw = -(dv_new h^T), dk_tilde = v_new d_state^T, dgamma = <h, d_state>.
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<StateSmem> b(p, smem);
-  const Dims& d = b.d;
+  const ChunkBlock<StateSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t head = b.head;
   const int h = b.h;
-  load_block(m.Y + kRows * m.ld, m.ld, p.dv_new + head * kRows * p.dv, p.dv, kRows, p.dv, kRows, d.pv);
-  load_block(m.H, m.ld, p.h + head * p.dk * p.dv, p.dv, p.dk, p.dv, d.pk, d.pv);
-  load_block(m.D, m.ld, p.d_state + head * p.dk * p.dv, p.dv, p.dk, p.dv, d.pk, d.pv);
-  load_rows(m.Y, m.ld, static_cast<const T*>(p.d_o), p.hv, h, p.dv, d.pv, nullptr, s, p.T);
+  load_block(m.Y + kRows * m.ld, m.ld, p.dv_new + head * kRows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
+  load_block(m.H, m.ld, p.h + head * d.dk * d.dv, d.dv, d.dk, d.dv, d.pk, d.pv);
+  load_block(m.D, m.ld, p.d_state + head * d.dk * d.dv, d.dv, d.dk, d.dv, d.pk, d.pv);
+  load_rows(m.Y, m.ld, static_cast<const T*>(p.d_o), p.hv, h, d.dv, d.pv, nullptr, s, p.T);
   wait_copies();
   __syncthreads();
-  block_gemm<4, false, true, kMode>(m.Y, m.ld, m.H, m.ld, 2 * kRows, p.dk, p.dv, [&](int r, int c, float v) {
-    if (r < kRows) p.dq_state[(head * kRows + r) * p.dk + c] = s.E[r] * v;
-    else p.dw[(head * kRows + r - kRows) * p.dk + c] = -v;
+  block_gemm<4, false, true, kMode>(m.Y, m.ld, m.H, m.ld, 2 * kRows, d.dk, d.dv, [&](int r, int c, float v) {
+    if (r < kRows) p.dq_state[(head * kRows + r) * d.dk + c] = s.E[r] * v;
+    else p.dw[(head * kRows + r - kRows) * d.dk + c] = -v;
   });
   float dot = 0.0f;
   for (int idx = threadIdx.x; idx < d.pk * d.pv; idx += kThreads) {
@@ -717,11 +738,11 @@ __global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
   }
   dot = block_sum(dot, m.scratch);  // (synchronises: Y is free)
   if (threadIdx.x == 0) p.dgamma[head] = dot;
-  load_block(m.Y, m.ld, p.v_new + head * kRows * p.dv, p.dv, kRows, p.dv, kRows, d.pv);
+  load_block(m.Y, m.ld, p.v_new + head * kRows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
   wait_copies();
   __syncthreads();
-  block_gemm<4, false, true, kMode>(m.Y, m.ld, m.D, m.ld, kRows, p.dk, p.dv, [&](int r, int c, float v) {
-    p.dk_tilde[(head * kRows + r) * p.dk + c] = v;
+  block_gemm<4, false, true, kMode>(m.Y, m.ld, m.D, m.ld, kRows, d.dk, d.dv, [&](int r, int c, float v) {
+    p.dk_tilde[(head * kRows + r) * d.dk + c] = v;
   });
 }
 
@@ -730,7 +751,8 @@ struct IntraSmem {
   double *dG, *t;
   float *rq, *Q, *K, *D, *V, *Z, *dPL;  // Q, K [64, pk + 4]; D, V [64, max + 4]; Z, dPL [64, 68]
   int ldq, ldd;
-  __host__ __device__ IntraSmem(Carve& c, const Dims& d) : ldq(d.pk + 4), ldd(larger(d.pk, d.pv) + 4) {
+  template <typename DimsT>
+  __host__ __device__ IntraSmem(Carve& c, const DimsT& d) : ldq(d.pk + 4), ldd(larger(d.pk, d.pv) + 4) {
     info = c.take<Info>(1);
     dG = c.take<double>(kRows);
     t = c.take<double>(kRows);
@@ -747,34 +769,34 @@ struct IntraSmem {
 // Inside the chunk: dP = d_o v_new^T; q's gradient (dq_state + (dP L) K, through the norm), k's part
 // (dP L)^T Q + exp(G_63 - G) dk_tilde, and G's parts (from L, E and Kt; gamma's at slot 63).
 // D holds d_o, then dq_state and q's gradient; V v_new, then dk_tilde and k's part.
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<IntraSmem> b(p, smem);
-  const Dims& d = b.d;
+  const ChunkBlock<IntraSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t head = b.head, rows = b.rows;
   const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  load_block(m.V, m.ldd, p.v_new + rows * p.dv, p.dv, kRows, p.dv, kRows, d.pv);
-  load_normalised(m.Q, m.ldq, m.rq, static_cast<const T*>(p.q), p.hk, kh, p.dk, d.pk, p.scale, s, p.T);
-  load_normalised(m.K, m.ldq, nullptr, static_cast<const T*>(p.k), p.hk, kh, p.dk, d.pk, 1.0f, s, p.T);
-  load_rows(m.D, m.ldd, static_cast<const T*>(p.d_o), p.hv, h, p.dv, d.pv, nullptr, s, p.T);
+  load_block(m.V, m.ldd, p.v_new + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
+  load_normalised(m.Q, m.ldq, m.rq, static_cast<const T*>(p.q), p.hk, kh, d.dk, d.pk, p.scale, s, p.T);
+  load_normalised(m.K, m.ldq, nullptr, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
+  load_rows(m.D, m.ldd, static_cast<const T*>(p.d_o), p.hv, h, d.dv, d.pv, nullptr, s, p.T);
   wait_copies();
   __syncthreads();
-  block_gemm<2, false, true, kMode>(m.Q, m.ldq, m.K, m.ldq, kRows, kRows, p.dk, [&](int r, int c, float v) {
+  block_gemm<2, false, true, kMode>(m.Q, m.ldq, m.K, m.ldq, kRows, kRows, d.dk, [&](int r, int c, float v) {
     m.Z[r * kPitch64 + c] = v;
   });
   __syncthreads();
   // dPL = (d_o v_new^T) * L; Z = dPL * (Q K^T), G's gradient through L: dG_i = sum_j Z_ij - Z_ji.
-  block_gemm<2, false, true, kMode>(m.D, m.ldd, m.V, m.ldd, kRows, kRows, p.dv, [&](int r, int c, float v) {
+  block_gemm<2, false, true, kMode>(m.D, m.ldd, m.V, m.ldd, kRows, kRows, d.dv, [&](int r, int c, float v) {
     const float dpl = c <= r ? v * decay(s, r, c) : 0.0f;
     m.dPL[r * kPitch64 + c] = dpl;
     m.Z[r * kPitch64 + c] *= dpl;
   });
   __syncthreads();
-  load_block(m.D, m.ldd, p.dq_state + rows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
-  load_block(m.V, m.ldd, p.dk_tilde + rows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
+  load_block(m.D, m.ldd, p.dq_state + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
+  load_block(m.V, m.ldd, p.dk_tilde + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   if (tid < kRows) {
     double acc = 0.0;
     for (int j = 0; j < kRows; ++j) acc += static_cast<double>(m.Z[tid * kPitch64 + j]) - m.Z[j * kPitch64 + tid];
@@ -785,7 +807,7 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
   // G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63).
   for (int i = warp; i < kRows; i += kWarps) {
     float e = 0.0f, kt = 0.0f;
-    for (int c = lane; c < p.dk; c += 32) {
+    for (int c = lane; c < d.dk; c += 32) {
       e += m.Q[i * m.ldq + c] * m.D[i * m.ldd + c];
       kt += m.K[i * m.ldq + c] * m.V[i * m.ldd + c];
     }
@@ -797,17 +819,17 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
     }
   }
   __syncthreads();
-  block_gemm<2, false, false, kMode>(m.dPL, kPitch64, m.K, m.ldq, kRows, p.dk, kRows, [&](int r, int c, float v) {
+  block_gemm<2, false, false, kMode>(m.dPL, kPitch64, m.K, m.ldq, kRows, d.dk, kRows, [&](int r, int c, float v) {
     m.D[r * m.ldd + c] += v;
   });
-  block_gemm<2, true, false, kMode>(m.dPL, kPitch64, m.Q, m.ldq, kRows, p.dk, kRows, [&](int r, int c, float v) {
+  block_gemm<2, true, false, kMode>(m.dPL, kPitch64, m.Q, m.ldq, kRows, d.dk, kRows, [&](int r, int c, float v) {
     m.V[r * m.ldd + c] = v + s.Kt[r] * m.V[r * m.ldd + c];
   });
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
-    for (int c = lane; c < p.dk; c += 32) p.dk_part[(rows + i) * p.dk + c] = m.V[i * m.ldd + c];
+    for (int c = lane; c < d.dk; c += 32) p.dk_part[(rows + i) * d.dk + c] = m.V[i * m.ldd + c];
     const int64_t tok = s.slot[i];
-    if (tok < p.T) normalised_backward(p.dq + (tok * p.hv + h) * p.dk, m.Q + i * m.ldq, m.rq[i], m.D + i * m.ldd, p.dk, p.scale);
+    if (tok < p.T) normalised_backward(p.dq + (tok * p.hv + h) * d.dk, m.Q + i * m.ldq, m.rq[i], m.D + i * m.ldd, d.dk, p.scale);
   }
   if (tid < kRows) {
     double v = m.dG[tid];
@@ -824,7 +846,8 @@ struct WySmem {
   double* dG;
   float *rk, *K, *X, *R, *A, *At, *KKL;  // K [64, pk + 4]; X, R [64, pv + pk + 4]; A, At, KKL [64, 68]
   int ldk, ldx;
-  __host__ __device__ WySmem(Carve& c, const Dims& d) : ldk(d.pk + 4), ldx(d.pv + d.pk + 4) {
+  template <typename DimsT>
+  __host__ __device__ WySmem(Carve& c, const DimsT& d) : ldk(d.pk + 4), ldx(d.pv + d.pk + 4) {
     info = c.take<Info>(1);
     dG = c.take<double>(kRows);
     rk = c.take<float>(kRows);
@@ -841,22 +864,22 @@ struct WySmem {
 // then v's, beta's, k's (with k_part, through the norm) and g's gradients (with dg_part, summed
 // from each slot to the chunk's end). X holds R = [beta V | beta E K], then X, then [V | k_part],
 // then [V | k's gradient]; R holds [dv_new | dw], then dR.
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<WySmem> b(p, smem);
-  const Dims& d = b.d;
+  const ChunkBlock<WySmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t rows = b.rows;
   const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* v = static_cast<const T*>(p.v);
-  load_block(m.R, m.ldx, p.dv_new + rows * p.dv, p.dv, kRows, p.dv, kRows, d.pv);
-  load_block(m.R + d.pv, m.ldx, p.dw + rows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
-  load_normalised(m.K, m.ldk, m.rk, static_cast<const T*>(p.k), p.hk, kh, p.dk, d.pk, 1.0f, s, p.T);
-  load_rows(m.X, m.ldx, v, p.hv, h, p.dv, d.pv, s.beta, s, p.T);
+  load_block(m.R, m.ldx, p.dv_new + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
+  load_block(m.R + d.pv, m.ldx, p.dw + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
+  load_normalised(m.K, m.ldk, m.rk, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
+  load_rows(m.X, m.ldx, v, p.hv, h, d.dv, d.pv, s.beta, s, p.T);
   __syncthreads();
-  block_gemm<2, false, true, kMode>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, p.dk, [&](int r, int c, float val) {
+  block_gemm<2, false, true, kMode>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, d.dk, [&](int r, int c, float val) {
     const float kkl = c < r ? val * decay(s, r, c) : 0.0f, a = s.beta[r] * kkl;
     m.KKL[r * kPitch64 + c] = kkl;
     m.A[r * kPitch64 + c] = a;
@@ -868,8 +891,8 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   }
   wait_copies();
   __syncthreads();
-  if (tid < p.dv + p.dk) {  // one column of X and of dR a thread, in place
-    const int col = tid < p.dv ? tid : d.pv + tid - p.dv;
+  if (tid < d.dv + d.dk) {  // one column of X and of dR a thread, in place
+    const int col = tid < d.dv ? tid : d.pv + tid - d.dv;
     substitute<false>(m.X + col, m.ldx, m.A);
     substitute<true>(m.R + col, m.ldx, m.At);
   }
@@ -879,20 +902,20 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
     m.A[r * kPitch64 + c] = c < r ? -val : 0.0f;
   });
   __syncthreads();
-  load_rows(m.X, m.ldx, v, p.hv, h, p.dv, d.pv, nullptr, s, p.T);
-  load_block(m.X + d.pv, m.ldx, p.dk_part + rows * p.dk, p.dk, kRows, p.dk, kRows, d.pk);
+  load_rows(m.X, m.ldx, v, p.hv, h, d.dv, d.pv, nullptr, s, p.T);
+  load_block(m.X + d.pv, m.ldx, p.dk_part + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   wait_copies();
   __syncthreads();
   T* dv = static_cast<T*>(p.dv_out);
   for (int i = warp; i < kRows; i += kWarps) {
     const int64_t tok = s.slot[i];
     float sv = 0.0f, sk = 0.0f, sa = 0.0f;
-    for (int c = lane; c < p.dv; c += 32) {
+    for (int c = lane; c < d.dv; c += 32) {
       const float dr = m.R[i * m.ldx + c];
       sv += m.X[i * m.ldx + c] * dr;
-      if (tok < p.T) dv[(tok * p.hv + h) * p.dv + c] = from_float<T>(s.beta[i] * dr);
+      if (tok < p.T) dv[(tok * p.hv + h) * d.dv + c] = from_float<T>(s.beta[i] * dr);
     }
-    for (int c = lane; c < p.dk; c += 32) sk += m.K[i * m.ldk + c] * m.R[i * m.ldx + d.pv + c];
+    for (int c = lane; c < d.dk; c += 32) sk += m.K[i * m.ldk + c] * m.R[i * m.ldx + d.pv + c];
     for (int j = lane; j < kRows; j += 32) sa += m.KKL[i * kPitch64 + j] * m.A[i * kPitch64 + j];
     sv = warp_sum(sv);
     sk = warp_sum(sk);
@@ -917,17 +940,17 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   }
   // k's gradient: C K + C^T K + beta E dR_K + k_part, in X's key columns.
   float* dk = m.X + d.pv;
-  block_gemm<2, false, false, kMode>(m.At, kPitch64, m.K, m.ldk, kRows, p.dk, kRows, [&](int r, int c, float val) {
+  block_gemm<2, false, false, kMode>(m.At, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
     dk[r * m.ldx + c] += val + s.beta[r] * s.E[r] * m.R[r * m.ldx + d.pv + c];
   });
   __syncthreads();
-  block_gemm<2, true, false, kMode>(m.At, kPitch64, m.K, m.ldk, kRows, p.dk, kRows, [&](int r, int c, float val) {
+  block_gemm<2, true, false, kMode>(m.At, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
     dk[r * m.ldx + c] += val;
   });
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
     const int64_t tok = s.slot[i];
-    if (tok < p.T) normalised_backward(p.dk_out + (tok * p.hv + h) * p.dk, m.K + i * m.ldk, m.rk[i], dk + i * m.ldx, p.dk, 1.0f);
+    if (tok < p.T) normalised_backward(p.dk_out + (tok * p.hv + h) * d.dk, m.K + i * m.ldk, m.rk[i], dk + i * m.ldx, d.dk, 1.0f);
   }
   scan64(m.dG, true);  // g_s's gradient: the sum of G_i's over i >= s
   __syncthreads();
@@ -946,7 +969,7 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <Mode kMode>
+template <Mode kMode, typename DimsT>
 void recurrence(const Recurrence& r, const Plan& plan, const Dims& d) {
   TORCH_CHECK(plan.documents < 65536, "v4_gated_delta_rule: more than 65,535 documents in one call");
   RecurrenceArgs a{r.base.data_ptr<float>(), r.a.data_ptr<float>(), r.b.data_ptr<float>(),
@@ -955,10 +978,10 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d) {
                    plan.offset_device.data_ptr<int64_t>(), static_cast<float>(r.sign_a), static_cast<float>(r.sign_b),
                    static_cast<int>(r.base.size(1)), d.dk, d.dv, r.reverse};
   const dim3 grid((d.dv + kCols - 1) / kCols, r.base.size(1), plan.documents);
-  launch<RecurrenceSmem>(recurrence_kernel<kMode>, grid, d, a);
+  launch<RecurrenceSmem>(recurrence_kernel<kMode, DimsT>, grid, d, a);
 }
 
-template <typename T, Mode kMode>
+template <typename T, Mode kMode, typename DimsT>
 void fused(Fused& f, bool backward) {
   const c10::cuda::CUDAGuard guard(f.q.device());
   const int64_t T_ = f.q.size(0), chunks = f.slots.numel() / kRows;
@@ -987,19 +1010,19 @@ void fused(Fused& f, bool backward) {
   a.w = w.data_ptr<float>();
   a.k_tilde = k_tilde.data_ptr<float>();
   a.gamma = gamma.data_ptr<float>();
-  launch<PrepareSmem>(prepare_kernel<T, kMode>, grid, d, a);
+  launch<PrepareSmem>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
   if (!backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
     r.state_out = at::empty({chunks, hv, d.dk, d.dv}, f32);
     r.x_out = rows(d.dv);
-    recurrence<kMode>(r, f.plan, d);
+    recurrence<kMode, DimsT>(r, f.plan, d);
     f.h = r.state_out;
     f.v_new = r.x_out;
     f.o = at::empty_like(f.v);
     a.h = f.h.data_ptr<float>();
     a.v_new = f.v_new.data_ptr<float>();
     a.o = f.o.data_ptr();
-    launch<OutputSmem>(output_kernel<T, kMode>, grid, d, a);
+    launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
     return;
   }
   a.h = f.h.data_ptr<float>();
@@ -1008,10 +1031,10 @@ void fused(Fused& f, bool backward) {
   Recurrence r{rows(d.dv), k_tilde, w, at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0, true};
   a.dv_local = r.base.data_ptr<float>();
   a.dh_local = r.add.data_ptr<float>();
-  launch<LocalSmem>(local_grads_kernel<T, kMode>, grid, d, a);
+  launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
   r.state_out = at::empty_like(r.add);
   r.x_out = rows(d.dv);
-  recurrence<kMode>(r, f.plan, d);
+  recurrence<kMode, DimsT>(r, f.plan, d);
   r.base.reset();
   r.add.reset();
   a.d_state = r.state_out.data_ptr<float>();
@@ -1021,14 +1044,14 @@ void fused(Fused& f, bool backward) {
   a.dw = w.data_ptr<float>();  // W is done with: its gradient takes its place
   a.dk_tilde = dk_tilde.data_ptr<float>();
   a.dgamma = dgamma.data_ptr<float>();
-  launch<StateSmem>(state_grads_kernel<T, kMode>, grid, d, a);
+  launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
   r.state_out.reset();
   at::Tensor dq = at::empty({T_, hv, d.dk}, f32), dk_part = rows(d.dk);
   at::Tensor dg_part = at::empty({chunks, hv, kRows}, f32.dtype(at::kDouble));
   a.dq = dq.data_ptr<float>();
   a.dk_part = dk_part.data_ptr<float>();
   a.dg_part = dg_part.data_ptr<double>();
-  launch<IntraSmem>(intra_grads_kernel<T, kMode>, grid, d, a);
+  launch<IntraSmem>(intra_grads_kernel<T, kMode, DimsT>, grid, d, a);
   at::Tensor dk = at::empty({T_, hv, d.dk}, f32);
   f.dv = at::empty_like(f.v);
   f.dbeta = at::empty({T_, hv}, f32);
@@ -1037,16 +1060,22 @@ void fused(Fused& f, bool backward) {
   a.dv_out = f.dv.data_ptr();
   a.dbeta = f.dbeta.data_ptr<float>();
   a.dg = f.dg.data_ptr<double>();
-  launch<WySmem>(wy_grads_kernel<T, kMode>, grid, d, a);
+  launch<WySmem>(wy_grads_kernel<T, kMode, DimsT>, grid, d, a);
   // Key heads serve hv / hk value heads each: their gradients sum over them.
   f.dq = dq.view({T_, hk, hv / hk, d.dk}).sum(2).to(f.q.scalar_type());
   f.dk = dk.view({T_, hk, hv / hk, d.dk}).sum(2).to(f.q.scalar_type());
 }
 
+template <typename T, Mode kMode>
+void fused_any_width(Fused& f, bool backward) {
+  if (f.q.size(2) == 128 && f.v.size(2) == 128) return fused<T, kMode, FixedDims<128, 128>>(f, backward);
+  fused<T, kMode, Dims>(f, backward);
+}
+
 void fused_cuda(Fused& f, bool backward) {
   switch (f.q.scalar_type()) {
-    case at::kFloat: return fused<float, Mode::kFp32>(f, backward);
-    case at::kBFloat16: return fused<__nv_bfloat16, Mode::kTf32x3>(f, backward);
+    case at::kFloat: return fused_any_width<float, Mode::kFp32>(f, backward);
+    case at::kBFloat16: return fused_any_width<__nv_bfloat16, Mode::kTf32x3>(f, backward);
     default: TORCH_CHECK(false, "v4_gated_delta_rule: the fused kernels take float32 or bfloat16, got ",
                          f.q.scalar_type());
   }
