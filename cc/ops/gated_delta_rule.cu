@@ -258,8 +258,8 @@ struct ChunkBlock {
   int64_t chunk, head, rows;
   int h, kh;
   __device__ ChunkBlock(const Args& p, unsigned char* smem)
-      : d(dims_of<DimsT>(p.dk, p.dv)), carve{smem}, m(carve, d), s(*m.info), chunk(blockIdx.x), head(chunk * p.hv + blockIdx.y),
-        rows(head * kRows), h(blockIdx.y), kh(h / (p.hv / p.hk)) {
+      : d(dims_of<DimsT>(p.dk, p.dv)), carve{smem}, m(carve, d), s(*m.info), chunk(blockIdx.x),
+        head(chunk * p.hv + blockIdx.y), rows(head * kRows), h(blockIdx.y), kh(h / (p.hv / p.hk)) {
     load_info(s, p, chunk, h);
   }
 };
@@ -282,8 +282,8 @@ __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_ca
 // dst [prows, pcols] (pitch ld) = src [rows, cols] (float32, row stride `stride`), zero outside it:
 // asynchronous 16-byte copies where the rows allow (then wait_copies() and a barrier before reading),
 // else plain loads, four in flight a thread.
-__device__ __forceinline__ void load_block(float* dst, int ld, const float* src, int64_t stride, int rows, int cols, int prows,
-                           int pcols) {
+__device__ __forceinline__ void load_block(float* dst, int ld, const float* src, int64_t stride, int rows, int cols,
+                                           int prows, int pcols) {
   if (cols % 4 == 0 && stride % 4 == 0 && pcols % 4 == 0 && ld % 4 == 0 && aligned16(src) && aligned16(dst)) {
     const int quads = pcols / 4;
     for (int idx = threadIdx.x; idx < prows * quads; idx += kThreads) {
@@ -313,8 +313,8 @@ __device__ __forceinline__ void load_block(float* dst, int ld, const float* src,
 // if given), zero for padding slots and columns D..padded (a multiple of 16). 16-byte loads, four in
 // flight a thread, where D and x allow.
 template <typename T>
-__device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int heads, int head, int D, int padded, const float* mul,
-                          const Info& s, int64_t T_) {
+__device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int heads, int head, int D, int padded,
+                                          const float* mul, const Info& s, int64_t T_) {
   constexpr int V = 16 / sizeof(T);
   const bool vec = D % V == 0 && aligned16(x);
   const int per_row = vec ? padded / V : padded, n = kRows * per_row, width = vec ? V : 1;
@@ -350,8 +350,8 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int he
 // dst[i][c] = x r scale with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if given); zero for padding slots
 // and columns D..padded (D <= 128).
 template <typename T>
-__device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, int heads, int head, int D, int padded,
-                                float scale, const Info& s, int64_t T_) {
+__device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, int heads, int head,
+                                                int D, int padded, float scale, const Info& s, int64_t T_) {
   constexpr int R = kRows / kWarps;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float v[R][4];
@@ -382,7 +382,8 @@ __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm
 
 // The backward of load_normalised for one row (a warp), from shared memory: with y the normalised row
 // (`row` holds y * scale) and r its rsqrt, out = r (dy - y (y . dy)), dy = scale * grad.
-__device__ __forceinline__ void normalised_backward(float* out, const float* row, float r, const float* grad, int D, float scale) {
+__device__ __forceinline__ void normalised_backward(float* out, const float* row, float r, const float* grad, int D,
+                                                    float scale) {
   const int lane = threadIdx.x % 32;
   float y[4], dy[4], dot = 0.0f;
 #pragma unroll
