@@ -421,37 +421,52 @@ __device__ __forceinline__ void forward_substitution(float (&x)[kRows], const fl
   }
 }
 
-// x = (I + A)^-T x, given At = A^T (strictly upper) [64, ld] in shared memory (backward substitution).
-__device__ __forceinline__ void backward_substitution(float (&x)[kRows], const float* At, int ld) {
+// Ai = (I + A)^-1 for a strictly lower triangular A [64, 64] (pitch kPitch64) in shared memory, by
+// blocks (as fla's solve_tril): the four 16 x 16 diagonal blocks by forward substitution, a thread a
+// column; then twice, for pairs of diagonal blocks of size s = 16, 32, the block below them,
+// [[L0, 0], [C, L1]]^-1 = [[L0^-1, 0], [-L1^-1 C L0^-1, L1^-1]]. A's upper triangle is scratch (it
+// holds C L0^-1); its lower triangle stays. Every thread calls it; it synchronises before and after.
+// (A column's 64-step substitution a thread, the first version, was most of wy_grads' time.)
+__device__ void invert_unit_lower(float* Ai, float* A) {
+  constexpr int ld = kPitch64, kDiag = 16;
+  const int tid = threadIdx.x;
+  __syncthreads();
+  if (tid < kRows) {
+    const int b = tid / kDiag * kDiag, c = tid % kDiag;
+    float x[kDiag];
 #pragma unroll
-  for (int i = kRows - 2; i >= 0; --i) {
-    float acc[4] = {x[i], 0.0f, 0.0f, 0.0f};
-    const int aligned = (i + 4) / 4 * 4;
+    for (int r = 0; r < kDiag; ++r) {
+      float acc = r == c ? 1.0f : 0.0f;
 #pragma unroll
-    for (int j = i + 1; j < aligned; ++j) acc[j % 4] = fmaf(-At[i * ld + j], x[j], acc[j % 4]);
-#pragma unroll
-    for (int j = aligned; j < kRows; j += 4) {
-      const float4 a = *reinterpret_cast<const float4*>(At + i * ld + j);
-      acc[0] = fmaf(-a.x, x[j], acc[0]);
-      acc[1] = fmaf(-a.y, x[j + 1], acc[1]);
-      acc[2] = fmaf(-a.z, x[j + 2], acc[2]);
-      acc[3] = fmaf(-a.w, x[j + 3], acc[3]);
+      for (int j = 0; j < r; ++j) acc = fmaf(-A[(b + r) * ld + b + j], x[j], acc);
+      x[r] = acc;
     }
-    x[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#pragma unroll
+    for (int r = 0; r < kDiag; ++r) Ai[(b + r) * ld + b + c] = x[r];
   }
-}
-
-// A column of 64 (pitch ld) in shared memory, in place: x = (I + A)^-1 x, or with kT x = (I + A)^-T x
-// given At = A^T.
-template <bool kT>
-__device__ __noinline__ void substitute(float* x, int ld, const float* A) {
-  float r[kRows];
+  for (int e = tid; e < kRows * kRows; e += kThreads) {  // zero above the diagonal blocks
+    const int r = e / kRows, c = e % kRows;
+    if (c / kDiag > r / kDiag) Ai[r * ld + c] = 0.0f;
+  }
+  __syncthreads();
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) r[i] = x[i * ld];
-  if constexpr (kT) backward_substitution(r, A, kPitch64);
-  else forward_substitution(r, A, kPitch64);
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) x[i * ld] = r[i];
+  for (int s = kDiag; s < kRows; s *= 2) {
+    const int n = kRows / 2 * s;  // the elements of the blocks below pairs: (64 / 2s) pairs of s x s
+    for (int e = tid; e < n; e += kThreads) {  // A[lo + i][hi + j] = (C L0^-1)_ij
+      const int lo = e / (s * s) * 2 * s, hi = lo + s, i = e / s % s, j = e % s;
+      float acc = 0.0f;
+      for (int k = 0; k < s; ++k) acc = fmaf(A[(hi + i) * ld + lo + k], Ai[(lo + k) * ld + lo + j], acc);
+      A[(lo + i) * ld + hi + j] = acc;
+    }
+    __syncthreads();
+    for (int e = tid; e < n; e += kThreads) {  // Ai[hi + i][lo + j] = -(L1^-1 C L0^-1)_ij
+      const int lo = e / (s * s) * 2 * s, hi = lo + s, i = e / s % s, j = e % s;
+      float acc = 0.0f;
+      for (int k = 0; k < s; ++k) acc = fmaf(Ai[(hi + i) * ld + hi + k], A[(lo + k) * ld + hi + j], acc);
+      Ai[(hi + i) * ld + lo + j] = -acc;
+    }
+    __syncthreads();
+  }
 }
 
 // The block's sum of one float a thread (every thread calls it).
@@ -845,8 +860,8 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
 struct WySmem {
   Info* info;
   double* dG;
-  float *rk, *K, *X, *R, *A, *At, *KKL;  // K [64, pk + 4]; X, R [64, pv + pk + 4]; A, At, KKL [64, 68]
-  int ldk, ldx;
+  float *rk, *K, *X, *R, *A, *Ai, *KKL;  // K [64, pk + 4]; X, R [64, pv + pk + 4] (R at least [64, 68]);
+  int ldk, ldx;                          // A, Ai, KKL [64, 68]
   template <typename DimsT>
   __host__ __device__ WySmem(Carve& c, const DimsT& d) : ldk(d.pk + 4), ldx(d.pv + d.pk + 4) {
     info = c.take<Info>(1);
@@ -854,17 +869,18 @@ struct WySmem {
     rk = c.take<float>(kRows);
     K = c.take<float>(kRows * ldk);
     X = c.take<float>(kRows * ldx);
-    R = c.take<float>(kRows * ldx);
+    R = c.take<float>(kRows * larger(ldx, kPitch64));
     A = c.take<float>(kRows * kPitch64);
-    At = c.take<float>(kRows * kPitch64);
+    Ai = c.take<float>(kRows * kPitch64);
     KKL = c.take<float>(kRows * kPitch64);
   }
 };
 
-// The UT transform's backward: dR = (I + A)^-T [dv_new | dw]; dA = -dR X^T (strictly lower);
-// then v's, beta's, k's (with k_part, through the norm) and g's gradients (with dg_part, summed
-// from each slot to the chunk's end). X holds R = [beta V | beta E K], then X, then [V | k_part],
-// then [V | k's gradient]; R holds [dv_new | dw], then dR.
+// The UT transform's backward, with Ai = (I + A)^-1 and the forward's X = Ai R: dR = Ai^T [dv_new |
+// dw]; dM = -dR X^T = -Ai^T ([dv_new | dw] R^T) Ai^T (strictly lower), so X is never formed; then
+// v's, beta's, k's (with k_part, through the norm) and g's gradients (with dg_part, summed from each
+// slot to the chunk's end). R holds [dv_new | dw], then Ai^T Y, then [V | k_part], then [V | k's
+// gradient]; X holds R = [beta V | beta E K], then dR. A holds A, then Y, then dM.
 template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -875,62 +891,67 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   const int64_t rows = b.rows;
   const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* v = static_cast<const T*>(p.v);
+  T* dv = static_cast<T*>(p.dv_out);
   load_block(m.R, m.ldx, p.dv_new + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
   load_block(m.R + d.pv, m.ldx, p.dw + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   load_normalised(m.K, m.ldk, m.rk, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
   load_rows(m.X, m.ldx, v, p.hv, h, d.dv, d.pv, s.beta, s, p.T);
   __syncthreads();
   block_gemm<2, false, true, kMode>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, d.dk, [&](int r, int c, float val) {
-    const float kkl = c < r ? val * decay(s, r, c) : 0.0f, a = s.beta[r] * kkl;
+    const float kkl = c < r ? val * decay(s, r, c) : 0.0f;
     m.KKL[r * kPitch64 + c] = kkl;
-    m.A[r * kPitch64 + c] = a;
-    m.At[c * kPitch64 + r] = a;
+    m.A[r * kPitch64 + c] = s.beta[r] * kkl;
   });
   for (int idx = tid; idx < kRows * d.pk; idx += kThreads) {
     const int i = idx / d.pk, c = idx % d.pk;
     m.X[i * m.ldx + d.pv + c] = s.beta[i] * s.E[i] * m.K[i * m.ldk + c];
   }
   wait_copies();
-  __syncthreads();
-  if (tid < d.dv + d.dk) {  // one column of X and of dR a thread, in place
-    const int col = tid < d.dv ? tid : d.pv + tid - d.dv;
-    substitute<false>(m.X + col, m.ldx, m.A);
-    substitute<true>(m.R + col, m.ldx, m.At);
-  }
-  __syncthreads();
-  // dM = -dR X^T, strictly lower (into A: A is done with).
+  invert_unit_lower(m.Ai, m.A);
+  // Y = [dv_new | dw] R^T into A.
   block_gemm<2, false, true, kMode>(m.R, m.ldx, m.X, m.ldx, kRows, kRows, d.pv + d.pk, [&](int r, int c, float val) {
+    m.A[r * kPitch64 + c] = val;
+  });
+  __syncthreads();
+  // dR = Ai^T [dv_new | dw] into X; v's gradient beta dR_V written out.
+  block_gemm<4, true, false, kMode>(m.Ai, kPitch64, m.R, m.ldx, kRows, d.pv + d.pk, kRows, [&](int r, int c, float val) {
+    m.X[r * m.ldx + c] = val;
+    const int64_t tok = s.slot[r];
+    if (c < d.dv && tok < p.T) dv[(tok * p.hv + h) * d.dv + c] = from_float<T>(s.beta[r] * val);
+  });
+  __syncthreads();
+  // dM = -(Ai^T Y) Ai^T, strictly lower, into A (Ai^T Y through R, which is read).
+  block_gemm<2, true, false, kMode>(m.Ai, kPitch64, m.A, kPitch64, kRows, kRows, kRows, [&](int r, int c, float val) {
+    m.R[r * kPitch64 + c] = val;
+  });
+  __syncthreads();
+  block_gemm<2, false, true, kMode>(m.R, kPitch64, m.Ai, kPitch64, kRows, kRows, kRows, [&](int r, int c, float val) {
     m.A[r * kPitch64 + c] = c < r ? -val : 0.0f;
   });
   __syncthreads();
-  load_rows(m.X, m.ldx, v, p.hv, h, d.dv, d.pv, nullptr, s, p.T);
-  load_block(m.X + d.pv, m.ldx, p.dk_part + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
+  load_rows(m.R, m.ldx, v, p.hv, h, d.dv, d.pv, nullptr, s, p.T);
+  load_block(m.R + d.pv, m.ldx, p.dk_part + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   wait_copies();
   __syncthreads();
-  T* dv = static_cast<T*>(p.dv_out);
   for (int i = warp; i < kRows; i += kWarps) {
-    const int64_t tok = s.slot[i];
     float sv = 0.0f, sk = 0.0f, sa = 0.0f;
-    for (int c = lane; c < d.dv; c += 32) {
-      const float dr = m.R[i * m.ldx + c];
-      sv += m.X[i * m.ldx + c] * dr;
-      if (tok < p.T) dv[(tok * p.hv + h) * d.dv + c] = from_float<T>(s.beta[i] * dr);
-    }
-    for (int c = lane; c < d.dk; c += 32) sk += m.K[i * m.ldk + c] * m.R[i * m.ldx + d.pv + c];
+    for (int c = lane; c < d.dv; c += 32) sv += m.R[i * m.ldx + c] * m.X[i * m.ldx + c];
+    for (int c = lane; c < d.dk; c += 32) sk += m.K[i * m.ldk + c] * m.X[i * m.ldx + d.pv + c];
     for (int j = lane; j < kRows; j += 32) sa += m.KKL[i * kPitch64 + j] * m.A[i * kPitch64 + j];
     sv = warp_sum(sv);
     sk = warp_sum(sk);
     sa = warp_sum(sa);
     if (lane == 0) {
+      const int64_t tok = s.slot[i];
       if (tok < p.T) p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;
       m.dG[i] = static_cast<double>(s.beta[i]) * s.E[i] * sk;
     }
     __syncwarp();
-    // Z = beta KKL dM (G's gradient through L), C = beta L dM (k's through K K^T, into At).
+    // Z = beta KKL dM (G's gradient through L), C = beta L dM (k's through K K^T, into Ai).
     for (int j = lane; j < kRows; j += 32) {
       const float dm = m.A[i * kPitch64 + j];
       m.KKL[i * kPitch64 + j] = s.beta[i] * m.KKL[i * kPitch64 + j] * dm;
-      m.At[i * kPitch64 + j] = j < i ? s.beta[i] * decay(s, i, j) * dm : 0.0f;
+      m.Ai[i * kPitch64 + j] = j < i ? s.beta[i] * decay(s, i, j) * dm : 0.0f;
     }
   }
   __syncthreads();
@@ -939,13 +960,13 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
     for (int j = 0; j < kRows; ++j) acc += static_cast<double>(m.KKL[tid * kPitch64 + j]) - m.KKL[j * kPitch64 + tid];
     m.dG[tid] += acc + p.dg_part[rows + tid];
   }
-  // k's gradient: C K + C^T K + beta E dR_K + k_part, in X's key columns.
-  float* dk = m.X + d.pv;
-  block_gemm<2, false, false, kMode>(m.At, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
-    dk[r * m.ldx + c] += val + s.beta[r] * s.E[r] * m.R[r * m.ldx + d.pv + c];
+  // k's gradient: C K + C^T K + beta E dR_K + k_part, in R's key columns.
+  float* dk = m.R + d.pv;
+  block_gemm<2, false, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
+    dk[r * m.ldx + c] += val + s.beta[r] * s.E[r] * m.X[r * m.ldx + d.pv + c];
   });
   __syncthreads();
-  block_gemm<2, true, false, kMode>(m.At, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
+  block_gemm<2, true, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
     dk[r * m.ldx + c] += val;
   });
   __syncthreads();
