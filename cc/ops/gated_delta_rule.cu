@@ -56,15 +56,12 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // ---- Products on tensor cores --------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
 // How a kernel multiplies: on the FP32 units (float32 inputs: as the ATen path rounds), or on TF32
-// tensor cores with each operand split into two TF32 parts, x = hi + lo + O(2^-21 |x|): hi lo + lo hi
+// tensor cores with each operand split into two TF32 parts, x = hi + lo + O(2^-20 |x|): hi lo + lo hi
 // + hi hi is about float32's precision (bfloat16 inputs); the cross terms accumulate apart from
-// hi hi, a second chain of tensor-core instructions. Plain TF32 (operands rounded to 10 bits)
+// hi hi, a second chain of tensor-core instructions. Both parts are truncated (the tensor core reads
+// a TF32 operand's top 19 bits): rounding lo (cvt.rna) took five instructions a split on sm_90, one
+// FSETP for every 0.75 HMMA in ncu's count (2026-12-02, stop 30). Plain TF32 (operands rounded to 10 bits)
 // measured no faster on the H200 (2026-12-02: 3.25 / 9.87 ms against 3.21 / 9.96 at 8,192 tokens).
 // Operands rounded to bfloat16 (fla's precision, one m16n8k16 instruction for six) took 1.76 / 6.37
 // ms against 2.20 / 7.34 at 8,192 with the widths fixed, and failed a bf16 parity sample of
@@ -73,7 +70,7 @@ enum class Mode { kFp32, kTf32x3 };
 
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
   hi = __float_as_uint(x) & 0xffffe000u;  // truncated: x - hi is exact
-  lo = tf32(x - __uint_as_float(hi));
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -469,6 +466,19 @@ __device__ void invert_unit_lower(float* Ai, float* A) {
   }
 }
 
+// G's gradient through L from Z [64, 68] in shared memory: sum_j Z_ij - Z_ji in float64 for row
+// i = threadIdx.x / 4, four threads a row (16 j each, then two shuffles), in every thread of the row.
+// Every thread calls it. (One thread a row, 64 dependent float64 additions, took 8% of wy_grads.)
+__device__ __forceinline__ double antisymmetric_row_sum(const float* Z) {
+  static_assert(kThreads == 4 * kRows, "four threads a row");
+  const int i = threadIdx.x / 4, j0 = threadIdx.x % 4 * 16;
+  double acc = 0.0;
+#pragma unroll
+  for (int j = j0; j < j0 + 16; ++j) acc += static_cast<double>(Z[i * kPitch64 + j]) - Z[j * kPitch64 + i];
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  return acc + __shfl_xor_sync(0xffffffffu, acc, 2);
+}
+
 // The block's sum of one float a thread (every thread calls it).
 __device__ float block_sum(float x, float* scratch) {
   x = warp_sum(x);
@@ -813,11 +823,7 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
   __syncthreads();
   load_block(m.D, m.ldd, p.dq_state + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   load_block(m.V, m.ldd, p.dk_tilde + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
-  if (tid < kRows) {
-    double acc = 0.0;
-    for (int j = 0; j < kRows; ++j) acc += static_cast<double>(m.Z[tid * kPitch64 + j]) - m.Z[j * kPitch64 + tid];
-    m.dG[tid] = acc;
-  }
+  if (const double z = antisymmetric_row_sum(m.Z); tid % 4 == 0) m.dG[tid / 4] = z;
   wait_copies();
   __syncthreads();
   // G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63).
@@ -913,12 +919,9 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
     m.A[r * kPitch64 + c] = val;
   });
   __syncthreads();
-  // dR = Ai^T [dv_new | dw] into X; v's gradient beta dR_V written out.
-  block_gemm<4, true, false, kMode>(m.Ai, kPitch64, m.R, m.ldx, kRows, d.pv + d.pk, kRows, [&](int r, int c, float val) {
-    m.X[r * m.ldx + c] = val;
-    const int64_t tok = s.slot[r];
-    if (c < d.dv && tok < p.T) dv[(tok * p.hv + h) * d.dv + c] = from_float<T>(s.beta[r] * val);
-  });
+  // dR = Ai^T [dv_new | dw] into X.
+  block_gemm<4, true, false, kMode>(m.Ai, kPitch64, m.R, m.ldx, kRows, d.pv + d.pk, kRows,
+                                    [&](int r, int c, float val) { m.X[r * m.ldx + c] = val; });
   __syncthreads();
   // dM = -(Ai^T Y) Ai^T, strictly lower, into A (Ai^T Y through R, which is read).
   block_gemm<2, true, false, kMode>(m.Ai, kPitch64, m.A, kPitch64, kRows, kRows, kRows, [&](int r, int c, float val) {
@@ -934,15 +937,19 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   wait_copies();
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
+    const int64_t tok = s.slot[i];
     float sv = 0.0f, sk = 0.0f, sa = 0.0f;
-    for (int c = lane; c < d.dv; c += 32) sv += m.R[i * m.ldx + c] * m.X[i * m.ldx + c];
+    for (int c = lane; c < d.dv; c += 32) {  // and v's gradient, beta dR_V
+      const float dr = m.X[i * m.ldx + c];
+      sv += m.R[i * m.ldx + c] * dr;
+      if (tok < p.T) dv[(tok * p.hv + h) * d.dv + c] = from_float<T>(s.beta[i] * dr);
+    }
     for (int c = lane; c < d.dk; c += 32) sk += m.K[i * m.ldk + c] * m.X[i * m.ldx + d.pv + c];
     for (int j = lane; j < kRows; j += 32) sa += m.KKL[i * kPitch64 + j] * m.A[i * kPitch64 + j];
     sv = warp_sum(sv);
     sk = warp_sum(sk);
     sa = warp_sum(sa);
     if (lane == 0) {
-      const int64_t tok = s.slot[i];
       if (tok < p.T) p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;
       m.dG[i] = static_cast<double>(s.beta[i]) * s.E[i] * sk;
     }
@@ -955,11 +962,7 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
     }
   }
   __syncthreads();
-  if (tid < kRows) {
-    double acc = 0.0;
-    for (int j = 0; j < kRows; ++j) acc += static_cast<double>(m.KKL[tid * kPitch64 + j]) - m.KKL[j * kPitch64 + tid];
-    m.dG[tid] += acc + p.dg_part[rows + tid];
-  }
+  if (const double z = antisymmetric_row_sum(m.KKL); tid % 4 == 0) m.dG[tid / 4] += z + p.dg_part[rows + tid / 4];
   // k's gradient: C K + C^T K + beta E dR_K + k_part, in R's key columns.
   float* dk = m.R + d.pv;
   block_gemm<2, false, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
