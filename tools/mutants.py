@@ -47,9 +47,12 @@ MUTATIONS = (
              "cc/ops/rms_norm.cc", "const at::Tensor& rstd = saved[2];",
              "const at::Tensor rstd = at::rsqrt(compute_copy(x, v4::compute_dtype(x.scalar_type())).square()"
              ".mean(-1, true));", parity("rms_norm")),
-    Mutation("cross_entropy_backward_normalizer", "backward only: the loss gradient not divided by the normalizer",
-             "cc/ops/cross_entropy_loss.cc", 'grads[0].to(at::kFloat) / ctx->saved_data["normalizer"].toDouble()',
-             "grads[0].to(at::kFloat)", parity("cross_entropy_loss")),
+    Mutation("cross_entropy_gradient_normalizer", "gradients only: the loss gradient not divided by the normalizer",
+             "cc/ops/cross_entropy_loss.cc", "valid.unsqueeze(1).to(at::kFloat) / normalizer;",
+             "valid.unsqueeze(1).to(at::kFloat);", parity("cross_entropy_loss")),
+    Mutation("cross_entropy_weight_gradient_unscaled", "the LM head's gradient not scaled by the loss's incoming "
+             "gradient", "cc/ops/cross_entropy_loss.cc", "if (grad_w.defined()) grad_w.mul_(scale);", "",
+             parity("cross_entropy_loss")),
     Mutation("adam_stand_ins_not_written_back", "AdamW updates float32 stand-ins of non-contiguous or bf16 "
              "tensors and never writes them back", "cc/ops/adam_step.cc",
              "for (auto& [target, stand_in] : w.write_back) target.copy_(stand_in);", "", parity("adam_step")),

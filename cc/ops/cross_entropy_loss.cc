@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cmath>
+#include <vector>
 
 #include "cc/common/checks.h"
 
@@ -14,52 +15,40 @@ using torch::autograd::variable_list;
 
 constexpr int64_t kIgnore = -100;
 
+// With `grads` (autograd will want a gradient), the forward pass also forms the gradients, as
+// Liger-Kernel's fused linear cross-entropy does: d loss / d logits = (softmax(logits) -
+// onehot(target)) * valid / normalizer per chunk, cast to the model dtype, then the linear map's
+// two products. The loss ends the graph, so its incoming gradient is a scalar that the backward
+// pass multiplies in (nothing when it is 1, as in training; otherwise after the products, one
+// rounding more than the reference's). Three [chunk, V] products a chunk instead of four (the
+// backward recomputed the logits): the largest products of a step at GLM-5's and Qwen3.5's
+// vocabularies. The gradients are held from the forward pass to the backward: hidden's, and the
+// weight's where the LM head trains (V x H in its dtype, the size its gradient has anyway).
 struct CrossEntropyLoss : public torch::autograd::Function<CrossEntropyLoss> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const at::Tensor& targets, double normalizer, int64_t chunk) {
-    const int64_t T = hidden.size(0);
-    at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
-    for (int64_t s = 0; s < T; s += chunk) {
-      const int64_t e = std::min(T, s + chunk);
-      const at::Tensor logits = at::linear(hidden.slice(0, s, e), weight).to(at::kFloat);
-      const at::Tensor t = targets.slice(0, s, e);
-      const at::Tensor valid = t.ne(kIgnore);
-      const at::Tensor chunk_lse = at::logsumexp(logits, -1);
-      const at::Tensor picked = logits.gather(1, at::where(valid, t, 0).unsqueeze(1)).squeeze(1);
-      // where, not a product with the mask: an ignored token's NaN or inf must not reach the sum.
-      total.add_(at::where(valid, chunk_lse - picked, 0).sum());
-    }
-    ctx->save_for_backward({hidden, weight, targets});
-    ctx->saved_data["normalizer"] = normalizer;
-    ctx->saved_data["chunk"] = chunk;
-    return total / normalizer;
-  }
-
-  // d loss / d logits = (softmax(logits) - onehot(target)) * valid * g / normalizer, cast to the
-  // model dtype, then the two matmuls of the linear map, chunk by chunk. The weight gradient sums
-  // the chunks' products in the weight's dtype, last chunk first: the order and precision in which
-  // autograd accumulates them on the reference path, so that both round alike.
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& hidden = saved[0];
-    const at::Tensor& weight = saved[1];
-    const at::Tensor& targets = saved[2];
-    const int64_t chunk = ctx->saved_data["chunk"].toInt();
-    const at::Tensor scale = grads[0].to(at::kFloat) / ctx->saved_data["normalizer"].toDouble();
-    const bool want_h = ctx->needs_input_grad(0), want_w = ctx->needs_input_grad(1);
-    const int64_t T = hidden.size(0);
-    at::Tensor grad_h = want_h ? at::empty_like(hidden) : at::Tensor();
-    at::Tensor grad_w;
-    for (int64_t s = (T - 1) / chunk * chunk; s >= 0; s -= chunk) {
-      const int64_t e = std::min(T, s + chunk);
+                            const at::Tensor& targets, double normalizer, int64_t chunk, bool grads) {
+    const int64_t T = hidden.size(0), chunks = (T + chunk - 1) / chunk;
+    const bool want_h = grads && hidden.requires_grad(), want_w = grads && weight.requires_grad();
+    std::vector<at::Tensor> sums(chunks);  // each chunk's loss, added in token order at the end
+    at::Tensor grad_h = want_h ? at::empty_like(hidden) : at::Tensor(), grad_w;
+    // Last chunk first: the weight gradient sums the chunks' products in the weight's dtype in the
+    // order and precision in which autograd accumulates them on the reference path.
+    for (int64_t i = chunks - 1; i >= 0; --i) {
+      const int64_t s = i * chunk, e = std::min(T, s + chunk);
       const at::Tensor h = hidden.slice(0, s, e);
       const at::Tensor t = targets.slice(0, s, e);
       const at::Tensor valid = t.ne(kIgnore);
-      // As log_softmax's and nll_loss's backward compute it: exp(log_softmax) * g', then -g' at the
-      // target, with g' the incoming gradient per valid token.
-      const at::Tensor g = valid.unsqueeze(1).to(at::kFloat) * scale;  // [c, 1]
-      at::Tensor p = at::log_softmax(at::linear(h, weight).to(at::kFloat), -1).exp_().mul_(g);
-      p.scatter_add_(1, at::where(valid, t, 0).unsqueeze(1), g.neg());
+      const at::Tensor target = at::where(valid, t, 0).unsqueeze(1);
+      // As F.cross_entropy: nll of log_softmax (and its NaN where a row holds an inf).
+      at::Tensor ls = at::log_softmax(at::linear(h, weight).to(at::kFloat), -1);
+      // where, not a product with the mask: an ignored token's NaN or inf must not reach the sum.
+      sums[i] = at::where(valid, ls.gather(1, target).squeeze(1).neg(), 0).sum();
+      if (!want_h && !want_w) continue;
+      // As log_softmax's and nll_loss's backward compute it: exp(log_softmax) * g, then -g at the
+      // target, with g = 1 / normalizer per valid token.
+      const at::Tensor g = valid.unsqueeze(1).to(at::kFloat) / normalizer;  // [c, 1]
+      at::Tensor p = ls.exp_().mul_(g);
+      p.scatter_add_(1, target, g.neg());
       const at::Tensor dlogits = p.to(hidden.scalar_type());
       if (want_h) grad_h.slice(0, s, e).copy_(at::matmul(dlogits, weight));
       if (want_w) {
@@ -72,7 +61,32 @@ struct CrossEntropyLoss : public torch::autograd::Function<CrossEntropyLoss> {
       }
     }
     if (want_w && !grad_w.defined()) grad_w = at::zeros_like(weight);  // no tokens
-    return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
+    for (const at::Tensor& sum : sums) total.add_(sum);
+    ctx->saved_data["grad_h"] = grad_h;
+    ctx->saved_data["grad_w"] = grad_w;
+    return total / normalizer;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "v4_cross_entropy_loss: no second derivative (create_graph=True): "
+                "the gradients are formed in the forward pass, as constants");
+    // Taken out of the context: autograd then owns the only reference and can keep the weight's
+    // gradient as it is (no V x H copy); a second backward through the graph finds none.
+    at::Tensor grad_h = ctx->saved_data["grad_h"].toOptional<at::Tensor>().value_or(at::Tensor());
+    at::Tensor grad_w = ctx->saved_data["grad_w"].toOptional<at::Tensor>().value_or(at::Tensor());
+    ctx->saved_data.clear();
+    TORCH_CHECK(grad_h.defined() || grad_w.defined() || !(ctx->needs_input_grad(0) || ctx->needs_input_grad(1)),
+                "v4_cross_entropy_loss: a second backward through the same graph (retain_graph=True): the "
+                "gradients formed in the forward pass were handed out by the first");
+    // The loss's incoming gradient, a scalar (one read to the host: the forward's products are done
+    // by the time it is known).
+    const double scale = grads[0].item<double>();
+    if (scale != 1.0) {
+      if (grad_h.defined()) grad_h.mul_(scale);
+      if (grad_w.defined()) grad_w.mul_(scale);
+    }
+    return {grad_h, grad_w, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -100,5 +114,6 @@ at::Tensor v4_cross_entropy_loss(const at::Tensor& hidden, const at::Tensor& wei
   TORCH_CHECK_VALUE(V > 0, op, ": weight.size(0) (the vocabulary) must be > 0, got shape ", weight.sizes());
   TORCH_CHECK_VALUE(((targets == v4::kIgnore) | ((targets >= 0) & (targets < V))).all().item<bool>(), op,
                     ": targets must be -100 or lie in [0, ", V, ")");
-  return v4::CrossEntropyLoss::apply(hidden, weight, targets, normalizer, chunk_tokens);
+  const bool grads = at::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
+  return v4::CrossEntropyLoss::apply(hidden, weight, targets, normalizer, chunk_tokens, grads);
 }

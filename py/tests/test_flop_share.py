@@ -13,6 +13,8 @@ from v4train.flops import OUTSIDE, FlopShare
 from v4train.models import config_from_dict
 from v4train.model import CausalLM, Packed
 from v4train.optim import AdamW
+from v4train.reference.lora import Linear
+from v4train.reference.mlp import MlpWeights
 from v4train.tokenizer import Tokenizer
 
 
@@ -72,10 +74,16 @@ def test_the_count_sees_compute_outside_the_ops():
 
 
 def test_backward_is_attributed_to_the_op_that_made_it():
-    """v4_cross_entropy_loss in C++: forward T x H x V x 2, backward recomputes the logits and
-    forms both gradients: 3 more products of the same size, all counted under the op."""
-    T, H, V = 12, 16, 50
+    """v4_mlp in C++: three products forward (gate, up, down: 2 T H I FLOPs each), six backward (the
+    input's and the weight's gradient of each map), all counted under the op. v4_cross_entropy_loss
+    forms its gradients in the forward pass: three products of T x H x V a chunk, none backward."""
+    T, H, I, V = 12, 16, 40, 50
+    x = torch.randn(T, H, requires_grad=True)
+    weights = MlpWeights(*(Linear(torch.randn(*shape, requires_grad=True)) for shape in ((I, H), (I, H), (H, I))))
+    with FlopShare(ops.resolve("mlp")) as share:
+        share.table.v4_mlp(x, weights, 0.0, 0.0).sum().backward()
+    assert share.summary()["by_op"] == {"v4_mlp (cpp)": 9 * 2 * T * H * I}
     h, w = torch.randn(T, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
     with FlopShare(ops.resolve("cross_entropy_loss")) as share:
         share.table.v4_cross_entropy_loss(h, w, torch.randint(0, V, (T,)), 1.0, 4).backward()
-    assert share.summary()["by_op"] == {"v4_cross_entropy_loss (cpp)": 4 * 2 * T * H * V}
+    assert share.summary()["by_op"] == {"v4_cross_entropy_loss (cpp)": 3 * 2 * T * H * V}

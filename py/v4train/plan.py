@@ -853,20 +853,21 @@ def _ctx(setup: Setup, documents: tuple[int, ...]) -> Ctx:
 
 def lm_head_terms(setup: Setup, T: int) -> tuple[list[Term], list[Term], int]:
     """The final norm and the LM head's loss (cc/ops/cross_entropy_loss.cc), a chunk of tokens at a
-    time: (the forward pass's tensors, the backward pass's, the LM head's gradient that stays)."""
+    time, its gradients formed in the forward pass: (the forward pass's tensors, the backward
+    pass's, the LM head's gradient that stays)."""
     cfg, b = setup.cfg, setup.dtype_bytes
     H, V, c = cfg.hidden_size, cfg.vocab_size, min(CE_CHUNK, T)
     held = [Term("the final norm's input and output [T, H] (their backward)", 2 * T * H * b)]
-    # Forward: a chunk's logits in fp32, and logsumexp's (logits - max) beside them.
-    fwd = held + [Term("LM head forward: a chunk's fp32 logits and logsumexp's temporary", 2 * c * V * FP32)]
-    # Backward: the chunk's logits again (in the model dtype, in fp32, and log_softmax's result),
-    # then its gradient in fp32 and cast; the LM head's gradient (and, past the first chunk, the
-    # next chunk's part before it is added) beside the latter.
+    # Forward, in training: the op forms the gradients there (a chunk's logits in the model dtype, in
+    # fp32 and log_softmax'ed, then its gradient in fp32 and cast) beside the hidden states'
+    # gradient and the LM head's (and, past the first chunk, the next chunk's part before it is added).
     grad_w = V * H * b if setup.finetune == "full" else 0
     parts = 2 if T > CE_CHUNK else 1
-    bwd = held + [Term("LM head backward: the hidden states' gradient [T, H]", T * H * b),
-                  Term("LM head backward: a chunk's logits in fp32 and log_softmax'ed (or its gradient and the "
-                       "LM head's)", max(c * V * (b + 2 * FP32), c * V * (FP32 + b) + parts * grad_w))]
+    grad_h = Term("the hidden states' gradient [T, H], formed in the LM head's forward", T * H * b)
+    fwd = held + [grad_h, Term("LM head forward: a chunk's logits in fp32 and log_softmax'ed (or its gradient and "
+                               "the LM head's)", max(c * V * (b + 2 * FP32), c * V * (FP32 + b) + parts * grad_w))]
+    # Backward: those gradients, scaled in place.
+    bwd = held + [grad_h, Term("the LM head's gradient, formed in its forward", grad_w)]
     stays = _shard_rows(V, setup.gpus) * H * b if setup.finetune == "full" else 0
     return fwd, bwd, stays
 
