@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "cc/common/backend.h"
+#include "cc/common/cuda_types.cuh"
 #include "cc/ops/gated_delta_rule.h"
 
 namespace v4::gdr {
@@ -37,17 +38,6 @@ static_assert(kRows == 64, "the kernels hold one chunk of 64 slots a block");
 
 __host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
 __host__ __device__ constexpr int larger(int a, int b) { return a > b ? a : b; }
-
-template <typename T>  // float or __nv_bfloat16
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return __bfloat162float(x);
-}
-template <typename T>
-__device__ __forceinline__ T from_float(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return __float2bfloat16(x);
-}
 
 __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
