@@ -1,10 +1,57 @@
 #include "cc/models/qwen3_5/gated_deltanet.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
+#include "cc/common/backend.h"
 #include "cc/common/checks.h"
 #include "cc/ops/causal_conv1d.h"
 #include "cc/ops/gated_delta_rule.h"
+
+// Named (not anonymous) so that autograd shows the node as CppNode<v4::gdn::FusedGatedNorm>.
+namespace v4::gdn {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The device kernels as one autograd node; it keeps x, z, w and r.
+struct FusedGatedNorm : public torch::autograd::Function<FusedGatedNorm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& z, const at::Tensor& w,
+                            double eps) {
+    GatedNorm n{x.contiguous(), z.contiguous(), w.contiguous(), eps};
+    Backend<GatedNormKernel>::find(x.device().type())(n, false);
+    ctx->save_for_backward({n.x, n.z, n.w, n.rstd});
+    return n.y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    GatedNorm n{s[0], s[1], s[2]};
+    n.rstd = s[3];
+    n.dy = grads[0].contiguous();
+    Backend<GatedNormKernel>::find(n.x.device().type())(n, true);
+    return {n.dx, n.dz, n.dw.to(n.w.scalar_type()), at::Tensor()};
+  }
+};
+
+// RMSNorm(x) * w * silu(z) over rows of width D, in the reference's order of dtypes (the norm in
+// the compute dtype, rounded to x's dtype, times w; silu(z) in the compute dtype), returned in
+// `out` dtype: by the device kernels where they cover the call, else in ATen.
+at::Tensor gated_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps,
+                      at::ScalarType out) {
+  const auto dtype = x.scalar_type();
+  if (Backend<GatedNormKernel>::find(x.device().type()) != nullptr && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+      z.scalar_type() == dtype && w.scalar_type() == dtype && out == dtype && x.size(-1) <= kMaxNormWidth &&
+      x.numel() > 0) {
+    return FusedGatedNorm::apply(x, z, w, eps);
+  }
+  const auto compute = v4::compute_dtype(dtype);
+  const at::Tensor xf = x.to(compute);
+  const at::Tensor normed = (xf * at::rsqrt(xf.square().mean(-1, /*keepdim=*/true) + eps)).to(dtype);
+  return (w * normed * at::silu(z.to(compute))).to(out);
+}
+
+}  // namespace v4::gdn
 
 at::Tensor v4_gated_deltanet(const at::Tensor& h, const v4::GatedDeltaNetWeights& weights, int64_t num_key_heads,
                              int64_t num_value_heads, int64_t key_head_dim, int64_t value_head_dim, double eps,
@@ -21,7 +68,6 @@ at::Tensor v4_gated_deltanet(const at::Tensor& h, const v4::GatedDeltaNetWeights
                     ": in_proj_qkv.weight has shape ", qkv_w.sizes(), ", expected [", 2 * nk * dk + nv * dv,
                     ", ", h.size(1), "]");
   const v4::Lora lora{lora_scaling, lora_dropout};
-  const auto compute = v4::compute_dtype(h.scalar_type());
 
   const at::Tensor qkv = v4::linear(h, weights.in_proj_qkv, lora, op, "in_proj_qkv");
   const at::Tensor z = v4::linear(h, weights.in_proj_z, lora, op, "in_proj_z").view({T, nv, dv});
@@ -37,10 +83,6 @@ at::Tensor v4_gated_deltanet(const at::Tensor& h, const v4::GatedDeltaNetWeights
   const at::Tensor k = x.slice(-1, nk * dk, 2 * nk * dk).reshape({T, nk, dk});
   const at::Tensor v = x.slice(-1, 2 * nk * dk).reshape({T, nv, dv});
   const at::Tensor core = v4::gdr::gated_delta_rule(q, k, v, g, beta, cu_seqlens).reshape({-1, dv});
-  // The gated RMSNorm, in the reference's order of dtypes.
-  const at::Tensor cf = core.to(compute);
-  const at::Tensor normed = (cf * at::rsqrt(cf.square().mean(-1, /*keepdim=*/true) + eps)).to(core.scalar_type());
-  const at::Tensor y = (weights.norm * normed * at::silu(z.reshape({-1, dv}).to(compute)))
-                           .to(h.scalar_type());
+  const at::Tensor y = v4::gdn::gated_norm(core, z.reshape({-1, dv}), weights.norm, eps, h.scalar_type());
   return v4::linear(y.reshape({T, nv * dv}), weights.out_proj, lora, op, "out_proj");
 }

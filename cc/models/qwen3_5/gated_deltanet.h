@@ -37,3 +37,27 @@ V4_FIELD_VISITOR(GatedDeltaNetWeights, V4_GATED_DELTANET_WEIGHTS_FIELDS)
 at::Tensor v4_gated_deltanet(const at::Tensor& h, const v4::GatedDeltaNetWeights& weights, int64_t num_key_heads,
                              int64_t num_value_heads, int64_t key_head_dim, int64_t value_head_dim, double eps,
                              const at::Tensor& cu_seqlens, double lora_scaling, double lora_dropout);
+
+namespace v4::gdn {
+
+// The gated RMSNorm's device kernels (cc/models/qwen3_5/gated_deltanet.cu; v4::Backend), for x,
+// z [rows, D] and w [D] contiguous in one dtype (float32 or bfloat16), D <= kMaxNormWidth:
+// y = round(w round(x r)) silu(z) with r = rsqrt(mean(x^2) + eps), rounding to the dtype where the
+// reference does (its normed x and w times it are in x's dtype), computed in float32. The forward
+// pass sets y and keeps r ([rows] float32); the backward takes dy and sets dx, dz (the dtype) and
+// dw ([D] float32), without the reference's roundings of the intermediate gradients.
+constexpr int64_t kMaxNormWidth = 256;
+
+struct GatedNorm {
+  at::Tensor x, z, w;
+  double eps = 0.0;
+  at::Tensor y, rstd;
+  at::Tensor dy, dx, dz, dw;
+};
+
+struct GatedNormKernel {
+  using Fn = void (*)(GatedNorm& n, bool backward);
+};
+
+}  // namespace v4::gdn
+
