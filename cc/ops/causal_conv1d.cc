@@ -24,6 +24,7 @@ struct FusedConv : public torch::autograd::Function<FusedConv> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "v4_causal_conv1d: no second derivative on the GPU (create_graph=True)");
     const auto s = ctx->get_saved_variables();
     Conv c{s[0], s[1], s[2]};
     c.dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(c.x);
@@ -48,7 +49,7 @@ at::Tensor v4_causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const
   const auto dtype = x.scalar_type();
   if (v4::Backend<v4::conv::Kernel>::find(x.device().type()) != nullptr && T > 0 && x.size(1) > 0 &&
       (dtype == at::kFloat || dtype == at::kBFloat16) && K <= v4::conv::kMaxKernel) {
-    return v4::conv::FusedConv::apply(x, weight, cu_seqlens.to(x.device()));
+    return v4::conv::FusedConv::apply(x, weight, cu_seqlens.to(x.device()).contiguous());
   }
   const auto compute = v4::compute_dtype(dtype);
   const at::Tensor xf = x.to(compute), w = weight.to(compute).select(1, 0);  // [C, K]

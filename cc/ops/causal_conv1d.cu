@@ -18,7 +18,7 @@ namespace v4::conv {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kTile = 256;  // the tokens a backward block walks
+constexpr int64_t kTile = 128;  // the tokens a backward block walks (4,096 x 8,192: 1,024 blocks)
 
 // The tokens before t in its document: t - cu[d] for the d with cu[d] <= t < cu[d + 1] (cu rising
 // from 0 to T over n + 1 entries; of equal entries, the last).

@@ -25,6 +25,8 @@ struct FusedGatedNorm : public torch::autograd::Function<FusedGatedNorm> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "v4_gated_deltanet: no second derivative of the gated norm on the GPU (create_graph=True)");
     const auto s = ctx->get_saved_variables();
     GatedNorm n{s[0], s[1], s[2]};
     n.rstd = s[3];
