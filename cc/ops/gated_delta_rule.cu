@@ -947,23 +947,24 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
       m.dG[i] = static_cast<double>(s.beta[i]) * s.E[i] * sk;
     }
     __syncwarp();
-    // Z = beta KKL dM (G's gradient through L), C = beta L dM (k's through K K^T, into Ai).
+    // Z = beta KKL dM (G's gradient through L); C = beta L dM (k's through K K^T), strictly lower,
+    // into Ai as C + C^T: row i writes C's (i, j) and (j, i) for j < i, so each entry once.
     for (int j = lane; j < kRows; j += 32) {
       const float dm = m.A[i * kPitch64 + j];
       m.KKL[i * kPitch64 + j] = s.beta[i] * m.KKL[i * kPitch64 + j] * dm;
-      m.Ai[i * kPitch64 + j] = j < i ? s.beta[i] * decay(s, i, j) * dm : 0.0f;
+      if (j <= i) {
+        const float c = j < i ? s.beta[i] * decay(s, i, j) * dm : 0.0f;
+        m.Ai[i * kPitch64 + j] = c;
+        m.Ai[j * kPitch64 + i] = c;
+      }
     }
   }
   __syncthreads();
   if (const double z = antisymmetric_row_sum(m.KKL); tid % 4 == 0) m.dG[tid / 4] += z + p.dg_part[rows + tid / 4];
-  // k's gradient: C K + C^T K + beta E dR_K + k_part, in R's key columns.
+  // k's gradient: (C + C^T) K + beta E dR_K + k_part, in R's key columns.
   float* dk = m.R + d.pv;
   block_gemm<2, false, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
     dk[r * m.ldx + c] += val + s.beta[r] * s.E[r] * m.X[r * m.ldx + d.pv + c];
-  });
-  __syncthreads();
-  block_gemm<2, true, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
-    dk[r * m.ldx + c] += val;
   });
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
