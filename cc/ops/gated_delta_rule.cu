@@ -90,6 +90,9 @@ __device__ __forceinline__ void block_gemm(const float* A, int lda, const float*
     const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
     float acc[NT][4] = {}, small[NT][4] = {};  // small: the cross terms (Mode)
     if constexpr (kMode == Mode::kTf32x3) {
+      // Unrolled where K is a constant (FixedDims): the fragments' shared-memory offsets fold into
+      // the loads (the op 2.5% faster at 8,192 tokens on the H200, 2026-12-02, stop 31).
+#pragma unroll
       for (int k0 = 0; k0 < K; k0 += 8) {
         uint32_t ah[4], al[4];
         split(at<kTA>(A, lda, m0 + g, k0 + t), ah[0], al[0]);

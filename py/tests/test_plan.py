@@ -5,12 +5,14 @@ errors of flags that cannot describe a run; the C++ constants it copies."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -92,14 +94,16 @@ def test_fp8_dequantize_and_no_quantization_config_keep_the_model_dtype():
 # docs/benchmarks.md: (proxy, --finetune, tokens, checkpointing, FP8, measured GiB, the section,
 # the delta rule's path). bf16 throughout; "full": every weight trains but what the family freezes
 # (the bench's mode); "lora": r=16 on attention and experts, every other weight frozen. The path
-# (Qwen3.5; GLM-5 has no delta rule): "fused" for runs with the delta rule's fused CUDA kernels
-# (2026-12-02, stop 27, on), "aten" for the runs before them, when CUDA ran the ATen path the op
+# (Qwen3.5; GLM-5 has no delta rule): "fused" for runs with the block's CUDA kernels (the delta
+# rule's, the conv's and the gated norm's: stop 31 on), "rule" for runs with the delta rule's alone
+# (stops 27-30: the conv and the norm on ATen), "aten" for the runs before them, when CUDA ran the ATen path the op
 # now takes on the CPU: those are predicted by the planner's ATen branch (device "cpu").
 ATEN = "The Qwen3.5-MoE proxy with the delta rule's recurrence on CUDA"
 FP8_LORA = "FP8 weights against bf16, LoRA (2026-12-02): the same for both"
 FUSED = "The delta rule fused into CUDA kernels (2026-12-02, stop 27)"
 COMBINE = "The combine as one autograd node, measured (2026-12-02, stop 28)"
 BLOCKS = "A checkpointed layer's MoE in blocks of tokens (2026-12-02, stop 28)"
+KERNELS = "The Gated DeltaNet block's conv and gated norm as CUDA kernels (2026-12-02, stop 31)"
 MEASURED = [
     ("glm5", "full", 4096, False, False, 14.5, COMBINE, None),
     ("glm5", "full", 16384, True, False, 20.3, BLOCKS, None),
@@ -111,9 +115,11 @@ MEASURED = [
     ("qwen3_5", "lora", 4096, False, True, 17.4, FP8_LORA, "aten"),
     ("qwen3_5", "lora", 4096, False, False, 17.4, FP8_LORA, "aten"),
     ("full_layer", "lora", 4096, False, True, 14.1, "FP8 weights against bf16, LoRA (2026-12-02): --full_layer", None),
-    ("qwen3_5", "full", 4096, False, False, 16.3, COMBINE, "fused"),
-    ("qwen3_5", "full", 65536, True, False, 35.0, BLOCKS, "fused"),
-    ("qwen3_5", "full", 131072, True, False, 67.5, BLOCKS, "fused"),
+    ("qwen3_5", "full", 4096, False, False, 16.3, COMBINE, "rule"),
+    ("qwen3_5", "full", 65536, True, False, 35.0, BLOCKS, "rule"),
+    ("qwen3_5", "full", 131072, True, False, 67.5, BLOCKS, "rule"),
+    ("qwen3_5", "full", 4096, False, False, 12.9, KERNELS, "fused"),
+    ("qwen3_5", "full", 65536, True, False, 20.0, KERNELS, "fused"),
 ]
 TOLERANCE = 0.10
 # The delta rule's two paths measured on the same code otherwise (the combine before it became
@@ -122,9 +128,9 @@ SAVING = [
     ("qwen3_5", "full", 4096, False, False, 19.4, ATEN, "aten"),
     ("qwen3_5", "full", 65536, True, False, 55.9, ATEN, "aten"),
     ("qwen3_5", "full", 131072, True, False, 110.7, ATEN, "aten"),
-    ("qwen3_5", "full", 4096, False, False, 16.3, FUSED, "fused"),
-    ("qwen3_5", "full", 65536, True, False, 39.4, FUSED, "fused"),
-    ("qwen3_5", "full", 131072, True, False, 77.6, FUSED, "fused"),
+    ("qwen3_5", "full", 4096, False, False, 16.3, FUSED, "rule"),
+    ("qwen3_5", "full", 65536, True, False, 39.4, FUSED, "rule"),
+    ("qwen3_5", "full", 131072, True, False, 77.6, FUSED, "rule"),
 ]
 
 
@@ -139,18 +145,23 @@ def proxy_config(name: str, fp8: bool) -> dict:
 def predicted(name, finetune, tokens, checkpointing, fp8, path=None) -> float:
     """The peak above the weights the bench measures (max_memory_allocated during a forward +
     backward, from after its warm-up): the planner's activation peak, the full fine-tune's
-    gradients in it, and LoRA's gradients. path "aten": the delta rule's ATen path."""
+    gradients in it, and LoRA's gradients. path "aten": the delta rule's ATen path; "rule": its
+    fused kernels with the conv and the gated norm on ATen (the code of stops 27-30)."""
     config = proxy_config(name, fp8)
     setup = plan.Setup(config_from_dict(config, name), config, finetune=finetune, fp8="keep" if fp8 else "dequantize",
                        seq_len=tokens, micro_batch_size=1, checkpointing=checkpointing, lora_r=16,
                        lora_target_modules=("attention",), lora_experts=True, documents=(tokens,),
                        device="cpu" if path == "aten" else "cuda")
-    p = plan.plan(setup)
+    with contextlib.ExitStack() as stack:
+        if path == "rule":  # the code of stops 27-30: the conv and the gated norm on ATen
+            for kernels in ("fused_conv", "fused_norm"):
+                stack.enter_context(mock.patch.object(plan, kernels, lambda setup: False))
+        p = plan.plan(setup)
     return (p.peak.bytes + (p.training.gradients if finetune == "lora" else 0)) / GIB
 
 
 @pytest.mark.parametrize("name,finetune,tokens,checkpointing,fp8,measured,source,path", MEASURED,
-                         ids=[f"{m[0]}-{m[1]}-{m[2]}" + "-ckpt" * m[3] + "-fp8" * m[4] + "-aten" * (m[7] == "aten")
+                         ids=[f"{m[0]}-{m[1]}-{m[2]}" + "-ckpt" * m[3] + "-fp8" * m[4] + f"-{m[7]}" * (m[7] in ("aten", "rule"))
                               for m in MEASURED])
 def test_the_prediction_is_within_10_percent_of_the_measured_peak(name, finetune, tokens, checkpointing, fp8, measured,
                                                                     source, path):
@@ -161,7 +172,7 @@ def test_the_prediction_is_within_10_percent_of_the_measured_peak(name, finetune
     assert abs(got / measured - 1) <= TOLERANCE
 
 
-FUSED_ROWS = [m for m in SAVING if m[7] == "fused"]
+FUSED_ROWS = [m for m in SAVING if m[7] == "rule"]
 
 
 @pytest.mark.parametrize("name,finetune,tokens,checkpointing,fp8,measured,source,path", FUSED_ROWS,
@@ -174,7 +185,7 @@ def test_the_fused_delta_rule_saves_what_was_measured(name, finetune, tokens, ch
     its states h passes that, not this)."""
     aten = next(m for m in SAVING if m[:5] == (name, finetune, tokens, checkpointing, fp8) and m[7] == "aten")
     args = (name, finetune, tokens, checkpointing, fp8)
-    got, saving = predicted(*args, "aten") - predicted(*args, "fused"), aten[5] - measured
+    got, saving = predicted(*args, "aten") - predicted(*args, "rule"), aten[5] - measured
     print(f"{name} {finetune} {tokens}: the fused delta rule saves {got:.2f} GiB predicted, {saving:.1f} measured "
           f"({100 * (got / saving - 1):+.1f}%)")
     assert abs(got / saving - 1) <= TOLERANCE
@@ -194,6 +205,24 @@ def test_the_delta_rule_is_planned_on_the_path_the_op_takes():
     assert "gdr_uw" in kept(dataclasses.replace(base, device="cpu"))
     wide = {**config, "linear_value_head_dim": 2 * plan.FUSED_MAX_DIM}
     assert "gdr_uw" in kept(dataclasses.replace(base, cfg=config_from_dict(wide, "wide"), hf_config=wide))
+
+
+def test_the_conv_and_the_gated_norm_are_planned_on_the_path_the_ops_take():
+    """causal_conv1d.cc and gated_deltanet.cc run their CUDA kernels for CUDA tensors in bf16 or
+    fp32 with at most kMaxKernel taps and heads at most kMaxNormWidth wide (their nodes keep the
+    inputs), the ATen path otherwise (its graph keeps fp32 products)."""
+    config = proxy_config("qwen3_5", False)
+    base = plan.Setup(config_from_dict(config, "qwen3_5"), config, seq_len=4096)
+
+    def kept(setup):
+        return {plan.key(t) for t in plan.qwen3_5_layer(plan._ctx(setup, (4096,)), 0).saved}
+
+    assert not {"conv_taps", "norm_out"} & kept(base)
+    assert {"conv_taps", "norm_out"} <= kept(dataclasses.replace(base, device="cpu"))
+    long_conv = {**config, "linear_conv_kernel_dim": plan.CONV_MAX_KERNEL + 1}
+    wide = {**config, "linear_value_head_dim": 2 * plan.NORM_MAX_WIDTH}
+    assert "conv_taps" in kept(dataclasses.replace(base, cfg=config_from_dict(long_conv, "long"), hf_config=long_conv))
+    assert "norm_out" in kept(dataclasses.replace(base, cfg=config_from_dict(wide, "wide"), hf_config=wide))
 
 
 def test_the_peak_grows_with_the_sequence_and_checkpointing_lowers_it():
@@ -379,6 +408,8 @@ def test_the_gated_deltanet_terms_are_what_autograd_keeps_of_the_cpp_op(finetune
     ("BLOCK_BYTES", "models/glm5/mla_dsa_attention.cc", r"block_bytes\{int64_t\{1\} << (\d+)\}"),
     ("GDR_CHUNK", "ops/gated_delta_rule.h", r"kChunk = (\d+);"),
     ("FUSED_MAX_DIM", "ops/gated_delta_rule.h", r"kFusedMaxDim = (\d+);"),
+    ("CONV_MAX_KERNEL", "ops/causal_conv1d.h", r"kMaxKernel = (\d+);"),
+    ("NORM_MAX_WIDTH", "models/qwen3_5/gated_deltanet.h", r"kMaxNormWidth = (\d+);"),
     ("COMBINE_BLOCK_MIB", "common/experts.cc", r"kCombineBlockMiB = (\d+);"),
     ("TAIL_BLOCK_MIB", "common/checkpoint.h", r"kTailBlockMiB = (\d+);"),
 ])

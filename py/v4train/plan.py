@@ -52,6 +52,8 @@ GDR_CHUNK = 64  # gated_delta_rule.h kChunk: the delta rule's chunks (each docum
 COMBINE_BLOCK_MIB = 256  # experts.cc kCombineBlockMiB: the MoE combine's fp32 [tokens, k, H] block
 TAIL_BLOCK_MIB = 2048  # checkpoint.h kTailBlockMiB: a checkpointed layer's block of MLP / MoE activations
 FUSED_MAX_DIM = 128  # gated_delta_rule.h kFusedMaxDim: the widest heads its fused CUDA kernels take
+CONV_MAX_KERNEL = 8  # causal_conv1d.h kMaxKernel: the longest conv its CUDA kernels take
+NORM_MAX_WIDTH = 256  # gated_deltanet.h kMaxNormWidth: the widest head its gated-norm CUDA kernels take
 # The LM head's chunk of tokens (the C++ op takes the reference's default).
 CE_CHUNK = inspect.signature(v4_cross_entropy_loss).parameters["chunk_tokens"].default
 FP32 = 4
@@ -607,6 +609,20 @@ def fused_delta_rule(setup: Setup) -> bool:
             max(cfg.linear_key_head_dim, cfg.linear_value_head_dim) <= FUSED_MAX_DIM)
 
 
+def fused_conv(setup: Setup) -> bool:
+    """Whether v4_causal_conv1d runs its CUDA kernels (causal_conv1d.cc picks them): CUDA, bf16 or
+    fp32, at most CONV_MAX_KERNEL taps. Otherwise the ATen path."""
+    return (setup.device == "cuda" and setup.dtype_bytes in (2, FP32) and
+            setup.cfg.linear_conv_kernel_dim <= CONV_MAX_KERNEL)
+
+
+def fused_norm(setup: Setup) -> bool:
+    """Whether the Gated DeltaNet block's gated RMSNorm runs its CUDA kernels (gated_deltanet.cc's
+    gated_norm picks them): CUDA, bf16 or fp32, heads at most NORM_MAX_WIDTH wide."""
+    return (setup.device == "cuda" and setup.dtype_bytes in (2, FP32) and
+            setup.cfg.linear_value_head_dim <= NORM_MAX_WIDTH)
+
+
 def padded_tokens(c: Ctx) -> int:
     """P: the tokens with each document padded to whole chunks of 64 (the delta rule's slots)."""
     return sum(-(-L // GDR_CHUNK) * GDR_CHUNK for L in c.documents)
@@ -734,25 +750,34 @@ def qwen3_5_layer(c: Ctx, i: int) -> LayerMemory:
         for m in projections:
             lora_terms(s, c, i, m, la + m + ".weight", T)
         s.add("beta_g", "beta, a and the log decay g [T, value heads] (float64)", T * nv * (b + 3 * INT64))
-        # causal_conv1d in fp32: silu keeps its input, and index_add keeps each shifted tap's
-        # product (its source) [T - j, conv dim]; a trained conv weight also keeps the conv's input
-        # and each tap's gathered rows (the products' other factor).
-        taps = sum(max(L - j, 0) for L in c.documents for j in range(1, cfg.linear_conv_kernel_dim))
-        s.add("conv", "the conv's pre-activation [T, conv dim] (fp32; silu's input)", T * conv * f)
-        s.add("conv_taps", "each shifted tap's product [T - j, conv dim] (fp32; index_add's source)", taps * conv * f)
-        s.add("conv_rows", "the conv's fp32 input and each tap's gathered rows (the conv weight's gradient)",
-              (T + taps) * conv * f, c.trains(la + "conv1d.weight"))
+        if fused_conv(c.setup):  # the kernels' node keeps the conv's input (and its weight in fp32)
+            s.add("conv", "the conv's input [T, conv dim] (the fused conv's)", T * conv * b)
+        else:
+            # causal_conv1d in fp32: silu keeps its input, and index_add keeps each shifted tap's
+            # product (its source) [T - j, conv dim]; a trained conv weight also keeps the conv's
+            # input and each tap's gathered rows (the products' other factor).
+            taps = sum(max(L - j, 0) for L in c.documents for j in range(1, cfg.linear_conv_kernel_dim))
+            s.add("conv", "the conv's pre-activation [T, conv dim] (fp32; silu's input)", T * conv * f)
+            s.add("conv_taps", "each shifted tap's product [T - j, conv dim] (fp32; index_add's source)",
+                  taps * conv * f)
+            s.add("conv_rows", "the conv's fp32 input and each tap's gathered rows (the conv weight's gradient)",
+                  (T + taps) * conv * f, c.trains(la + "conv1d.weight"))
         # The delta rule as the op runs it on the device planned for.
         rule = delta_rule_fused if fused_delta_rule(c.setup) else delta_rule_aten
         forward, first_pass, backward = rule(c, s, conv)
         s.mark("norm")
-        # The gated RMSNorm: the rule's output in fp32 (the norm's input), normed times its weight
-        # (the gate's product), silu(z) and z in fp32; the gated output (out_proj's input).
-        s.add("norm_in", "the rule's output in fp32 [T, vd] (the gated norm's input)", T * nv * dv * f)
-        s.add("norm_out", "the normalised output times its weight [T, vd] (the gate's product)", T * nv * dv * b)
-        s.add("norm_w", "the normalised output [T, vd] (the norm weight's gradient)", T * nv * dv * b,
-              c.trains(la + "norm.weight"))
-        s.add("z", "z and silu(z) in fp32 [T, vd] (the gate)", 2 * T * nv * dv * f)
+        if fused_norm(c.setup):  # the kernels' node keeps the rule's output, z and 1 / rms
+            s.add("norm_in", "the rule's output and z [T, vd], 1 / rms [T, value heads] (fp32; the fused gated norm's)",
+                  2 * T * nv * dv * b + T * nv * FP32)
+        else:
+            # The gated RMSNorm: the rule's output in fp32 (the norm's input), normed times its
+            # weight (the gate's product), silu(z) and z in fp32.
+            s.add("norm_in", "the rule's output in fp32 [T, vd] (the gated norm's input)", T * nv * dv * f)
+            s.add("norm_out", "the normalised output times its weight [T, vd] (the gate's product)", T * nv * dv * b)
+            s.add("norm_w", "the normalised output [T, vd] (the norm weight's gradient)", T * nv * dv * b,
+                  c.trains(la + "norm.weight"))
+            s.add("z", "z and silu(z) in fp32 [T, vd] (the gate)", 2 * T * nv * dv * f)
+        # The gated output (out_proj's input).
         s.add("y", "the gated output [T, vd] (out_proj's input)", T * nv * dv * b,
               c.keeps_input(i, la + "out_proj.weight"))
         lora_terms(s, c, i, "out_proj", la + "out_proj.weight", T)
