@@ -427,13 +427,18 @@ def memory_at_peak(step, tokens: int) -> str:
 
 
 def profile(model, batch, top: int = 25) -> str:
+    """One step's top CUDA kernels, then the ATen ops (with their input shapes) that launched the
+    most device time: which op an elementwise kernel belongs to."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         model.loss(batch, batch.num_targets).backward()
         torch.cuda.synchronize()
     zero_grads(model)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+    kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top)
+    ops = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total", row_limit=top + 15, max_name_column_width=40, max_shapes_column_width=70)
+    return kernels + "\nATen ops by the device time of the kernels they launched:\n" + ops
 
 
 def main() -> int:
