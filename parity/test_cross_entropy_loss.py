@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parity.strategies import devices
 from v4train.testing.compare import assert_close
 from v4train.ops import OPS
 
@@ -97,3 +98,51 @@ def test_an_ignored_token_does_not_reach_the_loss_whatever_its_hidden_state(impl
     keep = t != -100
     expected = F.cross_entropy(h[keep] @ w.T, t[keep], reduction="sum") / 5.0
     assert_close(IMPLS[impl](h, w, t, 5.0, 8), expected, "loss with non-finite ignored tokens")
+
+
+def _both(device, dtype, h, w, t, normalizer, chunk):
+    """The C++ op and the reference (F.cross_entropy a chunk at a time, the weight's gradient summed
+    over the chunks in its dtype as the op does): losses, and the gradients of h and w."""
+    out = []
+    for impl in ("cpp", "reference"):
+        hh = h.to(device=device, dtype=dtype, copy=True).requires_grad_()
+        ww = w.to(device=device, dtype=dtype, copy=True).requires_grad_()
+        loss = IMPLS[impl](hh, ww, t.to(device), normalizer, chunk)
+        loss.backward()
+        out.append((loss, hh.grad, ww.grad))
+    return out
+
+
+@pytest.mark.parametrize("device,dtype,V", [(d, t, V) for d in devices() for t in (torch.float32, torch.bfloat16)
+                                            for V in (90, 96)])
+def test_each_device_and_dtype_equals_cross_entropy_of_the_full_logits(device, dtype, V):
+    """On CUDA a chunk's loss and gradient come from one kernel (cross_entropy_loss.cu; a row of a
+    multiple of 16 bytes read 16 bytes at a time, else an element at a time: V 96 and 90)."""
+    gen = torch.Generator().manual_seed(4)
+    h, w = torch.randn(50, 16, generator=gen), torch.randn(V, 16, generator=gen) * 0.3
+    t = torch.randint(0, V, (50,), generator=gen)
+    t[::7] = -100
+    (loss, gh, gw), (ref, ref_h, ref_w) = _both(device, dtype, h, w, t, 13.0, 8)
+    assert_close(loss, ref, "loss")
+    assert_close(gh, ref_h, "grad hidden")
+    assert_close(gw, ref_w, "grad weight")
+
+
+@pytest.mark.parametrize("device,dtype", [(d, t) for d in devices() for t in (torch.float32, torch.bfloat16)])
+def test_non_finite_logits_are_nan_where_cross_entropy_is(device, dtype):
+    """log_softmax is NaN on a whole row holding a NaN or an infinity, and its backward carries that
+    NaN into the gradients even of an ignored row: the op's NaN where the reference's (F.cross_entropy
+    a chunk at a time) is, the finite values equal."""
+    gen = torch.Generator().manual_seed(5)
+    h, w = torch.randn(20, 16, generator=gen), torch.randn(96, 16, generator=gen) * 0.3
+    t = torch.randint(0, 96, (20,), generator=gen)
+    h[2, 3] = float("inf")  # a valid row: the loss is NaN
+    for targets in (t, torch.where(torch.arange(20) == 2, -100, t)):  # then that row ignored
+        (loss, gh, gw), (ref, ref_h, ref_w) = _both(device, dtype, h, w, targets, 7.0, 8)
+        for name, a, b in (("loss", loss, ref), ("grad hidden", gh, ref_h), ("grad weight", gw, ref_w)):
+            assert torch.equal(a.isnan(), b.isnan()), f"{name}: NaN at other places than the reference's"
+            assert_close(a.nan_to_num(0.0), b.nan_to_num(0.0), name)
+    h[2, 3], h[4] = 0.0, -float("inf")  # a row of -inf and +inf logits
+    (loss, gh, gw), (ref, ref_h, ref_w) = _both(device, dtype, h, w, torch.where(torch.arange(20) == 4, -100, t), 7.0, 8)
+    assert torch.equal(gh.isnan(), ref_h.isnan()) and torch.equal(gw.isnan(), ref_w.isnan())
+    assert_close(loss, ref, "loss")

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cc/common/backend.h"
 #include "cc/common/checks.h"
 
 namespace v4 {
@@ -37,19 +38,28 @@ struct CrossEntropyLoss : public torch::autograd::Function<CrossEntropyLoss> {
       const int64_t s = i * chunk, e = std::min(T, s + chunk);
       const at::Tensor h = hidden.slice(0, s, e);
       const at::Tensor t = targets.slice(0, s, e);
-      const at::Tensor valid = t.ne(kIgnore);
-      const at::Tensor target = at::where(valid, t, 0).unsqueeze(1);
-      // As F.cross_entropy: nll of log_softmax (and its NaN where a row holds an inf).
-      at::Tensor ls = at::log_softmax(at::linear(h, weight).to(at::kFloat), -1);
-      // where, not a product with the mask: an ignored token's NaN or inf must not reach the sum.
-      sums[i] = at::where(valid, ls.gather(1, target).squeeze(1).neg(), 0).sum();
-      if (!want_h && !want_w) continue;
-      // As log_softmax's and nll_loss's backward compute it: exp(log_softmax) * g, then -g at the
-      // target, with g = 1 / normalizer per valid token.
-      const at::Tensor g = valid.unsqueeze(1).to(at::kFloat) / normalizer;  // [c, 1]
-      at::Tensor p = ls.exp_().mul_(g);
-      p.scatter_add_(1, target, g.neg());
-      const at::Tensor dlogits = p.to(hidden.scalar_type());
+      const at::Tensor logits = at::linear(h, weight);
+      at::Tensor dlogits;
+      ce::Rows rows{logits, t, normalizer, want_h || want_w};
+      if (const auto kernel = Backend<ce::Kernel>::find(logits.device().type()); kernel != nullptr && kernel(rows)) {
+        sums[i] = rows.loss.sum();
+        if (!rows.grad) continue;
+        dlogits = logits;  // the kernel wrote the gradient over the logits
+      } else {
+        const at::Tensor valid = t.ne(kIgnore);
+        const at::Tensor target = at::where(valid, t, 0).unsqueeze(1);
+        // As F.cross_entropy: nll of log_softmax (and its NaN where a row holds an inf).
+        at::Tensor ls = at::log_softmax(logits.to(at::kFloat), -1);
+        // where, not a product with the mask: an ignored token's NaN or inf must not reach the sum.
+        sums[i] = at::where(valid, ls.gather(1, target).squeeze(1).neg(), 0).sum();
+        if (!rows.grad) continue;
+        // As log_softmax's and nll_loss's backward compute it: exp(log_softmax) * g, then -g at the
+        // target, with g = 1 / normalizer per valid token.
+        const at::Tensor g = valid.unsqueeze(1).to(at::kFloat) / normalizer;  // [c, 1]
+        at::Tensor p = ls.exp_().mul_(g);
+        p.scatter_add_(1, target, g.neg());
+        dlogits = p.to(hidden.scalar_type());
+      }
       if (want_h) grad_h.slice(0, s, e).copy_(at::matmul(dlogits, weight));
       if (want_w) {
         const at::Tensor part = at::matmul(dlogits.t(), h);

@@ -623,6 +623,13 @@ def fused_norm(setup: Setup) -> bool:
             setup.cfg.linear_value_head_dim <= NORM_MAX_WIDTH)
 
 
+def fused_loss(setup: Setup) -> bool:
+    """Whether v4_cross_entropy_loss forms a chunk's loss and gradient by its CUDA kernel
+    (cross_entropy_loss.cc picks it): CUDA, bf16 or fp32; the gradient is written over the logits.
+    Otherwise ATen's float32 chain (the logits cast, log_softmax'ed, then the gradient)."""
+    return setup.device == "cuda" and setup.dtype_bytes in (2, FP32)
+
+
 def padded_tokens(c: Ctx) -> int:
     """P: the tokens with each document padded to whole chunks of 64 (the delta rule's slots)."""
     return sum(-(-L // GDR_CHUNK) * GDR_CHUNK for L in c.documents)
@@ -883,14 +890,20 @@ def lm_head_terms(setup: Setup, T: int) -> tuple[list[Term], list[Term], int]:
     cfg, b = setup.cfg, setup.dtype_bytes
     H, V, c = cfg.hidden_size, cfg.vocab_size, min(CE_CHUNK, T)
     held = [Term("the final norm's input and output [T, H] (their backward)", 2 * T * H * b)]
-    # Forward, in training: the op forms the gradients there (a chunk's logits in the model dtype, in
-    # fp32 and log_softmax'ed, then its gradient in fp32 and cast) beside the hidden states'
-    # gradient and the LM head's (and, past the first chunk, the next chunk's part before it is added).
+    # Forward, in training: the op forms the gradients there beside the hidden states' gradient and
+    # the LM head's (and, past the first chunk, the next chunk's part before it is added): a chunk's
+    # logits in the model dtype, the kernel's gradient written over them; or on ATen the logits in
+    # fp32 and log_softmax'ed, then the gradient in fp32 and cast.
     grad_w = V * H * b if setup.finetune == "full" else 0
     parts = 2 if T > CE_CHUNK else 1
     grad_h = Term("the hidden states' gradient [T, H], formed in the LM head's forward", T * H * b)
-    fwd = held + [grad_h, Term("LM head forward: a chunk's logits in fp32 and log_softmax'ed (or its gradient and "
-                               "the LM head's)", max(c * V * (b + 2 * FP32), c * V * (FP32 + b) + parts * grad_w))]
+    if fused_loss(setup):
+        chunk = Term("LM head forward: a chunk's logits, then its gradient over them (and the LM head's)",
+                     c * V * b + parts * grad_w)
+    else:
+        chunk = Term("LM head forward: a chunk's logits in fp32 and log_softmax'ed (or its gradient and the LM "
+                     "head's)", max(c * V * (b + 2 * FP32), c * V * (FP32 + b) + parts * grad_w))
+    fwd = held + [grad_h, chunk]
     # Backward: those gradients, scaled in place.
     bwd = held + [grad_h, Term("the LM head's gradient, formed in its forward", grad_w)]
     stays = _shard_rows(V, setup.gpus) * H * b if setup.finetune == "full" else 0
