@@ -115,7 +115,7 @@ def _both(device, dtype, h, w, t, normalizer, chunk):
 
 @pytest.mark.parametrize("device,dtype,V", [(d, t, V) for d in devices() for t in (torch.float32, torch.bfloat16)
                                             for V in (90, 96)])
-def test_each_device_and_dtype_equals_cross_entropy_of_the_full_logits(device, dtype, V):
+def test_each_device_and_dtype_equals_the_reference(device, dtype, V):
     """On CUDA a chunk's loss and gradient come from one kernel (cross_entropy_loss.cu; a row of a
     multiple of 16 bytes read 16 bytes at a time, else an element at a time: V 96 and 90)."""
     gen = torch.Generator().manual_seed(4)
@@ -146,3 +146,11 @@ def test_non_finite_logits_are_nan_where_cross_entropy_is(device, dtype):
     (loss, gh, gw), (ref, ref_h, ref_w) = _both(device, dtype, h, w, torch.where(torch.arange(20) == 4, -100, t), 7.0, 8)
     assert torch.equal(gh.isnan(), ref_h.isnan()) and torch.equal(gw.isnan(), ref_w.isnan())
     assert_close(loss, ref, "loss")
+    # A row with exactly one +inf logit (its product overflows) and the rest finite: NaN too,
+    # though a running max and sum alone would give -inf and a finite loss (a CUDA mutant did).
+    h[4], w[:, 3] = 0.0, w[:, 3].clamp(-1.0, 1.0)
+    h[6, 3], w[5, 3], t[6] = 3e38, 10.0, 0
+    (loss, gh, gw), (ref, ref_h, ref_w) = _both(device, dtype, h, w, t, 7.0, 8)
+    assert ref.isnan(), "(the case: one +inf logit in a valid row)"
+    for name, a, b in (("loss", loss, ref), ("grad hidden", gh, ref_h), ("grad weight", gw, ref_w)):
+        assert torch.equal(a.isnan(), b.isnan()), f"{name}: NaN at other places than the reference's (one +inf logit)"
