@@ -61,7 +61,7 @@ __device__ __forceinline__ Stat shuffle(const Stat& a, int o) {
 
 // 16 bytes of T at a time where the row allows, else one element at a time.
 template <typename T>
-struct Pack {
+struct alignas(16) Pack {  // aligned, so that a Pack is one 16-byte load or store
   static constexpr int N = 16 / sizeof(T);
   T v[N];
 };
@@ -134,8 +134,7 @@ void launch(Rows& r) {
 
 bool rows_cuda(Rows& r) {
   const c10::cuda::CUDAGuard guard(r.logits.device());
-  TORCH_CHECK(r.logits.is_contiguous() && r.targets.is_contiguous() && r.logits.size(0) < (int64_t{1} << 31),
-              "v4_cross_entropy_loss: the kernel takes contiguous logits and targets");
+  if (!r.logits.is_contiguous() || !r.targets.is_contiguous() || r.logits.size(0) >= (int64_t{1} << 31)) return false;
   switch (r.logits.scalar_type()) {
     case at::kFloat: launch<float>(r); return true;
     case at::kBFloat16: launch<__nv_bfloat16>(r); return true;

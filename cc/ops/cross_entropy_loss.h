@@ -21,7 +21,7 @@ namespace v4::ce {
 // dtype. As the ATen path computes them (log_softmax in float32, then exp, the product and the
 // target's term, one rounding to the dtype), NaN where a row holds a NaN or an infinity, in one
 // read of the logits and one read and write with `grad`, instead of some nine passes over a float32
-// copy. Returns false where it does not cover the inputs (another dtype).
+// copy. Returns false where it does not cover the inputs (another dtype, non-contiguous rows).
 struct Rows {
   at::Tensor logits, targets;
   double normalizer;
