@@ -1,5 +1,5 @@
-// Element conversions the CUDA kernels share: the kernels compute in float32 on float32 or bfloat16
-// tensors.
+// Device helpers the CUDA kernels share: element conversions (the kernels compute in float32 on
+// float32 or bfloat16 tensors) and a warp's sum.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,6 +18,12 @@ template <typename T>
 __device__ __forceinline__ T from_float(float x) {
   if constexpr (std::is_same_v<T, float>) return x;
   else return __float2bfloat16(x);
+}
+
+// The sum of x over the warp's 32 lanes, in every lane.
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
 }
 
 }  // namespace v4

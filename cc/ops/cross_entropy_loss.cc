@@ -14,8 +14,6 @@ namespace v4 {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr int64_t kIgnore = -100;
-
 // With `grads` (autograd will want a gradient), the forward pass also forms the gradients, as
 // Liger-Kernel's fused linear cross-entropy does: d loss / d logits = (softmax(logits) -
 // onehot(target)) * valid / normalizer per chunk, cast to the model dtype, then the linear map's
@@ -46,7 +44,7 @@ struct CrossEntropyLoss : public torch::autograd::Function<CrossEntropyLoss> {
         if (!rows.grad) continue;
         dlogits = logits;  // the kernel wrote the gradient over the logits
       } else {
-        const at::Tensor valid = t.ne(kIgnore);
+        const at::Tensor valid = t.ne(ce::kIgnore);
         const at::Tensor target = at::where(valid, t, 0).unsqueeze(1);
         // As F.cross_entropy: nll of log_softmax (and its NaN where a row holds an inf).
         at::Tensor ls = at::log_softmax(logits.to(at::kFloat), -1);
@@ -122,7 +120,7 @@ at::Tensor v4_cross_entropy_loss(const at::Tensor& hidden, const at::Tensor& wei
   TORCH_CHECK_VALUE(chunk_tokens > 0, op, ": chunk_tokens must be > 0, got ", chunk_tokens);
   const int64_t V = weight.size(0);
   TORCH_CHECK_VALUE(V > 0, op, ": weight.size(0) (the vocabulary) must be > 0, got shape ", weight.sizes());
-  TORCH_CHECK_VALUE(((targets == v4::kIgnore) | ((targets >= 0) & (targets < V))).all().item<bool>(), op,
+  TORCH_CHECK_VALUE(((targets == v4::ce::kIgnore) | ((targets >= 0) & (targets < V))).all().item<bool>(), op,
                     ": targets must be -100 or lie in [0, ", V, ")");
   const bool grads = at::GradMode::is_enabled() && (hidden.requires_grad() || weight.requires_grad());
   return v4::CrossEntropyLoss::apply(hidden, weight, targets, normalizer, chunk_tokens, grads);

@@ -17,7 +17,6 @@ namespace v4::ce {
 namespace {
 
 constexpr int kThreads = 512, kWarps = kThreads / 32;
-constexpr int64_t kIgnore = -100;
 
 // Running max m and sum s of exp(x - m) over part of a row; nan: a NaN was seen. log_softmax's
 // result is NaN on the whole row where it holds a NaN or an infinity (x - max is NaN somewhere), so

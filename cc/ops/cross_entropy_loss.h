@@ -14,6 +14,8 @@ at::Tensor v4_cross_entropy_loss(const at::Tensor& hidden, const at::Tensor& wei
 
 namespace v4::ce {
 
+constexpr int64_t kIgnore = -100;  // a target that takes no part in the loss
+
 // The device kernel (cc/ops/cross_entropy_loss.cu; v4::Backend) for one chunk's logits [c, V]
 // (float32 or bfloat16, contiguous) and targets [c] (int64, -100 ignored): sets loss [c] (float32)
 // to -log_softmax(row)[target], 0 where ignored; with `grad`, overwrites the logits with the loss's

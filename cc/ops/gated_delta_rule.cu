@@ -39,11 +39,6 @@ static_assert(kRows == 64, "the kernels hold one chunk of 64 slots a block");
 __host__ __device__ constexpr int round16(int x) { return (x + 15) / 16 * 16; }
 __host__ __device__ constexpr int larger(int a, int b) { return a > b ? a : b; }
 
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
 // ---- Products on tensor cores --------------------------------------------------------------------
 
 // How a kernel multiplies: on the FP32 units (float32 inputs: as the ATen path rounds), or on TF32

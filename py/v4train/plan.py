@@ -600,34 +600,37 @@ def glm5_layer(c: Ctx, i: int) -> LayerMemory:
                        grads + g_experts)
 
 
+def device_kernels(setup: Setup) -> bool:
+    """Whether the ops' CUDA kernels can run at all: the CUDA device, bf16 or fp32 (each op's own
+    bounds below)."""
+    return setup.device == "cuda" and setup.dtype_bytes in (2, FP32)
+
+
 def fused_delta_rule(setup: Setup) -> bool:
     """Whether v4_gated_delta_rule runs its fused CUDA kernels, as gated_delta_rule.cc picks them:
     CUDA tensors q, k, v of one dtype that is not float64 (the block's are), Dk and Dv at most
     kFusedMaxDim. Otherwise (the CPU, float64, wider heads) the ATen path."""
     cfg = setup.cfg
-    return (setup.device == "cuda" and setup.dtype_bytes in (2, FP32) and
-            max(cfg.linear_key_head_dim, cfg.linear_value_head_dim) <= FUSED_MAX_DIM)
+    return device_kernels(setup) and max(cfg.linear_key_head_dim, cfg.linear_value_head_dim) <= FUSED_MAX_DIM
 
 
 def fused_conv(setup: Setup) -> bool:
     """Whether v4_causal_conv1d runs its CUDA kernels (causal_conv1d.cc picks them): CUDA, bf16 or
     fp32, at most CONV_MAX_KERNEL taps. Otherwise the ATen path."""
-    return (setup.device == "cuda" and setup.dtype_bytes in (2, FP32) and
-            setup.cfg.linear_conv_kernel_dim <= CONV_MAX_KERNEL)
+    return device_kernels(setup) and setup.cfg.linear_conv_kernel_dim <= CONV_MAX_KERNEL
 
 
 def fused_norm(setup: Setup) -> bool:
     """Whether the Gated DeltaNet block's gated RMSNorm runs its CUDA kernels (gated_deltanet.cc's
     gated_norm picks them): CUDA, bf16 or fp32, heads at most NORM_MAX_WIDTH wide."""
-    return (setup.device == "cuda" and setup.dtype_bytes in (2, FP32) and
-            setup.cfg.linear_value_head_dim <= NORM_MAX_WIDTH)
+    return device_kernels(setup) and setup.cfg.linear_value_head_dim <= NORM_MAX_WIDTH
 
 
 def fused_loss(setup: Setup) -> bool:
     """Whether v4_cross_entropy_loss forms a chunk's loss and gradient by its CUDA kernel
     (cross_entropy_loss.cc picks it): CUDA, bf16 or fp32; the gradient is written over the logits.
     Otherwise ATen's float32 chain (the logits cast, log_softmax'ed, then the gradient)."""
-    return setup.device == "cuda" and setup.dtype_bytes in (2, FP32)
+    return device_kernels(setup)
 
 
 def padded_tokens(c: Ctx) -> int:

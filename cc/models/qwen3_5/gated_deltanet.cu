@@ -19,11 +19,6 @@ namespace {
 constexpr int kThreads = 256, kWarps = kThreads / 32, kPer = static_cast<int>(kMaxNormWidth) / 32;
 constexpr int64_t kMaxBlocks = 1024;
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // v rounded to T, as the reference's tensors of dtype T hold it.
 template <typename T>
 __device__ __forceinline__ float rounded(float v) {
