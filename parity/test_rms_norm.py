@@ -7,7 +7,10 @@ import torch
 
 from v4train.testing.compare import assert_close
 from parity.strategies import devices
-from v4train.ops import OPS
+from v4train.ops import OPS, REFERENCE
+from v4train.testing.cases import CASES
+from v4train.testing.check import check_parity
+from v4train.testing.samples import Sample
 
 OP = OPS["v4_rms_norm"]
 IMPLS = {"reference": OP.reference, "cpp": OP.cpp()}
@@ -72,3 +75,17 @@ def test_no_rows():
 def test_device_mismatch():
     with pytest.raises(ValueError, match="weight is on cpu but x is on cuda"):
         IMPLS["cpp"](torch.zeros(2, 8, device="cuda"), torch.ones(8), 1e-6, False)
+
+
+@pytest.mark.parametrize("device,dtype,H", [(d, t, H) for d in devices() for t in (torch.float32, torch.bfloat16)
+                                            for H in (8, 2056, 6144)])
+@pytest.mark.parametrize("zero_centered", (False, True))
+def test_widths_the_cuda_kernels_take(device, dtype, H, zero_centered):
+    """On CUDA, rows a multiple of 8 wide run the kernels of rms_norm.cu (a block a row; 2056 is one
+    16-byte pack a thread and part of a second, 6144 GLM-5's width): x a [2, 19, H] view of a wider
+    tensor, the weight in float32; judged as the drawn samples are (check_parity)."""
+    gen = torch.Generator().manual_seed(H)
+    leaves = {"x": (torch.randn(2, 19, H + 8, generator=gen) * 3).to(device=device, dtype=dtype),
+              "weight": (torch.randn(H, generator=gen) * 0.5).to(device)}
+    sample = Sample(leaves, lambda lv: ((lv["x"][..., 4:H + 4], lv["weight"], 1e-6, zero_centered), {}))
+    check_parity(CASES["v4_rms_norm"], IMPLS["cpp"], REFERENCE["v4_rms_norm"], sample, seed=H)

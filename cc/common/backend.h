@@ -5,9 +5,11 @@
 // Adding a kernel is one registration; the op's code has no #ifdef.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
 
 #include <array>
+#include <cstdint>
 
 namespace v4 {
 
@@ -36,5 +38,12 @@ class Backend {
     return fns;
   }
 };
+
+// t contiguous with its data 16-byte aligned (for kernels that read 16 bytes at a time): t itself
+// where it is, else a fresh copy (a new allocation starts aligned; a view may not).
+inline at::Tensor dense16(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 == 0 ? c : c.clone();
+}
 
 }  // namespace v4

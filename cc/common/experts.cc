@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cc/common/backend.h"
 #include "cc/common/checks.h"
 #include "cc/common/collectives.h"
 
@@ -85,13 +86,42 @@ at::Tensor expert_linear(const at::Tensor& x, const Linear& w, const Lora& lora,
   return y + grouped_linear(grouped_linear(adapter_input(x, lora), *w.lora_A, d), *w.lora_B, d) * lora.scaling;
 }
 
+// The device kernels as one autograd node; it keeps gate_up alone (autograd of the ATen
+// expression also kept silu(gate)).
+struct FusedSwiglu : public torch::autograd::Function<FusedSwiglu> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate_up) {
+    SwigluRows s{dense16(gate_up)};
+    Backend<SwigluKernel>::find(gate_up.device().type())(s, false);
+    ctx->save_for_backward({s.gate_up});
+    return s.act;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "swiglu: no second derivative on the GPU (create_graph=True)");
+    SwigluRows s{ctx->get_saved_variables()[0]};
+    s.dact = dense16(grads[0].to(s.gate_up.scalar_type()));
+    Backend<SwigluKernel>::find(s.gate_up.device().type())(s, true);
+    return {s.dgate_up};
+  }
+};
+
+// silu(gate) * up of gate_up = [gate | up]: by the device kernels where they take it.
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  const auto dtype = gate_up.scalar_type();
+  if (Backend<SwigluKernel>::find(gate_up.device().type()) != nullptr &&
+      (dtype == at::kFloat || dtype == at::kBFloat16) && gate_up.dim() == 2 && gate_up.size(1) % 16 == 0) {
+    return FusedSwiglu::apply(gate_up);
+  }
+  const auto parts = gate_up.chunk(2, -1);
+  return at::silu(parts[0]) * parts[1];
+}
+
 }  // namespace
 
 at::Tensor experts(const at::Tensor& x_rows, const ExpertsWeights& weights, const Lora& lora, const Dispatch& d,
                    const char* op) {
   const at::Tensor gate_up = expert_linear(x_rows, weights.gate_up_proj, lora, d, op, "gate_up_proj");
-  const auto parts = gate_up.chunk(2, -1);
-  return expert_linear(at::silu(parts[0]) * parts[1], weights.down_proj, lora, d, op, "down_proj");
+  return expert_linear(swiglu(gate_up), weights.down_proj, lora, d, op, "down_proj");
 }
 
 namespace {
@@ -158,8 +188,26 @@ int64_t combine_block(int64_t k, int64_t H) {
 // [T, k, H] (96 GiB at 131,072 tokens of the GLM-5 proxy by //py:plan); this keeps y_rows, and
 // writes y's gradient over them.
 struct Combine : public torch::autograd::Function<Combine> {
+  // Whether the device kernels take these rows and weights (CombineRows in experts.h).
+  static bool fused(const at::Tensor& y_rows, const at::Tensor& w) {
+    const auto dtype = y_rows.scalar_type();
+    const auto w_dtype = w.scalar_type();  // exact in float32, as the products are taken
+    return Backend<CombineKernel>::find(y_rows.device().type()) != nullptr &&
+           (dtype == at::kFloat || dtype == at::kBFloat16) &&
+           (w_dtype == at::kFloat || w_dtype == at::kBFloat16 || w_dtype == at::kHalf) &&
+           y_rows.size(1) % 8 == 0 && y_rows.size(1) * y_rows.element_size() <= kCombineMaxRowBytes &&
+           w.size(1) <= kCombineMaxSlots;
+  }
+
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y_rows, const at::Tensor& w,
                             const at::Tensor& token, const at::Tensor& order, const at::Tensor& inverse) {
+    if (fused(y_rows, w)) {  // the device kernels
+      CombineRows c{dense16(y_rows), w.to(at::kFloat).contiguous(), inverse.contiguous()};
+      Backend<CombineKernel>::find(y_rows.device().type())(c, false);
+      ctx->save_for_backward({c.y_rows, c.w, token, order, c.inverse});
+      ctx->saved_data["w_dtype"] = static_cast<int64_t>(w.scalar_type());
+      return c.out;
+    }
     ctx->save_for_backward({y_rows, w, token, order, inverse});
     const int64_t T = w.size(0), k = w.size(1), H = y_rows.size(1), block = combine_block(k, H);
     at::Tensor out = at::empty({T, H}, y_rows.options());
@@ -179,6 +227,14 @@ struct Combine : public torch::autograd::Function<Combine> {
     const auto s = ctx->get_saved_variables();
     const at::Tensor &y_rows = s[0], &w = s[1], &token = s[2], &order = s[3], &inverse = s[4];
     const at::Tensor dout = grads[0];
+    if (fused(y_rows, w)) {  // y's gradient over y's rows, as below
+      TORCH_CHECK(!at::GradMode::is_enabled(), "combine: no second derivative on the GPU (create_graph=True)");
+      CombineRows c{y_rows, w, inverse};
+      c.dout = dense16(dout.to(y_rows.scalar_type()));
+      Backend<CombineKernel>::find(y_rows.device().type())(c, true);
+      const auto w_dtype = static_cast<at::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+      return {y_rows, c.dw.to(w_dtype), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     const int64_t T = w.size(0), k = w.size(1), H = y_rows.size(1), block = combine_block(k, H);
     at::Tensor dw = at::empty_like(w);
     const auto acc = at::promote_types(y_rows.scalar_type(), at::kFloat);  // fp32, or float64

@@ -54,4 +54,37 @@ void check_routing(const char* op, const at::Tensor& idx, const at::Tensor& x, i
 // sum over k of route_weights[t, k] * y of token t's k-th row: [T, H] in y's dtype.
 at::Tensor combine(const at::Tensor& y_rows, const Dispatch& d, const at::Tensor& route_weights, int64_t tokens);
 
+// The combine's device kernels (cc/common/experts.cu; v4::Backend), a block a token: y_rows
+// [T k, H] float32 or bfloat16, contiguous, 16-byte aligned, H a multiple of 8, a row at most
+// kCombineMaxRowBytes; w [T, k] float32 (combine() widens bf16 or fp16 weights, exactly),
+// contiguous, k at most kCombineMaxSlots; inverse int64 [T k]. The forward pass sets out [T, H]
+// (each product rounded to y's dtype, summed in float32: the ATen path's roundings); the backward
+// pass takes dout [T, H] (y's dtype, contiguous, aligned), sets dw [T, k] float32 and writes y's
+// gradient, dout[t] w[t, j] rounded once, over y_rows (each row read before it is overwritten).
+constexpr int64_t kCombineMaxSlots = 16, kCombineMaxRowBytes = 32768;
+
+struct CombineRows {
+  at::Tensor y_rows, w, inverse;
+  at::Tensor out;
+  at::Tensor dout, dw;
+};
+
+struct CombineKernel {
+  using Fn = void (*)(CombineRows& c, bool backward);
+};
+
+// The experts' SwiGLU as device kernels (cc/common/experts.cu): act = silu(gate) * up over
+// gate_up = [gate | up] [rows, 2I], float32 or bfloat16, contiguous, 16-byte aligned, I a multiple
+// of 8, with the ATen path's roundings (silu rounded to the dtype, then the product). The forward
+// pass sets act [rows, I]; the backward pass takes dact (like act) and sets dgate_up [rows, 2I]:
+// one read of each tensor, where ATen took five passes and a concatenation of the halves' gradients.
+struct SwigluRows {
+  at::Tensor gate_up, act;
+  at::Tensor dact, dgate_up;
+};
+
+struct SwigluKernel {
+  using Fn = void (*)(SwigluRows& s, bool backward);
+};
+
 }  // namespace v4

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "cc/common/backend.h"
 #include "cc/common/checks.h"
 
 // Named (not anonymous) so that autograd shows the node as CppNode<v4::RmsNorm>.
@@ -61,6 +62,30 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
   }
 };
 
+// The device kernels as one autograd node over rows [rows, H]; it keeps x, the float32 scale and
+// 1 / rms.
+struct FusedRmsNorm : public torch::autograd::Function<FusedRmsNorm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps,
+                            bool zero_centered) {
+    rms::Norm n{dense16(x.reshape({-1, x.size(-1)})), scale_of(weight, zero_centered, at::kFloat).contiguous(), eps};
+    Backend<rms::Kernel>::find(x.device().type())(n, false);
+    ctx->save_for_backward({n.x, n.s, n.rstd});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    return n.y.view(x.sizes());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), "v4_rms_norm: no second derivative on the GPU (create_graph=True)");
+    const auto saved = ctx->get_saved_variables();
+    rms::Norm n{saved[0], saved[1]};
+    n.rstd = saved[2];
+    n.dy = dense16(grads[0].reshape(n.x.sizes()).to(n.x.scalar_type()));
+    Backend<rms::Kernel>::find(n.x.device().type())(n, true);
+    const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    return {n.dx.view(grads[0].sizes()), n.ds.to(weight_dtype), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace v4
 
 at::Tensor v4_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
@@ -75,5 +100,11 @@ at::Tensor v4_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0, op, ": eps must be a finite number > 0, got ",
                     eps);
   TORCH_CHECK_VALUE(x.size(-1) > 0, op, ": x.size(-1) must be > 0, got shape ", x.sizes());
+  const auto dtype = x.scalar_type();
+  const int64_t H = x.size(-1);
+  if (v4::Backend<v4::rms::Kernel>::find(x.device().type()) != nullptr && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+      H % 8 == 0 && H <= v4::rms::kMaxWidth && x.numel() > 0) {
+    return v4::FusedRmsNorm::apply(x, weight, eps, zero_centered);
+  }
   return v4::RmsNorm::apply(x, weight, eps, zero_centered);
 }

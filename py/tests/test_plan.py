@@ -95,7 +95,8 @@ def test_fp8_dequantize_and_no_quantization_config_keep_the_model_dtype():
 # the delta rule's path). bf16 throughout; "full": every weight trains but what the family freezes
 # (the bench's mode); "lora": r=16 on attention and experts, every other weight frozen. The path
 # (Qwen3.5; GLM-5 has no delta rule), the code's era: "all" for runs with every CUDA kernel of
-# today (the LM head's loss kernel too: stop 31 on), "block" for runs with the Gated DeltaNet
+# today (the experts' SwiGLU and the combine too: 2026-12-03 on), "loss" for runs with the LM
+# head's loss kernel but those on ATen (stop 31), "block" for runs with the Gated DeltaNet
 # block's (the delta rule's, the conv's and the gated norm's) but the loss on ATen, "rule" for runs
 # with the delta rule's alone (stops 27-30), None for GLM-5's runs before the loss kernel, "aten"
 # for the runs before the delta rule's kernels, when CUDA ran the ATen path the op
@@ -122,10 +123,14 @@ MEASURED = [
     ("qwen3_5", "full", 131072, True, False, 67.5, BLOCKS, "rule"),
     ("qwen3_5", "full", 4096, False, False, 12.9, KERNELS, "block"),
     ("qwen3_5", "full", 65536, True, False, 20.0, KERNELS, "block"),
+    ("qwen3_5", "full", 4096, False, False, 6.3, KERNELS, "loss"),
+    ("glm5", "full", 4096, False, False, 12.8, KERNELS, "loss"),
 ]
 TOLERANCE = 0.10
 # The CUDA kernels that each era's code lacked (it ran their ATen paths): the planner leaves them out.
-LACKED = {"rule": ("fused_conv", "fused_norm", "fused_loss"), "block": ("fused_loss",), None: ("fused_loss",)}
+MOE = ("fused_swiglu", "fused_combine")  # the experts' SwiGLU and combine kernels (2026-12-03)
+LACKED = {"rule": ("fused_conv", "fused_norm", "fused_loss") + MOE, "block": ("fused_loss",) + MOE,
+          None: ("fused_loss",) + MOE, "loss": MOE}
 # The delta rule's two paths measured on the same code otherwise (the combine before it became
 # one node, stop 27, which both had alike): what the fused path saves is their difference.
 SAVING = [
@@ -158,7 +163,7 @@ def predicted(name, finetune, tokens, checkpointing, fp8, path=None) -> float:
                        device="cpu" if path == "aten" else "cuda")
     with contextlib.ExitStack() as stack:
         for kernels in LACKED.get(path, ()):  # what the measured code ran on ATen
-            stack.enter_context(mock.patch.object(plan, kernels, lambda setup: False))
+            stack.enter_context(mock.patch.object(plan, kernels, lambda *args: False))
         p = plan.plan(setup)
     return (p.peak.bytes + (p.training.gradients if finetune == "lora" else 0)) / GIB
 
@@ -413,6 +418,8 @@ def test_the_gated_deltanet_terms_are_what_autograd_keeps_of_the_cpp_op(finetune
     ("FUSED_MAX_DIM", "ops/gated_delta_rule.h", r"kFusedMaxDim = (\d+);"),
     ("CONV_MAX_KERNEL", "ops/causal_conv1d.h", r"kMaxKernel = (\d+);"),
     ("NORM_MAX_WIDTH", "models/qwen3_5/gated_deltanet.h", r"kMaxNormWidth = (\d+);"),
+    ("COMBINE_MAX_SLOTS", "common/experts.h", r"kCombineMaxSlots = (\d+)"),
+    ("COMBINE_MAX_ROW_BYTES", "common/experts.h", r"kCombineMaxRowBytes = (\d+);"),
     ("COMBINE_BLOCK_MIB", "common/experts.cc", r"kCombineBlockMiB = (\d+);"),
     ("TAIL_BLOCK_MIB", "common/checkpoint.h", r"kTailBlockMiB = (\d+);"),
 ])

@@ -54,6 +54,8 @@ TAIL_BLOCK_MIB = 2048  # checkpoint.h kTailBlockMiB: a checkpointed layer's bloc
 FUSED_MAX_DIM = 128  # gated_delta_rule.h kFusedMaxDim: the widest heads its fused CUDA kernels take
 CONV_MAX_KERNEL = 8  # causal_conv1d.h kMaxKernel: the longest conv its CUDA kernels take
 NORM_MAX_WIDTH = 256  # gated_deltanet.h kMaxNormWidth: the widest head its gated-norm CUDA kernels take
+COMBINE_MAX_SLOTS = 16  # experts.h kCombineMaxSlots: the most routed slots a token the combine's kernels take
+COMBINE_MAX_ROW_BYTES = 32768  # experts.h kCombineMaxRowBytes: the widest row they take
 # The LM head's chunk of tokens (the C++ op takes the reference's default).
 CE_CHUNK = inspect.signature(v4_cross_entropy_loss).parameters["chunk_tokens"].default
 FP32 = 4
@@ -371,7 +373,8 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
     s.add("rows", "the routed rows [T k, H] (gate_up's input)", rows * H * b, c.keeps_input(i, gu))
     lora_terms(s, c, i, "rows", gu, rows)
     s.add("gate_up", "gate_up's output [T k, 2I] (SwiGLU's inputs)", rows * 2 * I * b)
-    s.add("silu", "silu(gate) [T k, I]", rows * I * b)
+    if not fused_swiglu(c.setup, I):
+        s.add("silu", "silu(gate) [T k, I]", rows * I * b)
     s.add("act", "silu(gate) * up [T k, I] (down's input)", rows * I * b, c.keeps_input(i, dn))
     lora_terms(s, c, i, "act", dn, rows)
     s.mark("combined")
@@ -392,10 +395,11 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
     exchange = [Term("all-to-all: the rows sent and the rows arrived [T k, H] each", 2 * rows * H * b if ep else 0)]
     back = [Term("all-to-all: the experts' outputs, regrouped by source, and arrived back [T k, H] each",
                  3 * rows * H * b)]
-    # The combine (experts.cc Combine) weighs and sums a block of tokens at a time, B k H elements
-    # (B: its fp32 [B, k, H] within COMBINE_BLOCK_MIB); its backward, block by block, gathers the
-    # rows, in fp32, times the incoming gradient (fp32), then writes y's gradient over y's rows.
-    block = min(T, max(1, (COMBINE_BLOCK_MIB << 20) // (FP32 * k * H))) * k * H
+    # The combine (experts.cc Combine) on ATen weighs and sums a block of tokens at a time, B k H
+    # elements (B: its fp32 [B, k, H] within COMBINE_BLOCK_MIB); its backward, block by block,
+    # gathers the rows, in fp32, times the incoming gradient (fp32), then writes y's gradient over
+    # y's rows. Its CUDA kernels read the rows in place (no block).
+    block = 0 if fused_combine(c.setup, H, k) else min(T, max(1, (COMBINE_BLOCK_MIB << 20) // (FP32 * k * H))) * k * H
     weigh = [Term("combine: the output [T, H]; a block's rows gathered and weighed [B, k, H]", T * H * b + 2 * block * b)]
     combine = [Term("combine backward: a block's rows gathered, in fp32, times the incoming gradient (fp32)",
                     block * (b + (FP32 if b < FP32 else 0) + FP32))]
@@ -631,6 +635,21 @@ def fused_loss(setup: Setup) -> bool:
     (cross_entropy_loss.cc picks it): CUDA, bf16 or fp32; the gradient is written over the logits.
     Otherwise ATen's float32 chain (the logits cast, log_softmax'ed, then the gradient)."""
     return device_kernels(setup)
+
+
+def fused_swiglu(setup: Setup, inter: int) -> bool:
+    """Whether the experts' SwiGLU runs its CUDA kernels (experts.cc swiglu): CUDA, bf16 or fp32,
+    the intermediate width a multiple of 8. They keep gate_up alone; ATen also kept silu(gate)."""
+    return device_kernels(setup) and inter % 8 == 0
+
+
+def fused_combine(setup: Setup, hidden: int, k: int) -> bool:
+    """Whether the MoE combine runs its CUDA kernels (experts.cc Combine::fused): CUDA, bf16 or
+    fp32, rows a multiple of 8 wide and at most COMBINE_MAX_ROW_BYTES, at most COMBINE_MAX_SLOTS
+    slots a token. They read the routed rows in place; ATen gathered a block of them, and in the
+    backward widened it to fp32."""
+    return (device_kernels(setup) and hidden % 8 == 0 and hidden * setup.dtype_bytes <= COMBINE_MAX_ROW_BYTES
+            and k <= COMBINE_MAX_SLOTS)
 
 
 def padded_tokens(c: Ctx) -> int:

@@ -543,12 +543,6 @@ void with_type(const at::Tensor& t, F&& f) {
   else f(__half{});
 }
 
-// A contiguous tensor whose data starts 16-byte aligned (cp.async reads 16 bytes at a time).
-at::Tensor dense16(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
-  return aligned16(c.const_data_ptr()) ? c : c.clone();
-}
-
 }  // namespace
 
 bool sparse_latent_supported(const at::Tensor& q, const at::Tensor& kv, int64_t C) {
