@@ -107,6 +107,7 @@ FUSED = "The delta rule fused into CUDA kernels (2026-12-02, stop 27)"
 COMBINE = "The combine as one autograd node, measured (2026-12-02, stop 28)"
 BLOCKS = "A checkpointed layer's MoE in blocks of tokens (2026-12-02, stop 28)"
 KERNELS = "The Gated DeltaNet block's conv and gated norm as CUDA kernels (2026-12-02, stop 31)"
+MOE_KERNELS = "RMSNorm, the experts' SwiGLU and the MoE combine as CUDA kernels (2026-12-03)"
 MEASURED = [
     ("glm5", "full", 4096, False, False, 14.5, COMBINE, None),
     ("glm5", "full", 16384, True, False, 20.3, BLOCKS, None),
@@ -125,6 +126,8 @@ MEASURED = [
     ("qwen3_5", "full", 65536, True, False, 20.0, KERNELS, "block"),
     ("qwen3_5", "full", 4096, False, False, 6.3, KERNELS, "loss"),
     ("glm5", "full", 4096, False, False, 12.8, KERNELS, "loss"),
+    ("qwen3_5", "full", 4096, False, False, 6.1, MOE_KERNELS, "all"),
+    ("glm5", "full", 4096, False, False, 12.8, MOE_KERNELS, "all"),
 ]
 TOLERANCE = 0.10
 # The CUDA kernels that each era's code lacked (it ran their ATen paths): the planner leaves them out.
