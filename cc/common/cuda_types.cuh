@@ -1,5 +1,5 @@
 // Device helpers the CUDA kernels share: element conversions (the kernels compute in float32 on
-// float32 or bfloat16 tensors) and a warp's sum.
+// float32 or bfloat16 tensors), 16-byte packs and a warp's sum.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -19,6 +19,13 @@ __device__ __forceinline__ T from_float(float x) {
   if constexpr (std::is_same_v<T, float>) return x;
   else return __float2bfloat16(x);
 }
+
+// N elements of T in 16 bytes, aligned so that a Pack is one 16-byte load or store.
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
 
 // The sum of x over the warp's 32 lanes, in every lane.
 __device__ __forceinline__ float warp_sum(float x) {

@@ -21,12 +21,6 @@ namespace {
 constexpr int kThreads = 256, kWarps = kThreads / 32, kMaxK = static_cast<int>(kCombineMaxSlots);
 static_assert(kCombineMaxRowBytes == 8 * kThreads * 16, "8 packs of 16 bytes a thread");
 
-template <typename T>
-struct alignas(16) Pack {
-  static constexpr int N = 16 / sizeof(T);
-  T v[N];
-};
-
 // out[t] = sum_j rounded(w[t, j] y[inverse[t k + j]]); pack p of a thread covers columns
 // (threadIdx.x + p kThreads) N ...
 template <typename T, int P>

@@ -60,12 +60,6 @@ __device__ __forceinline__ Stat shuffle(const Stat& a, int o) {
 
 // 16 bytes of T at a time where the row allows, else one element at a time.
 template <typename T>
-struct alignas(16) Pack {  // aligned, so that a Pack is one 16-byte load or store
-  static constexpr int N = 16 / sizeof(T);
-  T v[N];
-};
-
-template <typename T>
 __global__ void __launch_bounds__(kThreads) rows_kernel(T* logits, const int64_t* targets, int64_t V, float inv,
                                                         bool grad, bool vec, float* loss) {
   __shared__ Stat part[kWarps];

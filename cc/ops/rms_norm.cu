@@ -18,13 +18,6 @@ namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 
-// N elements of T in 16 bytes.
-template <typename T>
-struct alignas(16) Pack {
-  static constexpr int N = 16 / sizeof(T);
-  T v[N];
-};
-
 // The sum of v over the block, in every thread; `sm` holds kWarps floats. Ends with a barrier, so
 // the next call may reuse sm.
 __device__ __forceinline__ float block_sum(float v, float* sm) {
