@@ -62,6 +62,12 @@ def width(draw: Draw, max_size: int, dtype: torch.dtype) -> int:
     return size(draw, max_size) if dtype == torch.float64 else 3 + size(draw, max_size - 3)
 
 
+def kernel_width(draw: Draw, max_size: int, dtype: torch.dtype) -> int:
+    """A width that is a multiple of 8 (up to max_size) half the time, which the MoE's CUDA kernels
+    take (cc/common/experts.cu: the SwiGLU and the combine), else `width`."""
+    return 8 * draw.integers(1, max_size // 8) if draw.booleans() else width(draw, max_size, dtype)
+
+
 def shape(draw: Draw, min_dims: int, max_dims: int, max_size: int) -> tuple[int, ...]:
     return tuple(size(draw, max_size) for _ in range(draw.integers(min_dims, max_dims)))
 

@@ -4,7 +4,7 @@ import torch
 
 from v4train.ops import OPS
 from v4train.testing.case import ErrorCase, OpCase
-from v4train.testing.samples import Sample, layout, make_leaf, seed, size, view_as_layout, weight_leaves, width
+from v4train.testing.samples import Sample, kernel_width, layout, make_leaf, seed, size, view_as_layout, weight_leaves
 from v4train.models.qwen3_5.moe import Qwen35MoeWeights
 from v4train.reference.lora import bind
 
@@ -14,9 +14,7 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     others), top_k = the number of experts, and a given routing (a recomputation's). The C++ router
     runs the reference's ATen calls in the same order, so its choice is identical bit for bit,
     near-ties included; the routing output is compared exactly."""
-    # Widths of 8k half the time: the SwiGLU's and the combine's CUDA kernels (experts.cu) take those.
-    tokens = size(draw, 40)
-    hidden, inter = (8 * draw.integers(1, 3) if draw.booleans() else width(draw, 24, dtype) for _ in range(2))
+    tokens, hidden, inter = size(draw, 40), kernel_width(draw, 24, dtype), kernel_width(draw, 24, dtype)
     experts = draw.sampled_from([2, 3, 4, 8])
     top_k = draw.sampled_from([1, 2, experts])
     top_k = min(top_k, experts)
