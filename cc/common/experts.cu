@@ -118,14 +118,11 @@ void run(CombineRows& c, bool backward) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The fewest packs a thread that cover the row: P, or more, up to those of kCombineMaxRowBytes.
-template <typename T, int P = 1>
+// The fewest packs a thread that cover the row, up to those of kCombineMaxRowBytes.
+template <typename T>
 void launch(CombineRows& c, bool backward) {
   constexpr int kMaxPacks = kCombineMaxRowBytes / (kThreads * 16);
-  if constexpr (P < kMaxPacks) {
-    if (c.y_rows.size(1) > P * kThreads * Pack<T>::N) return launch<T, P + 1>(c, backward);
-  }
-  run<T, P>(c, backward);
+  with_packs<T, kThreads, kMaxPacks>(c.y_rows.size(1), [&](auto packs) { run<T, decltype(packs)::value>(c, backward); });
 }
 
 // act = rounded(rounded(silu(g)) u) for each of the 8-element groups of [rows, I], a thread a group

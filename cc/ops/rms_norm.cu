@@ -137,14 +137,11 @@ void run(Norm& n, bool backward) {
   n.ds = ds_part.sum(0);
 }
 
-// The fewest packs a thread that cover the row: P, or more, up to those of kMaxWidth.
-template <typename T, int P = 1>
+// The fewest packs a thread that cover the row, up to those of kMaxWidth.
+template <typename T>
 void launch(Norm& n, bool backward) {
-  constexpr int64_t kMaxPacks = (kMaxWidth + kThreads * Pack<T>::N - 1) / (kThreads * Pack<T>::N);
-  if constexpr (P < kMaxPacks) {
-    if (n.x.size(1) > P * kThreads * Pack<T>::N) return launch<T, P + 1>(n, backward);
-  }
-  run<T, P>(n, backward);
+  constexpr int kMaxPacks = (kMaxWidth + kThreads * Pack<T>::N - 1) / (kThreads * Pack<T>::N);
+  with_packs<T, kThreads, kMaxPacks>(n.x.size(1), [&](auto packs) { run<T, decltype(packs)::value>(n, backward); });
 }
 
 void rms_norm_cuda(Norm& n, bool backward) {
