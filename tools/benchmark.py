@@ -19,6 +19,12 @@ from v4train.ops import REFERENCE
 from v4train.testing.cases import CASES
 
 
+def first(out):
+    """An op's differentiable output: the tensor, or the first of a tuple (v4_mla_dsa_attention also
+    returns its layer's key selection)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def timed(fn, device, reps):
     """Median milliseconds of fn() over reps calls, after warm-up."""
     for _ in range(3):
@@ -78,14 +84,14 @@ def main():
                 ms = timed(lambda: fn(*op_args), args.device, args.reps)
                 print(f"| {op_name} | {shape} | {impl} | {ms:.3f} | - | - | - |", flush=True)
                 continue
-            grad = torch.randn_like(fn(*op_args))
+            grad = torch.randn_like(first(fn(*op_args)))
 
             def fwd():
                 with torch.no_grad():
                     fn(*op_args)
 
             def fwd_bwd():
-                fn(*op_args).backward(grad)
+                first(fn(*op_args)).backward(grad)
 
             fwd_ms = timed(fwd, args.device, args.reps)
             peak = ""

@@ -1,5 +1,7 @@
 """v4_mla_dsa_attention: GLM-5's MLA attention over the keys the DSA indexer selects."""
 
+import functools
+
 import torch
 
 from v4train.models import config_from_dict
@@ -131,7 +133,9 @@ def _call(h=lambda: torch.zeros(5, 16), positions=lambda: torch.arange(5), cu=la
 
 
 def _bench(device, dtype, tokens=4096):
-    """A GLM-5 attention layer (the proxy's: hidden 6144, 64 heads, DSA top-2048) on 4096 tokens."""
+    """A GLM-5 attention layer (the proxy's: hidden 6144, 64 heads, DSA top-2048) on `tokens` tokens
+    of one document: at 4,096 its queries past index_topk take the masked dense path, at 65,536 the
+    sparse latent kernels (issue 19's shape)."""
     cfg = config_from_dict({"model_type": "glm_moe_dsa", "num_hidden_layers": 1, "indexer_types": ["full"]})
     gen = torch.Generator().manual_seed(0)
     w = {k: (0.02 * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype).requires_grad_()
@@ -151,7 +155,7 @@ def _bench(device, dtype, tokens=4096):
 
 
 CASE = OpCase(
-    OPS["v4_mla_dsa_attention"], samples=samples, benchmarks=(_bench,),
+    OPS["v4_mla_dsa_attention"], samples=samples, benchmarks=(_bench, functools.partial(_bench, tokens=65536)),
     errors=(
         ErrorCase("a shared layer without carry", _call(), "is a 'shared' indexer layer but no earlier layer's selection"),
         ErrorCase("h of the wrong width", _call(h=lambda: torch.zeros(5, 12)), "h has shape [5, 12], expected [T, hidden_size=16]"),
