@@ -19,8 +19,10 @@ V4_NANOBIND_EXTRA_COPTS = ["-fno-strict-aliasing"]
 
 # The CUDA kernels (cc/ops/<op>.cu) are built by tools/build_ext.py where nvcc and a CUDA torch
 # exist; each registers its kernels for CUDA tensors (cc/common/backend.h), so no source needs a
-# CUDA #define, and the Bazel build (CPU) is the ATen path alone.
-V4_NVCC_FLAGS = ["-std=c++20", "-O3", "-gencode=arch=compute_90,code=[sm_90,compute_90]", "--expt-relaxed-constexpr",
+# CUDA #define, and the Bazel build (CPU) is the ATen path alone. sm_90a machine code (Hopper's
+# wgmma, cc/common/wgmma.cuh) and compute_90 PTX, which later GPUs compile (without wgmma).
+V4_NVCC_FLAGS = ["-std=c++20", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                 "-gencode=arch=compute_90,code=compute_90", "--expt-relaxed-constexpr",
                  "-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden", "-Xptxas=-warn-spills",
                  "-lineinfo"]  # source lines for Nsight Compute; no cost at run time
 

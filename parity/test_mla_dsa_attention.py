@@ -2,7 +2,8 @@
 heads of 128): the latent path and, on CUDA in bf16, its kernels (the fused indexer scores, the
 sparse attention's forward and backward) against the reference, forward and every gradient.
 The drawn samples of the registry cover the small and odd shapes; these the tiled ones: a
-top-k that is not a whole number of the kernels' 32-key tiles, and one that is."""
+top-k that is not a whole number of the kernels' 32- or 64-key tiles, one that is, and one of
+three 64-key tiles (the Hopper forward's double buffer turns over)."""
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ CASES = [("cpu", torch.float32)] + [("cuda", dt) for dt in (torch.bfloat16, torc
 
 
 @pytest.mark.parametrize("device,dtype", CASES, ids=[f"{d}-{str(t).removeprefix('torch.')}" for d, t in CASES])
-@pytest.mark.parametrize("tokens,top_k", [(160, 50), (300, 64)])
+@pytest.mark.parametrize("tokens,top_k", [(160, 50), (300, 64), (400, 130)])
 def test_glm5_widths_match_the_reference(device, dtype, tokens, top_k):
     sample = glm5_width_sample(dtype, device, tokens, top_k)
     check_parity(OPS[NAME], OPS[NAME].cpp(), REFERENCE[NAME], sample, seed=1)

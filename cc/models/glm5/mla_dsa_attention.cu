@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "cc/common/backend.h"
+#include "cc/common/wgmma.cuh"
 #include "cc/models/glm5/mla_dsa_attention.h"
 
 namespace v4::cuda {
@@ -206,40 +207,52 @@ __device__ __forceinline__ void load_rows_async(T* dst, int pitch, const T* src,
   }
 }
 
-// Key tile `tile` (slots tile*32..) of query `t`: rows of kv gathered by idx, zero for unused slots.
+// The key id of selection slot `slot` of a query (its row of idx), -1 past the K slots.
+__device__ __forceinline__ int key_id(const int64_t* idx_row, int K, int slot) {
+  return slot < K ? int(idx_row[slot]) : -1;
+}
+
+// Key tile `tile` (slots tile*32..): rows of kv named by ids (read from shared memory, so that no
+// gather waits on a global load of its index), zero for unused slots (-1).
 template <typename T>
-__device__ __forceinline__ void load_keys_async(T* dst, int* keys, const T* kv, const int64_t* idx, const SparseShape& s,
-                                                int t, int tile) {
+__device__ __forceinline__ void load_keys_async(T* dst, const int* ids, const T* kv, const SparseShape& s) {
   const int chunks = s.dp / 8, pitch = s.pitch();
   for (int i = threadIdx.x; i < kKeys * chunks; i += kSparseThreads) {
-    const int r = i / chunks, c = (i % chunks) * 8, slot = tile * kKeys + r;
-    const int64_t key = slot < s.K ? idx[int64_t(t) * s.K + slot] : -1;
+    const int r = i / chunks, c = (i % chunks) * 8, key = ids[r];
     const bool ok = key >= 0 && c < s.D;
-    cp_async16(dst + r * pitch + c, ok ? kv + key * s.D + c : kv, ok);
-    if (c == 0) keys[r] = int(key);
+    cp_async16(dst + r * pitch + c, ok ? kv + int64_t(key) * s.D + c : kv, ok);
   }
 }
 
-// The key tiles of query t, double-buffered in sK [2][kKeys][pitch] and sKey [2][kKeys]: tile i + 1
-// is gathered (cp.async) while body(keys, key ids) computes on tile i. Loads issued before the call
-// and not yet committed (the query's own rows) arrive with tile 0. A key id is -1 for an unused slot.
+// The key tiles of query t, double-buffered in sK [2][kKeys][pitch]: tile i + 1 is gathered
+// (cp.async) while body(keys, key ids) computes on tile i. The key ids sit in sKey [3][kKeys], a
+// ring written two tiles ahead: each tile's index loads are in flight during the tile before.
+// Loads issued before the call and not yet committed (the query's own rows) arrive with tile 0.
 template <typename T, typename Body>
 __device__ __forceinline__ void for_each_key_tile(T* sK, int* sKey, const T* kv, const int64_t* idx,
                                                   const SparseShape& s, int t, Body&& body) {
   const int pitch = s.pitch(), tiles = (s.K + kKeys - 1) / kKeys;
-  load_keys_async(sK, sKey, kv, idx, s, t, 0);
+  const int64_t* row = idx + int64_t(t) * s.K;
+  if (threadIdx.x < kKeys) {
+    sKey[threadIdx.x] = key_id(row, s.K, threadIdx.x);
+    sKey[kKeys + threadIdx.x] = key_id(row, s.K, kKeys + threadIdx.x);
+  }
+  __syncthreads();
+  load_keys_async(sK, sKey, kv, s);
   cp_async_commit();
   for (int i = 0; i < tiles; ++i) {
     const int buf = i % 2;
+    const int ahead = threadIdx.x < kKeys ? key_id(row, s.K, (i + 2) * kKeys + threadIdx.x) : -1;
     if (i + 1 < tiles) {
-      load_keys_async(sK + (buf ^ 1) * kKeys * pitch, sKey + (buf ^ 1) * kKeys, kv, idx, s, t, i + 1);
+      load_keys_async(sK + (buf ^ 1) * kKeys * pitch, sKey + (i + 1) % 3 * kKeys, kv, s);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    body(static_cast<const T*>(sK + buf * kKeys * pitch), static_cast<const int*>(sKey + buf * kKeys));
+    body(static_cast<const T*>(sK + buf * kKeys * pitch), static_cast<const int*>(sKey + i % 3 * kKeys));
+    if (threadIdx.x < kKeys) sKey[(i + 2) % 3 * kKeys + threadIdx.x] = ahead;  // tile i - 1's slot: read
     __syncthreads();  // the body's shared tiles and this buffer are rewritten next
   }
 }
@@ -293,7 +306,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
   T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + kHeads * pitch;                                          // [2][kKeys][pitch]
   float* sS = reinterpret_cast<float*>(sK + 2 * kKeys * pitch);       // [kHeads][kKeys + 4]
-  int* sKey = reinterpret_cast<int*>(sS + kHeads * (kKeys + 4));       // [2][kKeys]
+  int* sKey = reinterpret_cast<int*>(sS + kHeads * (kKeys + 4));       // [3][kKeys]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   const int wr = (warp % 4) * 16, kc = (warp / 4) * 16, oc = (warp / 4) * (s.cp / 2);
   const float sl2 = scale * kLog2e;
@@ -376,6 +389,166 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
   }
 }
 
+// ---- The forward at GLM-5's widths (D = 576 latent + rope dims, C = 512 value dims) on Hopper's
+// warpgroup products: one block a query and 64 heads, two warpgroups, the selected keys in tiles
+// of 64 gathered (cp.async) one tile ahead of the math. Warpgroup w forms the scores of keys
+// 32w.. of a tile (S = Q K^T, 64 x 32), the two exchange their row maxima through shared memory,
+// write P as bfloat16 into one [64 heads x 64 keys] tile, and each accumulates output columns
+// 256w.. over all 64 keys (O += P V, V being the same gathered rows read MN-major). Shared tiles
+// are in wgmma's canonical no-swizzle layout (cc/common/wgmma.cuh): Q, the key tiles and P each as
+// core matrices of 8 rows x 8 columns, the row groups 128 bytes apart and the column groups 1,024.
+constexpr int kWgD = 576, kWgC = 512, kWgKeys = 64, kWgThreads = 256;
+constexpr int kWgTileBytes = kHeads * kWgD * 2;  // Q's tile and each key tile: 64 rows x 576
+
+size_t wgmma_forward_smem() { return 3 * size_t(kWgTileBytes) + kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4; }
+
+// 64 rows of 576 columns into a core-matrix tile: rows from `row_of(r)` (nullptr: zeros; any_row
+// is a readable address for the zero-byte copies). Eight
+// consecutive threads fill one core matrix (128 contiguous bytes).
+template <typename T, typename RowOf>
+__device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* any_row, RowOf&& row_of) {
+  constexpr int kChunks = kWgD / 8;
+  for (int i = threadIdx.x; i < kHeads * kChunks; i += kWgThreads) {
+    const int r = (i / (8 * kChunks)) * 8 + i % 8, c = (i / 8) % kChunks;
+    const T* src = row_of(r);
+    cp_async16(dst + wgmma::tile64_offset(r, c * 8), src ? src + c * 8 : any_row, src != nullptr);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    sparse_forward_wgmma_kernel(const T* __restrict__ q, const T* __restrict__ kv, const int64_t* __restrict__ idx,
+                                T* __restrict__ o, float* __restrict__ lse, int nh, int K, float scale) {
+#if defined(V4_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* sQ = smem;
+  unsigned char* sK = smem + kWgTileBytes;               // [2] key tiles
+  unsigned char* sP = smem + 3 * kWgTileBytes;           // [64 heads x 64 keys]
+  float* sRow = reinterpret_cast<float*>(sP + kHeads * kWgKeys * 2);  // [2 warpgroups][64]
+  int* sKey = reinterpret_cast<int*>(sRow + 2 * kHeads);               // [3][64], a ring
+  const int t = blockIdx.x, row0 = blockIdx.y * kHeads, valid = min(kHeads, nh - row0);
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
+            tq = lane % 4;
+  const float sl2 = scale * kLog2e;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int tiles = (K + kWgKeys - 1) / kWgKeys;
+  const int64_t* row = idx + int64_t(t) * K;
+  const auto load_keys = [&](int tile) {  // its ids are in the ring (for_each_key_tile's scheme)
+    const int* ids = sKey + tile % 3 * kWgKeys;
+    load_core_tile<T>(sK + (tile % 2) * kWgTileBytes, kv,
+                      [&](int r) -> const T* { return ids[r] >= 0 ? kv + int64_t(ids[r]) * kWgD : nullptr; });
+  };
+  const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), p_addr = smem_addr(sP);
+
+  if (threadIdx.x < kWgKeys) {
+    sKey[threadIdx.x] = key_id(row, K, threadIdx.x);
+    sKey[kWgKeys + threadIdx.x] = key_id(row, K, kWgKeys + threadIdx.x);
+  }
+  __syncthreads();
+  load_core_tile<T>(sQ, q, [&](int r) -> const T* { return r < valid ? q + (int64_t(t) * nh + row0 + r) * kWgD : nullptr; });
+  load_keys(0);
+  cp_async_commit();
+  float acc[128] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
+  for (int i = 0; i < tiles; ++i) {
+    const int ahead = threadIdx.x < kWgKeys ? key_id(row, K, (i + 2) * kWgKeys + threadIdx.x) : -1;
+    cp_async_wait<0>();
+    wgmma::fence_shared();
+    __syncthreads();  // tile i is in; both warpgroups are done with tile i - 1's buffer, P and maxima
+    if (i + 1 < tiles) {
+      load_keys(i + 1);
+      cp_async_commit();
+    }
+    const uint32_t keys = k_addr + (i % 2) * kWgTileBytes;
+    const int* ids = sKey + i % 3 * kWgKeys;
+    float s[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) s[j] = 0.0f;
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgD / 16; ++kk)  // A: Q's columns 16kk..; B: keys 32wg.., same columns
+      wgmma::m64n32<T>(s, wgmma::desc(q_addr + kk * 2048, 1024, 128),
+                       wgmma::desc(keys + wg * 4 * 128 + kk * 2048, 1024, 128));
+    wgmma::commit();
+    wgmma::wait<0>();
+    // Tile i - 1's ring slot, read before this tile's first barrier, takes tile i + 2's ids.
+    if (threadIdx.x < kWgKeys) sKey[(i + 2) % 3 * kWgKeys + threadIdx.x] = ahead;
+    // Rows r0 = 16 warp + g and r0 + 8; this thread's keys 32wg + 8j + 2tq (+1).
+    const int r0 = 16 * warp + g;
+    float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = wg * 32 + 8 * j + 2 * tq + (e & 1);
+        s[4 * j + e] = ids[key] >= 0 ? s[4 * j + e] * sl2 : kNegInf;
+        mx[e / 2] = fmaxf(mx[e / 2], s[4 * j + e]);
+      }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffff, mx[x], 1));
+      mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffff, mx[x], 2));
+      if (tq == 0) sRow[wg * kHeads + r0 + 8 * x] = mx[x];
+    }
+    __syncthreads();
+    float alpha[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const float m_new = fmaxf(m[x], fmaxf(mx[x], sRow[(1 - wg) * kHeads + r0 + 8 * x]));
+      const float base = m_new == kNegInf ? 0.0f : m_new;
+      alpha[x] = exp2f(m[x] - base);
+      m[x] = m_new;
+      mx[x] = base;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const float p0 = exp2f(s[4 * j + 2 * x] - mx[x]), p1 = exp2f(s[4 * j + 2 * x + 1] - mx[x]);
+        sum[x] += p0 + p1;
+        *reinterpret_cast<uint32_t*>(sP + wgmma::tile64_offset(r0 + 8 * x, wg * 32 + 8 * j + 2 * tq)) = pack2<T>(p0, p1);
+      }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      sum[x] += __shfl_xor_sync(0xffffffff, sum[x], 1);
+      sum[x] += __shfl_xor_sync(0xffffffff, sum[x], 2);
+      l[x] = l[x] * alpha[x] + sum[x];
+    }
+#pragma unroll
+    for (int j = 0; j < 128; ++j) acc[j] *= alpha[(j / 2) % 2];
+    wgmma::fence_shared();
+    __syncthreads();  // P of both warpgroups is in
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgKeys / 16; ++kk)  // A: P's keys 16kk..; B: those keys' columns 256wg..
+      wgmma::m64n256_trans_b<T>(acc, wgmma::desc(p_addr + kk * 2048, 1024, 128),
+                                wgmma::desc(keys + wg * 32 * 1024 + kk * 256, 128, 1024));
+    wgmma::commit();
+    wgmma::wait<0>();
+  }
+  // l: this warpgroup's keys' share; the row's is both warpgroups' (same maxima).
+  __syncthreads();
+  const int r0 = 16 * warp + g;
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+    if (tq == 0) sRow[wg * kHeads + r0 + 8 * x] = l[x];
+  __syncthreads();
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int row = r0 + 8 * x;
+    if (row >= valid) continue;
+    const float total = l[x] + sRow[(1 - wg) * kHeads + row], inv = total > 0.0f ? 1.0f / total : 0.0f;
+    T* out = o + (int64_t(t) * nh + row0 + row) * kWgC + wg * 256;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<uint32_t*>(out + 8 * j + 2 * tq) = pack2<T>(acc[4 * j + 2 * x] * inv, acc[4 * j + 2 * x + 1] * inv);
+    if (tq == 0 && wg == 0)
+      lse[int64_t(t) * nh + row0 + row] = total > 0.0f ? (m[x] + log2f(total)) * kLn2 : kNegInf;
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
 // dq[t] and the atomic dkv contributions of query t: with p = exp(scale s - lse), dp = dout . v,
 // ds = p (dp - delta) scale: dq = ds . k; dkv[idx] += ds^T q + (p^T dout on the value columns).
 // dout [Lq, nh, C] is read in place, with strides dout_stride = (query, head), as autograd gives
@@ -398,7 +571,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
   T* sP = sK + 2 * kKeys * pitch;               // [kHeads][kPP]
   T* sdS = sP + kHeads * kPP;                   // [kHeads][kPP]
   float* sStat = reinterpret_cast<float*>(sdS + kHeads * kPP);  // lse * log2e, delta: [2][kHeads]
-  int* sKey = reinterpret_cast<int*>(sStat + 2 * kHeads);      // [2][kKeys]
+  int* sKey = reinterpret_cast<int*>(sStat + 2 * kHeads);      // [3][kKeys]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
   const int wr = (warp % 4) * 16, kc = (warp / 4) * 16, qc = (warp / 4) * (s.dp / 2);
   const int vk = (warp % 2) * 16, vc = (warp / 2) * (s.dp / 4);
@@ -513,18 +686,27 @@ SparseShape sparse_shape(const at::Tensor& q, const at::Tensor& kv, const at::Te
 }
 
 size_t forward_smem(const SparseShape& s, size_t elem) {
-  return (size_t(kHeads) + 2 * kKeys) * s.pitch() * elem + kHeads * (kKeys + 4) * sizeof(float) + 2 * kKeys * sizeof(int);
+  return (size_t(kHeads) + 2 * kKeys) * s.pitch() * elem + kHeads * (kKeys + 4) * sizeof(float) + 3 * kKeys * sizeof(int);
 }
 
 size_t backward_smem(const SparseShape& s, size_t elem) {
   return (size_t(kHeads) * s.pitch() + size_t(kHeads) * (s.cp + 8) + 2 * kKeys * s.pitch() + 2 * kHeads * (kKeys + 8)) * elem +
-         2 * kHeads * sizeof(float) + 2 * kKeys * sizeof(int);
+         2 * kHeads * sizeof(float) + 3 * kKeys * sizeof(int);
 }
 
 int max_smem(const at::Tensor& t) {
   int value = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, t.get_device()));
   return value;
+}
+
+// GLM-5's widths on compute capability 9.0, where the wgmma forward's sm_90a build runs.
+bool wgmma_forward_applies(const at::Tensor& q, const SparseShape& s) {
+  if (s.D != kWgD || s.C != kWgC) return false;
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+  return major == 9 && minor == 0 && wgmma_forward_smem() <= size_t(max_smem(q));
 }
 
 // The template instance for n tiles of 8 columns per warp (the fewest that hold them).
@@ -570,9 +752,23 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in,
   at::Tensor o = at::empty({s.Lq, s.nh, C}, q.options());
   at::Tensor lse = at::empty({s.Lq, s.nh}, q.options().dtype(at::kFloat));
   if (s.Lq == 0 || s.nh == 0) return {o, lse};
-  const size_t smem = forward_smem(s, q.element_size());
   const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (wgmma_forward_applies(q, s)) {
+    with_type(q, [&](auto type) {
+      using T = decltype(type);
+      auto* kernel = sparse_forward_wgmma_kernel<T>;
+      const size_t smem = wgmma_forward_smem();
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      kernel<<<grid, kWgThreads, smem, stream>>>(
+          reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
+          idx.const_data_ptr<int64_t>(), reinterpret_cast<T*>(o.mutable_data_ptr()), lse.mutable_data_ptr<float>(),
+          s.nh, s.K, float(scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return {o, lse};
+  }
+  const size_t smem = forward_smem(s, q.element_size());
   with_type(q, [&](auto type) {
     using T = decltype(type);
     with_tiles(s.cp / 16, [&](auto nt) {

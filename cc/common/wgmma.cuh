@@ -1,0 +1,99 @@
+// Hopper's warpgroup tensor-core products (wgmma, PTX ISA 9.7.15) on shared-memory tiles in the
+// canonical layout without swizzle: a tile is cut into "core matrices" of 8 rows x 16 bytes, each
+// 128 contiguous bytes; the descriptor names the byte distance between core matrices along K (the
+// leading offset) and along M or N (the stride offset). Compiled for sm_90a only (the
+// `wgmma.*` instructions exist nowhere else): callers guard their kernels' bodies with
+// V4_HAS_WGMMA and launch them on compute capability 9.0 alone.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define V4_HAS_WGMMA 1
+#endif
+
+namespace v4::wgmma {
+
+// The descriptor of a tile at shared address `addr`, no swizzle.
+__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t k_stride_bytes, uint32_t mn_stride_bytes) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(k_stride_bytes >> 4) << 16 | uint64_t(mn_stride_bytes >> 4) << 32;
+}
+
+// Byte offset of (row, col) of 16-bit elements in a 64-row tile of core matrices: row groups 128
+// bytes apart, column groups of 8 1,024 bytes apart. Its descriptor strides: 1,024 along the
+// columns, 128 along the rows, whichever of them is K.
+__device__ __forceinline__ int tile64_offset(int row, int col) {
+  return ((col / 8) * 8 + row / 8) * 128 + (row % 8) * 16 + (col % 8) * 2;
+}
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Writes to shared memory by threads (st.shared, cp.async) made visible to the tensor core's reads.
+__device__ __forceinline__ void fence_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d [64 x N] += a [64 x 16] . b [16 x N]; a and b K-major, except b MN-major in the _TRANS_B form.
+// d is the warpgroup's accumulator fragment: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
+// columns 8j + 2(l%4) (+1) as d[4j..4j+3].
+#define V4_WGMMA_M64N32(TY)                                                                                  \
+  asm volatile(                                                                                              \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                           \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {"                                           \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"                                 \
+      "}, %16, %17, p, 1, 1, 0, 0;\n}\n"                                                                     \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+      : "l"(a), "l"(b), "n"(1))
+
+#define V4_WGMMA_M64N256_TRANS_B(TY)                                                                                    \
+  asm volatile(                                                                                                         \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                     \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {"                                                     \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                          \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                                \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                                \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                                \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                                \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                  \
+      "}, %128, %129, p, 1, 1, 0, 1;\n}\n"                                                                              \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),         \
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),         \
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),         \
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),         \
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),         \
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),     \
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
+      : "l"(a), "l"(b), "n"(1))
+
+template <typename T>
+__device__ __forceinline__ void m64n32(float (&d)[16], uint64_t a, uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N32("bf16");
+  else V4_WGMMA_M64N32("f16");
+}
+
+template <typename T>
+__device__ __forceinline__ void m64n256_trans_b(float (&d)[128], uint64_t a, uint64_t b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N256_TRANS_B("bf16");
+  else V4_WGMMA_M64N256_TRANS_B("f16");
+}
+
+#undef V4_WGMMA_M64N32
+#undef V4_WGMMA_M64N256_TRANS_B
+
+}  // namespace v4::wgmma
