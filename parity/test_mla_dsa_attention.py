@@ -24,6 +24,17 @@ def test_glm5_widths_match_the_reference(device, dtype, tokens, top_k):
     check_parity(OPS[NAME], OPS[NAME].cpp(), REFERENCE[NAME], sample, seed=1)
 
 
+@pytest.mark.skipif("cuda" not in devices(), reason="the Hopper kernels' own cases")
+@pytest.mark.parametrize("dtype,tokens,top_k,heads", [
+    (torch.bfloat16, 600, 300, 64),  # five 64-key tiles: the key-id ring's slots are reused
+    (torch.float16, 600, 300, 64),   # the float16 instances
+    (torch.bfloat16, 300, 100, 80),  # a second block of heads with 16 of its 64 rows valid
+], ids=["bf16-ring", "fp16", "bf16-80-heads"])
+def test_glm5_widths_on_cuda(dtype, tokens, top_k, heads):
+    sample = glm5_width_sample(dtype, "cuda", tokens, top_k, heads=heads)
+    check_parity(OPS[NAME], OPS[NAME].cpp(), REFERENCE[NAME], sample, seed=1)
+
+
 SMALL_BLOCKS = 64 * 1024  # bytes of scores per block: a few queries each at these widths
 
 
