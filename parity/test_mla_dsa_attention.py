@@ -25,13 +25,14 @@ def test_glm5_widths_match_the_reference(device, dtype, tokens, top_k):
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="the Hopper kernels' own cases")
-@pytest.mark.parametrize("dtype,tokens,top_k,heads", [
-    (torch.bfloat16, 600, 300, 64),  # five 64-key tiles: the key-id ring's slots are reused
-    (torch.float16, 600, 300, 64),   # the float16 instances
-    (torch.bfloat16, 300, 100, 80),  # a second block of heads with 16 of its 64 rows valid
-], ids=["bf16-ring", "fp16", "bf16-80-heads"])
-def test_glm5_widths_on_cuda(dtype, tokens, top_k, heads):
-    sample = glm5_width_sample(dtype, "cuda", tokens, top_k, heads=heads)
+@pytest.mark.parametrize("dtype,tokens,top_k,heads,index_heads", [
+    (torch.bfloat16, 600, 300, 64, 32),  # five 64-key tiles: the key-id ring's slots are reused
+    (torch.float16, 600, 300, 64, 32),   # the float16 instances
+    (torch.bfloat16, 300, 100, 80, 32),  # a second block of heads with 16 of its 64 rows valid
+    (torch.bfloat16, 300, 100, 64, 3),   # an odd number of indexer heads
+], ids=["bf16-ring", "fp16", "bf16-80-heads", "bf16-3-indexer-heads"])
+def test_glm5_widths_on_cuda(dtype, tokens, top_k, heads, index_heads):
+    sample = glm5_width_sample(dtype, "cuda", tokens, top_k, heads=heads, index_heads=index_heads)
     check_parity(OPS[NAME], OPS[NAME].cpp(), REFERENCE[NAME], sample, seed=1)
 
 

@@ -100,14 +100,15 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
                                       f"rope {cfg.rope.type}, masked_max_len {masked_max_len}, cfg {cfg}")
 
 
-def glm5_width_sample(dtype: torch.dtype, device, tokens: int, top_k: int, seed_: int = 0, heads: int = 64) -> Sample:
-    """One document of `tokens` through GLM-5's own attention widths (64 heads unless `heads`, 512
-    latent + 64 rope dims, 32 indexer heads of 128) on a narrow hidden size, latent path
-    (masked_max_len 0): the shapes the CUDA kernels specialise for, which the drawn samples are too
-    small to reach."""
+def glm5_width_sample(dtype: torch.dtype, device, tokens: int, top_k: int, seed_: int = 0, heads: int = 64,
+                      index_heads: int = 32) -> Sample:
+    """One document of `tokens` through GLM-5's own attention widths (64 heads, 512 latent + 64
+    rope dims, 32 indexer heads of 128, unless `heads` / `index_heads`) on a narrow hidden size,
+    latent path (masked_max_len 0): the shapes the CUDA kernels specialise for, which the drawn
+    samples are too small to reach."""
     cfg = config_from_dict(dict(model_type="glm_moe_dsa", num_hidden_layers=1, indexer_types=["full"],
                                 hidden_size=256, q_lora_rank=192, index_topk=top_k, num_attention_heads=heads,
-                                num_key_value_heads=heads))
+                                num_key_value_heads=heads, index_n_heads=index_heads))
     weights, scaling = attention_leaves(RandomDraw(seed_), cfg, dtype, device, seed_, indexer=True)
     positions, cu = packed([tokens], device)
     leaves = {"h": make_leaf((tokens, cfg.hidden_size), "contiguous", dtype, device, seed_ + 100), **weights}
@@ -115,7 +116,7 @@ def glm5_width_sample(dtype: torch.dtype, device, tokens: int, top_k: int, seed_
     def build(lv):
         return (lv["h"], bind(MlaWeights, lv, "self_attn."), cfg, 0, positions, cu, None, scaling, 0.0, 0), {}
 
-    return Sample(leaves, build, note=f"GLM-5 widths, {heads} heads, {tokens} tokens, index_topk {top_k}")
+    return Sample(leaves, build, note=f"GLM-5 widths, {heads} heads, {index_heads} indexer heads, {tokens} tokens, index_topk {top_k}")
 
 
 def _cfg():
