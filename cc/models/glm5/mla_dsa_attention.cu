@@ -187,6 +187,26 @@ __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// A row's max and sum over the 4 lanes of a quad (those holding one row of an mma fragment).
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Online softmax's step for a row (scores in log2 units): the running max m takes the tile's max,
+// alpha rescales the sums so far, and the result is the base the tile's exponentials subtract
+// (0 while no score is finite, so that a row of -inf gives 0, not NaN).
+__device__ __forceinline__ float online_step(float& m, float tile_max, float& alpha) {
+  const float m_new = fmaxf(m, tile_max), base = m_new == -std::numeric_limits<float>::infinity() ? 0.0f : m_new;
+  alpha = exp2f(m - base);
+  m = m_new;
+  return base;
+}
+
 // Shapes of one launch. dp: D rounded up to 32 (a warp's half of the columns is whole 16-column
 // steps); rows of shared tiles are dp + 8 wide (16-byte aligned rows, no ldmatrix bank conflicts).
 struct SparseShape {
@@ -336,14 +356,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
       }
     float alpha[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffff, mx[x], 1));
-      mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffff, mx[x], 2));
-      const float m_new = fmaxf(m[x], mx[x]), base = m_new == kNegInf ? 0.0f : m_new;
-      alpha[x] = exp2f(m[x] - base);
-      m[x] = m_new;
-      mx[x] = base;
-    }
+    for (int x = 0; x < 2; ++x) mx[x] = online_step(m[x], quad_max(mx[x]), alpha[x]);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -352,11 +365,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
         sum[e / 2] += p[j][e];
       }
 #pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      sum[x] += __shfl_xor_sync(0xffffffff, sum[x], 1);
-      sum[x] += __shfl_xor_sync(0xffffffff, sum[x], 2);
-      l[x] = l[x] * alpha[x] + sum[x];
-    }
+    for (int x = 0; x < 2; ++x) l[x] = l[x] * alpha[x] + quad_sum(sum[x]);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       acc[j][0] *= alpha[0];
@@ -403,8 +412,8 @@ constexpr int kWgTileBytes = kHeads * kWgD * 2;  // Q's tile and each key tile: 
 size_t wgmma_forward_smem() { return 3 * size_t(kWgTileBytes) + kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4; }
 
 // 64 rows of 576 columns into a core-matrix tile: rows from `row_of(r)` (nullptr: zeros; any_row
-// is a readable address for the zero-byte copies). Eight
-// consecutive threads fill one core matrix (128 contiguous bytes).
+// is a readable address for the zero-byte copies). Eight consecutive threads fill one core matrix
+// (128 contiguous bytes).
 template <typename T, typename RowOf>
 __device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* any_row, RowOf&& row_of) {
   constexpr int kChunks = kWgD / 8;
@@ -485,20 +494,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
-      mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffff, mx[x], 1));
-      mx[x] = fmaxf(mx[x], __shfl_xor_sync(0xffffffff, mx[x], 2));
+      mx[x] = quad_max(mx[x]);
       if (tq == 0) sRow[wg * kHeads + r0 + 8 * x] = mx[x];
     }
     __syncthreads();
     float alpha[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const float m_new = fmaxf(m[x], fmaxf(mx[x], sRow[(1 - wg) * kHeads + r0 + 8 * x]));
-      const float base = m_new == kNegInf ? 0.0f : m_new;
-      alpha[x] = exp2f(m[x] - base);
-      m[x] = m_new;
-      mx[x] = base;
-    }
+    for (int x = 0; x < 2; ++x) mx[x] = online_step(m[x], fmaxf(mx[x], sRow[(1 - wg) * kHeads + r0 + 8 * x]), alpha[x]);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -508,11 +510,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         *reinterpret_cast<uint32_t*>(sP + wgmma::tile64_offset(r0 + 8 * x, wg * 32 + 8 * j + 2 * tq)) = pack2<T>(p0, p1);
       }
 #pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      sum[x] += __shfl_xor_sync(0xffffffff, sum[x], 1);
-      sum[x] += __shfl_xor_sync(0xffffffff, sum[x], 2);
-      l[x] = l[x] * alpha[x] + sum[x];
-    }
+    for (int x = 0; x < 2; ++x) l[x] = l[x] * alpha[x] + quad_sum(sum[x]);
 #pragma unroll
     for (int j = 0; j < 128; ++j) acc[j] *= alpha[(j / 2) % 2];
     wgmma::fence_shared();
