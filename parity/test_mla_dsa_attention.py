@@ -110,3 +110,83 @@ def test_the_blocked_paths_match_the_reference():
         check_parity(OPS[NAME], OPS[NAME].cpp(), REFERENCE[NAME], glm5_width_sample(torch.float32, "cpu", 300, 64), seed=1)
     finally:
         module.set_block_bytes(previous)
+
+
+# ---- The op's sparse kernels alone, against their float64 truth. Through the layer, a bf16
+# gradient carries the rounding of a chain of projections, norms and RoPE (at GLM-5's widths the
+# bf16 reference's own error is 4-20% of a weight's gradient), so a kernel's wrong part of a
+# gradient can pass there; here only the kernel's own rounding stands against it.
+
+def sparse_attention(q, kv, idx, scale, value_dims):
+    """softmax(q kv[idx]^T scale) kv[idx][:, :value_dims] by a gather: what
+    sparse_latent_attention computes, in the inputs' dtype."""
+    sel = kv[idx]  # [Lq, K, D]
+    s = torch.einsum("qhd,qkd->qhk", q, sel) * scale
+    return torch.einsum("qhk,qkc->qhc", s.softmax(-1), sel[..., :value_dims])
+
+
+SPARSE_ALONE = [("cpu", torch.float32, 4, 24, 16)] + [
+    ("cuda", dtype, heads, D, C) for dtype in (torch.bfloat16, torch.float16)
+    for heads, D, C in [(64, 576, 512), (80, 576, 512), (16, 136, 128)]]
+
+
+@pytest.mark.parametrize("device,dtype,heads,D,C", SPARSE_ALONE,
+                         ids=[f"{d}-{str(t).removeprefix('torch.')}-{h}x{D}" for d, t, h, D, _ in SPARSE_ALONE])
+@pytest.mark.parametrize("top_k", [64, 300])
+def test_the_sparse_attention_alone_matches_its_truth(device, dtype, heads, D, C, top_k):
+    """GLM-5's widths (64 heads of a 576-wide latent: the wgmma kernels; 80 heads: a second block
+    of heads 16 rows valid) and another (the mma.sync kernels); one whole 64-key tile and five
+    partial ones; scores about 2.5 apart (the online softmax rescales across tiles). Forward, dq
+    and dkv within the dtype's tolerance of the float64 truth, or twice the error of the same
+    computation in torch (compare.assert_close)."""
+    import v4_mla_dsa_attention as module
+    from v4train.testing.compare import assert_close
+
+    if device not in devices():
+        pytest.skip("no GPU")
+    gen = torch.Generator().manual_seed(heads + D + top_k)
+    queries, keys = 40, 700
+    # the dtype's values, the same in every run
+    q, kv = torch.randn(queries, heads, D, generator=gen).to(dtype), torch.randn(keys, D, generator=gen).to(dtype)
+    dout = torch.randn(queries, heads, C, generator=gen).to(dtype)
+    idx = torch.stack([torch.randperm(keys, generator=gen)[:top_k] for _ in range(queries)]).to(device)
+    scale = 2.5 / D ** 0.5
+    runs = {}
+    for name, fn, dt in [("truth", sparse_attention, torch.float64), ("expected", sparse_attention, dtype),
+                         ("actual", module.sparse_latent_attention, dtype)]:
+        leaves = [t.to(device, dt, copy=True).requires_grad_() for t in (q, kv)]
+        out = fn(*leaves, idx, scale, C)
+        out.backward(dout.to(device, dt))
+        runs[name] = (out, *(t.grad for t in leaves))
+    for i, what in enumerate(["out", "dq", "dkv"]):
+        assert_close(runs["actual"][i], runs["expected"][i], f"sparse_latent_attention {what}", truth=runs["truth"][i])
+
+
+def index_scores64(q, k, w, first, scale):
+    """scale sum_h w[i, h] relu(q[i, h] . k[j]), -inf where key j comes after query first + i."""
+    s = (torch.einsum("bhd,kd->bhk", q, k).relu() * w[..., None]).sum(1) * scale
+    key, query = torch.arange(k.shape[0], device=q.device), first + torch.arange(q.shape[0], device=q.device)
+    return s.masked_fill(key[None, :] > query[:, None], float("-inf"))
+
+
+@pytest.mark.skipif("cuda" not in devices(), reason="the device's indexer kernels")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads,d", [(32, 128), (3, 128), (4, 64)])
+def test_the_indexer_scores_alone_match_their_truth(dtype, heads, d):
+    """GLM-5's head width (128: the wgmma kernel; 32 heads and an odd 3) and another (64); 100
+    queries from query 300 (a block of 64 and a partial one) against 400 keys (a 256-key tile and
+    a partial one, causal). Float32 scores of bf16 values: within float32's tolerance of the
+    float64 truth, or twice the error of the same sums in float32."""
+    import v4_mla_dsa_attention as module
+    from v4train.testing.compare import assert_close
+
+    gen = torch.Generator().manual_seed(heads * d)
+    first, B, Nk = 300, 100, 400
+    q = torch.randn(B, heads, d, generator=gen).to(dtype)
+    k = torch.randn(Nk, d, generator=gen).to(dtype)
+    w = torch.randn(B, heads, generator=gen)
+    scale = d ** -0.5
+    actual = module.indexer_scores(q.cuda(), k.cuda(), w.cuda(), first, scale)
+    expected = index_scores64(q.float(), k.float(), w, first, scale)
+    truth = index_scores64(q.double(), k.double(), w.double(), first, scale)
+    assert_close(actual.cpu(), expected, "indexer_scores", truth=truth)

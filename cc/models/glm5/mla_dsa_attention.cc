@@ -273,6 +273,33 @@ int64_t set_block_bytes(int64_t bytes) {
   return block_bytes.exchange(bytes);
 }
 
+at::Tensor sparse_latent_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, double scale,
+                                   int64_t value_dims) {
+  constexpr const char* op = "sparse_latent_attention";
+  check_floating(op, "q", q, /*float64=*/true);
+  check_dim(op, "q", q, 3);
+  check_dim(op, "kv", kv, 2);
+  check_dim(op, "idx", idx, 2);
+  check_same_device(op, "kv", kv, "q", q);
+  check_same_device(op, "idx", idx, "q", q);
+  TORCH_CHECK_VALUE(kv.scalar_type() == q.scalar_type() && kv.size(1) == q.size(2) && idx.size(0) == q.size(0) &&
+                        idx.scalar_type() == at::kLong && value_dims > 0 && value_dims <= q.size(2),
+                    op, ": expected q [Lq, nh, D], kv [L, D] of q's dtype, idx int64 [Lq, K] and 0 < value_dims <= D; got q ",
+                    q.sizes(), " ", q.scalar_type(), ", kv ", kv.sizes(), " ", kv.scalar_type(), ", idx ", idx.sizes(),
+                    " ", idx.scalar_type(), ", value_dims ", value_dims);
+  TORCH_CHECK_VALUE(idx.numel() == 0 || (idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < kv.size(0)),
+                    op, ": idx must lie in [0, ", kv.size(0), "): the op gives the sparse path only queries with every slot used");
+  return SparseLatentAttention::apply(q.contiguous(), kv.contiguous(), idx.contiguous(), scale, value_dims);
+}
+
+at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, int64_t first, double scale) {
+  at::Tensor out;
+  const auto kernel = Backend<dsa::IndexerScores>::find(q.device().type());
+  TORCH_CHECK_VALUE(kernel && kernel(q, k, w, first, scale, out), "indexer_scores: no device kernel covers q ",
+                    q.sizes(), " ", q.scalar_type(), " on ", q.device(), ", k ", k.sizes(), ", w ", w.sizes());
+  return out;
+}
+
 }  // namespace v4
 
 std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, const v4::MlaWeights& weights,

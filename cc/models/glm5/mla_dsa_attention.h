@@ -87,6 +87,15 @@ struct AttentionStash {
 // otherwise start beyond a few thousand tokens.
 int64_t set_block_bytes(int64_t bytes);
 
+// For tests, the op's sparse kernels alone (parity/test_mla_dsa_attention.py holds them to their
+// float64 truth, where a layer's chain of roundings would hide a wrong part of a gradient):
+// softmax(q kv[idx]^T scale) kv[idx][:, :value_dims] with its autograd, q [Lq, nh, D], kv [L, D],
+// idx [Lq, K] (keys of kv, every slot used as the op's sparse queries use them); and the device's indexer scores (dsa::IndexerScores), which raise
+// where no device kernel covers their inputs.
+at::Tensor sparse_latent_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& idx, double scale,
+                                   int64_t value_dims);
+at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, int64_t first, double scale);
+
 class StashScope {
  public:
   explicit StashScope(AttentionStash* stash);
