@@ -411,17 +411,21 @@ constexpr int kWgTileBytes = kHeads * kWgD * 2;  // Q's tile and each key tile: 
 
 size_t wgmma_forward_smem() { return 3 * size_t(kWgTileBytes) + kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4; }
 
-// 64 rows of 576 columns into a core-matrix tile: rows from `row_of(r)` (nullptr: zeros; any_row
-// is a readable address for the zero-byte copies). Eight consecutive threads fill one core matrix
-// (128 contiguous bytes).
-template <typename T, typename RowOf>
-__device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* any_row, RowOf&& row_of) {
-  constexpr int kChunks = kWgD / 8;
-  for (int i = threadIdx.x; i < kHeads * kChunks; i += kWgThreads) {
-    const int r = (i / (8 * kChunks)) * 8 + i % 8, c = (i / 8) % kChunks;
-    const T* src = row_of(r);
-    cp_async16(dst + wgmma::tile64_offset(r, c * 8), src ? src + c * 8 : any_row, src != nullptr);
-  }
+// The row of a 64-row tile this thread gathers: threads 2i and 2i + 1 share a row, so that each
+// pair reads whole 32-byte sectors, and a phase of 8 threads writes 4 rows (a 2-way bank
+// conflict at most); warpgroup w takes half w of the row's columns.
+// (maybe_unused: the kernels that call it are empty where sm_90a is not the target.)
+[[maybe_unused]] __device__ __forceinline__ int tile_row() { return (threadIdx.x / 16 % 8) * 8 + threadIdx.x / 2 % 8; }
+
+// This thread's share of a 64-row x Cols core-matrix tile: Cols / 32 chunks of 16 bytes of row
+// tile_row() from src (nullptr: zeros; any_row is a readable address for the zero-byte copies),
+// every other chunk of its warpgroup's half of the row, each at a constant offset.
+template <typename T, int Cols>
+__device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* src, const T* any_row) {
+  const int c0 = threadIdx.x / 128 * (Cols / 16) + threadIdx.x % 2;  // first chunk of 8 columns
+  unsigned char* d = dst + wgmma::tile64_offset(tile_row(), c0 * 8);
+#pragma unroll
+  for (int k = 0; k < Cols / 32; ++k) cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
 }
 
 template <typename T>
@@ -444,8 +448,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int64_t* row = idx + int64_t(t) * K;
   const auto load_keys = [&](int tile) {  // its ids are in the ring (for_each_key_tile's scheme)
     const int* ids = sKey + tile % 3 * kWgKeys;
-    load_core_tile<T>(sK + (tile % 2) * kWgTileBytes, kv,
-                      [&](int r) -> const T* { return ids[r] >= 0 ? kv + int64_t(ids[r]) * kWgD : nullptr; });
+    const int key = ids[tile_row()];
+    load_core_tile<T, kWgD>(sK + (tile % 2) * kWgTileBytes, key >= 0 ? kv + int64_t(key) * kWgD : nullptr, kv);
   };
   const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), p_addr = smem_addr(sP);
 
@@ -454,7 +458,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     sKey[kWgKeys + threadIdx.x] = key_id(row, K, kWgKeys + threadIdx.x);
   }
   __syncthreads();
-  load_core_tile<T>(sQ, q, [&](int r) -> const T* { return r < valid ? q + (int64_t(t) * nh + row0 + r) * kWgD : nullptr; });
+  load_core_tile<T, kWgD>(sQ, tile_row() < valid ? q + (int64_t(t) * nh + row0 + tile_row()) * kWgD : nullptr, q);
   load_keys(0);
   cp_async_commit();
   float acc[128] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
@@ -475,7 +479,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kWgD / 16; ++kk)  // A: Q's columns 16kk..; B: keys 32wg.., same columns
-      wgmma::m64n32<T>(s, wgmma::desc(q_addr + kk * 2048, 1024, 128),
+      wgmma::mma<T, 32>(s, wgmma::desc(q_addr + kk * 2048, 1024, 128),
                        wgmma::desc(keys + wg * 4 * 128 + kk * 2048, 1024, 128));
     wgmma::commit();
     wgmma::wait<0>();
@@ -518,7 +522,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kWgKeys / 16; ++kk)  // A: P's keys 16kk..; B: those keys' columns 256wg..
-      wgmma::m64n256_trans_b<T>(acc, wgmma::desc(p_addr + kk * 2048, 1024, 128),
+      wgmma::mma<T, 256, 0, 1>(acc, wgmma::desc(p_addr + kk * 2048, 1024, 128),
                                 wgmma::desc(keys + wg * 32 * 1024 + kk * 256, 128, 1024));
     wgmma::commit();
     wgmma::wait<0>();
@@ -541,6 +545,180 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       *reinterpret_cast<uint32_t*>(out + 8 * j + 2 * tq) = pack2<T>(acc[4 * j + 2 * x] * inv, acc[4 * j + 2 * x + 1] * inv);
     if (tq == 0 && wg == 0)
       lse[int64_t(t) * nh + row0 + row] = total > 0.0f ? (m[x] + log2f(total)) * kLn2 : kNegInf;
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
+// ---- The backward at GLM-5's widths on wgmma: a block a query and 64 heads, two warpgroups, one
+// 64-key tile at a time (shared memory holds Q, dout and one key tile: 230 KB). Warpgroup w forms
+// the scores S and dP = dout V^T of keys 32w.. (m64n32), writes P and dS = P (dP - delta) scale
+// into shared tiles, then dq[:, 288w..] += dS K (dq's 144 registers a thread live across the
+// tiles). Once both warpgroups are past the key tile the next tile's gather starts, while each
+// forms dkv's column chunks (dS^T Q + P^T dout, both operands read MN-major) and adds them to dkv
+// with atomics.
+constexpr int kWgDoutBytes = kHeads * kWgC * 2;  // dout's tile: 64 rows x 512
+
+size_t wgmma_backward_smem() {
+  return 2 * size_t(kWgTileBytes) + kWgDoutBytes + 2 * kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4;
+}
+
+// dkv[ids[r], col..] += the warpgroup accumulator's rows r0, r0 + 8 (keys of the tile; N columns)
+// as float2 atomics; unused slots (-1) add nothing.
+template <int N>
+__device__ __forceinline__ void add_key_rows(float* dkv, const int* ids, const float (&acc)[N / 2], int col, int r0,
+                                             int tq) {
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int key = ids[r0 + 8 * x];
+    if (key < 0) continue;
+    float* out = dkv + int64_t(key) * kWgD + col + 2 * tq;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+      atomicAdd(reinterpret_cast<float2*>(out + 8 * j), make_float2(acc[4 * j + 2 * x], acc[4 * j + 2 * x + 1]));
+  }
+  __syncwarp();  // the warp converged again before the next wgmma.fence (.sync.aligned)
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    sparse_backward_wgmma_kernel(const T* __restrict__ q, const T* __restrict__ kv, const int64_t* __restrict__ idx,
+                                 const T* __restrict__ dout, longlong2 dout_stride, const float* __restrict__ lse,
+                                 const float* __restrict__ delta, T* __restrict__ dq, float* __restrict__ dkv, int nh,
+                                 int K, float scale) {
+#if defined(V4_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* sQ = smem;
+  unsigned char* sK = sQ + kWgTileBytes;
+  unsigned char* sO = sK + kWgTileBytes;                    // dout
+  unsigned char* sP = sO + kWgDoutBytes;                    // [64 heads x 64 keys]
+  unsigned char* sS = sP + kHeads * kWgKeys * 2;            // dS, the same
+  float* sStat = reinterpret_cast<float*>(sS + kHeads * kWgKeys * 2);  // lse log2e, delta: [2][64]
+  int* sKey = reinterpret_cast<int*>(sStat + 2 * kHeads);              // [3][64], a ring
+  const int t = blockIdx.x, row0 = blockIdx.y * kHeads, valid = min(kHeads, nh - row0);
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, r0 = 16 * warp + lane / 4,
+            tq = lane % 4;
+  const float sl2 = scale * kLog2e;
+  const int tiles = (K + kWgKeys - 1) / kWgKeys;
+  const int64_t* row = idx + int64_t(t) * K;
+  const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), o_addr = smem_addr(sO), p_addr = smem_addr(sP),
+                 s_addr = smem_addr(sS);
+  const auto load_keys = [&](int tile) {
+    const int key = sKey[tile % 3 * kWgKeys + tile_row()];
+    load_core_tile<T, kWgD>(sK, key >= 0 ? kv + int64_t(key) * kWgD : nullptr, kv);
+  };
+
+  if (threadIdx.x < kWgKeys) {
+    sKey[threadIdx.x] = key_id(row, K, threadIdx.x);
+    sKey[kWgKeys + threadIdx.x] = key_id(row, K, kWgKeys + threadIdx.x);
+  }
+  if (threadIdx.x < kHeads) {
+    const int64_t r = int64_t(t) * nh + row0 + threadIdx.x;
+    const bool ok = int(threadIdx.x) < valid;
+    sStat[threadIdx.x] = ok ? lse[r] * kLog2e : std::numeric_limits<float>::infinity();  // p = 0 on padding rows
+    sStat[kHeads + threadIdx.x] = ok ? delta[r] : 0.0f;
+  }
+  __syncthreads();
+  const int hr = tile_row();
+  load_core_tile<T, kWgD>(sQ, hr < valid ? q + (int64_t(t) * nh + row0 + hr) * kWgD : nullptr, q);
+  load_core_tile<T, kWgC>(sO, hr < valid ? dout + t * dout_stride.x + (row0 + hr) * dout_stride.y : nullptr, dout);
+  load_keys(0);
+  cp_async_commit();
+  float dqa[128] = {}, dqb[16] = {};  // dq's columns 288w.. (256 of them), then the 32 after
+  for (int i = 0; i < tiles; ++i) {
+    const int ahead = threadIdx.x < kWgKeys ? key_id(row, K, (i + 2) * kWgKeys + threadIdx.x) : -1;
+    cp_async_wait<0>();
+    wgmma::fence_shared();
+    __syncthreads();  // tile i is in; tile i - 1's P, dS and ids are read
+    const int* ids = sKey + i % 3 * kWgKeys;
+    float sc[16], dp[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) sc[j] = dp[j] = 0.0f;
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgD / 16; ++kk)  // S: Q's columns 16kk.. against keys 32w..
+      wgmma::mma<T, 32>(sc, wgmma::desc(q_addr + kk * 2048, 1024, 128),
+                        wgmma::desc(k_addr + wg * 512 + kk * 2048, 1024, 128));
+#pragma unroll
+    for (int kk = 0; kk < kWgC / 16; ++kk)  // dP: dout's columns 16kk.. against the same keys' values
+      wgmma::mma<T, 32>(dp, wgmma::desc(o_addr + kk * 2048, 1024, 128),
+                        wgmma::desc(k_addr + wg * 512 + kk * 2048, 1024, 128));
+    wgmma::commit();
+    wgmma::wait<0>();
+    if (threadIdx.x < kWgKeys) sKey[(i + 2) % 3 * kWgKeys + threadIdx.x] = ahead;  // tile i - 1's slot
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int key = wg * 32 + 8 * j + 2 * tq, head = r0 + 8 * x;
+        float pv[2], ds[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pv[e] = ids[key + e] >= 0 ? exp2f(sc[4 * j + 2 * x + e] * sl2 - sStat[head]) : 0.0f;
+          ds[e] = pv[e] * (dp[4 * j + 2 * x + e] - sStat[kHeads + head]) * scale;
+        }
+        *reinterpret_cast<uint32_t*>(sP + wgmma::tile64_offset(head, key)) = pack2<T>(pv[0], pv[1]);
+        *reinterpret_cast<uint32_t*>(sS + wgmma::tile64_offset(head, key)) = pack2<T>(ds[0], ds[1]);
+      }
+    wgmma::fence_shared();
+    __syncthreads();  // P and dS of both warpgroups are in
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgKeys / 16; ++kk) {  // dq += dS (keys 16kk..) . K (those keys, columns 288w..)
+      const uint64_t a = wgmma::desc(s_addr + kk * 2048, 1024, 128);
+      wgmma::mma<T, 256, 0, 1>(dqa, a, wgmma::desc(k_addr + 36 * wg * 1024 + kk * 256, 128, 1024));
+      wgmma::mma<T, 32, 0, 1>(dqb, a, wgmma::desc(k_addr + (36 * wg + 32) * 1024 + kk * 256, 128, 1024));
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    __syncthreads();  // both warpgroups are past the key tile
+    if (i + 1 < tiles) {
+      load_keys(i + 1);
+      cp_async_commit();
+    }
+    // dkv's value columns in chunks of 64 (chunk 2cc + w by warpgroup w), then its rope columns
+    // 512 + 32w..: the same control flow in both warpgroups (wgmma stays asynchronous).
+    for (int cc = 0; cc < kWgC / 128; ++cc) {
+      const int c = 2 * cc + wg;
+      float acc[32];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) acc[j] = 0.0f;
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kHeads / 16; ++kk) {  // dS^T Q + P^T dout over heads 16kk..
+        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc(s_addr + kk * 256, 128, 1024),
+                                wgmma::desc(q_addr + 8 * c * 1024 + kk * 256, 128, 1024));
+        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc(p_addr + kk * 256, 128, 1024),
+                                wgmma::desc(o_addr + 8 * c * 1024 + kk * 256, 128, 1024));
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      add_key_rows<64>(dkv, ids, acc, 64 * c, r0, tq);
+    }
+    float rope[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) rope[j] = 0.0f;
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeads / 16; ++kk)
+      wgmma::mma<T, 32, 1, 1>(rope, wgmma::desc(s_addr + kk * 256, 128, 1024),
+                              wgmma::desc(q_addr + (kWgC / 8 + 4 * wg) * 1024 + kk * 256, 128, 1024));
+    wgmma::commit();
+    wgmma::wait<0>();
+    add_key_rows<32>(dkv, ids, rope, kWgC + 32 * wg, r0, tq);
+  }
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int head = r0 + 8 * x;
+    if (head >= valid) continue;
+    T* out = dq + (int64_t(t) * nh + row0 + head) * kWgD + 288 * wg + 2 * tq;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(dqa[4 * j + 2 * x], dqa[4 * j + 2 * x + 1]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      *reinterpret_cast<uint32_t*>(out + 256 + 8 * j) = pack2<T>(dqb[4 * j + 2 * x], dqb[4 * j + 2 * x + 1]);
   }
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
@@ -698,13 +876,13 @@ int max_smem(const at::Tensor& t) {
   return value;
 }
 
-// GLM-5's widths on compute capability 9.0, where the wgmma forward's sm_90a build runs.
-bool wgmma_forward_applies(const at::Tensor& q, const SparseShape& s) {
+// GLM-5's widths on compute capability 9.0, where the wgmma kernels' sm_90a build runs.
+bool wgmma_applies(const at::Tensor& q, const SparseShape& s, size_t smem) {
   if (s.D != kWgD || s.C != kWgC) return false;
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-  return major == 9 && minor == 0 && wgmma_forward_smem() <= size_t(max_smem(q));
+  return major == 9 && minor == 0 && smem <= size_t(max_smem(q));
 }
 
 // The template instance for n tiles of 8 columns per warp (the fewest that hold them).
@@ -752,7 +930,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in,
   if (s.Lq == 0 || s.nh == 0) return {o, lse};
   const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (wgmma_forward_applies(q, s)) {
+  if (wgmma_applies(q, s, wgmma_forward_smem())) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
       auto* kernel = sparse_forward_wgmma_kernel<T>;
@@ -805,9 +983,24 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
     delta.slice(0, b0, b1).copy_((dout.slice(0, b0, b1).to(at::kFloat) * o.slice(0, b0, b1).to(at::kFloat)).sum(-1));
   }
   at::Tensor dq = at::empty_like(q);
-  const size_t smem = backward_smem(s, q.element_size());
   const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (wgmma_applies(q, s, wgmma_backward_smem())) {
+    with_type(q, [&](auto type) {
+      using T = decltype(type);
+      auto* kernel = sparse_backward_wgmma_kernel<T>;
+      const size_t smem = wgmma_backward_smem();
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      kernel<<<grid, kWgThreads, smem, stream>>>(
+          reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
+          idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()),
+          longlong2{dout.stride(0), dout.stride(1)}, lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+          reinterpret_cast<T*>(dq.mutable_data_ptr()), dkv.mutable_data_ptr<float>(), s.nh, s.K, float(scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return {dq, dkv};
+  }
+  const size_t smem = backward_smem(s, q.element_size());
   with_type(q, [&](auto type) {
     using T = decltype(type);
     with_tiles(s.dp / 16, [&](auto nq) {
