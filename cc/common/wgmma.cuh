@@ -23,11 +23,12 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t k_stride_bytes,
   return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(k_stride_bytes >> 4) << 16 | uint64_t(mn_stride_bytes >> 4) << 32;
 }
 
-// Byte offset of (row, col) of 16-bit elements in a 64-row tile of core matrices: row groups 128
-// bytes apart, column groups of 8 1,024 bytes apart. Its descriptor strides: 1,024 along the
-// columns, 128 along the rows, whichever of them is K.
-__device__ __forceinline__ int tile64_offset(int row, int col) {
-  return ((col / 8) * 8 + row / 8) * 128 + (row % 8) * 16 + (col % 8) * 2;
+// Byte offset of (row, col) of 16-bit elements in a tile of Rows rows of core matrices: row groups
+// 128 bytes apart, column groups of 8 Rows * 16 bytes apart. Its descriptor strides: Rows * 16
+// along the columns, 128 along the rows, whichever of them is K.
+template <int Rows>
+__device__ __forceinline__ int tile_offset(int row, int col) {
+  return ((col / 8) * (Rows / 8) + row / 8) * 128 + (row % 8) * 16 + (col % 8) * 2;
 }
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -95,22 +96,44 @@ __device__ __forceinline__ void fence_shared() { asm volatile("fence.proxy.async
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
       : "l"(a), "l"(b), "n"(1), "n"(TransA), "n"(TransB))
 
+#define V4_WGMMA_M64N128(TY)                                                                                    \
+  asm volatile(                                                                                                 \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                              \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                                             \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                          \
+      "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                                                    \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
+      : "l"(a), "l"(b), "n"(1), "n"(TransA), "n"(TransB))
+
 template <typename T, int N, int TransA = 0, int TransB = 0>
 __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t a, uint64_t b) {
-  static_assert(N == 32 || N == 64 || N == 256, "v4::wgmma::mma: N of 32, 64 or 256");
+  static_assert(N == 32 || N == 64 || N == 128 || N == 256, "v4::wgmma::mma: N of 32, 64, 128 or 256");
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if constexpr (N == 32) V4_WGMMA_M64N32("bf16");
     else if constexpr (N == 64) V4_WGMMA_M64N64("bf16");
+    else if constexpr (N == 128) V4_WGMMA_M64N128("bf16");
     else V4_WGMMA_M64N256("bf16");
   } else {
     if constexpr (N == 32) V4_WGMMA_M64N32("f16");
     else if constexpr (N == 64) V4_WGMMA_M64N64("f16");
+    else if constexpr (N == 128) V4_WGMMA_M64N128("f16");
     else V4_WGMMA_M64N256("f16");
   }
 }
 
 #undef V4_WGMMA_M64N32
 #undef V4_WGMMA_M64N64
+#undef V4_WGMMA_M64N128
 #undef V4_WGMMA_M64N256
 
 }  // namespace v4::wgmma

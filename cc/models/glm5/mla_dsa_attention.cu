@@ -423,7 +423,7 @@ size_t wgmma_forward_smem() { return 3 * size_t(kWgTileBytes) + kHeads * kWgKeys
 template <typename T, int Cols>
 __device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* src, const T* any_row) {
   const int c0 = threadIdx.x / 128 * (Cols / 16) + threadIdx.x % 2;  // first chunk of 8 columns
-  unsigned char* d = dst + wgmma::tile64_offset(tile_row(), c0 * 8);
+  unsigned char* d = dst + wgmma::tile_offset<64>(tile_row(), c0 * 8);
 #pragma unroll
   for (int k = 0; k < Cols / 32; ++k) cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
 }
@@ -511,7 +511,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int x = 0; x < 2; ++x) {
         const float p0 = exp2f(s[4 * j + 2 * x] - mx[x]), p1 = exp2f(s[4 * j + 2 * x + 1] - mx[x]);
         sum[x] += p0 + p1;
-        *reinterpret_cast<uint32_t*>(sP + wgmma::tile64_offset(r0 + 8 * x, wg * 32 + 8 * j + 2 * tq)) = pack2<T>(p0, p1);
+        *reinterpret_cast<uint32_t*>(sP + wgmma::tile_offset<64>(r0 + 8 * x, wg * 32 + 8 * j + 2 * tq)) = pack2<T>(p0, p1);
       }
 #pragma unroll
     for (int x = 0; x < 2; ++x) l[x] = l[x] * alpha[x] + quad_sum(sum[x]);
@@ -658,8 +658,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           pv[e] = ids[key + e] >= 0 ? exp2f(sc[4 * j + 2 * x + e] * sl2 - sStat[head]) : 0.0f;
           ds[e] = pv[e] * (dp[4 * j + 2 * x + e] - sStat[kHeads + head]) * scale;
         }
-        *reinterpret_cast<uint32_t*>(sP + wgmma::tile64_offset(head, key)) = pack2<T>(pv[0], pv[1]);
-        *reinterpret_cast<uint32_t*>(sS + wgmma::tile64_offset(head, key)) = pack2<T>(ds[0], ds[1]);
+        *reinterpret_cast<uint32_t*>(sP + wgmma::tile_offset<64>(head, key)) = pack2<T>(pv[0], pv[1]);
+        *reinterpret_cast<uint32_t*>(sS + wgmma::tile_offset<64>(head, key)) = pack2<T>(ds[0], ds[1]);
       }
     wgmma::fence_shared();
     __syncthreads();  // P and dS of both warpgroups are in
@@ -719,6 +719,117 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       *reinterpret_cast<uint32_t*>(out + 256 + 8 * j) = pack2<T>(dqb[4 * j + 2 * x], dqb[4 * j + 2 * x + 1]);
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
+// ---- The indexer's scores at GLM-5's head width (128) on wgmma: a block 64 queries x 256 keys,
+// warpgroup w the keys 128w..; the key tile stays in shared memory while the heads' query tiles
+// stream through two buffers (cp.async, one head ahead); per head S = Q_h K^T (m64n128k16) and
+// acc += w[i, h] relu(S). Two blocks share a multiprocessor (104 KB each with 32 heads).
+constexpr int kIdxD = 128, kIdxRows = 64, kIdxKeys = 256;
+
+size_t indexer_wgmma_smem(int n) {
+  return size_t(kIdxKeys + 2 * kIdxRows) * kIdxD * 2 + size_t(kIdxRows) * n * sizeof(float);
+}
+
+// Rows row0.. of a [rows, 128] matrix (row r at src + r * stride, rows past `valid` zero) into a
+// core-matrix tile of Rows rows: threads 2i, 2i + 1 a row's 32-byte sector, 8 rows a group of 16.
+template <int Rows, typename T>
+__device__ __forceinline__ void load_rows_tile(unsigned char* dst, const T* src, int64_t stride, int valid) {
+  constexpr int kChunks = kIdxD / 8;
+  for (int i = threadIdx.x; i < Rows * kChunks; i += kWgThreads) {
+    const int r = i / 128 * 8 + i / 2 % 8, c = i / 16 % 8 * 2 + i % 2;
+    const bool ok = r < valid;
+    cp_async16(dst + wgmma::tile_offset<Rows>(r, c * 8), ok ? src + r * stride + c * 8 : src, ok);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    indexer_scores_wgmma_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ k, int64_t k_stride,
+                                const float* __restrict__ w, float* __restrict__ out, int B, int Nk, int n,
+                                int64_t first, float scale) {
+#if defined(V4_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* sK = smem;                              // [256 keys x 128]
+  unsigned char* sQ = sK + kIdxKeys * kIdxD * 2;          // [2][64 x 128]
+  float* sW = reinterpret_cast<float*>(sQ + 2 * kIdxRows * kIdxD * 2);  // [64][n], times scale
+  const int row0 = blockIdx.y * kIdxRows, col0 = blockIdx.x * kIdxKeys;
+  const int rows_valid = min(kIdxRows, B - row0), cols_valid = min(kIdxKeys, Nk - col0);
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, r0 = 16 * warp + lane / 4,
+            tq = lane % 4;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (col0 > first + row0 + rows_valid - 1) {  // every key of the tile is after every query
+    for (int i = threadIdx.x; i < rows_valid * cols_valid; i += kWgThreads)
+      out[(row0 + i / cols_valid) * int64_t(Nk) + col0 + i % cols_valid] = kNegInf;
+    return;
+  }
+  for (int i = threadIdx.x; i < kIdxRows * n; i += kWgThreads)
+    sW[i] = i / n < rows_valid ? w[(row0 + i / n) * int64_t(n) + i % n] * scale : 0.0f;
+  const T* q0 = q + row0 * q_stride;
+  const uint32_t k_addr = smem_addr(sK), q_addr = smem_addr(sQ);
+  const auto load_head = [&](int h) {
+    load_rows_tile<kIdxRows>(sQ + h % 2 * kIdxRows * kIdxD * 2, q0 + h * kIdxD, q_stride, rows_valid);
+    cp_async_commit();
+  };
+  const auto scores = [&](int h, float(&s)[64]) {  // s = Q_h K^T, issued (asynchronous)
+#pragma unroll
+    for (int j = 0; j < 64; ++j) s[j] = 0.0f;
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kIdxD / 16; ++kk)  // the query tile's column groups 1,024 apart, the keys' 4,096
+      wgmma::mma<T, 128>(s, wgmma::desc(q_addr + h % 2 * kIdxRows * kIdxD * 2 + kk * 2048, 1024, 128),
+                         wgmma::desc(k_addr + wg * 2048 + kk * 8192, 4096, 128));
+    wgmma::commit();
+  };
+  float acc[64] = {}, s0[64], s1[64];
+  // Head h's product done (in cur), head h + 1's issued into `next` before cur is folded into acc,
+  // so that the tensor cores run while the threads take relu and the head weights.
+  const auto step = [&](int h, float(&cur)[64], float(&next)[64]) {
+    wgmma::wait<0>();
+    if (h + 1 < n) {
+      cp_async_wait<0>();
+      wgmma::fence_shared();
+    }
+    __syncthreads();  // head h + 1's queries are in; every warpgroup is done with head h's buffer
+    if (h + 1 < n) {
+      if (h + 2 < n) load_head(h + 2);
+      scores(h + 1, next);
+    }
+    const float w0 = sW[r0 * n + h], w1 = sW[(r0 + 8) * n + h];
+#pragma unroll
+    for (int j = 0; j < 64; ++j) acc[j] += (j % 4 < 2 ? w0 : w1) * fmaxf(cur[j], 0.0f);
+  };
+  load_rows_tile<kIdxKeys>(sK, k + col0 * k_stride, k_stride, cols_valid);
+  load_head(0);  // with the keys
+  if (n > 1) {
+    load_head(1);
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  wgmma::fence_shared();
+  __syncthreads();  // the keys and head 0's queries are in
+  scores(0, s0);
+  for (int h = 0; h < n; h += 2) {
+    step(h, s0, s1);
+    if (h + 1 < n) step(h + 1, s1, s0);
+  }
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int r = r0 + 8 * x;
+    if (r >= rows_valid) continue;
+    float* dst = out + (row0 + r) * int64_t(Nk) + col0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = wg * 128 + 8 * j + 2 * tq + e;
+        if (c < cols_valid) dst[c] = col0 + c > first + row0 + r ? kNegInf : acc[4 * j + 2 * x + e];
+      }
   }
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
@@ -876,13 +987,17 @@ int max_smem(const at::Tensor& t) {
   return value;
 }
 
-// GLM-5's widths on compute capability 9.0, where the wgmma kernels' sm_90a build runs.
-bool wgmma_applies(const at::Tensor& q, const SparseShape& s, size_t smem) {
-  if (s.D != kWgD || s.C != kWgC) return false;
+// Compute capability 9.0, where the wgmma kernels' sm_90a build runs, with `smem` bytes for a block.
+bool wgmma_capable(const at::Tensor& q, size_t smem) {
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
   return major == 9 && minor == 0 && smem <= size_t(max_smem(q));
+}
+
+// The wgmma sparse kernels: GLM-5's widths.
+bool wgmma_applies(const at::Tensor& q, const SparseShape& s, size_t smem) {
+  return s.D == kWgD && s.C == kWgC && wgmma_capable(q, smem);
 }
 
 // The template instance for n tiles of 8 columns per warp (the fewest that hold them).
@@ -1031,12 +1146,26 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Te
   const at::Tensor wc = w.contiguous();
   at::Tensor out = at::empty({B, Nk}, q.options().dtype(at::kFloat));
   if (B == 0 || Nk == 0) return out;
-  const int dp = (d + 15) / 16 * 16;
-  const size_t smem = size_t(kCols + kRows) * (dp + kPad) * q.element_size() + size_t(kRows) * n * sizeof(float);
-  const dim3 grid((Nk + kCols - 1) / kCols, (B + kRows - 1) / kRows);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const bool vec = d % 8 == 0 && q.stride(0) % 8 == 0 && k.stride(0) % 8 == 0 && aligned16(q.const_data_ptr()) &&
                    aligned16(k.const_data_ptr());
+  if ((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && d == kIdxD && vec &&
+      wgmma_capable(q, indexer_wgmma_smem(n))) {
+    with_type(q, [&](auto type) {
+      using T = decltype(type);
+      auto* kernel = indexer_scores_wgmma_kernel<T>;
+      const size_t smem = indexer_wgmma_smem(n);
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      kernel<<<dim3((Nk + kIdxKeys - 1) / kIdxKeys, (B + kIdxRows - 1) / kIdxRows), kWgThreads, smem, stream>>>(
+          reinterpret_cast<const T*>(q.const_data_ptr()), q.stride(0), reinterpret_cast<const T*>(k.const_data_ptr()),
+          k.stride(0), wc.const_data_ptr<float>(), out.mutable_data_ptr<float>(), B, Nk, n, first, float(scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return out;
+  }
+  const int dp = (d + 15) / 16 * 16;
+  const size_t smem = size_t(kCols + kRows) * (dp + kPad) * q.element_size() + size_t(kRows) * n * sizeof(float);
+  const dim3 grid((Nk + kCols - 1) / kCols, (B + kRows - 1) / kRows);
   const auto launch = [&](auto* kernel, const auto* qp, const auto* kp) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     kernel<<<grid, kThreads, smem, stream>>>(qp, q.stride(0), kp, k.stride(0), wc.const_data_ptr<float>(),
