@@ -728,11 +728,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 // ---- The indexer's scores at GLM-5's head width (128) on wgmma: a block 64 queries x 256 keys,
 // warpgroup w the keys 128w..; the key tile stays in shared memory while the heads' query tiles
 // stream through two buffers (cp.async, one head ahead); per head S = Q_h K^T (m64n128k16) and
-// acc += w[i, h] relu(S). Two blocks share a multiprocessor (104 KB each with 32 heads).
+// acc += w[i, h] relu(S), head h + 1's product running while head h's is folded in. One block a
+// multiprocessor (218 registers).
 constexpr int kIdxD = 128, kIdxRows = 64, kIdxKeys = 256;
 
 size_t indexer_wgmma_smem(int n) {
-  return size_t(kIdxKeys + 2 * kIdxRows) * kIdxD * 2 + size_t(kIdxRows) * n * sizeof(float);
+  return size_t(kIdxKeys + 2 * kIdxRows) * kIdxD * 2 + size_t(kIdxRows) * (n + 1) * sizeof(float);
 }
 
 // Rows row0.. of a [rows, 128] matrix (row r at src + r * stride, rows past `valid` zero) into a
@@ -756,7 +757,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* sK = smem;                              // [256 keys x 128]
   unsigned char* sQ = sK + kIdxKeys * kIdxD * 2;          // [2][64 x 128]
-  float* sW = reinterpret_cast<float*>(sQ + 2 * kIdxRows * kIdxD * 2);  // [64][n], times scale
+  float* sW = reinterpret_cast<float*>(sQ + 2 * kIdxRows * kIdxD * 2);  // [64][n + 1], times scale
   const int row0 = blockIdx.y * kIdxRows, col0 = blockIdx.x * kIdxKeys;
   const int rows_valid = min(kIdxRows, B - row0), cols_valid = min(kIdxKeys, Nk - col0);
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, r0 = 16 * warp + lane / 4,
@@ -767,8 +768,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       out[(row0 + i / cols_valid) * int64_t(Nk) + col0 + i % cols_valid] = kNegInf;
     return;
   }
-  for (int i = threadIdx.x; i < kIdxRows * n; i += kWgThreads)
-    sW[i] = i / n < rows_valid ? w[(row0 + i / n) * int64_t(n) + i % n] * scale : 0.0f;
+  for (int i = threadIdx.x; i < kIdxRows * n; i += kWgThreads)  // pitch n + 1: no bank conflict a head
+    sW[i / n * (n + 1) + i % n] = i / n < rows_valid ? w[(row0 + i / n) * int64_t(n) + i % n] * scale : 0.0f;
   const T* q0 = q + row0 * q_stride;
   const uint32_t k_addr = smem_addr(sK), q_addr = smem_addr(sQ);
   const auto load_head = [&](int h) {
@@ -799,7 +800,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       if (h + 2 < n) load_head(h + 2);
       scores(h + 1, next);
     }
-    const float w0 = sW[r0 * n + h], w1 = sW[(r0 + 8) * n + h];
+    const float w0 = sW[r0 * (n + 1) + h], w1 = sW[(r0 + 8) * (n + 1) + h];
 #pragma unroll
     for (int j = 0; j < 64; ++j) acc[j] += (j % 4 < 2 ? w0 : w1) * fmaxf(cur[j], 0.0f);
   };
@@ -818,6 +819,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     step(h, s0, s1);
     if (h + 1 < n) step(h + 1, s1, s0);
   }
+  wgmma::wait<0>();  // nothing in flight (n >= 1); without it ptxas serialises every product
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     const int r = r0 + 8 * x;
@@ -1150,7 +1152,7 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Te
   const bool vec = d % 8 == 0 && q.stride(0) % 8 == 0 && k.stride(0) % 8 == 0 && aligned16(q.const_data_ptr()) &&
                    aligned16(k.const_data_ptr());
   if ((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && d == kIdxD && vec &&
-      wgmma_capable(q, indexer_wgmma_smem(n))) {
+      n > 0 && wgmma_capable(q, indexer_wgmma_smem(n))) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
       auto* kernel = indexer_scores_wgmma_kernel<T>;
