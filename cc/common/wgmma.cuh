@@ -23,11 +23,12 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t k_stride_bytes,
   return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(k_stride_bytes >> 4) << 16 | uint64_t(mn_stride_bytes >> 4) << 32;
 }
 
-// Byte offset of (row, col) of 16-bit elements in a 64-row tile of core matrices: row groups 128
-// bytes apart, column groups of 8 1,024 bytes apart. Its descriptor strides: 1,024 along the
-// columns, 128 along the rows, whichever of them is K.
-__device__ __forceinline__ int tile64_offset(int row, int col) {
-  return ((col / 8) * 8 + row / 8) * 128 + (row % 8) * 16 + (col % 8) * 2;
+// Byte offset of (row, col) of 16-bit elements in a tile of Rows rows of core matrices: row groups
+// 128 bytes apart, column groups of 8 Rows * 16 bytes apart. Its descriptor strides: Rows * 16
+// along the columns, 128 along the rows, whichever of them is K.
+template <int Rows>
+__device__ __forceinline__ int tile_offset(int row, int col) {
+  return ((col / 8) * (Rows / 8) + row / 8) * 128 + (row % 8) * 16 + (col % 8) * 2;
 }
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -37,20 +38,34 @@ __device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.ali
 // Writes to shared memory by threads (st.shared, cp.async) made visible to the tensor core's reads.
 __device__ __forceinline__ void fence_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// d [64 x N] += a [64 x 16] . b [16 x N]; a and b K-major, except b MN-major in the _TRANS_B form.
-// d is the warpgroup's accumulator fragment: thread (warp w, lane l) holds rows 16w + l/4 (+8) and
-// columns 8j + 2(l%4) (+1) as d[4j..4j+3].
+// d [64 x N] += a [64 x 16] . b [16 x N], both from shared memory; TransA / TransB 0 for a
+// K-major operand, 1 for an MN-major one (a read transposed). d is the warpgroup's accumulator
+// fragment: thread (warp w, lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1) as
+// d[4j..4j+3].
 #define V4_WGMMA_M64N32(TY)                                                                                  \
   asm volatile(                                                                                              \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                           \
       "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {"                                           \
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"                                 \
-      "}, %16, %17, p, 1, 1, 0, 0;\n}\n"                                                                     \
+      "}, %16, %17, p, 1, 1, %19, %20;\n}\n"                                                                 \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
-      : "l"(a), "l"(b), "n"(1))
+      : "l"(a), "l"(b), "n"(1), "n"(TransA), "n"(TransB))
 
-#define V4_WGMMA_M64N256_TRANS_B(TY)                                                                                    \
+#define V4_WGMMA_M64N64(TY)                                                                                     \
+  asm volatile(                                                                                                 \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                              \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                                              \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                          \
+      "}, %32, %33, p, 1, 1, %35, %36;\n}\n"                                                                    \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+      : "l"(a), "l"(b), "n"(1), "n"(TransA), "n"(TransB))
+
+#define V4_WGMMA_M64N256(TY)                                                                                            \
   asm volatile(                                                                                                         \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                                     \
       "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {"                                                     \
@@ -62,7 +77,7 @@ __device__ __forceinline__ void fence_shared() { asm volatile("fence.proxy.async
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                                \
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                    \
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"                  \
-      "}, %128, %129, p, 1, 1, 0, 1;\n}\n"                                                                              \
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"                                                                        \
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
@@ -79,21 +94,46 @@ __device__ __forceinline__ void fence_shared() { asm volatile("fence.proxy.async
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
-      : "l"(a), "l"(b), "n"(1))
+      : "l"(a), "l"(b), "n"(1), "n"(TransA), "n"(TransB))
 
-template <typename T>
-__device__ __forceinline__ void m64n32(float (&d)[16], uint64_t a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N32("bf16");
-  else V4_WGMMA_M64N32("f16");
-}
+#define V4_WGMMA_M64N128(TY)                                                                                    \
+  asm volatile(                                                                                                 \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                              \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {"                                             \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                        \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"                          \
+      "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                                                    \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])  \
+      : "l"(a), "l"(b), "n"(1), "n"(TransA), "n"(TransB))
 
-template <typename T>
-__device__ __forceinline__ void m64n256_trans_b(float (&d)[128], uint64_t a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N256_TRANS_B("bf16");
-  else V4_WGMMA_M64N256_TRANS_B("f16");
+template <typename T, int N, int TransA = 0, int TransB = 0>
+__device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t a, uint64_t b) {
+  static_assert(N == 32 || N == 64 || N == 128 || N == 256, "v4::wgmma::mma: N of 32, 64, 128 or 256");
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if constexpr (N == 32) V4_WGMMA_M64N32("bf16");
+    else if constexpr (N == 64) V4_WGMMA_M64N64("bf16");
+    else if constexpr (N == 128) V4_WGMMA_M64N128("bf16");
+    else V4_WGMMA_M64N256("bf16");
+  } else {
+    if constexpr (N == 32) V4_WGMMA_M64N32("f16");
+    else if constexpr (N == 64) V4_WGMMA_M64N64("f16");
+    else if constexpr (N == 128) V4_WGMMA_M64N128("f16");
+    else V4_WGMMA_M64N256("f16");
+  }
 }
 
 #undef V4_WGMMA_M64N32
-#undef V4_WGMMA_M64N256_TRANS_B
+#undef V4_WGMMA_M64N64
+#undef V4_WGMMA_M64N128
+#undef V4_WGMMA_M64N256
 
 }  // namespace v4::wgmma

@@ -411,17 +411,21 @@ constexpr int kWgTileBytes = kHeads * kWgD * 2;  // Q's tile and each key tile: 
 
 size_t wgmma_forward_smem() { return 3 * size_t(kWgTileBytes) + kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4; }
 
-// 64 rows of 576 columns into a core-matrix tile: rows from `row_of(r)` (nullptr: zeros; any_row
-// is a readable address for the zero-byte copies). Eight consecutive threads fill one core matrix
-// (128 contiguous bytes).
-template <typename T, typename RowOf>
-__device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* any_row, RowOf&& row_of) {
-  constexpr int kChunks = kWgD / 8;
-  for (int i = threadIdx.x; i < kHeads * kChunks; i += kWgThreads) {
-    const int r = (i / (8 * kChunks)) * 8 + i % 8, c = (i / 8) % kChunks;
-    const T* src = row_of(r);
-    cp_async16(dst + wgmma::tile64_offset(r, c * 8), src ? src + c * 8 : any_row, src != nullptr);
-  }
+// The row of a 64-row tile this thread gathers: threads 2i and 2i + 1 share a row, so that each
+// pair reads whole 32-byte sectors, and a phase of 8 threads writes 4 rows (a 2-way bank
+// conflict at most); warpgroup w takes half w of the row's columns.
+// (maybe_unused: the kernels that call it are empty where sm_90a is not the target.)
+[[maybe_unused]] __device__ __forceinline__ int tile_row() { return (threadIdx.x / 16 % 8) * 8 + threadIdx.x / 2 % 8; }
+
+// This thread's share of a 64-row x Cols core-matrix tile: Cols / 32 chunks of 16 bytes of row
+// tile_row() from src (nullptr: zeros; any_row is a readable address for the zero-byte copies),
+// every other chunk of its warpgroup's half of the row, each at a constant offset.
+template <typename T, int Cols>
+__device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* src, const T* any_row) {
+  const int c0 = threadIdx.x / 128 * (Cols / 16) + threadIdx.x % 2;  // first chunk of 8 columns
+  unsigned char* d = dst + wgmma::tile_offset<64>(tile_row(), c0 * 8);
+#pragma unroll
+  for (int k = 0; k < Cols / 32; ++k) cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
 }
 
 template <typename T>
@@ -444,8 +448,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int64_t* row = idx + int64_t(t) * K;
   const auto load_keys = [&](int tile) {  // its ids are in the ring (for_each_key_tile's scheme)
     const int* ids = sKey + tile % 3 * kWgKeys;
-    load_core_tile<T>(sK + (tile % 2) * kWgTileBytes, kv,
-                      [&](int r) -> const T* { return ids[r] >= 0 ? kv + int64_t(ids[r]) * kWgD : nullptr; });
+    const int key = ids[tile_row()];
+    load_core_tile<T, kWgD>(sK + (tile % 2) * kWgTileBytes, key >= 0 ? kv + int64_t(key) * kWgD : nullptr, kv);
   };
   const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), p_addr = smem_addr(sP);
 
@@ -454,7 +458,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     sKey[kWgKeys + threadIdx.x] = key_id(row, K, kWgKeys + threadIdx.x);
   }
   __syncthreads();
-  load_core_tile<T>(sQ, q, [&](int r) -> const T* { return r < valid ? q + (int64_t(t) * nh + row0 + r) * kWgD : nullptr; });
+  load_core_tile<T, kWgD>(sQ, tile_row() < valid ? q + (int64_t(t) * nh + row0 + tile_row()) * kWgD : nullptr, q);
   load_keys(0);
   cp_async_commit();
   float acc[128] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
@@ -475,7 +479,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kWgD / 16; ++kk)  // A: Q's columns 16kk..; B: keys 32wg.., same columns
-      wgmma::m64n32<T>(s, wgmma::desc(q_addr + kk * 2048, 1024, 128),
+      wgmma::mma<T, 32>(s, wgmma::desc(q_addr + kk * 2048, 1024, 128),
                        wgmma::desc(keys + wg * 4 * 128 + kk * 2048, 1024, 128));
     wgmma::commit();
     wgmma::wait<0>();
@@ -507,7 +511,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       for (int x = 0; x < 2; ++x) {
         const float p0 = exp2f(s[4 * j + 2 * x] - mx[x]), p1 = exp2f(s[4 * j + 2 * x + 1] - mx[x]);
         sum[x] += p0 + p1;
-        *reinterpret_cast<uint32_t*>(sP + wgmma::tile64_offset(r0 + 8 * x, wg * 32 + 8 * j + 2 * tq)) = pack2<T>(p0, p1);
+        *reinterpret_cast<uint32_t*>(sP + wgmma::tile_offset<64>(r0 + 8 * x, wg * 32 + 8 * j + 2 * tq)) = pack2<T>(p0, p1);
       }
 #pragma unroll
     for (int x = 0; x < 2; ++x) l[x] = l[x] * alpha[x] + quad_sum(sum[x]);
@@ -518,7 +522,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kWgKeys / 16; ++kk)  // A: P's keys 16kk..; B: those keys' columns 256wg..
-      wgmma::m64n256_trans_b<T>(acc, wgmma::desc(p_addr + kk * 2048, 1024, 128),
+      wgmma::mma<T, 256, 0, 1>(acc, wgmma::desc(p_addr + kk * 2048, 1024, 128),
                                 wgmma::desc(keys + wg * 32 * 1024 + kk * 256, 128, 1024));
     wgmma::commit();
     wgmma::wait<0>();
@@ -541,6 +545,293 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       *reinterpret_cast<uint32_t*>(out + 8 * j + 2 * tq) = pack2<T>(acc[4 * j + 2 * x] * inv, acc[4 * j + 2 * x + 1] * inv);
     if (tq == 0 && wg == 0)
       lse[int64_t(t) * nh + row0 + row] = total > 0.0f ? (m[x] + log2f(total)) * kLn2 : kNegInf;
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
+// ---- The backward at GLM-5's widths on wgmma: a block a query and 64 heads, two warpgroups, one
+// 64-key tile at a time (shared memory holds Q, dout and one key tile: 230 KB). Warpgroup w forms
+// the scores S and dP = dout V^T of keys 32w.. (m64n32), writes P and dS = P (dP - delta) scale
+// into shared tiles, then dq[:, 288w..] += dS K (dq's 144 registers a thread live across the
+// tiles). Once both warpgroups are past the key tile the next tile's gather starts, while each
+// forms dkv's column chunks (dS^T Q + P^T dout, both operands read MN-major) and adds them to dkv
+// with atomics.
+constexpr int kWgDoutBytes = kHeads * kWgC * 2;  // dout's tile: 64 rows x 512
+
+size_t wgmma_backward_smem() {
+  return 2 * size_t(kWgTileBytes) + kWgDoutBytes + 2 * kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4;
+}
+
+// dkv[ids[r], col..] += the warpgroup accumulator's rows r0, r0 + 8 (keys of the tile; N columns)
+// as float2 atomics; unused slots (-1) add nothing.
+template <int N>
+__device__ __forceinline__ void add_key_rows(float* dkv, const int* ids, const float (&acc)[N / 2], int col, int r0,
+                                             int tq) {
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int key = ids[r0 + 8 * x];
+    if (key < 0) continue;
+    float* out = dkv + int64_t(key) * kWgD + col + 2 * tq;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+      atomicAdd(reinterpret_cast<float2*>(out + 8 * j), make_float2(acc[4 * j + 2 * x], acc[4 * j + 2 * x + 1]));
+  }
+  __syncwarp();  // the warp converged again before the next wgmma.fence (.sync.aligned)
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    sparse_backward_wgmma_kernel(const T* __restrict__ q, const T* __restrict__ kv, const int64_t* __restrict__ idx,
+                                 const T* __restrict__ dout, longlong2 dout_stride, const float* __restrict__ lse,
+                                 const float* __restrict__ delta, T* __restrict__ dq, float* __restrict__ dkv, int nh,
+                                 int K, float scale) {
+#if defined(V4_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* sQ = smem;
+  unsigned char* sK = sQ + kWgTileBytes;
+  unsigned char* sO = sK + kWgTileBytes;                    // dout
+  unsigned char* sP = sO + kWgDoutBytes;                    // [64 heads x 64 keys]
+  unsigned char* sS = sP + kHeads * kWgKeys * 2;            // dS, the same
+  float* sStat = reinterpret_cast<float*>(sS + kHeads * kWgKeys * 2);  // lse log2e, delta: [2][64]
+  int* sKey = reinterpret_cast<int*>(sStat + 2 * kHeads);              // [3][64], a ring
+  const int t = blockIdx.x, row0 = blockIdx.y * kHeads, valid = min(kHeads, nh - row0);
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, r0 = 16 * warp + lane / 4,
+            tq = lane % 4;
+  const float sl2 = scale * kLog2e;
+  const int tiles = (K + kWgKeys - 1) / kWgKeys;
+  const int64_t* row = idx + int64_t(t) * K;
+  const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), o_addr = smem_addr(sO), p_addr = smem_addr(sP),
+                 s_addr = smem_addr(sS);
+  const auto load_keys = [&](int tile) {
+    const int key = sKey[tile % 3 * kWgKeys + tile_row()];
+    load_core_tile<T, kWgD>(sK, key >= 0 ? kv + int64_t(key) * kWgD : nullptr, kv);
+  };
+
+  if (threadIdx.x < kWgKeys) {
+    sKey[threadIdx.x] = key_id(row, K, threadIdx.x);
+    sKey[kWgKeys + threadIdx.x] = key_id(row, K, kWgKeys + threadIdx.x);
+  }
+  if (threadIdx.x < kHeads) {
+    const int64_t r = int64_t(t) * nh + row0 + threadIdx.x;
+    const bool ok = int(threadIdx.x) < valid;
+    sStat[threadIdx.x] = ok ? lse[r] * kLog2e : std::numeric_limits<float>::infinity();  // p = 0 on padding rows
+    sStat[kHeads + threadIdx.x] = ok ? delta[r] : 0.0f;
+  }
+  __syncthreads();
+  const int hr = tile_row();
+  load_core_tile<T, kWgD>(sQ, hr < valid ? q + (int64_t(t) * nh + row0 + hr) * kWgD : nullptr, q);
+  load_core_tile<T, kWgC>(sO, hr < valid ? dout + t * dout_stride.x + (row0 + hr) * dout_stride.y : nullptr, dout);
+  load_keys(0);
+  cp_async_commit();
+  float dqa[128] = {}, dqb[16] = {};  // dq's columns 288w.. (256 of them), then the 32 after
+  for (int i = 0; i < tiles; ++i) {
+    const int ahead = threadIdx.x < kWgKeys ? key_id(row, K, (i + 2) * kWgKeys + threadIdx.x) : -1;
+    cp_async_wait<0>();
+    wgmma::fence_shared();
+    __syncthreads();  // tile i is in; tile i - 1's P, dS and ids are read
+    const int* ids = sKey + i % 3 * kWgKeys;
+    float sc[16], dp[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) sc[j] = dp[j] = 0.0f;
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgD / 16; ++kk)  // S: Q's columns 16kk.. against keys 32w..
+      wgmma::mma<T, 32>(sc, wgmma::desc(q_addr + kk * 2048, 1024, 128),
+                        wgmma::desc(k_addr + wg * 512 + kk * 2048, 1024, 128));
+#pragma unroll
+    for (int kk = 0; kk < kWgC / 16; ++kk)  // dP: dout's columns 16kk.. against the same keys' values
+      wgmma::mma<T, 32>(dp, wgmma::desc(o_addr + kk * 2048, 1024, 128),
+                        wgmma::desc(k_addr + wg * 512 + kk * 2048, 1024, 128));
+    wgmma::commit();
+    wgmma::wait<0>();
+    if (threadIdx.x < kWgKeys) sKey[(i + 2) % 3 * kWgKeys + threadIdx.x] = ahead;  // tile i - 1's slot
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int key = wg * 32 + 8 * j + 2 * tq, head = r0 + 8 * x;
+        float pv[2], ds[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pv[e] = ids[key + e] >= 0 ? exp2f(sc[4 * j + 2 * x + e] * sl2 - sStat[head]) : 0.0f;
+          ds[e] = pv[e] * (dp[4 * j + 2 * x + e] - sStat[kHeads + head]) * scale;
+        }
+        *reinterpret_cast<uint32_t*>(sP + wgmma::tile_offset<64>(head, key)) = pack2<T>(pv[0], pv[1]);
+        *reinterpret_cast<uint32_t*>(sS + wgmma::tile_offset<64>(head, key)) = pack2<T>(ds[0], ds[1]);
+      }
+    wgmma::fence_shared();
+    __syncthreads();  // P and dS of both warpgroups are in
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kWgKeys / 16; ++kk) {  // dq += dS (keys 16kk..) . K (those keys, columns 288w..)
+      const uint64_t a = wgmma::desc(s_addr + kk * 2048, 1024, 128);
+      wgmma::mma<T, 256, 0, 1>(dqa, a, wgmma::desc(k_addr + 36 * wg * 1024 + kk * 256, 128, 1024));
+      wgmma::mma<T, 32, 0, 1>(dqb, a, wgmma::desc(k_addr + (36 * wg + 32) * 1024 + kk * 256, 128, 1024));
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    __syncthreads();  // both warpgroups are past the key tile
+    if (i + 1 < tiles) {
+      load_keys(i + 1);
+      cp_async_commit();
+    }
+    // dkv's value columns in chunks of 64 (chunk 2cc + w by warpgroup w), then its rope columns
+    // 512 + 32w..: the same control flow in both warpgroups (wgmma stays asynchronous).
+    for (int cc = 0; cc < kWgC / 128; ++cc) {
+      const int c = 2 * cc + wg;
+      float acc[32];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) acc[j] = 0.0f;
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kHeads / 16; ++kk) {  // dS^T Q + P^T dout over heads 16kk..
+        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc(s_addr + kk * 256, 128, 1024),
+                                wgmma::desc(q_addr + 8 * c * 1024 + kk * 256, 128, 1024));
+        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc(p_addr + kk * 256, 128, 1024),
+                                wgmma::desc(o_addr + 8 * c * 1024 + kk * 256, 128, 1024));
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      add_key_rows<64>(dkv, ids, acc, 64 * c, r0, tq);
+    }
+    float rope[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) rope[j] = 0.0f;
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeads / 16; ++kk)
+      wgmma::mma<T, 32, 1, 1>(rope, wgmma::desc(s_addr + kk * 256, 128, 1024),
+                              wgmma::desc(q_addr + (kWgC / 8 + 4 * wg) * 1024 + kk * 256, 128, 1024));
+    wgmma::commit();
+    wgmma::wait<0>();
+    add_key_rows<32>(dkv, ids, rope, kWgC + 32 * wg, r0, tq);
+  }
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int head = r0 + 8 * x;
+    if (head >= valid) continue;
+    T* out = dq + (int64_t(t) * nh + row0 + head) * kWgD + 288 * wg + 2 * tq;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(dqa[4 * j + 2 * x], dqa[4 * j + 2 * x + 1]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      *reinterpret_cast<uint32_t*>(out + 256 + 8 * j) = pack2<T>(dqb[4 * j + 2 * x], dqb[4 * j + 2 * x + 1]);
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
+// ---- The indexer's scores at GLM-5's head width (128) on wgmma: a block 64 queries x 256 keys,
+// warpgroup w the keys 128w..; the key tile stays in shared memory while the heads' query tiles
+// stream through two buffers (cp.async, one head ahead); per head S = Q_h K^T (m64n128k16) and
+// acc += w[i, h] relu(S), head h + 1's product running while head h's is folded in. One block a
+// multiprocessor (218 registers).
+constexpr int kIdxD = 128, kIdxRows = 64, kIdxKeys = 256;
+
+size_t indexer_wgmma_smem(int n) {
+  return size_t(kIdxKeys + 2 * kIdxRows) * kIdxD * 2 + size_t(kIdxRows) * (n + 1) * sizeof(float);
+}
+
+// Rows row0.. of a [rows, 128] matrix (row r at src + r * stride, rows past `valid` zero) into a
+// core-matrix tile of Rows rows: threads 2i, 2i + 1 a row's 32-byte sector, 8 rows a group of 16.
+template <int Rows, typename T>
+__device__ __forceinline__ void load_rows_tile(unsigned char* dst, const T* src, int64_t stride, int valid) {
+  constexpr int kChunks = kIdxD / 8;
+  for (int i = threadIdx.x; i < Rows * kChunks; i += kWgThreads) {
+    const int r = i / 128 * 8 + i / 2 % 8, c = i / 16 % 8 * 2 + i % 2;
+    const bool ok = r < valid;
+    cp_async16(dst + wgmma::tile_offset<Rows>(r, c * 8), ok ? src + r * stride + c * 8 : src, ok);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    indexer_scores_wgmma_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ k, int64_t k_stride,
+                                const float* __restrict__ w, float* __restrict__ out, int B, int Nk, int n,
+                                int64_t first, float scale) {
+#if defined(V4_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* sK = smem;                              // [256 keys x 128]
+  unsigned char* sQ = sK + kIdxKeys * kIdxD * 2;          // [2][64 x 128]
+  float* sW = reinterpret_cast<float*>(sQ + 2 * kIdxRows * kIdxD * 2);  // [64][n + 1], times scale
+  const int row0 = blockIdx.y * kIdxRows, col0 = blockIdx.x * kIdxKeys;
+  const int rows_valid = min(kIdxRows, B - row0), cols_valid = min(kIdxKeys, Nk - col0);
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, r0 = 16 * warp + lane / 4,
+            tq = lane % 4;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (col0 > first + row0 + rows_valid - 1) {  // every key of the tile is after every query
+    for (int i = threadIdx.x; i < rows_valid * cols_valid; i += kWgThreads)
+      out[(row0 + i / cols_valid) * int64_t(Nk) + col0 + i % cols_valid] = kNegInf;
+    return;
+  }
+  for (int i = threadIdx.x; i < kIdxRows * n; i += kWgThreads)  // pitch n + 1: no bank conflict a head
+    sW[i / n * (n + 1) + i % n] = i / n < rows_valid ? w[(row0 + i / n) * int64_t(n) + i % n] * scale : 0.0f;
+  const T* q0 = q + row0 * q_stride;
+  const uint32_t k_addr = smem_addr(sK), q_addr = smem_addr(sQ);
+  const auto load_head = [&](int h) {
+    load_rows_tile<kIdxRows>(sQ + h % 2 * kIdxRows * kIdxD * 2, q0 + h * kIdxD, q_stride, rows_valid);
+    cp_async_commit();
+  };
+  const auto scores = [&](int h, float(&s)[64]) {  // s = Q_h K^T, issued (asynchronous)
+#pragma unroll
+    for (int j = 0; j < 64; ++j) s[j] = 0.0f;
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kIdxD / 16; ++kk)  // the query tile's column groups 1,024 apart, the keys' 4,096
+      wgmma::mma<T, 128>(s, wgmma::desc(q_addr + h % 2 * kIdxRows * kIdxD * 2 + kk * 2048, 1024, 128),
+                         wgmma::desc(k_addr + wg * 2048 + kk * 8192, 4096, 128));
+    wgmma::commit();
+  };
+  float acc[64] = {}, s0[64], s1[64];
+  // Head h's product done (in cur), head h + 1's issued into `next` before cur is folded into acc,
+  // so that the tensor cores run while the threads take relu and the head weights.
+  const auto step = [&](int h, float(&cur)[64], float(&next)[64]) {
+    wgmma::wait<0>();
+    if (h + 1 < n) {
+      cp_async_wait<0>();
+      wgmma::fence_shared();
+    }
+    __syncthreads();  // head h + 1's queries are in; every warpgroup is done with head h's buffer
+    if (h + 1 < n) {
+      if (h + 2 < n) load_head(h + 2);
+      scores(h + 1, next);
+    }
+    const float w0 = sW[r0 * (n + 1) + h], w1 = sW[(r0 + 8) * (n + 1) + h];
+#pragma unroll
+    for (int j = 0; j < 64; ++j) acc[j] += (j % 4 < 2 ? w0 : w1) * fmaxf(cur[j], 0.0f);
+  };
+  load_rows_tile<kIdxKeys>(sK, k + col0 * k_stride, k_stride, cols_valid);
+  load_head(0);  // with the keys
+  if (n > 1) {
+    load_head(1);
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  wgmma::fence_shared();
+  __syncthreads();  // the keys and head 0's queries are in
+  scores(0, s0);
+  for (int h = 0; h < n; h += 2) {
+    step(h, s0, s1);
+    if (h + 1 < n) step(h + 1, s1, s0);
+  }
+  wgmma::wait<0>();  // nothing in flight (n >= 1); without it ptxas serialises every product
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int r = r0 + 8 * x;
+    if (r >= rows_valid) continue;
+    float* dst = out + (row0 + r) * int64_t(Nk) + col0;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = wg * 128 + 8 * j + 2 * tq + e;
+        if (c < cols_valid) dst[c] = col0 + c > first + row0 + r ? kNegInf : acc[4 * j + 2 * x + e];
+      }
   }
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
@@ -698,13 +989,17 @@ int max_smem(const at::Tensor& t) {
   return value;
 }
 
-// GLM-5's widths on compute capability 9.0, where the wgmma forward's sm_90a build runs.
-bool wgmma_forward_applies(const at::Tensor& q, const SparseShape& s) {
-  if (s.D != kWgD || s.C != kWgC) return false;
+// Compute capability 9.0, where the wgmma kernels' sm_90a build runs, with `smem` bytes for a block.
+bool wgmma_capable(const at::Tensor& q, size_t smem) {
   int major = 0, minor = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-  return major == 9 && minor == 0 && wgmma_forward_smem() <= size_t(max_smem(q));
+  return major == 9 && minor == 0 && smem <= size_t(max_smem(q));
+}
+
+// The wgmma sparse kernels: GLM-5's widths.
+bool wgmma_applies(const at::Tensor& q, const SparseShape& s, size_t smem) {
+  return s.D == kWgD && s.C == kWgC && wgmma_capable(q, smem);
 }
 
 // The template instance for n tiles of 8 columns per warp (the fewest that hold them).
@@ -752,7 +1047,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in,
   if (s.Lq == 0 || s.nh == 0) return {o, lse};
   const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (wgmma_forward_applies(q, s)) {
+  if (wgmma_applies(q, s, wgmma_forward_smem())) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
       auto* kernel = sparse_forward_wgmma_kernel<T>;
@@ -805,9 +1100,24 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
     delta.slice(0, b0, b1).copy_((dout.slice(0, b0, b1).to(at::kFloat) * o.slice(0, b0, b1).to(at::kFloat)).sum(-1));
   }
   at::Tensor dq = at::empty_like(q);
-  const size_t smem = backward_smem(s, q.element_size());
   const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (wgmma_applies(q, s, wgmma_backward_smem())) {
+    with_type(q, [&](auto type) {
+      using T = decltype(type);
+      auto* kernel = sparse_backward_wgmma_kernel<T>;
+      const size_t smem = wgmma_backward_smem();
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      kernel<<<grid, kWgThreads, smem, stream>>>(
+          reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
+          idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()),
+          longlong2{dout.stride(0), dout.stride(1)}, lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(),
+          reinterpret_cast<T*>(dq.mutable_data_ptr()), dkv.mutable_data_ptr<float>(), s.nh, s.K, float(scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return {dq, dkv};
+  }
+  const size_t smem = backward_smem(s, q.element_size());
   with_type(q, [&](auto type) {
     using T = decltype(type);
     with_tiles(s.dp / 16, [&](auto nq) {
@@ -838,12 +1148,26 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Te
   const at::Tensor wc = w.contiguous();
   at::Tensor out = at::empty({B, Nk}, q.options().dtype(at::kFloat));
   if (B == 0 || Nk == 0) return out;
-  const int dp = (d + 15) / 16 * 16;
-  const size_t smem = size_t(kCols + kRows) * (dp + kPad) * q.element_size() + size_t(kRows) * n * sizeof(float);
-  const dim3 grid((Nk + kCols - 1) / kCols, (B + kRows - 1) / kRows);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const bool vec = d % 8 == 0 && q.stride(0) % 8 == 0 && k.stride(0) % 8 == 0 && aligned16(q.const_data_ptr()) &&
                    aligned16(k.const_data_ptr());
+  if ((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && d == kIdxD && vec &&
+      n > 0 && wgmma_capable(q, indexer_wgmma_smem(n))) {
+    with_type(q, [&](auto type) {
+      using T = decltype(type);
+      auto* kernel = indexer_scores_wgmma_kernel<T>;
+      const size_t smem = indexer_wgmma_smem(n);
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      kernel<<<dim3((Nk + kIdxKeys - 1) / kIdxKeys, (B + kIdxRows - 1) / kIdxRows), kWgThreads, smem, stream>>>(
+          reinterpret_cast<const T*>(q.const_data_ptr()), q.stride(0), reinterpret_cast<const T*>(k.const_data_ptr()),
+          k.stride(0), wc.const_data_ptr<float>(), out.mutable_data_ptr<float>(), B, Nk, n, first, float(scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return out;
+  }
+  const int dp = (d + 15) / 16 * 16;
+  const size_t smem = size_t(kCols + kRows) * (dp + kPad) * q.element_size() + size_t(kRows) * n * sizeof(float);
+  const dim3 grid((Nk + kCols - 1) / kCols, (B + kRows - 1) / kRows);
   const auto launch = [&](auto* kernel, const auto* qp, const auto* kp) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     kernel<<<grid, kThreads, smem, stream>>>(qp, q.stride(0), kp, k.stride(0), wc.const_data_ptr<float>(),
