@@ -1,6 +1,7 @@
 """Times each op's C++ entry against its reference: forward, forward+backward, peak memory.
 
     PYTHONPATH=py:build/ext:. python3 tools/benchmark.py [--device cuda] [--dtype bfloat16] [--ops v4_a,v4_b] [--profile]
+        [--cases 1] [--once]
 
 The cases are the `benchmarks` of each op's test case (py/v4train/testing/cases/<op>.py), at the shapes of the
 models' hot paths (GLM-5: 4096 tokens x hidden 6144). Prints one markdown table row per case and
@@ -59,7 +60,7 @@ def profile(fn, device, top=12):
         print(f"    {getattr(e, key) / 1e3:8.3f} ms {100 * getattr(e, key) / total:5.1f}% x{e.count:<5d} {e.key[:110]}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -67,19 +68,26 @@ def main():
     parser.add_argument("--ops", default="", help="comma list of ops to time (default: all)")
     parser.add_argument("--impl", default="reference,cpp", help="which implementations to time")
     parser.add_argument("--profile", action="store_true", help="also print where a forward+backward spends its time")
-    args = parser.parse_args()
+    parser.add_argument("--cases", default="", help="comma list of indices into each op's benchmark cases (default: all)")
+    parser.add_argument("--once", action="store_true",
+                        help="one forward+backward of each case, untimed, in-place ops left out: for a profiler to "
+                             "attach to (ncu -k KERNEL -c 1)")
+    args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, dtype {args.dtype}, median of {args.reps}")
     print("| op | shape | impl | forward ms | backward ms | fwd+bwd ms | peak MiB (fwd+bwd) |")
     print("|---|---|---|---|---|---|---|")
-    cases = [(name, case) for name, op in CASES.items() if op.has_cpp for case in op.benchmarks
-             if not args.ops or name in args.ops.split(",")]
+    picked = {int(i) for i in args.cases.split(",") if i}
+    cases = [(name, case) for name, op in CASES.items() if op.has_cpp for i, case in enumerate(op.benchmarks)
+             if (not args.ops or name in args.ops.split(",")) and (not picked or i in picked)]
     for op_name, case in cases:
         op = CASES[op_name]
         shape, op_args = case(args.device, dtype)
         impls = {"reference": lambda: REFERENCE[op_name], "cpp": op.cpp}
         for impl, fn in ((i, impls[i]()) for i in args.impl.split(",")):
+            if op.inplace and args.once:
+                continue
             if op.inplace:  # an optimizer op: no backward
                 ms = timed(lambda: fn(*op_args), args.device, args.reps)
                 print(f"| {op_name} | {shape} | {impl} | {ms:.3f} | - | - | - |", flush=True)
@@ -93,6 +101,12 @@ def main():
             def fwd_bwd():
                 first(fn(*op_args)).backward(grad)
 
+            if args.once:
+                fwd_bwd()
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                print(f"| {op_name} | {shape} | {impl} | once | once | once | - |", flush=True)
+                continue
             fwd_ms = timed(fwd, args.device, args.reps)
             peak = ""
             if args.device == "cuda":

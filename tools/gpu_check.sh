@@ -15,6 +15,9 @@
 #     files out, e.g. the fuzzer, whose checks are not numeric);
 #   SANITIZE_K="expr" with the stage "sanitize": those parity cases under compute-sanitizer's memcheck.
 #     (SANITIZE_S seconds at most, default 420)
+#   the stage "ncu": Nsight Compute of each kernel of NCU_KERNELS (regexes; default the GLM-5 sparse
+#     attention's three wgmma kernels), its first launch in one forward+backward of the op benchmark's
+#     case (OPS, default v4_mla_dsa_attention; NCU_CASES, default 1: 65,536 tokens), one log a kernel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
@@ -44,6 +47,15 @@ if has sanitize; then
   timeout "${SANITIZE_S:-420}" compute-sanitizer --tool memcheck --print-limit 10 --error-exitcode 3 \
     python3 -m pytest -p no:cacheprovider -q -x parity -k "${SANITIZE_K:-cuda}" >"$out/sanitize.log" 2>&1 || status=1
   echo "sanitize: $(grep -E 'ERROR SUMMARY|[0-9]+ (passed|failed)' "$out/sanitize.log" | tail -2 | tr '\n' ' ')"
+fi
+if has ncu; then
+  for k in ${NCU_KERNELS:-sparse_forward_wgmma sparse_backward_wgmma indexer_scores_wgmma}; do
+    timeout 300 ncu --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight --section WarpStateStats \
+      --section SourceCounters --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
+      --section LaunchStats python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl cpp \
+      --cases "${NCU_CASES:-1}" --once >"$out/ncu_$k.log" 2>&1 || status=1
+    echo "ncu $k:"; grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy" "$out/ncu_$k.log"
+  done
 fi
 if has cpu; then
   python3 tools/build_ext.py --no-cuda --out build/ext_cpu --jobs "$(nproc)" >"$out/build_cpu.log" 2>&1 || exit 1

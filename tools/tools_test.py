@@ -88,3 +88,17 @@ def test_base_python_is_layered_under_the_environment(tmp_path):
 
     assert torch_file == torch.__file__, "the base Python's torch, not a second copy"
     assert not list(env_dir.glob("lib/python*/site-packages/torch")), "no torch installed in the layer"
+
+
+def test_the_benchmark_runs_a_picked_case_once(capsys):
+    """tools/benchmark.py --once (what a profiler attaches to) runs each picked case's forward and
+    backward once and times nothing; --cases picks by index."""
+    import benchmark
+
+    benchmark.main(["--device", "cpu", "--dtype", "float32", "--ops", "v4_rms_norm", "--impl", "reference",
+                    "--cases", "0", "--once"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| v4_rms_norm")]
+    assert len(rows) == 1 and rows[0].endswith("| reference | once | once | once | - |"), rows
+    benchmark.main(["--device", "cpu", "--dtype", "float32", "--ops", "v4_rms_norm", "--impl", "reference",
+                    "--cases", "1", "--once"])  # v4_rms_norm has one case
+    assert "| v4_rms_norm" not in capsys.readouterr().out
