@@ -190,3 +190,18 @@ def test_the_indexer_scores_alone_match_their_truth(dtype, heads, d):
     expected = index_scores64(q.float(), k.float(), w, first, scale)
     truth = index_scores64(q.double(), k.double(), w.double(), first, scale)
     assert_close(actual.cpu(), expected, "indexer_scores", truth=truth)
+
+
+def test_the_kernels_alone_refuse_what_they_cannot_take():
+    """The test entry points name the tensor and what was expected: a selection with an unused
+    slot (-1, which the op's sparse path never gets), mismatched widths, and the indexer scores
+    where no device kernel covers the inputs (the CPU)."""
+    import v4_mla_dsa_attention as module
+
+    q, kv = torch.randn(2, 4, 24), torch.randn(10, 24)
+    with pytest.raises(ValueError, match=r"idx must lie in \[0, 10\)"):
+        module.sparse_latent_attention(q, kv, torch.tensor([[0, -1], [1, 2]]), 1.0, 16)
+    with pytest.raises(ValueError, match="expected q \\[Lq, nh, D\\], kv \\[L, D\\]"):
+        module.sparse_latent_attention(q, torch.randn(10, 20), torch.tensor([[0, 1], [1, 2]]), 1.0, 16)
+    with pytest.raises(ValueError, match="indexer_scores: no device kernel covers q"):
+        module.indexer_scores(torch.randn(3, 2, 8), torch.randn(5, 8), torch.randn(3, 2), 2, 1.0)
