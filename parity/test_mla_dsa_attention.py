@@ -3,7 +3,9 @@ heads of 128): the latent path and, on CUDA in bf16, its kernels (the fused inde
 sparse attention's forward and backward) against the reference, forward and every gradient.
 The drawn samples of the registry cover the small and odd shapes; these the tiled ones: a
 top-k that is not a whole number of the kernels' 32- or 64-key tiles, one that is, and one of
-three 64-key tiles (the Hopper forward's double buffer turns over)."""
+three 64-key tiles (the Hopper forward's double buffer turns over). The kernels are also judged
+alone against their float64 truth (the end of this file), where the layer's chain of bf16
+roundings cannot hide a wrong part of a gradient."""
 
 import pytest
 import torch
