@@ -164,13 +164,6 @@ def test_the_sparse_attention_alone_matches_its_truth(device, dtype, heads, D, C
         assert_close(runs["actual"][i], runs["expected"][i], f"sparse_latent_attention {what}", truth=runs["truth"][i])
 
 
-def index_scores64(q, k, w, first, scale):
-    """scale sum_h w[i, h] relu(q[i, h] . k[j]), -inf where key j comes after query first + i."""
-    s = (torch.einsum("bhd,kd->bhk", q, k).relu() * w[..., None]).sum(1) * scale
-    key, query = torch.arange(k.shape[0], device=q.device), first + torch.arange(q.shape[0], device=q.device)
-    return s.masked_fill(key[None, :] > query[:, None], float("-inf"))
-
-
 @pytest.mark.skipif("cuda" not in devices(), reason="the device's indexer kernels")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("heads,d", [(32, 128), (3, 128), (4, 64)])
@@ -178,19 +171,19 @@ def test_the_indexer_scores_alone_match_their_truth(dtype, heads, d):
     """GLM-5's head width (128: the wgmma kernel; 32 heads and an odd 3) and another (64); 100
     queries from query 300 (a block of 64 and a partial one) against 400 keys (a 256-key tile and
     a partial one, causal). Float32 scores of bf16 values: within float32's tolerance of the
-    float64 truth, or twice the error of the same sums in float32."""
+    float64 truth, or twice the error of the reference's index_scores in float32."""
     import v4_mla_dsa_attention as module
+    from v4train.models.glm5.attention import index_scores
     from v4train.testing.compare import assert_close
 
     gen = torch.Generator().manual_seed(heads * d)
-    first, B, Nk = 300, 100, 400
-    q = torch.randn(B, heads, d, generator=gen).to(dtype)
+    first, Nk = 300, 400  # the document's queries first.. against its keys
+    q = torch.randn(Nk, heads, d, generator=gen).to(dtype)
     k = torch.randn(Nk, d, generator=gen).to(dtype)
-    w = torch.randn(B, heads, generator=gen)
-    scale = d ** -0.5
-    actual = module.indexer_scores(q.cuda(), k.cuda(), w.cuda(), first, scale)
-    expected = index_scores64(q.float(), k.float(), w, first, scale)
-    truth = index_scores64(q.double(), k.double(), w.double(), first, scale)
+    w = torch.randn(Nk, heads, generator=gen)
+    actual = module.indexer_scores(q[first:].cuda(), k.cuda(), w[first:].cuda(), first, d ** -0.5)
+    expected = index_scores(q.float(), k.float(), w, d)[first:]
+    truth = index_scores(q.double(), k.double(), w.double(), d)[first:]
     assert_close(actual.cpu(), expected, "indexer_scores", truth=truth)
 
 
