@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 #include "cc/common/backend.h"
 #include "cc/common/wgmma.cuh"
@@ -1018,6 +1019,14 @@ void with_type(const at::Tensor& t, F&& f) {
   else f(__half{});
 }
 
+// kernel<<<grid, threads, smem, stream>>>(args...), its dynamic shared memory allowed up to smem.
+template <typename... P, typename... A>
+void launch_kernel(void (*kernel)(P...), dim3 grid, int threads, size_t smem, cudaStream_t stream, A&&... args) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<grid, threads, smem, stream>>>(std::forward<A>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 bool sparse_latent_supported(const at::Tensor& q, const at::Tensor& kv, int64_t C) {
@@ -1050,14 +1059,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in,
   if (wgmma_applies(q, s, wgmma_forward_smem())) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
-      auto* kernel = sparse_forward_wgmma_kernel<T>;
-      const size_t smem = wgmma_forward_smem();
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      kernel<<<grid, kWgThreads, smem, stream>>>(
-          reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
-          idx.const_data_ptr<int64_t>(), reinterpret_cast<T*>(o.mutable_data_ptr()), lse.mutable_data_ptr<float>(),
-          s.nh, s.K, float(scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_kernel(sparse_forward_wgmma_kernel<T>, grid, kWgThreads, wgmma_forward_smem(), stream,
+                    reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
+                    idx.const_data_ptr<int64_t>(), reinterpret_cast<T*>(o.mutable_data_ptr()),
+                    lse.mutable_data_ptr<float>(), s.nh, s.K, float(scale));
     });
     return {o, lse};
   }
@@ -1065,13 +1070,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in,
   with_type(q, [&](auto type) {
     using T = decltype(type);
     with_tiles(s.cp / 16, [&](auto nt) {
-      auto* kernel = sparse_forward_kernel<T, decltype(nt)::value>;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      kernel<<<grid, kSparseThreads, smem, stream>>>(
-          reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
-          idx.const_data_ptr<int64_t>(), reinterpret_cast<T*>(o.mutable_data_ptr()), lse.mutable_data_ptr<float>(), s,
-          float(scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_kernel(sparse_forward_kernel<T, decltype(nt)::value>, grid, kSparseThreads, smem, stream,
+                    reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
+                    idx.const_data_ptr<int64_t>(), reinterpret_cast<T*>(o.mutable_data_ptr()),
+                    lse.mutable_data_ptr<float>(), s, float(scale));
     });
   });
   return {o, lse};
@@ -1105,15 +1107,12 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
   if (wgmma_applies(q, s, wgmma_backward_smem())) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
-      auto* kernel = sparse_backward_wgmma_kernel<T>;
-      const size_t smem = wgmma_backward_smem();
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      kernel<<<grid, kWgThreads, smem, stream>>>(
-          reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
-          idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()),
-          longlong2{dout.stride(0), dout.stride(1)}, lse_c.const_data_ptr<float>(), delta.const_data_ptr<float>(),
-          reinterpret_cast<T*>(dq.mutable_data_ptr()), dkv.mutable_data_ptr<float>(), s.nh, s.K, float(scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_kernel(sparse_backward_wgmma_kernel<T>, grid, kWgThreads, wgmma_backward_smem(), stream,
+                    reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
+                    idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()),
+                    longlong2{dout.stride(0), dout.stride(1)}, lse_c.const_data_ptr<float>(),
+                    delta.const_data_ptr<float>(), reinterpret_cast<T*>(dq.mutable_data_ptr()),
+                    dkv.mutable_data_ptr<float>(), s.nh, s.K, float(scale));
     });
     return {dq, dkv};
   }
@@ -1121,15 +1120,12 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
   with_type(q, [&](auto type) {
     using T = decltype(type);
     with_tiles(s.dp / 16, [&](auto nq) {
-      auto* kernel = sparse_backward_kernel<T, decltype(nq)::value>;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      kernel<<<grid, kSparseThreads, smem, stream>>>(
-          reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
-          idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()),
-          longlong2{dout.stride(0), dout.stride(1)}, lse_c.const_data_ptr<float>(),
-          delta.const_data_ptr<float>(), reinterpret_cast<T*>(dq.mutable_data_ptr()), dkv.mutable_data_ptr<float>(), s,
-          float(scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_kernel(sparse_backward_kernel<T, decltype(nq)::value>, grid, kSparseThreads, smem, stream,
+                    reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
+                    idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()),
+                    longlong2{dout.stride(0), dout.stride(1)}, lse_c.const_data_ptr<float>(),
+                    delta.const_data_ptr<float>(), reinterpret_cast<T*>(dq.mutable_data_ptr()),
+                    dkv.mutable_data_ptr<float>(), s, float(scale));
     });
   });
   return {dq, dkv};
@@ -1155,33 +1151,24 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Te
       n > 0 && wgmma_capable(q, indexer_wgmma_smem(n))) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
-      auto* kernel = indexer_scores_wgmma_kernel<T>;
-      const size_t smem = indexer_wgmma_smem(n);
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      kernel<<<dim3((Nk + kIdxKeys - 1) / kIdxKeys, (B + kIdxRows - 1) / kIdxRows), kWgThreads, smem, stream>>>(
-          reinterpret_cast<const T*>(q.const_data_ptr()), q.stride(0), reinterpret_cast<const T*>(k.const_data_ptr()),
-          k.stride(0), wc.const_data_ptr<float>(), out.mutable_data_ptr<float>(), B, Nk, n, first, float(scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_kernel(indexer_scores_wgmma_kernel<T>, dim3((Nk + kIdxKeys - 1) / kIdxKeys, (B + kIdxRows - 1) / kIdxRows),
+                    kWgThreads, indexer_wgmma_smem(n), stream, reinterpret_cast<const T*>(q.const_data_ptr()),
+                    q.stride(0), reinterpret_cast<const T*>(k.const_data_ptr()), k.stride(0),
+                    wc.const_data_ptr<float>(), out.mutable_data_ptr<float>(), B, Nk, n, first, float(scale));
     });
     return out;
   }
   const int dp = (d + 15) / 16 * 16;
   const size_t smem = size_t(kCols + kRows) * (dp + kPad) * q.element_size() + size_t(kRows) * n * sizeof(float);
   const dim3 grid((Nk + kCols - 1) / kCols, (B + kRows - 1) / kRows);
-  const auto launch = [&](auto* kernel, const auto* qp, const auto* kp) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    kernel<<<grid, kThreads, smem, stream>>>(qp, q.stride(0), kp, k.stride(0), wc.const_data_ptr<float>(),
-                                             out.mutable_data_ptr<float>(), B, Nk, n, d, first, float(scale), vec);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  if (q.scalar_type() == at::kBFloat16) {
-    launch(indexer_scores_kernel<__nv_bfloat16>, reinterpret_cast<const __nv_bfloat16*>(q.const_data_ptr()),
-           reinterpret_cast<const __nv_bfloat16*>(k.const_data_ptr()));
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kHalf, "indexer_scores: bfloat16 or float16 expected, got ", q.scalar_type());
-    launch(indexer_scores_kernel<__half>, reinterpret_cast<const __half*>(q.const_data_ptr()),
-           reinterpret_cast<const __half*>(k.const_data_ptr()));
-  }
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "indexer_scores: bfloat16 or float16 expected, got ", q.scalar_type());
+  with_type(q, [&](auto type) {
+    using T = decltype(type);
+    launch_kernel(indexer_scores_kernel<T>, grid, kThreads, smem, stream, reinterpret_cast<const T*>(q.const_data_ptr()),
+                  q.stride(0), reinterpret_cast<const T*>(k.const_data_ptr()), k.stride(0), wc.const_data_ptr<float>(),
+                  out.mutable_data_ptr<float>(), B, Nk, n, d, first, float(scale), vec);
+  });
   return out;
 }
 
