@@ -1134,6 +1134,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
   const auto stream = c10::cuda::getCurrentCUDAStream();
   // delta = rowsum(dout * o) [Lq, nh] in float32 (rows 16-byte aligned: C % 8 == 0, dout as above)
   at::Tensor delta = at::empty({s.Lq, s.nh}, q.options().dtype(at::kFloat));
+  TORCH_CHECK(o.scalar_type() == q.scalar_type() && o.sizes() == dout.sizes(), "sparse_latent_backward: o must be ",
+              "the forward's [Lq, nh, C] output in q's dtype, got ", o.sizes(), " ", o.scalar_type());
   const at::Tensor oc = dense16(o);
   const int64_t rows = int64_t(s.Lq) * s.nh;
   with_type(q, [&](auto type) {
