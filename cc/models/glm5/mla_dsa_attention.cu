@@ -1140,10 +1140,9 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
   const int64_t rows = int64_t(s.Lq) * s.nh;
   with_type(q, [&](auto type) {
     using T = decltype(type);
-    sparse_delta_kernel<T><<<(rows + 7) / 8, 256, 0, stream>>>(
-        reinterpret_cast<const T*>(dout.const_data_ptr()), longlong2{dout.stride(0), dout.stride(1)},
-        reinterpret_cast<const T*>(oc.const_data_ptr()), delta.mutable_data_ptr<float>(), s.nh, int(C), rows);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(sparse_delta_kernel<T>, dim3((rows + 7) / 8), 256, 0, stream,
+                  reinterpret_cast<const T*>(dout.const_data_ptr()), longlong2{dout.stride(0), dout.stride(1)},
+                  reinterpret_cast<const T*>(oc.const_data_ptr()), delta.mutable_data_ptr<float>(), s.nh, int(C), rows);
   });
   at::Tensor dq = at::empty_like(q);
   const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
