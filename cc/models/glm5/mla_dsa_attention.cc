@@ -114,7 +114,12 @@ at::Tensor select_keys(const at::Tensor& h, const at::Tensor& q_resid, const Mla
         const int64_t b1 = std::min(L, b0 + rows);
         at::Tensor scores;
         covered = scores_kernel(ql.slice(0, b0, b1), kl.slice(0, 0, b1), wd.slice(0, b0, b1), b0, scale, scores);
-        if (covered) out.slice(0, start + b0, start + b1).copy_(canonical(std::get<1>(scores.topk(K, -1)), b0));
+        // The set only (sorted false): canonical orders it by key. torch's CUDA topk selects, then
+        // sorts what it selected, so the set is the one a sorted topk gives.
+        if (covered) {
+          const at::Tensor top = std::get<1>(scores.topk(K, -1, /*largest=*/true, /*sorted=*/false));
+          out.slice(0, start + b0, start + b1).copy_(canonical(top, b0));
+        }
       }
       if (covered) continue;
     }

@@ -188,6 +188,17 @@ __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t x);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t x) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t x) {
+  return __half22float2(*reinterpret_cast<__half2*>(&x));
+}
+
 // A row's max and sum over the 4 lanes of a quad (those holding one row of an mma fragment).
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
@@ -1079,6 +1090,31 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in,
   return {o, lse};
 }
 
+// delta[r] = dout[t, h, :C] . o[t, h, :C] in float32 for row r = t nh + h (the backward's softmax
+// term): a warp a row, 16-byte loads of both; dout strided by (query, head) as the backward reads
+// it, o contiguous. One read of each, where ATen's float32 chain wrote and read four copies.
+template <typename T>
+__global__ void sparse_delta_kernel(const T* __restrict__ dout, longlong2 dout_stride, const T* __restrict__ o,
+                                    float* __restrict__ delta, int nh, int C, int64_t rows) {
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (r >= rows) return;  // a whole warp: r is the same in its lanes
+  const int lane = threadIdx.x % 32;
+  const T* a = dout + r / nh * dout_stride.x + r % nh * dout_stride.y;
+  const T* b = o + r * C;
+  float sum = 0.0f;
+  for (int c = 8 * lane; c < C; c += 256) {
+    const uint4 x = *reinterpret_cast<const uint4*>(a + c), y = *reinterpret_cast<const uint4*>(b + c);
+    const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 u = unpack2<T>(xs[k]), v = unpack2<T>(ys[k]);
+      sum += u.x * v.x + u.y * v.y;
+    }
+  }
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) delta[r] = sum;
+}
+
 std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in, const at::Tensor& kv_in,
                                                           const at::Tensor& idx_in, const at::Tensor& o,
                                                           const at::Tensor& lse, const at::Tensor& dout_in,
@@ -1095,15 +1131,21 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
   const SparseShape s = sparse_shape(q, kv, idx, C);
   at::Tensor dkv = at::zeros({kv.size(0), s.D}, kv.options().dtype(at::kFloat));
   if (s.Lq == 0 || s.nh == 0 || s.K == 0) return {at::zeros_like(q), dkv};
-  // delta = rowsum(dout * o) [Lq, nh] in float32, in blocks of queries (no [Lq, nh, C] float copies).
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  // delta = rowsum(dout * o) [Lq, nh] in float32 (rows 16-byte aligned: C % 8 == 0, dout as above)
   at::Tensor delta = at::empty({s.Lq, s.nh}, q.options().dtype(at::kFloat));
-  for (int64_t b0 = 0; b0 < s.Lq; b0 += 4096) {
-    const int64_t b1 = std::min<int64_t>(s.Lq, b0 + 4096);
-    delta.slice(0, b0, b1).copy_((dout.slice(0, b0, b1).to(at::kFloat) * o.slice(0, b0, b1).to(at::kFloat)).sum(-1));
-  }
+  TORCH_CHECK(o.scalar_type() == q.scalar_type() && o.sizes() == dout.sizes(), "sparse_latent_backward: o must be ",
+              "the forward's [Lq, nh, C] output in q's dtype, got ", o.sizes(), " ", o.scalar_type());
+  const at::Tensor oc = dense16(o);
+  const int64_t rows = int64_t(s.Lq) * s.nh;
+  with_type(q, [&](auto type) {
+    using T = decltype(type);
+    launch_kernel(sparse_delta_kernel<T>, dim3((rows + 7) / 8), 256, 0, stream,
+                  reinterpret_cast<const T*>(dout.const_data_ptr()), longlong2{dout.stride(0), dout.stride(1)},
+                  reinterpret_cast<const T*>(oc.const_data_ptr()), delta.mutable_data_ptr<float>(), s.nh, int(C), rows);
+  });
   at::Tensor dq = at::empty_like(q);
   const dim3 grid(s.Lq, (s.nh + kHeads - 1) / kHeads);
-  const auto stream = c10::cuda::getCurrentCUDAStream();
   if (wgmma_applies(q, s, wgmma_backward_smem())) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
