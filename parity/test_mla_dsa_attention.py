@@ -134,13 +134,14 @@ SPARSE_ALONE = [("cpu", torch.float32, 4, 24, 16)] + [
 
 @pytest.mark.parametrize("device,dtype,heads,D,C", SPARSE_ALONE,
                          ids=[f"{d}-{str(t).removeprefix('torch.')}-{h}x{D}" for d, t, h, D, _ in SPARSE_ALONE])
-@pytest.mark.parametrize("top_k", [64, 300])
+@pytest.mark.parametrize("top_k", [64, 256, 300])
 def test_the_sparse_attention_alone_matches_its_truth(device, dtype, heads, D, C, top_k):
     """GLM-5's widths (64 heads of a 576-wide latent: the wgmma kernels; 80 heads: a second block
-    of heads 16 rows valid) and another (the mma.sync kernels); one whole 64-key tile and five
-    partial ones; scores about 2.5 apart (the online softmax rescales across tiles). Forward, dq
-    and dkv within the dtype's tolerance of the float64 truth, or twice the error of the same
-    computation in torch (compare.assert_close)."""
+    of heads 16 rows valid) and another (the mma.sync kernels); one whole 64-key tile, four (two
+    pairs: the forward's warpgroups take a tile each) and five partial ones (the last pair half
+    empty); scores about 2.5 apart (the online softmax rescales across tiles). Forward, dq and dkv
+    within the dtype's tolerance of the float64 truth, or twice the error of the same computation
+    in torch (compare.assert_close)."""
     import v4_mla_dsa_attention as module
     from v4train.testing.compare import assert_close
 

@@ -411,17 +411,29 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
 }
 
 // ---- The forward at GLM-5's widths (D = 576 latent + rope dims, C = 512 value dims) on Hopper's
-// warpgroup products: one block a query and 64 heads, two warpgroups, the selected keys in tiles
-// of 64 gathered (cp.async) one tile ahead of the math. Warpgroup w forms the scores of keys
-// 32w.. of a tile (S = Q K^T, 64 x 32), the two exchange their row maxima through shared memory,
-// write P as bfloat16 into one [64 heads x 64 keys] tile, and each accumulates output columns
-// 256w.. over all 64 keys (O += P V, V being the same gathered rows read MN-major). Shared tiles
-// are in wgmma's canonical no-swizzle layout (cc/common/wgmma.cuh): Q, the key tiles and P each as
-// core matrices of 8 rows x 8 columns, the row groups 128 bytes apart and the column groups 1,024.
-constexpr int kWgD = 576, kWgC = 512, kWgKeys = 64, kWgThreads = 256;
-constexpr int kWgTileBytes = kHeads * kWgD * 2;  // Q's tile and each key tile: 64 rows x 576
+// warpgroup products, warp-specialised as FlashMLA's sparse prefill arranges it: a block a query
+// and 64 heads, three warpgroups. Warpgroup 2 only gathers: two 64-key blocks in flight (buffers 0
+// and 1), each buffer in halves L (columns 0-255) and R (256-575) with their own "ready" and "free"
+// barriers, so a half is refilled as soon as its readers are done. Warpgroup 0 takes the even
+// blocks and output columns 0-255, warpgroup 1 the odd blocks and columns 256-511. Each forms its
+// block's scores (S = Q K^T, m64n64) and softmax, then O[:, its half] += P V over its own block (P
+// from registers) and over the other's (P from shared memory), so one's scores and softmax run
+// while the other's products are in flight. The running max passes 0 -> 1 -> 0 through shared
+// memory (block b's softmax starts from block b - 1's max); warpgroup 0 rescales its P to block
+// b + 1's max before sharing it, so both add the other's P as it lies. Shared tiles are in wgmma's
+// canonical no-swizzle layout (cc/common/wgmma.cuh): core matrices of 8 rows x 8 columns, the row
+// groups 128 bytes apart and the column groups 1,024; P of block b sits on its buffer's rope
+// columns (512-575), dead once warpgroup 0's scores are formed.
+constexpr int kWgD = 576, kWgC = 512, kWgKeys = 64, kWgThreads = 256, kFwdThreads = 384;
+constexpr int kWgTileBytes = kHeads * kWgD * 2;       // Q's tile and each key buffer: 64 rows x 576
+constexpr int kRopeBytes = kHeads * (kWgD - kWgC) * 2;  // columns 512-575: 64 x 64, P's size
 
-size_t wgmma_forward_smem() { return 3 * size_t(kWgTileBytes) + kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4; }
+// Shared memory of the forward: Q, two key buffers, warpgroup 1's P, then the maxima [64], the row
+// sums [2][64], the key slots' validity [2][64] and nine barriers (Q; ready and free of 2 x 2 halves).
+size_t wgmma_forward_smem() { return 3 * size_t(kWgTileBytes) + kRopeBytes + (kHeads + 2 * kHeads + 2 * kWgKeys) * 4 + 9 * 8; }
+
+// Named barriers (0 is __syncthreads): the maxima and P handed between the consumer warpgroups.
+enum FwdBarrier { kMax0 = 1, kMax1, kP0, kP1, kSums };
 
 // The row of a 64-row tile this thread gathers: threads 2i and 2i + 1 share a row, so that each
 // pair reads whole 32-byte sectors, and a phase of 8 threads writes 4 rows (a 2-way bank
@@ -440,121 +452,264 @@ __device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* src,
   for (int k = 0; k < Cols / 32; ++k) cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
 }
 
+// The gathering warpgroup's share of a 64-row tile's chunks of 8 columns [From, To): row tile_row()
+// from src (nullptr: zeros), every other chunk (the thread pair shares each 32-byte sector).
+template <int From, int To, typename T>
+__device__ __forceinline__ void gather_chunks(unsigned char* dst, const T* src, const T* any_row) {
+  const int c0 = From + threadIdx.x % 2;
+  unsigned char* d = dst + wgmma::tile_offset<64>(tile_row(), c0 * 8);
+#pragma unroll
+  for (int k = 0; k < (To - From) / 2; ++k)
+    cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kWgThreads, 1)
+__global__ void __launch_bounds__(kFwdThreads, 1)
     sparse_forward_wgmma_kernel(const T* __restrict__ q, const T* __restrict__ kv, const int64_t* __restrict__ idx,
                                 T* __restrict__ o, float* __restrict__ lse, int nh, int K, float scale) {
 #if defined(V4_HAS_WGMMA)
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* sQ = smem;
-  unsigned char* sK = smem + kWgTileBytes;               // [2] key tiles
-  unsigned char* sP = smem + 3 * kWgTileBytes;           // [64 heads x 64 keys]
-  float* sRow = reinterpret_cast<float*>(sP + kHeads * kWgKeys * 2);  // [2 warpgroups][64]
-  int* sKey = reinterpret_cast<int*>(sRow + 2 * kHeads);               // [3][64], a ring
+  unsigned char* sK = smem + kWgTileBytes;  // [2] key buffers
+  unsigned char* sP1 = smem + 3 * kWgTileBytes;
+  float* sM = reinterpret_cast<float*>(sP1 + kRopeBytes);  // [64]
+  float* sL = sM + kHeads;                                 // [2][64]
+  int* sValid = reinterpret_cast<int*>(sL + 2 * kHeads);   // [2][64]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sValid + 2 * kWgKeys);
+  uint64_t* bar_q = bars;
+  const auto ready = [&](int buf, int half) { return bars + 1 + 2 * buf + half; };
+  const auto done = [&](int buf, int half) { return bars + 5 + 2 * buf + half; };
   const int t = blockIdx.x, row0 = blockIdx.y * kHeads, valid = min(kHeads, nh - row0);
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
-            tq = lane % 4;
+  const int wg = threadIdx.x / 128, rounds = ((K + kWgKeys - 1) / kWgKeys + 1) / 2;
+  if (threadIdx.x == 0) {
+    wgmma::bar_init(bar_q, 128);
+    for (int b = 0; b < 2; ++b)
+      for (int h = 0; h < 2; ++h) {
+        // The half each consumer reads first also carries its blocks' validity: 128 more arrivals.
+        wgmma::bar_init(ready(b, h), b == h ? 256 : 128);
+        wgmma::bar_init(done(b, h), 128);
+      }
+    wgmma::bar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 2) {  // ---- the gather
+    wgmma::regs_shrink<72>();
+    const int row = tile_row();
+    const int64_t* ids = idx + int64_t(t) * K;
+    gather_chunks<0, kWgD / 8>(sQ, row < valid ? q + (int64_t(t) * nh + row0 + row) * kWgD : nullptr, q);
+    wgmma::bar_arrive_copies(bar_q);
+    int next0 = key_id(ids, K, row), next1 = key_id(ids, K, kWgKeys + row);
+    for (int r = 0; r < rounds; ++r) {
+      const int id0 = next0, id1 = next1, parity = (r & 1) ^ 1;
+      const T* k0 = id0 >= 0 ? kv + int64_t(id0) * kWgD : nullptr;
+      const T* k1 = id1 >= 0 ? kv + int64_t(id1) * kWgD : nullptr;
+      next0 = key_id(ids, K, (2 * r + 2) * kWgKeys + row);
+      next1 = key_id(ids, K, (2 * r + 3) * kWgKeys + row);
+      unsigned char* b0 = sK;
+      unsigned char* b1 = sK + kWgTileBytes;
+      wgmma::bar_wait(done(0, 0), parity);  // in the order the consumers read them
+      sValid[row] = id0 >= 0;
+      gather_chunks<0, 32>(b0, k0, kv);
+      wgmma::bar_arrive_copies(ready(0, 0));
+      wgmma::bar_arrive(ready(0, 0));
+      wgmma::bar_wait(done(1, 1), parity);
+      sValid[kWgKeys + row] = id1 >= 0;
+      gather_chunks<32, kWgD / 8>(b1, k1, kv);
+      wgmma::bar_arrive_copies(ready(1, 1));
+      wgmma::bar_arrive(ready(1, 1));
+      wgmma::bar_wait(done(0, 1), parity);
+      gather_chunks<32, kWgD / 8>(b0, k0, kv);
+      wgmma::bar_arrive_copies(ready(0, 1));
+      wgmma::bar_wait(done(1, 0), parity);
+      gather_chunks<0, 32>(b1, k1, kv);
+      wgmma::bar_arrive_copies(ready(1, 0));
+    }
+    return;
+  }
+
+  // ---- the consumers: warpgroup wg, blocks of parity wg, output columns 256wg..
+  wgmma::regs_grow<216>();
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4, r0 = 16 * warp + g;
   const float sl2 = scale * kLog2e;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int tiles = (K + kWgKeys - 1) / kWgKeys;
-  const int64_t* row = idx + int64_t(t) * K;
-  const auto load_keys = [&](int tile) {  // its ids are in the ring (for_each_key_tile's scheme)
-    const int* ids = sKey + tile % 3 * kWgKeys;
-    const int key = ids[tile_row()];
-    load_core_tile<T, kWgD>(sK + (tile % 2) * kWgTileBytes, key >= 0 ? kv + int64_t(key) * kWgD : nullptr, kv);
-  };
-  const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), p_addr = smem_addr(sP);
-
-  if (threadIdx.x < kWgKeys) {
-    sKey[threadIdx.x] = key_id(row, K, threadIdx.x);
-    sKey[kWgKeys + threadIdx.x] = key_id(row, K, kWgKeys + threadIdx.x);
-  }
-  __syncthreads();
-  load_core_tile<T, kWgD>(sQ, tile_row() < valid ? q + (int64_t(t) * nh + row0 + tile_row()) * kWgD : nullptr, q);
-  load_keys(0);
-  cp_async_commit();
-  float acc[128] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
-  for (int i = 0; i < tiles; ++i) {
-    const int ahead = threadIdx.x < kWgKeys ? key_id(row, K, (i + 2) * kWgKeys + threadIdx.x) : -1;
-    cp_async_wait<0>();
+  const uint32_t q_addr = smem_addr(sQ), own = smem_addr(sK + wg * kWgTileBytes),
+                 other = smem_addr(sK + (1 - wg) * kWgTileBytes);
+  // Warpgroup 0's P goes to its buffer's rope columns, warpgroup 1's to sP1.
+  unsigned char* sP_own = wg == 0 ? sK + kWgTileBytes - kRopeBytes : sP1;
+  const uint32_t p_other = wg == 0 ? smem_addr(sP1) : smem_addr(sK + kWgTileBytes - kRopeBytes);
+  float o_acc[128] = {}, s[32], m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
+  uint32_t p[16];
+  // S = Q K^T over columns [16 From, 16 To) of this warpgroup's buffer, once that half is in.
+  const auto scores = [&](int half, int parity, auto from, auto to) {
+    wgmma::bar_wait(ready(wg, half), parity);
     wgmma::fence_shared();
-    __syncthreads();  // tile i is in; both warpgroups are done with tile i - 1's buffer, P and maxima
-    if (i + 1 < tiles) {
-      load_keys(i + 1);
-      cp_async_commit();
-    }
-    const uint32_t keys = k_addr + (i % 2) * kWgTileBytes;
-    const int* ids = sKey + i % 3 * kWgKeys;
-    float s[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) s[j] = 0.0f;
     wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kWgD / 16; ++kk)  // A: Q's columns 16kk..; B: keys 32wg.., same columns
-      wgmma::mma<T, 32>(s, wgmma::desc(q_addr + kk * 2048, 1024, 128),
-                       wgmma::desc(keys + wg * 4 * 128 + kk * 2048, 1024, 128));
+    const uint64_t dq = wgmma::desc(q_addr, 1024, 128), dk = wgmma::desc(own, 1024, 128);
+#pragma unroll 1
+    for (int kk = decltype(from)::value; kk < decltype(to)::value; ++kk)  // +2,048 bytes a step: +128 in the address field
+      wgmma::mma<T, 64>(s, dq + kk * 128, dk + kk * 128);
     wgmma::commit();
-    wgmma::wait<0>();
-    // Tile i - 1's ring slot, read before this tile's first barrier, takes tile i + 2's ids.
-    if (threadIdx.x < kWgKeys) sKey[(i + 2) % 3 * kWgKeys + threadIdx.x] = ahead;
-    // Rows r0 = 16 warp + g and r0 + 8; this thread's keys 32wg + 8j + 2tq (+1).
-    const int r0 = 16 * warp + g;
-    float mx[2] = {kNegInf, kNegInf};
+  };
+  using L0 = std::integral_constant<int, 0>;
+  using L16 = std::integral_constant<int, 16>;
+  using L36 = std::integral_constant<int, kWgD / 16>;
+  const auto clear_scores = [&] {
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 32; ++i) s[i] = 0.0f;
+  };
+  // The scores of slots that name no key (-1) are -inf; the rest scaled to log2 units. Returns
+  // this block's max of rows r0 and r0 + 8.
+  const auto mask = [&](float (&mx)[2]) {
+    const int* ok = sValid + wg * kWgKeys;
+    mx[0] = mx[1] = kNegInf;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = wg * 32 + 8 * j + 2 * tq + (e & 1);
-        s[4 * j + e] = ids[key] >= 0 ? s[4 * j + e] * sl2 : kNegInf;
+        s[4 * j + e] = ok[8 * j + 2 * tq + (e & 1)] ? s[4 * j + e] * sl2 : kNegInf;
         mx[e / 2] = fmaxf(mx[e / 2], s[4 * j + e]);
       }
+    mx[0] = quad_max(mx[0]);
+    mx[1] = quad_max(mx[1]);
+  };
+  // Online softmax from the running max `start`: O and l rescaled, s holds P (float), p as pairs.
+  const auto softmax = [&](const float (&start)[2]) {
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
-      mx[x] = quad_max(mx[x]);
-      if (tq == 0) sRow[wg * kHeads + r0 + 8 * x] = mx[x];
-    }
-    __syncthreads();
-    float alpha[2], sum[2] = {0.0f, 0.0f};
+      float alpha;
+      const float base = online_step(m[x], start[x], alpha);
+      l[x] *= alpha;
 #pragma unroll
-    for (int x = 0; x < 2; ++x) mx[x] = online_step(m[x], fmaxf(mx[x], sRow[(1 - wg) * kHeads + r0 + 8 * x]), alpha[x]);
+      for (int j = 0; j < 32; ++j) o_acc[4 * j + 2 * x] *= alpha, o_acc[4 * j + 2 * x + 1] *= alpha;
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const float p0 = exp2f(s[4 * j + 2 * x] - mx[x]), p1 = exp2f(s[4 * j + 2 * x + 1] - mx[x]);
-        sum[x] += p0 + p1;
-        *reinterpret_cast<uint32_t*>(sP + wgmma::tile_offset<64>(r0 + 8 * x, wg * 32 + 8 * j + 2 * tq)) = pack2<T>(p0, p1);
+      for (int j = 0; j < 8; ++j) {
+        s[4 * j + 2 * x] = exp2f(s[4 * j + 2 * x] - base);
+        s[4 * j + 2 * x + 1] = exp2f(s[4 * j + 2 * x + 1] - base);
+        l[x] += s[4 * j + 2 * x] + s[4 * j + 2 * x + 1];
       }
+    }
 #pragma unroll
-    for (int x = 0; x < 2; ++x) l[x] = l[x] * alpha[x] + quad_sum(sum[x]);
+    for (int i = 0; i < 16; ++i) p[i] = pack2<T>(s[2 * i], s[2 * i + 1]);
+  };
+  const auto store_p = [&] {
 #pragma unroll
-    for (int j = 0; j < 128; ++j) acc[j] *= alpha[(j / 2) % 2];
+    for (int i = 0; i < 16; ++i)  // p[i]: row r0 + 8 (i % 2), keys 8 (i / 2) + 2 tq
+      *reinterpret_cast<uint32_t*>(sP_own + wgmma::tile_offset<64>(r0 + 8 * (i % 2), 8 * (i / 2) + 2 * tq)) = p[i];
     wgmma::fence_shared();
-    __syncthreads();  // P of both warpgroups is in
+  };
+  // O[:, 256 wg..] += P V: own P from registers, the other's from shared memory.
+  const auto pv_own = [&] {
     wgmma::fence();
 #pragma unroll
-    for (int kk = 0; kk < kWgKeys / 16; ++kk)  // A: P's keys 16kk..; B: those keys' columns 256wg..
-      wgmma::mma<T, 256, 0, 1>(acc, wgmma::desc(p_addr + kk * 2048, 1024, 128),
-                                wgmma::desc(keys + wg * 32 * 1024 + kk * 256, 128, 1024));
+    for (int kk = 0; kk < kWgKeys / 16; ++kk)
+      wgmma::mma_rs<T>(o_acc, p + 4 * kk, wgmma::desc(own + wg * 32 * 1024 + kk * 256, 128, 1024));
     wgmma::commit();
-    wgmma::wait<0>();
-  }
-  // l: this warpgroup's keys' share; the row's is both warpgroups' (same maxima).
-  __syncthreads();
-  const int r0 = 16 * warp + g;
+  };
+  const auto pv_other = [&] {
+    wgmma::fence();
 #pragma unroll
-  for (int x = 0; x < 2; ++x)
-    if (tq == 0) sRow[wg * kHeads + r0 + 8 * x] = l[x];
-  __syncthreads();
+    for (int kk = 0; kk < kWgKeys / 16; ++kk)
+      wgmma::mma<T, 256, 0, 1>(o_acc, wgmma::desc(p_other + kk * 2048, 1024, 128),
+                                wgmma::desc(other + wg * 32 * 1024 + kk * 256, 128, 1024));
+    wgmma::commit();
+  };
+
+  wgmma::bar_wait(bar_q, 0);
+  if (wg == 0) {
+    clear_scores();
+    scores(0, 0, L0{}, L16{});
+    scores(1, 0, L16{}, L36{});
+    wgmma::wait<0>();
+    wgmma::fence_operand(s);
+    for (int r = 0; r < rounds; ++r) {
+      const int parity = r & 1;
+      float mx[2];
+      mask(mx);
+      softmax(mx);
+      if (tq == 0) sM[r0] = m[0], sM[r0 + 8] = m[1];
+      wgmma::named_arrive(kMax0, 256);
+      pv_own();
+      wgmma::wait<0>();
+      wgmma::fence_operand(o_acc);
+      wgmma::bar_arrive(done(0, 0));
+      wgmma::named_sync(kMax1, 256);  // block b + 1's max is in
+      float factor[2];
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const float next = sM[r0 + 8 * x];
+        factor[x] = next == kNegInf ? 1.0f : exp2f(m[x] - next);  // m = -inf < next: 0
+        m[x] = next;
+        l[x] *= factor[x];
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) p[i] = pack2<T>(s[2 * i] * factor[i % 2], s[2 * i + 1] * factor[i % 2]);
+      store_p();
+      wgmma::named_arrive(kP0, 256);
+#pragma unroll
+      for (int j = 0; j < 64; ++j) o_acc[2 * j] *= factor[j % 2], o_acc[2 * j + 1] *= factor[j % 2];
+      wgmma::named_sync(kP1, 256);  // warpgroup 1's P is in
+      pv_other();
+      if (r + 1 < rounds) {
+        clear_scores();
+        scores(0, parity ^ 1, L0{}, L16{});
+        wgmma::wait<1>();
+        wgmma::fence_operand(o_acc);
+        wgmma::bar_arrive(done(1, 0));
+        scores(1, parity ^ 1, L16{}, L36{});
+        wgmma::wait<0>();
+        wgmma::fence_operand(s);
+      } else {
+        wgmma::wait<0>();
+        wgmma::fence_operand(o_acc);
+        wgmma::bar_arrive(done(1, 0));
+      }
+    }
+  } else {
+    for (int r = 0; r < rounds; ++r) {
+      const int parity = r & 1;
+      clear_scores();
+      scores(1, parity, L16{}, L36{});
+      scores(0, parity, L0{}, L16{});
+      wgmma::wait<0>();
+      wgmma::fence_operand(s);
+      float mx[2];
+      mask(mx);
+      wgmma::named_sync(kMax0, 256);  // block b's max is in
+      mx[0] = fmaxf(mx[0], sM[r0]);
+      mx[1] = fmaxf(mx[1], sM[r0 + 8]);
+      softmax(mx);
+      if (tq == 0) sM[r0] = m[0], sM[r0 + 8] = m[1];
+      wgmma::named_arrive(kMax1, 256);
+      pv_own();
+      store_p();
+      wgmma::named_sync(kP0, 256);  // warpgroup 0's P, at this block's max, is in
+      pv_other();
+      wgmma::named_arrive(kP1, 256);
+      wgmma::wait<1>();
+      wgmma::bar_arrive(done(1, 1));
+      wgmma::wait<0>();
+      wgmma::fence_operand(o_acc);
+      wgmma::bar_arrive(done(0, 1));
+    }
+  }
+  // l: this warpgroup's blocks' share of each row, both at the last block's max.
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    l[x] = quad_sum(l[x]);
+    if (tq == 0) sL[wg * kHeads + r0 + 8 * x] = l[x];
+  }
+  wgmma::named_sync(kSums, 256);
 #pragma unroll
   for (int x = 0; x < 2; ++x) {
     const int row = r0 + 8 * x;
     if (row >= valid) continue;
-    const float total = l[x] + sRow[(1 - wg) * kHeads + row], inv = total > 0.0f ? 1.0f / total : 0.0f;
+    const float total = l[x] + sL[(1 - wg) * kHeads + row], inv = total > 0.0f ? 1.0f / total : 0.0f;
     T* out = o + (int64_t(t) * nh + row0 + row) * kWgC + wg * 256;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
-      *reinterpret_cast<uint32_t*>(out + 8 * j + 2 * tq) = pack2<T>(acc[4 * j + 2 * x] * inv, acc[4 * j + 2 * x + 1] * inv);
+      *reinterpret_cast<uint32_t*>(out + 8 * j + 2 * tq) =
+          pack2<T>(o_acc[4 * j + 2 * x] * inv, o_acc[4 * j + 2 * x + 1] * inv);
     if (tq == 0 && wg == 0)
       lse[int64_t(t) * nh + row0 + row] = total > 0.0f ? (m[x] + log2f(total)) * kLn2 : kNegInf;
   }
@@ -1070,7 +1225,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in,
   if (wgmma_applies(q, s, wgmma_forward_smem())) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
-      launch_kernel(sparse_forward_wgmma_kernel<T>, grid, kWgThreads, wgmma_forward_smem(), stream,
+      launch_kernel(sparse_forward_wgmma_kernel<T>, grid, kFwdThreads, wgmma_forward_smem(), stream,
                     reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
                     idx.const_data_ptr<int64_t>(), reinterpret_cast<T*>(o.mutable_data_ptr()),
                     lse.mutable_data_ptr<float>(), s.nh, s.K, float(scale));
