@@ -420,17 +420,21 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
 // from registers) and over the other's (P from shared memory), so one's scores and softmax run
 // while the other's products are in flight. The running max passes 0 -> 1 -> 0 through shared
 // memory (block b's softmax starts from block b - 1's max); warpgroup 0 rescales its P to block
-// b + 1's max before sharing it, so both add the other's P as it lies. Shared tiles are in wgmma's
-// canonical no-swizzle layout (cc/common/wgmma.cuh): core matrices of 8 rows x 8 columns, the row
-// groups 128 bytes apart and the column groups 1,024; P of block b sits on its buffer's rope
-// columns (512-575), dead once warpgroup 0's scores are formed.
+// b + 1's max before sharing it, so both add the other's P as it lies. Shared tiles are in the
+// 128-byte swizzled layout (cc/common/wgmma.cuh's sw128_offset): 8 gathering threads copy a key's
+// 128 contiguous bytes into one row of a 64-column block, whole L2 sectors in and no bank
+// conflict. P of block b sits on its buffer's rope columns (512-575), dead once warpgroup 0's
+// scores are formed.
 constexpr int kWgD = 576, kWgC = 512, kWgKeys = 64, kWgThreads = 256, kFwdThreads = 384;
 constexpr int kWgTileBytes = kHeads * kWgD * 2;       // Q's tile and each key buffer: 64 rows x 576
 constexpr int kRopeBytes = kHeads * (kWgD - kWgC) * 2;  // columns 512-575: 64 x 64, P's size
 
 // Shared memory of the forward: Q, two key buffers, warpgroup 1's P, then the maxima [64], the row
 // sums [2][64], the key slots' validity [2][64] and nine barriers (Q; ready and free of 2 x 2 halves).
-size_t wgmma_forward_smem() { return 3 * size_t(kWgTileBytes) + kRopeBytes + (kHeads + 2 * kHeads + 2 * kWgKeys) * 4 + 9 * 8; }
+// (+1,024: the swizzled tiles start on 1,024 bytes.)
+size_t wgmma_forward_smem() {
+  return 3 * size_t(kWgTileBytes) + kRopeBytes + (kHeads + 2 * kHeads + 2 * kWgKeys) * 4 + 9 * 8 + 1024;
+}
 
 // Named barriers (0 is __syncthreads): the maxima and P handed between the consumer warpgroups.
 enum FwdBarrier { kMax0 = 1, kMax1, kP0, kP1, kSums };
@@ -452,15 +456,20 @@ __device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* src,
   for (int k = 0; k < Cols / 32; ++k) cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
 }
 
-// The gathering warpgroup's share of a 64-row tile's chunks of 8 columns [From, To): row tile_row()
-// from src (nullptr: zeros), every other chunk (the thread pair shares each 32-byte sector).
+// The gathering warpgroup's share of 64-column blocks [From, To) of a swizzled 64-row tile: rows
+// 16i + p / 8 (i < 4) of thread p, its chunk p % 8 of each block, from src[i] (nullptr: zeros;
+// any_row is a readable address for the zero-byte copies).
 template <int From, int To, typename T>
-__device__ __forceinline__ void gather_chunks(unsigned char* dst, const T* src, const T* any_row) {
-  const int c0 = From + threadIdx.x % 2;
-  unsigned char* d = dst + wgmma::tile_offset<64>(tile_row(), c0 * 8);
+__device__ __forceinline__ void gather_blocks(unsigned char* dst, const T* const (&src)[4], const T* any_row) {
+  const int p = threadIdx.x % 128, chunk = p % 8;
 #pragma unroll
-  for (int k = 0; k < (To - From) / 2; ++k)
-    cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
+  for (int i = 0; i < 4; ++i) {
+    const int row = 16 * i + p / 8;
+    unsigned char* d = dst + wgmma::sw128_offset<64>(row, 8 * chunk);
+#pragma unroll
+    for (int b = From; b < To; ++b)
+      cp_async16(d + b * 8192, src[i] ? src[i] + 64 * b + 8 * chunk : any_row, src[i] != nullptr);
+  }
 }
 
 template <typename T>
@@ -468,7 +477,8 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     sparse_forward_wgmma_kernel(const T* __restrict__ q, const T* __restrict__ kv, const int64_t* __restrict__ idx,
                                 T* __restrict__ o, float* __restrict__ lse, int nh, int K, float scale) {
 #if defined(V4_HAS_WGMMA)
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   unsigned char* sQ = smem;
   unsigned char* sK = smem + kWgTileBytes;  // [2] key buffers
   unsigned char* sP1 = smem + 3 * kWgTileBytes;
@@ -495,34 +505,52 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
 
   if (wg == 2) {  // ---- the gather
     wgmma::regs_shrink<72>();
-    const int row = tile_row();
+    const int p = threadIdx.x % 128;
     const int64_t* ids = idx + int64_t(t) * K;
-    gather_chunks<0, kWgD / 8>(sQ, row < valid ? q + (int64_t(t) * nh + row0 + row) * kWgD : nullptr, q);
+    // This thread's rows 16i + p / 8 of block b: their key rows of kv (nullptr for unused slots).
+    const auto key_rows = [&](int b, const T* (&rows)[4]) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = key_id(ids, K, b * kWgKeys + 16 * i + p / 8);
+        rows[i] = key >= 0 ? kv + int64_t(key) * kWgD : nullptr;
+      }
+    };
+    // The validity of this thread's rows (one writer a row) goes with the block's first half.
+    const auto mark = [&](int* ok, const T* const (&rows)[4]) {
+      if (p % 8 == 0)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ok[16 * i + p / 8] = rows[i] != nullptr;
+    };
+    const T* q_rows[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = 16 * i + p / 8;
+      q_rows[i] = row < valid ? q + (int64_t(t) * nh + row0 + row) * kWgD : nullptr;
+    }
+    gather_blocks<0, kWgD / 64>(sQ, q_rows, q);
     wgmma::bar_arrive_copies(bar_q);
-    int next0 = key_id(ids, K, row), next1 = key_id(ids, K, kWgKeys + row);
+    const T *k0[4], *k1[4];
+    unsigned char* b0 = sK;
+    unsigned char* b1 = sK + kWgTileBytes;
     for (int r = 0; r < rounds; ++r) {
-      const int id0 = next0, id1 = next1, parity = (r & 1) ^ 1;
-      const T* k0 = id0 >= 0 ? kv + int64_t(id0) * kWgD : nullptr;
-      const T* k1 = id1 >= 0 ? kv + int64_t(id1) * kWgD : nullptr;
-      next0 = key_id(ids, K, (2 * r + 2) * kWgKeys + row);
-      next1 = key_id(ids, K, (2 * r + 3) * kWgKeys + row);
-      unsigned char* b0 = sK;
-      unsigned char* b1 = sK + kWgTileBytes;
+      const int parity = (r & 1) ^ 1;
+      key_rows(2 * r, k0);
+      key_rows(2 * r + 1, k1);
       wgmma::bar_wait(done(0, 0), parity);  // in the order the consumers read them
-      sValid[row] = id0 >= 0;
-      gather_chunks<0, 32>(b0, k0, kv);
+      mark(sValid, k0);
+      gather_blocks<0, 4>(b0, k0, kv);
       wgmma::bar_arrive_copies(ready(0, 0));
       wgmma::bar_arrive(ready(0, 0));
       wgmma::bar_wait(done(1, 1), parity);
-      sValid[kWgKeys + row] = id1 >= 0;
-      gather_chunks<32, kWgD / 8>(b1, k1, kv);
+      mark(sValid + kWgKeys, k1);
+      gather_blocks<4, kWgD / 64>(b1, k1, kv);
       wgmma::bar_arrive_copies(ready(1, 1));
       wgmma::bar_arrive(ready(1, 1));
       wgmma::bar_wait(done(0, 1), parity);
-      gather_chunks<32, kWgD / 8>(b0, k0, kv);
+      gather_blocks<4, kWgD / 64>(b0, k0, kv);
       wgmma::bar_arrive_copies(ready(0, 1));
       wgmma::bar_wait(done(1, 0), parity);
-      gather_chunks<0, 32>(b1, k1, kv);
+      gather_blocks<0, 4>(b1, k1, kv);
       wgmma::bar_arrive_copies(ready(1, 0));
     }
     return;
@@ -545,10 +573,12 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     wgmma::bar_wait(ready(wg, half), parity);
     wgmma::fence_shared();
     wgmma::fence();
-    const uint64_t dq = wgmma::desc(q_addr, 1024, 128), dk = wgmma::desc(own, 1024, 128);
+    const uint64_t dq = wgmma::desc128(q_addr, 16, 1024), dk = wgmma::desc128(own, 16, 1024);
 #pragma unroll 1
-    for (int kk = decltype(from)::value; kk < decltype(to)::value; ++kk)  // +2,048 bytes a step: +128 in the address field
-      wgmma::mma<T, 64>(s, dq + kk * 128, dk + kk * 128);
+    for (int kk = decltype(from)::value; kk < decltype(to)::value; ++kk) {
+      const int step = (kk / 4) * 512 + (kk % 4) * 2;  // 8,192 bytes a block, 32 a step: in 16-byte units
+      wgmma::mma<T, 64>(s, dq + step, dk + step);
+    }
     wgmma::commit();
   };
   using L0 = std::integral_constant<int, 0>;
@@ -595,7 +625,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
   const auto store_p = [&] {
 #pragma unroll
     for (int i = 0; i < 16; ++i)  // p[i]: row r0 + 8 (i % 2), keys 8 (i / 2) + 2 tq
-      *reinterpret_cast<uint32_t*>(sP_own + wgmma::tile_offset<64>(r0 + 8 * (i % 2), 8 * (i / 2) + 2 * tq)) = p[i];
+      *reinterpret_cast<uint32_t*>(sP_own + wgmma::sw128_offset<64>(r0 + 8 * (i % 2), 8 * (i / 2) + 2 * tq)) = p[i];
     wgmma::fence_shared();
   };
   // O[:, 256 wg..] += P V: own P from registers, the other's from shared memory.
@@ -603,15 +633,15 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kWgKeys / 16; ++kk)
-      wgmma::mma_rs<T>(o_acc, p + 4 * kk, wgmma::desc(own + wg * 32 * 1024 + kk * 256, 128, 1024));
+      wgmma::mma_rs<T>(o_acc, p + 4 * kk, wgmma::desc128(own + wg * 4 * 8192 + kk * 2048, 8192, 1024));
     wgmma::commit();
   };
   const auto pv_other = [&] {
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kWgKeys / 16; ++kk)
-      wgmma::mma<T, 256, 0, 1>(o_acc, wgmma::desc(p_other + kk * 2048, 1024, 128),
-                                wgmma::desc(other + wg * 32 * 1024 + kk * 256, 128, 1024));
+      wgmma::mma<T, 256, 0, 1>(o_acc, wgmma::desc128(p_other + kk * 32, 16, 1024),
+                                wgmma::desc128(other + wg * 4 * 8192 + kk * 2048, 8192, 1024));
     wgmma::commit();
   };
 
