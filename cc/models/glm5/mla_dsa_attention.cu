@@ -439,33 +439,16 @@ size_t wgmma_forward_smem() {
 // Named barriers (0 is __syncthreads): the maxima and P handed between the consumer warpgroups.
 enum FwdBarrier { kMax0 = 1, kMax1, kP0, kP1, kSums };
 
-// The row of a 64-row tile this thread gathers: threads 2i and 2i + 1 share a row, so that each
-// pair reads whole 32-byte sectors, and a phase of 8 threads writes 4 rows (a 2-way bank
-// conflict at most); warpgroup w takes half w of the row's columns.
-// (maybe_unused: the kernels that call it are empty where sm_90a is not the target.)
-[[maybe_unused]] __device__ __forceinline__ int tile_row() { return (threadIdx.x / 16 % 8) * 8 + threadIdx.x / 2 % 8; }
-
-// This thread's share of a 64-row x Cols core-matrix tile: Cols / 32 chunks of 16 bytes of row
-// tile_row() from src (nullptr: zeros; any_row is a readable address for the zero-byte copies),
-// every other chunk of its warpgroup's half of the row, each at a constant offset.
-template <typename T, int Cols>
-__device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* src, const T* any_row) {
-  const int c0 = threadIdx.x / 128 * (Cols / 16) + threadIdx.x % 2;  // first chunk of 8 columns
-  unsigned char* d = dst + wgmma::tile_offset<64>(tile_row(), c0 * 8);
+// A thread's share of 64-column blocks [From, To) of a swizzled 64-row tile copied by Threads
+// threads: rows (Threads / 8) i + p / 8 of thread p, its chunk p % 8 of each block (8 threads copy a
+// row's 128 contiguous bytes), from src[i] (nullptr: zeros; any_row is a readable address for the
+// zero-byte copies).
+template <int Threads, int From, int To, typename T>
+__device__ __forceinline__ void gather_blocks(unsigned char* dst, const T* const (&src)[512 / Threads], const T* any_row) {
+  const int p = threadIdx.x % Threads, chunk = p % 8;
 #pragma unroll
-  for (int k = 0; k < Cols / 32; ++k) cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
-}
-
-// The gathering warpgroup's share of 64-column blocks [From, To) of a swizzled 64-row tile: rows
-// 16i + p / 8 (i < 4) of thread p, its chunk p % 8 of each block, from src[i] (nullptr: zeros;
-// any_row is a readable address for the zero-byte copies).
-template <int From, int To, typename T>
-__device__ __forceinline__ void gather_blocks(unsigned char* dst, const T* const (&src)[4], const T* any_row) {
-  const int p = threadIdx.x % 128, chunk = p % 8;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = 16 * i + p / 8;
-    unsigned char* d = dst + wgmma::sw128_offset<64>(row, 8 * chunk);
+  for (int i = 0; i < 512 / Threads; ++i) {
+    unsigned char* d = dst + wgmma::sw128_offset<64>(Threads / 8 * i + p / 8, 8 * chunk);
 #pragma unroll
     for (int b = From; b < To; ++b)
       cp_async16(d + b * 8192, src[i] ? src[i] + 64 * b + 8 * chunk : any_row, src[i] != nullptr);
@@ -527,7 +510,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
       const int row = 16 * i + p / 8;
       q_rows[i] = row < valid ? q + (int64_t(t) * nh + row0 + row) * kWgD : nullptr;
     }
-    gather_blocks<0, kWgD / 64>(sQ, q_rows, q);
+    gather_blocks<128, 0, kWgD / 64>(sQ, q_rows, q);
     wgmma::bar_arrive_copies(bar_q);
     const T *k0[4], *k1[4];
     unsigned char* b0 = sK;
@@ -538,19 +521,19 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
       key_rows(2 * r + 1, k1);
       wgmma::bar_wait(done(0, 0), parity);  // in the order the consumers read them
       mark(sValid, k0);
-      gather_blocks<0, 4>(b0, k0, kv);
+      gather_blocks<128, 0, 4>(b0, k0, kv);
       wgmma::bar_arrive_copies(ready(0, 0));
       wgmma::bar_arrive(ready(0, 0));
       wgmma::bar_wait(done(1, 1), parity);
       mark(sValid + kWgKeys, k1);
-      gather_blocks<4, kWgD / 64>(b1, k1, kv);
+      gather_blocks<128, 4, kWgD / 64>(b1, k1, kv);
       wgmma::bar_arrive_copies(ready(1, 1));
       wgmma::bar_arrive(ready(1, 1));
       wgmma::bar_wait(done(0, 1), parity);
-      gather_blocks<4, kWgD / 64>(b0, k0, kv);
+      gather_blocks<128, 4, kWgD / 64>(b0, k0, kv);
       wgmma::bar_arrive_copies(ready(0, 1));
       wgmma::bar_wait(done(1, 0), parity);
-      gather_blocks<0, 4>(b1, k1, kv);
+      gather_blocks<128, 0, 4>(b1, k1, kv);
       wgmma::bar_arrive_copies(ready(1, 0));
     }
     return;
@@ -751,14 +734,14 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
 // ---- The backward at GLM-5's widths on wgmma: a block a query and 64 heads, two warpgroups, one
 // 64-key tile at a time (shared memory holds Q, dout and one key tile: 230 KB). Warpgroup w forms
 // the scores S and dP = dout V^T of keys 32w.. (m64n32), writes P and dS = P (dP - delta) scale
-// into shared tiles, then dq[:, 288w..] += dS K (dq's 144 registers a thread live across the
-// tiles). Once both warpgroups are past the key tile the next tile's gather starts, while each
-// forms dkv's column chunks (dS^T Q + P^T dout, both operands read MN-major) and adds them to dkv
-// with atomics.
+// into shared tiles, then dq[:, 256w..] and dq[:, 512 + 32w..] += dS K (dq's 144 registers a
+// thread live across the tiles). Once both warpgroups are past the key tile the next tile's gather
+// starts, while each forms dkv's column chunks (dS^T Q + P^T dout, both operands read MN-major)
+// and adds them to dkv with atomics. Tiles in the 128-byte swizzled layout, as the forward's.
 constexpr int kWgDoutBytes = kHeads * kWgC * 2;  // dout's tile: 64 rows x 512
 
-size_t wgmma_backward_smem() {
-  return 2 * size_t(kWgTileBytes) + kWgDoutBytes + 2 * kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4;
+size_t wgmma_backward_smem() {  // (+1,024: the swizzled tiles start on 1,024 bytes)
+  return 2 * size_t(kWgTileBytes) + kWgDoutBytes + 2 * kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4 + 1024;
 }
 
 // dkv[ids[r], col..] += the warpgroup accumulator's rows r0, r0 + 8 (keys of the tile; N columns)
@@ -785,8 +768,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                                  const float* __restrict__ delta, T* __restrict__ dq, float* __restrict__ dkv, int nh,
                                  int K, float scale) {
 #if defined(V4_HAS_WGMMA)
-  extern __shared__ __align__(16) unsigned char smem[];
-  unsigned char* sQ = smem;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* sQ = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   unsigned char* sK = sQ + kWgTileBytes;
   unsigned char* sO = sK + kWgTileBytes;                    // dout
   unsigned char* sP = sO + kWgDoutBytes;                    // [64 heads x 64 keys]
@@ -801,9 +784,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int64_t* row = idx + int64_t(t) * K;
   const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), o_addr = smem_addr(sO), p_addr = smem_addr(sP),
                  s_addr = smem_addr(sS);
+  const int hr = threadIdx.x / 8;  // this thread's rows hr and 32 + hr of each tile it copies
   const auto load_keys = [&](int tile) {
-    const int key = sKey[tile % 3 * kWgKeys + tile_row()];
-    load_core_tile<T, kWgD>(sK, key >= 0 ? kv + int64_t(key) * kWgD : nullptr, kv);
+    const T* rows[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int key = sKey[tile % 3 * kWgKeys + 32 * i + hr];
+      rows[i] = key >= 0 ? kv + int64_t(key) * kWgD : nullptr;
+    }
+    gather_blocks<kWgThreads, 0, kWgD / 64>(sK, rows, kv);
   };
 
   if (threadIdx.x < kWgKeys) {
@@ -817,12 +806,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     sStat[kHeads + threadIdx.x] = ok ? delta[r] : 0.0f;
   }
   __syncthreads();
-  const int hr = tile_row();
-  load_core_tile<T, kWgD>(sQ, hr < valid ? q + (int64_t(t) * nh + row0 + hr) * kWgD : nullptr, q);
-  load_core_tile<T, kWgC>(sO, hr < valid ? dout + t * dout_stride.x + (row0 + hr) * dout_stride.y : nullptr, dout);
+  {
+    const T *q_rows[2], *o_rows[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int head = 32 * i + hr;
+      q_rows[i] = head < valid ? q + (int64_t(t) * nh + row0 + head) * kWgD : nullptr;
+      o_rows[i] = head < valid ? dout + t * dout_stride.x + (row0 + head) * dout_stride.y : nullptr;
+    }
+    gather_blocks<kWgThreads, 0, kWgD / 64>(sQ, q_rows, q);
+    gather_blocks<kWgThreads, 0, kWgC / 64>(sO, o_rows, dout);
+  }
   load_keys(0);
   cp_async_commit();
-  float dqa[128] = {}, dqb[16] = {};  // dq's columns 288w.. (256 of them), then the 32 after
+  float dqa[128] = {}, dqb[16] = {};  // dq's columns 256w.. and 512 + 32w..
   for (int i = 0; i < tiles; ++i) {
     const int ahead = threadIdx.x < kWgKeys ? key_id(row, K, (i + 2) * kWgKeys + threadIdx.x) : -1;
     cp_async_wait<0>();
@@ -833,14 +830,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
     for (int j = 0; j < 16; ++j) sc[j] = dp[j] = 0.0f;
     wgmma::fence();
+    // (a step of 16 columns: 32 bytes on within a 64-column block of 8,192)
 #pragma unroll
     for (int kk = 0; kk < kWgD / 16; ++kk)  // S: Q's columns 16kk.. against keys 32w..
-      wgmma::mma<T, 32>(sc, wgmma::desc(q_addr + kk * 2048, 1024, 128),
-                        wgmma::desc(k_addr + wg * 512 + kk * 2048, 1024, 128));
+      wgmma::mma<T, 32>(sc, wgmma::desc128(q_addr + kk / 4 * 8192 + kk % 4 * 32, 16, 1024),
+                        wgmma::desc128(k_addr + wg * 4096 + kk / 4 * 8192 + kk % 4 * 32, 16, 1024));
 #pragma unroll
     for (int kk = 0; kk < kWgC / 16; ++kk)  // dP: dout's columns 16kk.. against the same keys' values
-      wgmma::mma<T, 32>(dp, wgmma::desc(o_addr + kk * 2048, 1024, 128),
-                        wgmma::desc(k_addr + wg * 512 + kk * 2048, 1024, 128));
+      wgmma::mma<T, 32>(dp, wgmma::desc128(o_addr + kk / 4 * 8192 + kk % 4 * 32, 16, 1024),
+                        wgmma::desc128(k_addr + wg * 4096 + kk / 4 * 8192 + kk % 4 * 32, 16, 1024));
     wgmma::commit();
     wgmma::wait<0>();
     if (threadIdx.x < kWgKeys) sKey[(i + 2) % 3 * kWgKeys + threadIdx.x] = ahead;  // tile i - 1's slot
@@ -855,17 +853,18 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           pv[e] = ids[key + e] >= 0 ? exp2f(sc[4 * j + 2 * x + e] * sl2 - sStat[head]) : 0.0f;
           ds[e] = pv[e] * (dp[4 * j + 2 * x + e] - sStat[kHeads + head]) * scale;
         }
-        *reinterpret_cast<uint32_t*>(sP + wgmma::tile_offset<64>(head, key)) = pack2<T>(pv[0], pv[1]);
-        *reinterpret_cast<uint32_t*>(sS + wgmma::tile_offset<64>(head, key)) = pack2<T>(ds[0], ds[1]);
+        *reinterpret_cast<uint32_t*>(sP + wgmma::sw128_offset<64>(head, key)) = pack2<T>(pv[0], pv[1]);
+        *reinterpret_cast<uint32_t*>(sS + wgmma::sw128_offset<64>(head, key)) = pack2<T>(ds[0], ds[1]);
       }
     wgmma::fence_shared();
     __syncthreads();  // P and dS of both warpgroups are in
     wgmma::fence();
 #pragma unroll
-    for (int kk = 0; kk < kWgKeys / 16; ++kk) {  // dq += dS (keys 16kk..) . K (those keys, columns 288w..)
-      const uint64_t a = wgmma::desc(s_addr + kk * 2048, 1024, 128);
-      wgmma::mma<T, 256, 0, 1>(dqa, a, wgmma::desc(k_addr + 36 * wg * 1024 + kk * 256, 128, 1024));
-      wgmma::mma<T, 32, 0, 1>(dqb, a, wgmma::desc(k_addr + (36 * wg + 32) * 1024 + kk * 256, 128, 1024));
+    for (int kk = 0; kk < kWgKeys / 16; ++kk) {  // dq += dS (keys 16kk..) . K (those keys' rows)
+      const uint64_t a = wgmma::desc128(s_addr + kk * 32, 16, 1024);
+      wgmma::mma<T, 256, 0, 1>(dqa, a, wgmma::desc128(k_addr + 4 * wg * 8192 + kk * 2048, 8192, 1024));
+      // (the rope block's half w starts 64 bytes into its rows for w = 1)
+      wgmma::mma<T, 32, 0, 1>(dqb, a, wgmma::desc128(k_addr + 8 * 8192 + 64 * wg + kk * 2048, 8192, 1024));
     }
     wgmma::commit();
     wgmma::wait<0>();
@@ -884,10 +883,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < kHeads / 16; ++kk) {  // dS^T Q + P^T dout over heads 16kk..
-        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc(s_addr + kk * 256, 128, 1024),
-                                wgmma::desc(q_addr + 8 * c * 1024 + kk * 256, 128, 1024));
-        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc(p_addr + kk * 256, 128, 1024),
-                                wgmma::desc(o_addr + 8 * c * 1024 + kk * 256, 128, 1024));
+        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc128(s_addr + kk * 2048, 8192, 1024),
+                                wgmma::desc128(q_addr + c * 8192 + kk * 2048, 8192, 1024));
+        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc128(p_addr + kk * 2048, 8192, 1024),
+                                wgmma::desc128(o_addr + c * 8192 + kk * 2048, 8192, 1024));
       }
       wgmma::commit();
       wgmma::wait<0>();
@@ -899,8 +898,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kHeads / 16; ++kk)
-      wgmma::mma<T, 32, 1, 1>(rope, wgmma::desc(s_addr + kk * 256, 128, 1024),
-                              wgmma::desc(q_addr + (kWgC / 8 + 4 * wg) * 1024 + kk * 256, 128, 1024));
+      wgmma::mma<T, 32, 1, 1>(rope, wgmma::desc128(s_addr + kk * 2048, 8192, 1024),
+                              wgmma::desc128(q_addr + 8 * 8192 + 64 * wg + kk * 2048, 8192, 1024));
     wgmma::commit();
     wgmma::wait<0>();
     add_key_rows<32>(dkv, ids, rope, kWgC + 32 * wg, r0, tq);
@@ -909,13 +908,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   for (int x = 0; x < 2; ++x) {
     const int head = r0 + 8 * x;
     if (head >= valid) continue;
-    T* out = dq + (int64_t(t) * nh + row0 + head) * kWgD + 288 * wg + 2 * tq;
+    T* out = dq + (int64_t(t) * nh + row0 + head) * kWgD + 2 * tq;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
-      *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(dqa[4 * j + 2 * x], dqa[4 * j + 2 * x + 1]);
+      *reinterpret_cast<uint32_t*>(out + 256 * wg + 8 * j) = pack2<T>(dqa[4 * j + 2 * x], dqa[4 * j + 2 * x + 1]);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      *reinterpret_cast<uint32_t*>(out + 256 + 8 * j) = pack2<T>(dqb[4 * j + 2 * x], dqb[4 * j + 2 * x + 1]);
+      *reinterpret_cast<uint32_t*>(out + kWgC + 32 * wg + 8 * j) = pack2<T>(dqb[4 * j + 2 * x], dqb[4 * j + 2 * x + 1]);
   }
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
