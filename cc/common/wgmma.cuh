@@ -23,6 +23,22 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t k_stride_bytes,
   return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(k_stride_bytes >> 4) << 16 | uint64_t(mn_stride_bytes >> 4) << 32;
 }
 
+// The same with 128-byte swizzle: the tile is cut into blocks of 64 columns (Rows rows of 128
+// bytes each), and within a row the 16-byte chunks are permuted by the row's place in its group of 8
+// (chunk ^ row % 8), so that 8 threads copying a row's 128 contiguous bytes, or a product reading 8
+// rows' same chunk, touch every bank once. The tile must start on 1,024 bytes. The descriptor's
+// two distances (CUTLASS's canonical layouts): K-major operands, `lead_bytes` unused (the two
+// 8-column halves of a 16-column step lie side by side) and `stride_bytes` the 8-row groups' (1,024),
+// a step of 16 columns 32 bytes on within a block; MN-major operands, `lead_bytes` the blocks'
+// distance along MN (Rows * 128) and `stride_bytes` the 8-row groups' along K (1,024).
+__device__ __forceinline__ uint64_t desc128(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
+  return desc(addr, lead_bytes, stride_bytes) | uint64_t(1) << 62;
+}
+template <int Rows>
+__device__ __forceinline__ int sw128_offset(int row, int col) {
+  return (col / 64) * (Rows * 128) + row * 128 + (((col % 64) / 8) ^ (row % 8)) * 16 + (col % 8) * 2;
+}
+
 // Byte offset of (row, col) of 16-bit elements in a tile of Rows rows of core matrices: row groups
 // 128 bytes apart, column groups of 8 Rows * 16 bytes apart. Its descriptor strides: Rows * 16
 // along the columns, 128 along the rows, whichever of them is K.

@@ -420,47 +420,39 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
 // from registers) and over the other's (P from shared memory), so one's scores and softmax run
 // while the other's products are in flight. The running max passes 0 -> 1 -> 0 through shared
 // memory (block b's softmax starts from block b - 1's max); warpgroup 0 rescales its P to block
-// b + 1's max before sharing it, so both add the other's P as it lies. Shared tiles are in wgmma's
-// canonical no-swizzle layout (cc/common/wgmma.cuh): core matrices of 8 rows x 8 columns, the row
-// groups 128 bytes apart and the column groups 1,024; P of block b sits on its buffer's rope
-// columns (512-575), dead once warpgroup 0's scores are formed.
+// b + 1's max before sharing it, so both add the other's P as it lies. Shared tiles are in the
+// 128-byte swizzled layout (cc/common/wgmma.cuh's sw128_offset): 8 gathering threads copy a key's
+// 128 contiguous bytes into one row of a 64-column block, whole L2 sectors in and no bank
+// conflict. P of block b sits on its buffer's rope columns (512-575), dead once warpgroup 0's
+// scores are formed.
 constexpr int kWgD = 576, kWgC = 512, kWgKeys = 64, kWgThreads = 256, kFwdThreads = 384;
 constexpr int kWgTileBytes = kHeads * kWgD * 2;       // Q's tile and each key buffer: 64 rows x 576
 constexpr int kRopeBytes = kHeads * (kWgD - kWgC) * 2;  // columns 512-575: 64 x 64, P's size
 
 // Shared memory of the forward: Q, two key buffers, warpgroup 1's P, then the maxima [64], the row
 // sums [2][64], the key slots' validity [2][64] and nine barriers (Q; ready and free of 2 x 2 halves).
-size_t wgmma_forward_smem() { return 3 * size_t(kWgTileBytes) + kRopeBytes + (kHeads + 2 * kHeads + 2 * kWgKeys) * 4 + 9 * 8; }
+// (+1,024: the swizzled tiles start on 1,024 bytes.)
+size_t wgmma_forward_smem() {
+  return 3 * size_t(kWgTileBytes) + kRopeBytes + (kHeads + 2 * kHeads + 2 * kWgKeys) * 4 + 9 * 8 + 1024;
+}
 
 // Named barriers (0 is __syncthreads): the maxima and P handed between the consumer warpgroups.
 enum FwdBarrier { kMax0 = 1, kMax1, kP0, kP1, kSums };
 
-// The row of a 64-row tile this thread gathers: threads 2i and 2i + 1 share a row, so that each
-// pair reads whole 32-byte sectors, and a phase of 8 threads writes 4 rows (a 2-way bank
-// conflict at most); warpgroup w takes half w of the row's columns.
-// (maybe_unused: the kernels that call it are empty where sm_90a is not the target.)
-[[maybe_unused]] __device__ __forceinline__ int tile_row() { return (threadIdx.x / 16 % 8) * 8 + threadIdx.x / 2 % 8; }
-
-// This thread's share of a 64-row x Cols core-matrix tile: Cols / 32 chunks of 16 bytes of row
-// tile_row() from src (nullptr: zeros; any_row is a readable address for the zero-byte copies),
-// every other chunk of its warpgroup's half of the row, each at a constant offset.
-template <typename T, int Cols>
-__device__ __forceinline__ void load_core_tile(unsigned char* dst, const T* src, const T* any_row) {
-  const int c0 = threadIdx.x / 128 * (Cols / 16) + threadIdx.x % 2;  // first chunk of 8 columns
-  unsigned char* d = dst + wgmma::tile_offset<64>(tile_row(), c0 * 8);
+// A thread's share of 64-column blocks [From, To) of a swizzled 64-row tile copied by Threads
+// threads: rows (Threads / 8) i + p / 8 of thread p, its chunk p % 8 of each block (8 threads copy a
+// row's 128 contiguous bytes), from src[i] (nullptr: zeros; any_row is a readable address for the
+// zero-byte copies).
+template <int Threads, int From, int To, typename T>
+__device__ __forceinline__ void gather_blocks(unsigned char* dst, const T* const (&src)[512 / Threads], const T* any_row) {
+  const int p = threadIdx.x % Threads, chunk = p % 8;
 #pragma unroll
-  for (int k = 0; k < Cols / 32; ++k) cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
-}
-
-// The gathering warpgroup's share of a 64-row tile's chunks of 8 columns [From, To): row tile_row()
-// from src (nullptr: zeros), every other chunk (the thread pair shares each 32-byte sector).
-template <int From, int To, typename T>
-__device__ __forceinline__ void gather_chunks(unsigned char* dst, const T* src, const T* any_row) {
-  const int c0 = From + threadIdx.x % 2;
-  unsigned char* d = dst + wgmma::tile_offset<64>(tile_row(), c0 * 8);
+  for (int i = 0; i < 512 / Threads; ++i) {
+    unsigned char* d = dst + wgmma::sw128_offset<64>(Threads / 8 * i + p / 8, 8 * chunk);
 #pragma unroll
-  for (int k = 0; k < (To - From) / 2; ++k)
-    cp_async16(d + 2 * k * 1024, src ? src + (c0 + 2 * k) * 8 : any_row, src != nullptr);
+    for (int b = From; b < To; ++b)
+      cp_async16(d + b * 8192, src[i] ? src[i] + 64 * b + 8 * chunk : any_row, src[i] != nullptr);
+  }
 }
 
 template <typename T>
@@ -468,7 +460,8 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     sparse_forward_wgmma_kernel(const T* __restrict__ q, const T* __restrict__ kv, const int64_t* __restrict__ idx,
                                 T* __restrict__ o, float* __restrict__ lse, int nh, int K, float scale) {
 #if defined(V4_HAS_WGMMA)
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   unsigned char* sQ = smem;
   unsigned char* sK = smem + kWgTileBytes;  // [2] key buffers
   unsigned char* sP1 = smem + 3 * kWgTileBytes;
@@ -495,34 +488,52 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
 
   if (wg == 2) {  // ---- the gather
     wgmma::regs_shrink<72>();
-    const int row = tile_row();
+    const int p = threadIdx.x % 128;
     const int64_t* ids = idx + int64_t(t) * K;
-    gather_chunks<0, kWgD / 8>(sQ, row < valid ? q + (int64_t(t) * nh + row0 + row) * kWgD : nullptr, q);
+    // This thread's rows 16i + p / 8 of block b: their key rows of kv (nullptr for unused slots).
+    const auto key_rows = [&](int b, const T* (&rows)[4]) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = key_id(ids, K, b * kWgKeys + 16 * i + p / 8);
+        rows[i] = key >= 0 ? kv + int64_t(key) * kWgD : nullptr;
+      }
+    };
+    // The validity of this thread's rows (one writer a row) goes with the block's first half.
+    const auto mark = [&](int* ok, const T* const (&rows)[4]) {
+      if (p % 8 == 0)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ok[16 * i + p / 8] = rows[i] != nullptr;
+    };
+    const T* q_rows[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = 16 * i + p / 8;
+      q_rows[i] = row < valid ? q + (int64_t(t) * nh + row0 + row) * kWgD : nullptr;
+    }
+    gather_blocks<128, 0, kWgD / 64>(sQ, q_rows, q);
     wgmma::bar_arrive_copies(bar_q);
-    int next0 = key_id(ids, K, row), next1 = key_id(ids, K, kWgKeys + row);
+    const T *k0[4], *k1[4];
+    unsigned char* b0 = sK;
+    unsigned char* b1 = sK + kWgTileBytes;
     for (int r = 0; r < rounds; ++r) {
-      const int id0 = next0, id1 = next1, parity = (r & 1) ^ 1;
-      const T* k0 = id0 >= 0 ? kv + int64_t(id0) * kWgD : nullptr;
-      const T* k1 = id1 >= 0 ? kv + int64_t(id1) * kWgD : nullptr;
-      next0 = key_id(ids, K, (2 * r + 2) * kWgKeys + row);
-      next1 = key_id(ids, K, (2 * r + 3) * kWgKeys + row);
-      unsigned char* b0 = sK;
-      unsigned char* b1 = sK + kWgTileBytes;
+      const int parity = (r & 1) ^ 1;
+      key_rows(2 * r, k0);
+      key_rows(2 * r + 1, k1);
       wgmma::bar_wait(done(0, 0), parity);  // in the order the consumers read them
-      sValid[row] = id0 >= 0;
-      gather_chunks<0, 32>(b0, k0, kv);
+      mark(sValid, k0);
+      gather_blocks<128, 0, 4>(b0, k0, kv);
       wgmma::bar_arrive_copies(ready(0, 0));
       wgmma::bar_arrive(ready(0, 0));
       wgmma::bar_wait(done(1, 1), parity);
-      sValid[kWgKeys + row] = id1 >= 0;
-      gather_chunks<32, kWgD / 8>(b1, k1, kv);
+      mark(sValid + kWgKeys, k1);
+      gather_blocks<128, 4, kWgD / 64>(b1, k1, kv);
       wgmma::bar_arrive_copies(ready(1, 1));
       wgmma::bar_arrive(ready(1, 1));
       wgmma::bar_wait(done(0, 1), parity);
-      gather_chunks<32, kWgD / 8>(b0, k0, kv);
+      gather_blocks<128, 4, kWgD / 64>(b0, k0, kv);
       wgmma::bar_arrive_copies(ready(0, 1));
       wgmma::bar_wait(done(1, 0), parity);
-      gather_chunks<0, 32>(b1, k1, kv);
+      gather_blocks<128, 0, 4>(b1, k1, kv);
       wgmma::bar_arrive_copies(ready(1, 0));
     }
     return;
@@ -545,10 +556,12 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     wgmma::bar_wait(ready(wg, half), parity);
     wgmma::fence_shared();
     wgmma::fence();
-    const uint64_t dq = wgmma::desc(q_addr, 1024, 128), dk = wgmma::desc(own, 1024, 128);
+    const uint64_t dq = wgmma::desc128(q_addr, 16, 1024), dk = wgmma::desc128(own, 16, 1024);
 #pragma unroll 1
-    for (int kk = decltype(from)::value; kk < decltype(to)::value; ++kk)  // +2,048 bytes a step: +128 in the address field
-      wgmma::mma<T, 64>(s, dq + kk * 128, dk + kk * 128);
+    for (int kk = decltype(from)::value; kk < decltype(to)::value; ++kk) {
+      const int step = (kk / 4) * 512 + (kk % 4) * 2;  // 8,192 bytes a block, 32 a step: in 16-byte units
+      wgmma::mma<T, 64>(s, dq + step, dk + step);
+    }
     wgmma::commit();
   };
   using L0 = std::integral_constant<int, 0>;
@@ -595,7 +608,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
   const auto store_p = [&] {
 #pragma unroll
     for (int i = 0; i < 16; ++i)  // p[i]: row r0 + 8 (i % 2), keys 8 (i / 2) + 2 tq
-      *reinterpret_cast<uint32_t*>(sP_own + wgmma::tile_offset<64>(r0 + 8 * (i % 2), 8 * (i / 2) + 2 * tq)) = p[i];
+      *reinterpret_cast<uint32_t*>(sP_own + wgmma::sw128_offset<64>(r0 + 8 * (i % 2), 8 * (i / 2) + 2 * tq)) = p[i];
     wgmma::fence_shared();
   };
   // O[:, 256 wg..] += P V: own P from registers, the other's from shared memory.
@@ -603,15 +616,15 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kWgKeys / 16; ++kk)
-      wgmma::mma_rs<T>(o_acc, p + 4 * kk, wgmma::desc(own + wg * 32 * 1024 + kk * 256, 128, 1024));
+      wgmma::mma_rs<T>(o_acc, p + 4 * kk, wgmma::desc128(own + wg * 4 * 8192 + kk * 2048, 8192, 1024));
     wgmma::commit();
   };
   const auto pv_other = [&] {
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kWgKeys / 16; ++kk)
-      wgmma::mma<T, 256, 0, 1>(o_acc, wgmma::desc(p_other + kk * 2048, 1024, 128),
-                                wgmma::desc(other + wg * 32 * 1024 + kk * 256, 128, 1024));
+      wgmma::mma<T, 256, 0, 1>(o_acc, wgmma::desc128(p_other + kk * 32, 16, 1024),
+                                wgmma::desc128(other + wg * 4 * 8192 + kk * 2048, 8192, 1024));
     wgmma::commit();
   };
 
@@ -721,14 +734,14 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
 // ---- The backward at GLM-5's widths on wgmma: a block a query and 64 heads, two warpgroups, one
 // 64-key tile at a time (shared memory holds Q, dout and one key tile: 230 KB). Warpgroup w forms
 // the scores S and dP = dout V^T of keys 32w.. (m64n32), writes P and dS = P (dP - delta) scale
-// into shared tiles, then dq[:, 288w..] += dS K (dq's 144 registers a thread live across the
-// tiles). Once both warpgroups are past the key tile the next tile's gather starts, while each
-// forms dkv's column chunks (dS^T Q + P^T dout, both operands read MN-major) and adds them to dkv
-// with atomics.
+// into shared tiles, then dq[:, 256w..] and dq[:, 512 + 32w..] += dS K (dq's 144 registers a
+// thread live across the tiles). Once both warpgroups are past the key tile the next tile's gather
+// starts, while each forms dkv's column chunks (dS^T Q + P^T dout, both operands read MN-major)
+// and adds them to dkv with atomics. Tiles in the 128-byte swizzled layout, as the forward's.
 constexpr int kWgDoutBytes = kHeads * kWgC * 2;  // dout's tile: 64 rows x 512
 
-size_t wgmma_backward_smem() {
-  return 2 * size_t(kWgTileBytes) + kWgDoutBytes + 2 * kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4;
+size_t wgmma_backward_smem() {  // (+1,024: the swizzled tiles start on 1,024 bytes)
+  return 2 * size_t(kWgTileBytes) + kWgDoutBytes + 2 * kHeads * kWgKeys * 2 + 2 * kHeads * 4 + 3 * kWgKeys * 4 + 1024;
 }
 
 // dkv[ids[r], col..] += the warpgroup accumulator's rows r0, r0 + 8 (keys of the tile; N columns)
@@ -755,8 +768,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                                  const float* __restrict__ delta, T* __restrict__ dq, float* __restrict__ dkv, int nh,
                                  int K, float scale) {
 #if defined(V4_HAS_WGMMA)
-  extern __shared__ __align__(16) unsigned char smem[];
-  unsigned char* sQ = smem;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* sQ = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   unsigned char* sK = sQ + kWgTileBytes;
   unsigned char* sO = sK + kWgTileBytes;                    // dout
   unsigned char* sP = sO + kWgDoutBytes;                    // [64 heads x 64 keys]
@@ -771,9 +784,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const int64_t* row = idx + int64_t(t) * K;
   const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), o_addr = smem_addr(sO), p_addr = smem_addr(sP),
                  s_addr = smem_addr(sS);
+  const int hr = threadIdx.x / 8;  // this thread's rows hr and 32 + hr of each tile it copies
   const auto load_keys = [&](int tile) {
-    const int key = sKey[tile % 3 * kWgKeys + tile_row()];
-    load_core_tile<T, kWgD>(sK, key >= 0 ? kv + int64_t(key) * kWgD : nullptr, kv);
+    const T* rows[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int key = sKey[tile % 3 * kWgKeys + 32 * i + hr];
+      rows[i] = key >= 0 ? kv + int64_t(key) * kWgD : nullptr;
+    }
+    gather_blocks<kWgThreads, 0, kWgD / 64>(sK, rows, kv);
   };
 
   if (threadIdx.x < kWgKeys) {
@@ -787,12 +806,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     sStat[kHeads + threadIdx.x] = ok ? delta[r] : 0.0f;
   }
   __syncthreads();
-  const int hr = tile_row();
-  load_core_tile<T, kWgD>(sQ, hr < valid ? q + (int64_t(t) * nh + row0 + hr) * kWgD : nullptr, q);
-  load_core_tile<T, kWgC>(sO, hr < valid ? dout + t * dout_stride.x + (row0 + hr) * dout_stride.y : nullptr, dout);
+  {
+    const T *q_rows[2], *o_rows[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int head = 32 * i + hr;
+      q_rows[i] = head < valid ? q + (int64_t(t) * nh + row0 + head) * kWgD : nullptr;
+      o_rows[i] = head < valid ? dout + t * dout_stride.x + (row0 + head) * dout_stride.y : nullptr;
+    }
+    gather_blocks<kWgThreads, 0, kWgD / 64>(sQ, q_rows, q);
+    gather_blocks<kWgThreads, 0, kWgC / 64>(sO, o_rows, dout);
+  }
   load_keys(0);
   cp_async_commit();
-  float dqa[128] = {}, dqb[16] = {};  // dq's columns 288w.. (256 of them), then the 32 after
+  float dqa[128] = {}, dqb[16] = {};  // dq's columns 256w.. and 512 + 32w..
   for (int i = 0; i < tiles; ++i) {
     const int ahead = threadIdx.x < kWgKeys ? key_id(row, K, (i + 2) * kWgKeys + threadIdx.x) : -1;
     cp_async_wait<0>();
@@ -803,14 +830,15 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
     for (int j = 0; j < 16; ++j) sc[j] = dp[j] = 0.0f;
     wgmma::fence();
+    // (a step of 16 columns: 32 bytes on within a 64-column block of 8,192)
 #pragma unroll
     for (int kk = 0; kk < kWgD / 16; ++kk)  // S: Q's columns 16kk.. against keys 32w..
-      wgmma::mma<T, 32>(sc, wgmma::desc(q_addr + kk * 2048, 1024, 128),
-                        wgmma::desc(k_addr + wg * 512 + kk * 2048, 1024, 128));
+      wgmma::mma<T, 32>(sc, wgmma::desc128(q_addr + kk / 4 * 8192 + kk % 4 * 32, 16, 1024),
+                        wgmma::desc128(k_addr + wg * 4096 + kk / 4 * 8192 + kk % 4 * 32, 16, 1024));
 #pragma unroll
     for (int kk = 0; kk < kWgC / 16; ++kk)  // dP: dout's columns 16kk.. against the same keys' values
-      wgmma::mma<T, 32>(dp, wgmma::desc(o_addr + kk * 2048, 1024, 128),
-                        wgmma::desc(k_addr + wg * 512 + kk * 2048, 1024, 128));
+      wgmma::mma<T, 32>(dp, wgmma::desc128(o_addr + kk / 4 * 8192 + kk % 4 * 32, 16, 1024),
+                        wgmma::desc128(k_addr + wg * 4096 + kk / 4 * 8192 + kk % 4 * 32, 16, 1024));
     wgmma::commit();
     wgmma::wait<0>();
     if (threadIdx.x < kWgKeys) sKey[(i + 2) % 3 * kWgKeys + threadIdx.x] = ahead;  // tile i - 1's slot
@@ -825,17 +853,18 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           pv[e] = ids[key + e] >= 0 ? exp2f(sc[4 * j + 2 * x + e] * sl2 - sStat[head]) : 0.0f;
           ds[e] = pv[e] * (dp[4 * j + 2 * x + e] - sStat[kHeads + head]) * scale;
         }
-        *reinterpret_cast<uint32_t*>(sP + wgmma::tile_offset<64>(head, key)) = pack2<T>(pv[0], pv[1]);
-        *reinterpret_cast<uint32_t*>(sS + wgmma::tile_offset<64>(head, key)) = pack2<T>(ds[0], ds[1]);
+        *reinterpret_cast<uint32_t*>(sP + wgmma::sw128_offset<64>(head, key)) = pack2<T>(pv[0], pv[1]);
+        *reinterpret_cast<uint32_t*>(sS + wgmma::sw128_offset<64>(head, key)) = pack2<T>(ds[0], ds[1]);
       }
     wgmma::fence_shared();
     __syncthreads();  // P and dS of both warpgroups are in
     wgmma::fence();
 #pragma unroll
-    for (int kk = 0; kk < kWgKeys / 16; ++kk) {  // dq += dS (keys 16kk..) . K (those keys, columns 288w..)
-      const uint64_t a = wgmma::desc(s_addr + kk * 2048, 1024, 128);
-      wgmma::mma<T, 256, 0, 1>(dqa, a, wgmma::desc(k_addr + 36 * wg * 1024 + kk * 256, 128, 1024));
-      wgmma::mma<T, 32, 0, 1>(dqb, a, wgmma::desc(k_addr + (36 * wg + 32) * 1024 + kk * 256, 128, 1024));
+    for (int kk = 0; kk < kWgKeys / 16; ++kk) {  // dq += dS (keys 16kk..) . K (those keys' rows)
+      const uint64_t a = wgmma::desc128(s_addr + kk * 32, 16, 1024);
+      wgmma::mma<T, 256, 0, 1>(dqa, a, wgmma::desc128(k_addr + 4 * wg * 8192 + kk * 2048, 8192, 1024));
+      // (the rope block's half w starts 64 bytes into its rows for w = 1)
+      wgmma::mma<T, 32, 0, 1>(dqb, a, wgmma::desc128(k_addr + 8 * 8192 + 64 * wg + kk * 2048, 8192, 1024));
     }
     wgmma::commit();
     wgmma::wait<0>();
@@ -854,10 +883,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < kHeads / 16; ++kk) {  // dS^T Q + P^T dout over heads 16kk..
-        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc(s_addr + kk * 256, 128, 1024),
-                                wgmma::desc(q_addr + 8 * c * 1024 + kk * 256, 128, 1024));
-        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc(p_addr + kk * 256, 128, 1024),
-                                wgmma::desc(o_addr + 8 * c * 1024 + kk * 256, 128, 1024));
+        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc128(s_addr + kk * 2048, 8192, 1024),
+                                wgmma::desc128(q_addr + c * 8192 + kk * 2048, 8192, 1024));
+        wgmma::mma<T, 64, 1, 1>(acc, wgmma::desc128(p_addr + kk * 2048, 8192, 1024),
+                                wgmma::desc128(o_addr + c * 8192 + kk * 2048, 8192, 1024));
       }
       wgmma::commit();
       wgmma::wait<0>();
@@ -869,8 +898,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < kHeads / 16; ++kk)
-      wgmma::mma<T, 32, 1, 1>(rope, wgmma::desc(s_addr + kk * 256, 128, 1024),
-                              wgmma::desc(q_addr + (kWgC / 8 + 4 * wg) * 1024 + kk * 256, 128, 1024));
+      wgmma::mma<T, 32, 1, 1>(rope, wgmma::desc128(s_addr + kk * 2048, 8192, 1024),
+                              wgmma::desc128(q_addr + 8 * 8192 + 64 * wg + kk * 2048, 8192, 1024));
     wgmma::commit();
     wgmma::wait<0>();
     add_key_rows<32>(dkv, ids, rope, kWgC + 32 * wg, r0, tq);
@@ -879,13 +908,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   for (int x = 0; x < 2; ++x) {
     const int head = r0 + 8 * x;
     if (head >= valid) continue;
-    T* out = dq + (int64_t(t) * nh + row0 + head) * kWgD + 288 * wg + 2 * tq;
+    T* out = dq + (int64_t(t) * nh + row0 + head) * kWgD + 2 * tq;
 #pragma unroll
     for (int j = 0; j < 32; ++j)
-      *reinterpret_cast<uint32_t*>(out + 8 * j) = pack2<T>(dqa[4 * j + 2 * x], dqa[4 * j + 2 * x + 1]);
+      *reinterpret_cast<uint32_t*>(out + 256 * wg + 8 * j) = pack2<T>(dqa[4 * j + 2 * x], dqa[4 * j + 2 * x + 1]);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      *reinterpret_cast<uint32_t*>(out + 256 + 8 * j) = pack2<T>(dqb[4 * j + 2 * x], dqb[4 * j + 2 * x + 1]);
+      *reinterpret_cast<uint32_t*>(out + kWgC + 32 * wg + 8 * j) = pack2<T>(dqb[4 * j + 2 * x], dqb[4 * j + 2 * x + 1]);
   }
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
