@@ -1,9 +1,10 @@
-// Hopper's warpgroup tensor-core products (wgmma, PTX ISA 9.7.15) on shared-memory tiles in the
-// canonical layout without swizzle: a tile is cut into "core matrices" of 8 rows x 16 bytes, each
-// 128 contiguous bytes; the descriptor names the byte distance between core matrices along K (the
-// leading offset) and along M or N (the stride offset). Compiled for sm_90a only (the
-// `wgmma.*` instructions exist nowhere else): callers guard their kernels' bodies with
-// V4_HAS_WGMMA and launch them on compute capability 9.0 alone.
+// Hopper's warpgroup tensor-core products (wgmma, PTX ISA 9.7.15) on shared-memory tiles, in the
+// canonical layout without swizzle (a tile cut into "core matrices" of 8 rows x 16 bytes, each 128
+// contiguous bytes; the descriptor names the byte distance between core matrices along K, the
+// leading offset, and along M or N, the stride offset) or with 128-byte swizzle (desc128,
+// sw128_offset); and the warp-specialisation primitives (mbarriers, named barriers, setmaxnreg).
+// Compiled for sm_90a only (the `wgmma.*` instructions exist nowhere else): callers guard their
+// kernels' bodies with V4_HAS_WGMMA and launch them on compute capability 9.0 alone.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,7 +31,10 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t k_stride_bytes,
 // two distances (CUTLASS's canonical layouts): K-major operands, `lead_bytes` unused (the two
 // 8-column halves of a 16-column step lie side by side) and `stride_bytes` the 8-row groups' (1,024),
 // a step of 16 columns 32 bytes on within a block; MN-major operands, `lead_bytes` the blocks'
-// distance along MN (Rows * 128) and `stride_bytes` the 8-row groups' along K (1,024).
+// distance along MN (Rows * 128) and `stride_bytes` the 8-row groups' along K (1,024). The swizzle
+// is a function of the address bits (chunk bits 4-6 ^= row bits 7-9), so an operand may also start
+// 32 or 64 bytes into its rows (a K step; the sparse backward's 32-column MN-major halves, checked
+// by its dq and dkv parity), as long as its rows start on 1,024 (bits 7-9 zero: base offset 0).
 __device__ __forceinline__ uint64_t desc128(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
   return desc(addr, lead_bytes, stride_bytes) | uint64_t(1) << 62;
 }

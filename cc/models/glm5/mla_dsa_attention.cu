@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
 // ---- The forward at GLM-5's widths (D = 576 latent + rope dims, C = 512 value dims) on Hopper's
 // warpgroup products, warp-specialised as FlashMLA's sparse prefill arranges it: a block a query
 // and 64 heads, three warpgroups. Warpgroup 2 only gathers: two 64-key blocks in flight (buffers 0
-// and 1), each buffer in halves L (columns 0-255) and R (256-575) with their own "ready" and "free"
+// and 1), each buffer in halves L (columns 0-255) and R (256-575) with their own "ready" and "done"
 // barriers, so a half is refilled as soon as its readers are done. Warpgroup 0 takes the even
 // blocks and output columns 0-255, warpgroup 1 the odd blocks and columns 256-511. Each forms its
 // block's scores (S = Q K^T, m64n64) and softmax, then O[:, its half] += P V over its own block (P
@@ -423,14 +423,16 @@ __global__ void __launch_bounds__(kSparseThreads, 1)
 // b + 1's max before sharing it, so both add the other's P as it lies. Shared tiles are in the
 // 128-byte swizzled layout (cc/common/wgmma.cuh's sw128_offset): 8 gathering threads copy a key's
 // 128 contiguous bytes into one row of a 64-column block, whole L2 sectors in and no bank
-// conflict. P of block b sits on its buffer's rope columns (512-575), dead once warpgroup 0's
-// scores are formed.
+// conflict. Warpgroup 0's P (even blocks) sits on buffer 0's rope columns (512-575), dead once
+// its scores are formed; warpgroup 1's in a tile of its own. A consumer reads the other's buffer
+// half without waiting on its "ready" barrier: the other waited on it, and hands the block over
+// after its scores (kMax0 / kMax1, then kP0 / kP1).
 constexpr int kWgD = 576, kWgC = 512, kWgKeys = 64, kWgThreads = 256, kFwdThreads = 384;
 constexpr int kWgTileBytes = kHeads * kWgD * 2;       // Q's tile and each key buffer: 64 rows x 576
 constexpr int kRopeBytes = kHeads * (kWgD - kWgC) * 2;  // columns 512-575: 64 x 64, P's size
 
 // Shared memory of the forward: Q, two key buffers, warpgroup 1's P, then the maxima [64], the row
-// sums [2][64], the key slots' validity [2][64] and nine barriers (Q; ready and free of 2 x 2 halves).
+// sums [2][64], the key slots' validity [2][64] and nine barriers (Q; ready and done of 2 x 2 halves).
 // (+1,024: the swizzled tiles start on 1,024 bytes.)
 size_t wgmma_forward_smem() {
   return 3 * size_t(kWgTileBytes) + kRopeBytes + (kHeads + 2 * kHeads + 2 * kWgKeys) * 4 + 9 * 8 + 1024;
@@ -444,10 +446,10 @@ enum FwdBarrier { kMax0 = 1, kMax1, kP0, kP1, kSums };
 // row's 128 contiguous bytes), from src[i] (nullptr: zeros; any_row is a readable address for the
 // zero-byte copies).
 template <int Threads, int From, int To, typename T>
-__device__ __forceinline__ void gather_blocks(unsigned char* dst, const T* const (&src)[512 / Threads], const T* any_row) {
+__device__ __forceinline__ void gather_blocks(unsigned char* dst, const T* const (&src)[64 * 8 / Threads], const T* any_row) {
   const int p = threadIdx.x % Threads, chunk = p % 8;
 #pragma unroll
-  for (int i = 0; i < 512 / Threads; ++i) {
+  for (int i = 0; i < 64 * 8 / Threads; ++i) {
     unsigned char* d = dst + wgmma::sw128_offset<64>(Threads / 8 * i + p / 8, 8 * chunk);
 #pragma unroll
     for (int b = From; b < To; ++b)
@@ -473,7 +475,9 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
   const auto ready = [&](int buf, int half) { return bars + 1 + 2 * buf + half; };
   const auto done = [&](int buf, int half) { return bars + 5 + 2 * buf + half; };
   const int t = blockIdx.x, row0 = blockIdx.y * kHeads, valid = min(kHeads, nh - row0);
-  const int wg = threadIdx.x / 128, rounds = ((K + kWgKeys - 1) / kWgKeys + 1) / 2;
+  // (read through a shuffle: the compiler then knows it is one value a warp, and does not
+  // serialise the warpgroups' products as if their branches diverged)
+  const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0), rounds = ((K + kWgKeys - 1) / kWgKeys + 1) / 2;
   if (threadIdx.x == 0) {
     wgmma::bar_init(bar_q, 128);
     for (int b = 0; b < 2; ++b)
@@ -498,7 +502,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
         rows[i] = key >= 0 ? kv + int64_t(key) * kWgD : nullptr;
       }
     };
-    // The validity of this thread's rows (one writer a row) goes with the block's first half.
+    // The validity of this thread's rows (one writer a row) goes with the half its consumer reads first.
     const auto mark = [&](int* ok, const T* const (&rows)[4]) {
       if (p % 8 == 0)
 #pragma unroll
@@ -556,11 +560,11 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     wgmma::bar_wait(ready(wg, half), parity);
     wgmma::fence_shared();
     wgmma::fence();
-    const uint64_t dq = wgmma::desc128(q_addr, 16, 1024), dk = wgmma::desc128(own, 16, 1024);
+    const uint64_t q_desc = wgmma::desc128(q_addr, 16, 1024), k_desc = wgmma::desc128(own, 16, 1024);
 #pragma unroll 1
     for (int kk = decltype(from)::value; kk < decltype(to)::value; ++kk) {
       const int step = (kk / 4) * 512 + (kk % 4) * 2;  // 8,192 bytes a block, 32 a step: in 16-byte units
-      wgmma::mma<T, 64>(s, dq + step, dk + step);
+      wgmma::mma<T, 64>(s, q_desc + step, k_desc + step);
     }
     wgmma::commit();
   };
@@ -586,7 +590,8 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     mx[0] = quad_max(mx[0]);
     mx[1] = quad_max(mx[1]);
   };
-  // Online softmax from the running max `start`: O and l rescaled, s holds P (float), p as pairs.
+  // Online softmax of this block, its rows' max taken as `start` (warpgroup 1: with block b's max
+  // folded in): O and l rescaled, s holds P (float), p as pairs.
   const auto softmax = [&](const float (&start)[2]) {
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
@@ -691,11 +696,12 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
       wgmma::named_sync(kMax0, 256);  // block b's max is in
       mx[0] = fmaxf(mx[0], sM[r0]);
       mx[1] = fmaxf(mx[1], sM[r0 + 8]);
+      __syncwarp();  // read before lane tq = 0 writes the row's new max below
       softmax(mx);
       if (tq == 0) sM[r0] = m[0], sM[r0 + 8] = m[1];
       wgmma::named_arrive(kMax1, 256);
+      store_p();  // (first: an in-flight product's register operand may not be read)
       pv_own();
-      store_p();
       wgmma::named_sync(kP0, 256);  // warpgroup 0's P, at this block's max, is in
       pv_other();
       wgmma::named_arrive(kP1, 256);
@@ -1320,6 +1326,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
   at::Tensor delta = at::empty({s.Lq, s.nh}, q.options().dtype(at::kFloat));
   TORCH_CHECK(o.scalar_type() == q.scalar_type() && o.sizes() == dout.sizes(), "sparse_latent_backward: o must be ",
               "the forward's [Lq, nh, C] output in q's dtype, got ", o.sizes(), " ", o.scalar_type());
+  TORCH_CHECK(C % 8 == 0, "sparse_latent_backward: C (the value columns) must be a multiple of 8 for the device ",
+              "kernels' 16-byte rows, got ", C, " (sparse_latent_supported says which inputs these kernels take)");
   const at::Tensor oc = dense16(o);
   const int64_t rows = int64_t(s.Lq) * s.nh;
   with_type(q, [&](auto type) {
