@@ -15,6 +15,7 @@
 #     files out, e.g. the fuzzer, whose checks are not numeric);
 #   SANITIZE_K="expr" with the stage "sanitize": those parity cases under compute-sanitizer's memcheck.
 #     (SANITIZE_S seconds at most, default 420)
+#   the stage "mutants": tools/mutants.py --cuda, the CUDA kernels' mutations, each to be caught;
 #   the stage "ncu": Nsight Compute of each kernel of NCU_KERNELS (regexes; default the GLM-5 sparse
 #     attention's three wgmma kernels), its first launch in one forward+backward of the op benchmark's
 #     case (OPS, default v4_mla_dsa_attention; NCU_CASES, default 1: 65,536 tokens), one log a kernel.
@@ -47,6 +48,10 @@ if has sanitize; then
   timeout "${SANITIZE_S:-420}" compute-sanitizer --tool memcheck --print-limit 10 --error-exitcode 3 \
     python3 -m pytest -p no:cacheprovider -q -x parity -k "${SANITIZE_K:-cuda}" >"$out/sanitize.log" 2>&1 || status=1
   echo "sanitize: $(grep -E 'ERROR SUMMARY|[0-9]+ (passed|failed)' "$out/sanitize.log" | tail -2 | tr '\n' ' ')"
+fi
+if has mutants; then
+  python3 tools/mutants.py --cuda >"$out/mutants.log" 2>&1 || status=1
+  echo "mutants: $(tail -1 "$out/mutants.log")"
 fi
 if has ncu; then
   for k in ${NCU_KERNELS:-sparse_forward_wgmma sparse_backward_wgmma indexer_scores_wgmma}; do

@@ -5,6 +5,10 @@ missing test, not a mutation to drop. docs/testing.md lists them and what catche
 
     tools/bazel run //tools:mutants                  # all (about 20 minutes on 2 cores)
     tools/bazel run //tools:mutants -- --only rms_norm_backward_projection,moe_slot_off_by_one
+    python3 tools/mutants.py --cuda                  # the CUDA kernels' bugs, on the GPU machine
+
+The CUDA mutations (`--cuda`) are built with nvcc and judged by the CUDA parity cases under the
+hypothesis profile `mutant` (the ci profile without shrinking); without `--cuda` only the others run.
 
 Each source is restored after its mutation, whatever happens; the unmutated build must pass
 the same tests first (else every mutation would look caught).
@@ -31,6 +35,11 @@ class Mutation:
     find: str  # must occur exactly once
     replace: str
     tests: tuple[str, ...]  # pytest arguments: files and an --op, or node ids
+    cuda: bool = False  # a CUDA kernel's bug: built with nvcc, judged on the GPU (--cuda)
+
+
+# The GLM-5 sparse attention's device kernels: each alone against its float64 truth, and the layer.
+SPARSE_CUDA = ("parity/test_mla_dsa_attention.py", "-k", "cuda and (alone or widths)")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -140,20 +149,50 @@ MUTATIONS = (
     Mutation("fp8_whole_blocks_unscaled", "the same where the weight is whole blocks",
              "cc/common/lora.cc", "    result.view(blocks).mul_(scale.to(compute).reshape(scales));\n", "",
              ("parity/test_mlp.py",)),
+    Mutation("sparse_forward_shared_p_unrescaled", "the warp-specialised forward: warpgroup 0 shares its P at its "
+             "own block's max, not rescaled to the next block's", "cc/models/glm5/mla_dsa_attention.cu",
+             "p[i] = pack2<T>(s[2 * i] * factor[i % 2], s[2 * i + 1] * factor[i % 2]);",
+             "p[i] = pack2<T>(s[2 * i], s[2 * i + 1]);", SPARSE_CUDA, cuda=True),
+    Mutation("sparse_forward_other_block_own_buffer", "the forward's product over the other warpgroup's block "
+             "reads its own key buffer", "cc/models/glm5/mla_dsa_attention.cu",
+             "wgmma::desc128(other + wg * 4 * 8192 + kk * 2048, 8192, 1024));",
+             "wgmma::desc128(own + wg * 4 * 8192 + kk * 2048, 8192, 1024));", SPARSE_CUDA, cuda=True),
+    Mutation("sparse_forward_unused_slots_attended", "the forward's scores of slots past K (zero rows) not masked",
+             "cc/models/glm5/mla_dsa_attention.cu",
+             "s[4 * j + e] = ok[8 * j + 2 * tq + (e & 1)] ? s[4 * j + e] * sl2 : kNegInf;",
+             "s[4 * j + e] = s[4 * j + e] * sl2;", SPARSE_CUDA, cuda=True),
+    Mutation("sparse_gather_unswizzled", "the gather writes a row's chunks in order, without the 128-byte swizzle "
+             "the products read", "cc/models/glm5/mla_dsa_attention.cu",
+             "wgmma::sw128_offset<64>(Threads / 8 * i + p / 8, 8 * chunk);",
+             "(Threads / 8 * i + p / 8) * 128 + chunk * 16;", SPARSE_CUDA, cuda=True),
+    Mutation("sparse_backward_dq_rope_same_half", "backward only: both warpgroups' dq over the same 32 rope "
+             "columns (the 64-byte offset into the swizzled rows dropped)", "cc/models/glm5/mla_dsa_attention.cu",
+             "wgmma::desc128(k_addr + 8 * 8192 + 64 * wg + kk * 2048, 8192, 1024)",
+             "wgmma::desc128(k_addr + 8 * 8192 + kk * 2048, 8192, 1024)", SPARSE_CUDA, cuda=True),
+    Mutation("sparse_backward_dkv_chunk", "backward only: dkv's value chunks of the second warpgroup from the "
+             "first's query columns", "cc/models/glm5/mla_dsa_attention.cu",
+             "wgmma::desc128(q_addr + c * 8192 + kk * 2048, 8192, 1024)",
+             "wgmma::desc128(q_addr + 2 * cc * 8192 + kk * 2048, 8192, 1024)", SPARSE_CUDA, cuda=True),
+    Mutation("sparse_delta_half_the_terms", "backward only: delta = rowsum(dout * o) from every other column",
+             "cc/models/glm5/mla_dsa_attention.cu", "sum += u.x * v.x + u.y * v.y;", "sum += 2.0f * u.x * v.x;",
+             SPARSE_CUDA, cuda=True),
 )
 
 
-def build() -> None:
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_ext.py"), "--out", OUT, "--no-cuda"],
+def build(cuda: bool = False) -> None:
+    flags = ["--jobs", str(os.cpu_count() or 2)] if cuda else ["--no-cuda"]
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_ext.py"), "--out", OUT, *flags],
                             cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(result.stdout[-2000:] + result.stderr[-4000:])
 
 
-def run_tests(tests: tuple[str, ...]) -> tuple[bool, str]:
+def run_tests(tests: tuple[str, ...], cuda: bool = False) -> tuple[bool, str]:
     """(passed, the first failure's line) of pytest on `tests`, against the modules in OUT."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "py"), os.path.join(ROOT, "py", "tests"), OUT, ROOT]),
                OMP_NUM_THREADS="1")
+    if cuda:
+        env["V4TRAIN_HYPOTHESIS_PROFILE"] = "mutant"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                             cwd=ROOT, capture_output=True, text=True, env=env)
     failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
@@ -176,15 +215,23 @@ def apply(m: Mutation) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma list of mutation names")
+    parser.add_argument("--cuda", action="store_true", help="the CUDA kernels' mutations (on a machine with a GPU)")
     args = parser.parse_args()
-    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only.split(",")]
-    unknown = set(filter(None, args.only.split(","))) - {m.name for m in MUTATIONS}
+    kind = [m for m in MUTATIONS if m.cuda == args.cuda]
+    chosen = [m for m in kind if not args.only or m.name in args.only.split(",")]
+    unknown = set(filter(None, args.only.split(","))) - {m.name for m in kind}
     if unknown:
-        sys.exit(f"mutants: unknown mutation(s) {', '.join(sorted(unknown))}")
+        sys.exit(f"mutants: unknown {'CUDA ' if args.cuda else ''}mutation(s) {', '.join(sorted(unknown))}"
+                 + ("" if args.cuda else " (the CUDA ones need --cuda)"))
+    if args.cuda:
+        import torch
+
+        if not torch.cuda.is_available():  # the CUDA cases would skip, and every mutation would survive
+            sys.exit("mutants: --cuda needs a GPU (torch.cuda.is_available() is False)")
     print(f"mutants: the unmutated build first, then {len(chosen)} mutation(s)", flush=True)
-    build()
+    build(args.cuda)
     for tests in sorted({m.tests for m in chosen}):
-        ok, line = run_tests(tests)
+        ok, line = run_tests(tests, args.cuda)
         if not ok:
             sys.exit(f"mutants: the unmutated sources fail {' '.join(tests)}: {line}")
     survivors = []
@@ -194,8 +241,8 @@ def main() -> int:
         start = time.time()
         original = apply(m)
         try:
-            build()
-            ok, line = run_tests(m.tests)
+            build(args.cuda)
+            ok, line = run_tests(m.tests, args.cuda)
         except RuntimeError as e:  # a mutation that does not compile is no test of the suite
             ok, line = True, f"did not build: {str(e)[-300:]}"
         finally:
@@ -205,7 +252,7 @@ def main() -> int:
         if ok:
             survivors.append(m.name)
         print(f"| {m.name} | {m.what} | {verdict} ({time.time() - start:.0f} s) |", flush=True)
-    build()  # the restored sources
+    build(args.cuda)  # the restored sources
     print(f"mutants: {len(chosen) - len(survivors)} of {len(chosen)} caught"
           + (f"; survived: {', '.join(survivors)}" if survivors else ""))
     return 1 if survivors else 0
