@@ -42,6 +42,15 @@ template <int Rows>
 __device__ __forceinline__ int sw128_offset(int row, int col) {
   return (col / 64) * (Rows * 128) + row * 128 + (((col % 64) / 8) ^ (row % 8)) * 16 + (col % 8) * 2;
 }
+// The byte offset of a K-major operand's 16-column step kk: 32 bytes on within a 64-column block.
+template <int Rows>
+__device__ __forceinline__ int sw128_k_step(int kk) {
+  return kk / 4 * (Rows * 128) + kk % 4 * 32;
+}
+__device__ __forceinline__ uint32_t saddr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// The first byte of dynamic shared memory `p` on which swizzled tiles may start (kernels ask for
+// 1,024 bytes more than they carve).
+__device__ __forceinline__ unsigned char* sw128_aligned(unsigned char* p) { return p + (1024 - saddr(p) % 1024) % 1024; }
 
 // Byte offset of (row, col) of 16-bit elements in a tile of Rows rows of core matrices: row groups
 // 128 bytes apart, column groups of 8 Rows * 16 bytes apart. Its descriptor strides: Rows * 16
@@ -188,7 +197,6 @@ __device__ __forceinline__ void fence_operand(float (&r)[N]) {
 // ---- Warp specialisation: shared-memory barriers (mbarrier) that count arrivals, cp.async's
 // arrival once a thread's copies land, named barriers between warpgroups, and the register
 // budget moved from a warpgroup that only copies to those that compute.
-__device__ __forceinline__ uint32_t saddr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(saddr(bar)), "r"(count));
 }

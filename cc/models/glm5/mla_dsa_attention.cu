@@ -152,24 +152,21 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 constexpr int kHeads = 64, kKeys = 32, kWarps = 8, kSparseThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(wgmma::saddr(p)));
 }
 __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(wgmma::saddr(p)));
 }
 __device__ __forceinline__ void ldsm_x2_t(uint32_t (&r)[2], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]) : "r"(wgmma::saddr(p)));
 }
 // 16 bytes global -> shared, or 16 zero bytes where !valid.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(wgmma::saddr(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -463,7 +460,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
                                 T* __restrict__ o, float* __restrict__ lse, int nh, int K, float scale) {
 #if defined(V4_HAS_WGMMA)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  unsigned char* smem = wgmma::sw128_aligned(smem_raw);
   unsigned char* sQ = smem;
   unsigned char* sK = smem + kWgTileBytes;  // [2] key buffers
   unsigned char* sP1 = smem + 3 * kWgTileBytes;
@@ -548,11 +545,11 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4, r0 = 16 * warp + g;
   const float sl2 = scale * kLog2e;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const uint32_t q_addr = smem_addr(sQ), own = smem_addr(sK + wg * kWgTileBytes),
-                 other = smem_addr(sK + (1 - wg) * kWgTileBytes);
+  const uint32_t q_addr = wgmma::saddr(sQ), own = wgmma::saddr(sK + wg * kWgTileBytes),
+                 other = wgmma::saddr(sK + (1 - wg) * kWgTileBytes);
   // Warpgroup 0's P goes to its buffer's rope columns, warpgroup 1's to sP1.
   unsigned char* sP_own = wg == 0 ? sK + kWgTileBytes - kRopeBytes : sP1;
-  const uint32_t p_other = wg == 0 ? smem_addr(sP1) : smem_addr(sK + kWgTileBytes - kRopeBytes);
+  const uint32_t p_other = wg == 0 ? wgmma::saddr(sP1) : wgmma::saddr(sK + kWgTileBytes - kRopeBytes);
   float o_acc[128] = {}, s[32], m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
   uint32_t p[16];
   // S = Q K^T over columns [16 From, 16 To) of this warpgroup's buffer, once that half is in.
@@ -563,7 +560,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     const uint64_t q_desc = wgmma::desc128(q_addr, 16, 1024), k_desc = wgmma::desc128(own, 16, 1024);
 #pragma unroll 1
     for (int kk = decltype(from)::value; kk < decltype(to)::value; ++kk) {
-      const int step = (kk / 4) * 512 + (kk % 4) * 2;  // 8,192 bytes a block, 32 a step: in 16-byte units
+      const int step = wgmma::sw128_k_step<64>(kk) / 16;  // in the descriptor's 16-byte units
       wgmma::mma<T, 64>(s, q_desc + step, k_desc + step);
     }
     wgmma::commit();
@@ -775,7 +772,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                                  int K, float scale) {
 #if defined(V4_HAS_WGMMA)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned char* sQ = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  unsigned char* sQ = wgmma::sw128_aligned(smem_raw);
   unsigned char* sK = sQ + kWgTileBytes;
   unsigned char* sO = sK + kWgTileBytes;                    // dout
   unsigned char* sP = sO + kWgDoutBytes;                    // [64 heads x 64 keys]
@@ -788,8 +785,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const float sl2 = scale * kLog2e;
   const int tiles = (K + kWgKeys - 1) / kWgKeys;
   const int64_t* row = idx + int64_t(t) * K;
-  const uint32_t q_addr = smem_addr(sQ), k_addr = smem_addr(sK), o_addr = smem_addr(sO), p_addr = smem_addr(sP),
-                 s_addr = smem_addr(sS);
+  const uint32_t q_addr = wgmma::saddr(sQ), k_addr = wgmma::saddr(sK), o_addr = wgmma::saddr(sO), p_addr = wgmma::saddr(sP),
+                 s_addr = wgmma::saddr(sS);
   const int hr = threadIdx.x / 8;  // this thread's rows hr and 32 + hr of each tile it copies
   const auto load_keys = [&](int tile) {
     const T* rows[2];
@@ -836,15 +833,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 #pragma unroll
     for (int j = 0; j < 16; ++j) sc[j] = dp[j] = 0.0f;
     wgmma::fence();
-    // (a step of 16 columns: 32 bytes on within a 64-column block of 8,192)
 #pragma unroll
     for (int kk = 0; kk < kWgD / 16; ++kk)  // S: Q's columns 16kk.. against keys 32w..
-      wgmma::mma<T, 32>(sc, wgmma::desc128(q_addr + kk / 4 * 8192 + kk % 4 * 32, 16, 1024),
-                        wgmma::desc128(k_addr + wg * 4096 + kk / 4 * 8192 + kk % 4 * 32, 16, 1024));
+      wgmma::mma<T, 32>(sc, wgmma::desc128(q_addr + wgmma::sw128_k_step<64>(kk), 16, 1024),
+                        wgmma::desc128(k_addr + wg * 4096 + wgmma::sw128_k_step<64>(kk), 16, 1024));
 #pragma unroll
     for (int kk = 0; kk < kWgC / 16; ++kk)  // dP: dout's columns 16kk.. against the same keys' values
-      wgmma::mma<T, 32>(dp, wgmma::desc128(o_addr + kk / 4 * 8192 + kk % 4 * 32, 16, 1024),
-                        wgmma::desc128(k_addr + wg * 4096 + kk / 4 * 8192 + kk % 4 * 32, 16, 1024));
+      wgmma::mma<T, 32>(dp, wgmma::desc128(o_addr + wgmma::sw128_k_step<64>(kk), 16, 1024),
+                        wgmma::desc128(k_addr + wg * 4096 + wgmma::sw128_k_step<64>(kk), 16, 1024));
     wgmma::commit();
     wgmma::wait<0>();
     if (threadIdx.x < kWgKeys) sKey[(i + 2) % 3 * kWgKeys + threadIdx.x] = ahead;  // tile i - 1's slot
@@ -973,7 +969,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   for (int i = threadIdx.x; i < kIdxRows * n; i += kWgThreads)  // pitch n + 1: no bank conflict a head
     sW[i / n * (n + 1) + i % n] = i / n < rows_valid ? w[(row0 + i / n) * int64_t(n) + i % n] * scale : 0.0f;
   const T* q0 = q + row0 * q_stride;
-  const uint32_t k_addr = smem_addr(sK), q_addr = smem_addr(sQ);
+  const uint32_t k_addr = wgmma::saddr(sK), q_addr = wgmma::saddr(sQ);
   const auto load_head = [&](int h) {
     load_rows_tile<kIdxRows>(sQ + h % 2 * kIdxRows * kIdxD * 2, q0 + h * kIdxD, q_stride, rows_valid);
     cp_async_commit();
