@@ -1,5 +1,6 @@
 """Mutation check of the parity suite: applies realistic kernel bugs to the C++ sources one at a
-time, rebuilds the ops (tools/build_ext.py, into build/mutants), runs the parity tests that
+time, rebuilds the ops (tools/build_ext.py, into build/mutants; the CUDA ones side by side, each in a
+copy of the sources under a temporary folder), runs the parity tests that
 should catch each, and reports caught or survived. Every mutation must be caught: a survivor is a
 missing test, not a mutation to drop. docs/testing.md lists them and what catches each.
 
@@ -17,14 +18,16 @@ the same tests first (else every mutation would look caught).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(ROOT, "build", "mutants")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,29 +182,33 @@ MUTATIONS = (
 )
 
 
-def build(cuda: bool = False) -> None:
-    flags = ["--jobs", str(os.cpu_count() or 2)] if cuda else ["--no-cuda"]
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "build_ext.py"), "--out", OUT, *flags],
-                            cwd=ROOT, capture_output=True, text=True)
+def build(cuda: bool = False, root: str = ROOT, only: str = "", jobs: int = 0) -> None:
+    flags = ["--jobs", str(jobs or os.cpu_count() or 2)] if cuda else ["--no-cuda"]
+    result = subprocess.run([sys.executable, os.path.join(root, "tools", "build_ext.py"), "--out", out_dir(root), *flags,
+                             *(["--only", only] if only else [])], cwd=root, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(result.stdout[-2000:] + result.stderr[-4000:])
 
 
-def run_tests(tests: tuple[str, ...], cuda: bool = False) -> tuple[bool, str]:
-    """(passed, the first failure's line) of pytest on `tests`, against the modules in OUT."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "py"), os.path.join(ROOT, "py", "tests"), OUT, ROOT]),
-               OMP_NUM_THREADS="1")
+def out_dir(root: str) -> str:
+    return os.path.join(root, "build", "mutants")
+
+
+def run_tests(tests: tuple[str, ...], cuda: bool = False, root: str = ROOT) -> tuple[bool, str]:
+    """(passed, the first failure's line) of pytest on `tests`, against the modules built under `root`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "py"), os.path.join(root, "py", "tests"),
+                                                       out_dir(root), root]), OMP_NUM_THREADS="1")
     if cuda:
         env["V4TRAIN_HYPOTHESIS_PROFILE"] = "mutant"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
-                            cwd=ROOT, capture_output=True, text=True, env=env)
+                            cwd=root, capture_output=True, text=True, env=env)
     failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     return result.returncode == 0, (failed[0][:300] if failed else result.stdout.strip().splitlines()[-1][:300])
 
 
-def apply(m: Mutation) -> str:
+def apply(m: Mutation, root: str = ROOT) -> str:
     """Writes the mutated source; returns the original text."""
-    path = os.path.join(ROOT, m.path)
+    path = os.path.join(root, m.path)
     with open(path) as f:
         text = f.read()
     if text.count(m.find) != 1:
@@ -210,6 +217,24 @@ def apply(m: Mutation) -> str:
     with open(path, "w") as f:
         f.write(text.replace(m.find, m.replace))
     return text
+
+
+def built_copy(m: Mutation | None, root: str, modules: str) -> str:
+    """A copy of the sources at `root` with `m` applied and `modules` built there. One nvcc
+    compilation of a kernel file takes minutes on one core, so the CUDA mutations are built side
+    by side, each in its own copy (the objects are named by their source's path)."""
+    for d in ("cc", "py", "parity", "tools"):
+        shutil.copytree(os.path.join(ROOT, d), os.path.join(root, d), ignore=shutil.ignore_patterns("__pycache__"))
+    os.symlink(os.path.join(ROOT, "testdata"), os.path.join(root, "testdata"))
+    if m is not None:
+        apply(m, root)
+    build(True, root, modules, jobs=2)
+    return root
+
+
+def module_of(path: str) -> str:
+    """The module a kernel source is built into (cc/models/glm5/mla_dsa_attention.cu: v4_mla_dsa_attention)."""
+    return "v4_" + os.path.splitext(os.path.basename(path))[0]
 
 
 def main() -> int:
@@ -229,34 +254,54 @@ def main() -> int:
         if not torch.cuda.is_available():  # the CUDA cases would skip, and every mutation would survive
             sys.exit("mutants: --cuda needs a GPU (torch.cuda.is_available() is False)")
     print(f"mutants: the unmutated build first, then {len(chosen)} mutation(s)", flush=True)
-    build(args.cuda)
-    for tests in sorted({m.tests for m in chosen}):
-        ok, line = run_tests(tests, args.cuda)
-        if not ok:
-            sys.exit(f"mutants: the unmutated sources fail {' '.join(tests)}: {line}")
     survivors = []
-    print("| mutation | what | caught by |", flush=True)
-    print("|---|---|---|", flush=True)
-    for m in chosen:
-        start = time.time()
-        original = apply(m)
-        try:
-            build(args.cuda)
-            ok, line = run_tests(m.tests, args.cuda)
-        except RuntimeError as e:  # a mutation that does not compile is no test of the suite
-            ok, line = True, f"did not build: {str(e)[-300:]}"
-        finally:
-            with open(os.path.join(ROOT, m.path), "w") as f:
-                f.write(original)
-        verdict = "SURVIVED" if ok else line.removeprefix("FAILED ").split(" - ")[0]
+
+    def report(m: Mutation, ok: bool, line: str, start: float) -> None:
         if ok:
             survivors.append(m.name)
+        verdict = "SURVIVED" if ok else line.removeprefix("FAILED ").split(" - ")[0]
         print(f"| {m.name} | {m.what} | {verdict} ({time.time() - start:.0f} s) |", flush=True)
-    build(args.cuda)  # the restored sources
+
+    def check_unmutated(root: str) -> None:
+        for tests in sorted({m.tests for m in chosen}):
+            ok, line = run_tests(tests, args.cuda, root)
+            if not ok:
+                sys.exit(f"mutants: the unmutated sources fail {' '.join(tests)}: {line}")
+        print("| mutation | what | caught by |", flush=True)
+        print("|---|---|---|", flush=True)
+
+    if args.cuda:  # each in its own copy, built side by side, judged one at a time on the GPU
+        start = time.time()
+        modules = ",".join(sorted({module_of(m.path) for m in chosen}))
+        with tempfile.TemporaryDirectory(prefix="v4train-mutants-") as tmp, \
+                concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
+            copies = [pool.submit(built_copy, m, os.path.join(tmp, str(i)), modules) for i, m in enumerate([None, *chosen])]
+            check_unmutated(copies[0].result())
+            for m, copy in zip(chosen, copies[1:]):
+                try:
+                    ok, line = run_tests(m.tests, True, copy.result())
+                except RuntimeError as e:  # a mutation that does not compile is no test of the suite
+                    ok, line = True, f"did not build: {str(e)[-300:]}"
+                report(m, ok, line, start)
+    else:  # in place, one at a time: the rebuild after a mutation compiles one file
+        build()
+        check_unmutated(ROOT)
+        for m in chosen:
+            start = time.time()
+            original = apply(m)
+            try:
+                build()
+                ok, line = run_tests(m.tests)
+            except RuntimeError as e:
+                ok, line = True, f"did not build: {str(e)[-300:]}"
+            finally:
+                with open(os.path.join(ROOT, m.path), "w") as f:
+                    f.write(original)
+            report(m, ok, line, start)
+        build()  # the restored sources
     print(f"mutants: {len(chosen) - len(survivors)} of {len(chosen)} caught"
           + (f"; survived: {', '.join(survivors)}" if survivors else ""))
     return 1 if survivors else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
