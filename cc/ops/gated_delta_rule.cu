@@ -32,7 +32,11 @@
 namespace v4::gdr {
 namespace {
 
-constexpr int kThreads = 256, kWarps = kThreads / 32, kRows = static_cast<int>(kChunk);
+// 16 warps a block: the kernels that hold [64, 128] float32 tiles fit one block an SM, and at 8
+// warps they waited on latency (ncu of the recurrence on the H200, 2026-12-03: 12.5% occupancy,
+// 5 cycles per issued instruction, DRAM at 13.5%).
+constexpr int kThreads = 512, kWarps = kThreads / 32, kRows = static_cast<int>(kChunk);
+constexpr int kRowThreads = kThreads / kRows;  // threads a row of a [64, 64] matrix (antisymmetric_row_sum)
 constexpr int kPitch64 = kRows + 4;  // a [64, 64] matrix's row pitch
 static_assert(kRows == 64, "the kernels hold one chunk of 64 slots a block");
 
@@ -456,16 +460,19 @@ __device__ void invert_unit_lower(float* Ai, float* A) {
 }
 
 // G's gradient through L from Z [64, 68] in shared memory: sum_j Z_ij - Z_ji in float64 for row
-// i = threadIdx.x / 4, four threads a row (16 j each, then two shuffles), in every thread of the row.
-// Every thread calls it. (One thread a row, 64 dependent float64 additions, took 8% of wy_grads.)
+// i = threadIdx.x / kRowThreads, kRowThreads threads a row (64 / kRowThreads j each, then shuffles),
+// in every thread of the row. Every thread calls it. (One thread a row, 64 dependent float64
+// additions, took 8% of wy_grads.)
 __device__ __forceinline__ double antisymmetric_row_sum(const float* Z) {
-  static_assert(kThreads == 4 * kRows, "four threads a row");
-  const int i = threadIdx.x / 4, j0 = threadIdx.x % 4 * 16;
+  static_assert(kRowThreads >= 1 && kRowThreads <= 32 && kRows % kRowThreads == 0, "a row's threads in one warp");
+  constexpr int kSpan = kRows / kRowThreads;
+  const int i = threadIdx.x / kRowThreads, j0 = threadIdx.x % kRowThreads * kSpan;
   double acc = 0.0;
 #pragma unroll
-  for (int j = j0; j < j0 + 16; ++j) acc += static_cast<double>(Z[i * kPitch64 + j]) - Z[j * kPitch64 + i];
-  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-  return acc + __shfl_xor_sync(0xffffffffu, acc, 2);
+  for (int j = j0; j < j0 + kSpan; ++j) acc += static_cast<double>(Z[i * kPitch64 + j]) - Z[j * kPitch64 + i];
+#pragma unroll
+  for (int o = 1; o < kRowThreads; o *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return acc;
 }
 
 // The block's sum of one float a thread (every thread calls it).
@@ -604,7 +611,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
     }
     const float *a = m.a + stage * kRows * m.lda, *b = m.b + stage * kRows * m.ldb;
     const float *base = m.base + stage * kRows * kCols, *add = m.add + stage * d.pk * kCols;
-    block_gemm<2, false, false, kMode>(a, m.lda, m.S, kColPitch, kRows, ncols, d.dk, [&](int r, int c, float v) {
+    block_gemm<1, false, false, kMode>(a, m.lda, m.S, kColPitch, kRows, ncols, d.dk, [&](int r, int c, float v) {
       const float x = base[r * kCols + c] + p.sign_a * v;
       m.X[r * kColPitch + c] = x;
       p.x_out[xs + static_cast<int64_t>(r) * d.dv + c] = x;
@@ -669,7 +676,7 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
     load_block(m.X + kRows * kColPitch, kColPitch, p.h + head * d.dk * d.dv + c0, d.dv, d.dk, n, d.pk, kCols);
     wait_copies();
     __syncthreads();
-    block_gemm<2, false, false, kMode>(m.QP, m.ldqp, m.X, kColPitch, kRows, n, kRows + d.pk, [&](int r, int c, float v) {
+    block_gemm<1, false, false, kMode>(m.QP, m.ldqp, m.X, kColPitch, kRows, n, kRows + d.pk, [&](int r, int c, float v) {
       const int64_t tok = s.slot[r];
       if (tok < p.T) o[(tok * p.hv + h) * d.dv + c0 + c] = from_float<T>(v);
     });
@@ -812,7 +819,7 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
   __syncthreads();
   load_block(m.D, m.ldd, p.dq_state + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   load_block(m.V, m.ldd, p.dk_tilde + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
-  if (const double z = antisymmetric_row_sum(m.Z); tid % 4 == 0) m.dG[tid / 4] = z;
+  if (const double z = antisymmetric_row_sum(m.Z); tid % kRowThreads == 0) m.dG[tid / kRowThreads] = z;
   wait_copies();
   __syncthreads();
   // G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63).
@@ -958,7 +965,9 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
     }
   }
   __syncthreads();
-  if (const double z = antisymmetric_row_sum(m.KKL); tid % 4 == 0) m.dG[tid / 4] += z + p.dg_part[rows + tid / 4];
+  if (const double z = antisymmetric_row_sum(m.KKL); tid % kRowThreads == 0) {
+    m.dG[tid / kRowThreads] += z + p.dg_part[rows + tid / kRowThreads];
+  }
   // k's gradient: (C + C^T) K + beta E dR_K + k_part, in R's key columns.
   float* dk = m.R + d.pv;
   block_gemm<2, false, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
