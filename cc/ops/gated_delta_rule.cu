@@ -37,6 +37,10 @@ namespace {
 // 5 cycles per issued instruction, DRAM at 13.5%).
 constexpr int kThreads = 512, kWarps = kThreads / 32, kRows = static_cast<int>(kChunk);
 constexpr int kRowThreads = kThreads / kRows;  // threads a row of a [64, 64] matrix (antisymmetric_row_sum)
+// But prepare, whose forward substitution takes a thread a column of [U | W] (256): at 512 threads
+// half of them idled there, one block a multiprocessor (0.486 ms a pass against 0.357 at 256,
+// where two blocks shared one). The helpers it calls take the block size (Threads).
+constexpr int kPrepareThreads = 256;
 constexpr int kPitch64 = kRows + 4;  // a [64, 64] matrix's row pitch
 static_assert(kRows == 64, "the kernels hold one chunk of 64 slots a block");
 
@@ -76,16 +80,16 @@ __device__ __forceinline__ float at(const float* p, int ld, int r, int c) {
   return kT ? p[c * ld + r] : p[r * ld + c];
 }
 
-// C = A B over the block, A [M, K] and B [K, N] in shared memory: each warp takes tiles of
+// C = A B over the block (of Threads), A [M, K] and B [K, N] in shared memory: each warp takes tiles of
 // 16 x 8 NT of C in turn and hands every element of C to epi(row, col, value), once. Reads A's rows
 // up to round16(M) and both operands' K up to a multiple of 8, B's columns up to a multiple of 8:
 // callers keep those paddings zero.
-template <int NT, bool kTA, bool kTB, Mode kMode, typename Epi>
+template <int NT, bool kTA, bool kTB, Mode kMode, int Threads = kThreads, typename Epi>
 __device__ __forceinline__ void block_gemm(const float* A, int lda, const float* B, int ldb, int M, int N, int K,
                                            Epi&& epi) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int mtiles = (M + 15) / 16, ngroups = (N + 8 * NT - 1) / (8 * NT);
-  for (int tile = warp; tile < mtiles * ngroups; tile += kWarps) {
+  for (int tile = warp; tile < mtiles * ngroups; tile += Threads / 32) {
     const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
     float acc[NT][4] = {}, small[NT][4] = {};  // small: the cross terms (Mode)
     if constexpr (kMode == Mode::kTf32x3) {
@@ -301,18 +305,18 @@ __device__ __forceinline__ void load_block(float* dst, int ld, const float* src,
 // The chunk's rows of x [T, heads, D] (head `head`) as float32: dst[i][c] = x[slot i][c] (times mul[i]
 // if given), zero for padding slots and columns D..padded (a multiple of 16). 16-byte loads, four in
 // flight a thread, where D and x allow.
-template <typename T>
+template <typename T, int Threads = kThreads>
 __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int heads, int head, int D, int padded,
                                           const float* mul, const Info& s, int64_t T_) {
   constexpr int V = 16 / sizeof(T);
   const bool vec = D % V == 0 && aligned16(x);
   const int per_row = vec ? padded / V : padded, n = kRows * per_row, width = vec ? V : 1;
-  for (int i0 = threadIdx.x; i0 < n; i0 += 4 * kThreads) {
+  for (int i0 = threadIdx.x; i0 < n; i0 += 4 * Threads) {
     uint4 raw[4];
     T one[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads, i = idx / per_row, c = idx % per_row * width;
+      const int idx = i0 + u * Threads, i = idx / per_row, c = idx % per_row * width;
       const int64_t tok = idx < n ? s.slot[i] : T_;
       const bool in = tok < T_ && c < D;
       const T* src = x + (tok * heads + head) * D + c;
@@ -321,7 +325,7 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int he
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads, i = idx / per_row, c = idx % per_row * width;
+      const int idx = i0 + u * Threads, i = idx / per_row, c = idx % per_row * width;
       if (idx >= n) continue;
       const float m = mul != nullptr ? mul[i] : 1.0f;
       if (vec) {
@@ -338,15 +342,15 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int he
 // The chunk's rows of x [T, heads, D] L2-normalised, a warp 8 rows (their loads issued together):
 // dst[i][c] = x r scale with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if given); zero for padding slots
 // and columns D..padded (D <= 128).
-template <typename T>
+template <typename T, int Threads = kThreads>
 __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, int heads, int head,
                                                 int D, int padded, float scale, const Info& s, int64_t T_) {
-  constexpr int R = kRows / kWarps;
+  constexpr int kW = Threads / 32, R = kRows / kW;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float v[R][4];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
-    const int64_t tok = s.slot[warp + j * kWarps];
+    const int64_t tok = s.slot[warp + j * kW];
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const int c = lane + 32 * m;
@@ -355,7 +359,7 @@ __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm
   }
 #pragma unroll
   for (int j = 0; j < R; ++j) {
-    const int i = warp + j * kWarps;
+    const int i = warp + j * kW;
     float ss = 0.0f;
 #pragma unroll
     for (int m = 0; m < 4; ++m) ss += v[j][m] * v[j][m];
@@ -503,7 +507,7 @@ struct PrepareSmem {
 // U, W (= (I + A)^-1 [beta V | beta E K]), Kt = exp(G_63 - G) K and gamma for one chunk and head
 // (U not when p.u is null: the backward's recomputation).
 template <typename T, Mode kMode, typename DimsT>
-__global__ void __launch_bounds__(kThreads) prepare_kernel(Args p) {
+__global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkBlock<PrepareSmem, DimsT> b(p, smem);
   const DimsT& d = b.d;
@@ -512,19 +516,22 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(Args p) {
   const int64_t chunk = b.chunk, base = b.rows;
   const int h = b.h, kh = b.kh, tid = threadIdx.x;
   float* K = m.R + d.pv;  // the keys' columns of R
-  load_normalised(K, m.ldr, nullptr, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
+  load_normalised<T, kPrepareThreads>(K, m.ldr, nullptr, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s,
+                                      p.T);
   __syncthreads();
-  for (int idx = tid; idx < kRows * d.dk; idx += kThreads) {
+  for (int idx = tid; idx < kRows * d.dk; idx += kPrepareThreads) {
     const int i = idx / d.dk, c = idx % d.dk;
     p.k_tilde[(base + i) * d.dk + c] = s.Kt[i] * K[i * m.ldr + c];
   }
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
-  block_gemm<2, false, true, kMode>(K, m.ldr, K, m.ldr, kRows, kRows, d.dk, [&](int r, int c, float v) {
-    m.A[r * kPitch64 + c] = c < r ? s.beta[r] * (v * decay(s, r, c)) : 0.0f;
-  });
+  block_gemm<2, false, true, kMode, kPrepareThreads>(K, m.ldr, K, m.ldr, kRows, kRows, d.dk,
+                                                     [&](int r, int c, float v) {
+                                                       m.A[r * kPitch64 + c] =
+                                                           c < r ? s.beta[r] * (v * decay(s, r, c)) : 0.0f;
+                                                     });
   __syncthreads();
-  load_rows(m.R, m.ldr, static_cast<const T*>(p.v), p.hv, h, d.dv, d.pv, s.beta, s, p.T);
-  for (int idx = tid; idx < kRows * d.pk; idx += kThreads) {
+  load_rows<T, kPrepareThreads>(m.R, m.ldr, static_cast<const T*>(p.v), p.hv, h, d.dv, d.pv, s.beta, s, p.T);
+  for (int idx = tid; idx < kRows * d.pk; idx += kPrepareThreads) {
     const int i = idx / d.pk, c = idx % d.pk;
     K[i * m.ldr + c] *= s.beta[i] * s.E[i];
   }
@@ -987,13 +994,13 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
 
 // ---- Host ------------------------------------------------------------------------------------------
 
-template <typename Smem, typename Kernel, typename A>
+template <typename Smem, int Threads = kThreads, typename Kernel, typename A>
 void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args) {
   Carve carve{nullptr};
   const Smem layout(carve, d);
   const size_t bytes = carve.used;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  kernel<<<grid, kThreads, bytes, at::cuda::getCurrentCUDAStream()>>>(args);
+  kernel<<<grid, Threads, bytes, at::cuda::getCurrentCUDAStream()>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1038,7 +1045,7 @@ void fused(Fused& f, bool backward) {
   a.w = w.data_ptr<float>();
   a.k_tilde = k_tilde.data_ptr<float>();
   a.gamma = gamma.data_ptr<float>();
-  launch<PrepareSmem>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
+  launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
   if (!backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
     r.state_out = at::empty({chunks, hv, d.dk, d.dv}, f32);
