@@ -302,6 +302,23 @@ __device__ __forceinline__ void load_block(float* dst, int ld, const float* src,
   }
 }
 
+// dst [rows, cols] (row stride `stride`) = src [rows, cols] in shared memory (pitch ld): four floats a
+// store where the widths and addresses allow (the recurrence's state and x tiles, each chunk step).
+__device__ __forceinline__ void store_block(float* dst, int64_t stride, const float* src, int ld, int rows, int cols) {
+  if (cols % 4 == 0 && stride % 4 == 0 && ld % 4 == 0 && aligned16(dst) && aligned16(src)) {
+    const int quads = cols / 4;
+    for (int idx = threadIdx.x; idx < rows * quads; idx += kThreads) {
+      const int r = idx / quads, c = idx % quads * 4;
+      *reinterpret_cast<float4*>(dst + r * stride + c) = *reinterpret_cast<const float4*>(src + r * ld + c);
+    }
+    return;
+  }
+  for (int idx = threadIdx.x; idx < rows * cols; idx += kThreads) {
+    const int r = idx / cols, c = idx % cols;
+    dst[r * stride + c] = src[r * ld + c];
+  }
+}
+
 // The chunk's rows of x [T, heads, D] (head `head`) as float32: dst[i][c] = x[slot i][c] (times mul[i]
 // if given), zero for padding slots and columns D..padded (a multiple of 16). 16-byte loads, four in
 // flight a thread, where D and x allow.
@@ -603,33 +620,34 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
     }
     commit_copies();
   };
-  if (chunks > 0) load(0, chunk_at(0));
+  // A step's own work between its barriers is its critical path (stop 30's profile: 58-61% of the
+  // samples before the second barrier, mostly addresses and scalar stores): the next chunk's index
+  // is read before the wait, the state and x go out four floats a store after their products,
+  // from shared memory, and the first product's epilogue only writes shared memory.
+  int64_t chunk = chunks > 0 ? chunk_at(0) : 0;
+  if (chunks > 0) load(0, chunk);
   for (int64_t step = 0; step < chunks; ++step) {
-    const int64_t chunk = chunk_at(step), head = chunk * p.heads + h;
+    const int64_t head = chunk * p.heads + h, next = step + 1 < chunks ? chunk_at(step + 1) : 0;
     const int stage = step % 2;
     const float dec = p.decay[head];
     wait_copies();
     __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
-    if (step + 1 < chunks) load(1 - stage, chunk_at(step + 1));
-    const int64_t xs = head * kRows * d.dv + col0, ss = head * d.dk * d.dv + col0;  // x_out, state_out
-    for (int idx = tid; idx < d.dk * ncols; idx += kThreads) {
-      const int r = idx / ncols, c = idx % ncols;
-      p.state_out[ss + static_cast<int64_t>(r) * d.dv + c] = m.S[r * kColPitch + c];
-    }
+    if (step + 1 < chunks) load(1 - stage, next);
+    store_block(p.state_out + head * d.dk * d.dv + col0, d.dv, m.S, kColPitch, d.dk, ncols);
     const float *a = m.a + stage * kRows * m.lda, *b = m.b + stage * kRows * m.ldb;
     const float *base = m.base + stage * kRows * kCols, *add = m.add + stage * d.pk * kCols;
     block_gemm<1, false, false, kMode>(a, m.lda, m.S, kColPitch, kRows, ncols, d.dk, [&](int r, int c, float v) {
-      const float x = base[r * kCols + c] + p.sign_a * v;
-      m.X[r * kColPitch + c] = x;
-      p.x_out[xs + static_cast<int64_t>(r) * d.dv + c] = x;
+      m.X[r * kColPitch + c] = base[r * kCols + c] + p.sign_a * v;
     });
     __syncthreads();
+    store_block(p.x_out + head * kRows * d.dv + col0, d.dv, m.X, kColPitch, kRows, ncols);
     block_gemm<2, true, false, kMode>(b, m.ldb, m.X, kColPitch, d.dk, ncols, kRows, [&](int r, int c, float v) {
       float s = dec * m.S[r * kColPitch + c] + p.sign_b * v;
       if (p.add != nullptr) s += add[r * kCols + c];
       m.S[r * kColPitch + c] = s;
     });
     __syncthreads();
+    chunk = next;
   }
 }
 
