@@ -356,7 +356,7 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int he
   }
 }
 
-// The chunk's rows of x [T, heads, D] L2-normalised, a warp 8 rows (their loads issued together):
+// The chunk's rows of x [T, heads, D] L2-normalised, a warp 64 / (Threads / 32) rows (loads issued together):
 // dst[i][c] = x r scale with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if given); zero for padding slots
 // and columns D..padded (D <= 128).
 template <typename T, int Threads = kThreads>
