@@ -1,0 +1,129 @@
+"""A CPU check behind issue 18's next kernels (docs/gpu.md, fifth session): are the delta rule's
+products precise enough when each operand is split into two bfloat16 parts, x = hi + lo with
+hi = bf16(x) and lo = bf16(x - hi), and a b ~ ah bh + (ah bl + al bh) accumulated in float32? That is
+three bf16 tensor-core products where the kernels take six TF32 ones today, from operands that cost
+the bytes of float32 in shared memory. Every product inside the reference's chunked rule, forward and
+backward, is emulated so (the triangular solves stay float32); each output and gradient of
+v4_gated_deltanet (whose A_log and dt_bias gradients sum the log decay's with cancellation: fla
+issue 640's kind) and of v4_gated_delta_rule is judged as the parity suite judges bf16 results
+(v4train.testing.check.judge against the float64 truth), beside the kernels' split today (TF32,
+both parts truncated) and plain bf16 operands (fla's precision, the variant that should fail).
+
+    python3 tools/delta_rule_split_check.py [--samples 500] [--ops v4_gated_deltanet,v4_gated_delta_rule]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+
+import torch
+
+from v4train.models.qwen3_5.deltanet import v4_gated_deltanet
+from v4train.ops import REFERENCE
+from v4train.reference.gated_delta_rule import v4_gated_delta_rule
+from v4train.testing.cases import CASES
+from v4train.testing.check import Spreads, forward_backward, in_float64, judge, upstream_of
+from v4train.testing.samples import RandomDraw
+
+
+def bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """x truncated to TF32 (the top 19 bits a tensor core reads), as the kernels' split() does."""
+    return (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
+
+
+def product(a: torch.Tensor, b: torch.Tensor, split: str) -> torch.Tensor:
+    if split == "float32":
+        return a @ b
+    if split == "bf16":
+        return bf16(a) @ bf16(b)
+    part = bf16 if split == "bf16x3" else tf32
+    ah, bh = part(a), part(b)
+    al, bl = part(a - ah), part(b - bh)
+    return ah @ bh + (ah @ bl + al @ bh)  # the cross terms accumulated apart, as the kernels do
+
+
+class Product(torch.autograd.Function):
+    """a @ b with the forward's and the backward's products emulated by `split`."""
+
+    @staticmethod
+    def forward(ctx, a, b, split):
+        ctx.save_for_backward(a, b)
+        ctx.split = split
+        return product(a, b, split)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        da = product(grad, b.transpose(-1, -2), ctx.split) if ctx.needs_input_grad[0] else None
+        db = product(a.transpose(-1, -2), grad, ctx.split) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class Ops:
+    """The reference op table with the delta rule's products emulated."""
+
+    def __init__(self, split: str):
+        def mm(a, b):
+            return Product.apply(a, b, split)
+
+        self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm)
+
+    def __getattr__(self, name):
+        return getattr(REFERENCE, name)
+
+
+def candidate(op: str, split: str):
+    ops = Ops(split)
+    return ops.v4_gated_delta_rule if op == "v4_gated_delta_rule" else functools.partial(v4_gated_deltanet, ops=ops)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=500, help="bf16 samples of each op (RandomDraw(0), ...)")
+    parser.add_argument("--ops", default="v4_gated_deltanet,v4_gated_delta_rule")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    splits = ("float32", "tf32x3", "bf16x3", "bf16")
+    print("| op | products | samples failed | tensors that failed | A_log's error / the reference's (median, max) |")
+    print("|---|---|---|---|---|")
+    for op in args.ops.split(","):
+        case, reference = CASES[op], REFERENCE[op]
+        failed = {s: [] for s in splits}  # (sample, tensor)
+        ratios = {s: [] for s in splits}
+        for i in range(args.samples):
+            sample = case.samples(RandomDraw(i), torch.bfloat16, "cpu")
+            seed = random.Random(10**6 + i).randrange(2**31)
+            upstream = upstream_of(seed)
+            ref_out, ref = forward_backward(reference, sample, upstream, seed)
+            true_out, truth = forward_backward(reference, in_float64(sample), upstream, seed)
+            spreads = Spreads(reference, sample, upstream, seed)
+            for split in splits:
+                outputs, grads = forward_backward(candidate(op, split), sample, upstream, seed)
+                tensors = [(("output", k), o, ref_out[k], true_out[k]) for k, o in enumerate(outputs)
+                           if o.is_floating_point()]
+                tensors += [(("grad", name), g, ref[name], truth[name]) for name, g in grads.items()
+                            if ref[name] is not None]
+                for key, got, expected, exact in tensors:
+                    try:
+                        judge(case, got, expected, exact, f"{op} {key[0]} {key[1]}", spreads.of(key))
+                    except AssertionError:
+                        failed[split].append((i, f"{key[0]} {key[1]}"))
+                a_log = "linear_attn.A_log"
+                if a_log in grads and (ref[a_log] - truth[a_log]).norm() > 0:
+                    err = lambda x: (x.double() - truth[a_log].double()).norm().item()  # noqa: E731
+                    ratios[split].append(err(grads[a_log]) / err(ref[a_log]))
+        for split in splits:
+            r = sorted(ratios[split])
+            stats = f"{r[len(r) // 2]:.2f}, {r[-1]:.2f}" if r else "-"
+            print(f"| {op} | {split} | {len({i for i, _ in failed[split]})} of {args.samples} | "
+                  f"{', '.join(sorted({t for _, t in failed[split]})) or '-'} | {stats} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
