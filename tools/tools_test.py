@@ -37,6 +37,21 @@ def test_every_mutation_of_the_mutation_check_still_applies():
             assert f.read().count(m.find) == 1, f"{m.name}: its text is not in {m.path} exactly once"
 
 
+def test_every_cuda_mutation_names_the_module_built_for_it():
+    """mutants.py --cuda builds, in each mutation's copy of the sources, only the module of the
+    mutated kernel file (module_of: the file's name, as cc/ops.bzl names modules): a mutation in a
+    file that is not a module's own (a shared .cuh) would fail to build there, on the GPU's time."""
+    import mutants
+
+    modules = build_ext.read_modules()
+    for m in mutants.MUTATIONS:
+        if m.cuda:
+            name = mutants.module_of(m.path)
+            assert name in modules, f"{m.name}: {m.path} is built into no module named {name}"
+            own = build_ext.sources(name, cuda=True)[1]
+            assert os.path.join(build_ext.ROOT, m.path) in own, f"{m.name}: {name} does not build {m.path}"
+
+
 def _tools_bazel(tmp_path, base_python):
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "V4TRAIN_HOME": str(tmp_path / "home"),
            "V4TRAIN_BASE_PYTHON": base_python}
