@@ -15,7 +15,8 @@
 #     files out, e.g. the fuzzer, whose checks are not numeric);
 #   SANITIZE_K="expr" with the stage "sanitize": those parity cases under compute-sanitizer's memcheck.
 #     (SANITIZE_S seconds at most, default 420)
-#   the stage "mutants": tools/mutants.py --cuda, the CUDA kernels' mutations, each to be caught;
+#   the stage "mutants": tools/mutants.py --cuda, the CUDA kernels' mutations, each to be caught (run it
+#     alone: its copies' builds take every core, some 200 s, then about 30 s a mutation on the GPU);
 #   the stage "ncu": Nsight Compute of each kernel of NCU_KERNELS (regexes; default the GLM-5 sparse
 #     attention's three wgmma kernels), its first launch in one forward+backward of the op benchmark's
 #     case (OPS, default v4_mla_dsa_attention; NCU_CASES, default 1: 65,536 tokens), one log a kernel.
