@@ -303,5 +303,6 @@ def main() -> int:
           + (f"; survived: {', '.join(survivors)}" if survivors else ""))
     return 1 if survivors else 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
