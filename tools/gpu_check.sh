@@ -16,7 +16,8 @@
 #   SANITIZE_K="expr" with the stage "sanitize": those parity cases under compute-sanitizer's memcheck.
 #     (SANITIZE_S seconds at most, default 420)
 #   the stage "mutants": tools/mutants.py --cuda, the CUDA kernels' mutations, each to be caught (run it
-#     alone: its copies' builds take every core, some 200 s, then about 30 s a mutation on the GPU);
+#     alone: its copies' builds take every core, some 200-400 s, then 10-60 s a mutation on the GPU;
+#     MUTANTS=name,name picks some);
 #   the stage "ncu": Nsight Compute of each kernel of NCU_KERNELS (regexes; default the GLM-5 sparse
 #     attention's three wgmma kernels), its first launch in one forward+backward of the op benchmark's
 #     case (OPS, default v4_mla_dsa_attention; NCU_CASES, default 1: 65,536 tokens), one log a kernel.
@@ -51,7 +52,7 @@ if has sanitize; then
   echo "sanitize: $(grep -E 'ERROR SUMMARY|[0-9]+ (passed|failed)' "$out/sanitize.log" | tail -2 | tr '\n' ' ')"
 fi
 if has mutants; then
-  python3 tools/mutants.py --cuda >"$out/mutants.log" 2>&1 || status=1
+  python3 tools/mutants.py --cuda ${MUTANTS:+--only "$MUTANTS"} >"$out/mutants.log" 2>&1 || status=1
   echo "mutants: $(tail -1 "$out/mutants.log")"
 fi
 if has ncu; then

@@ -43,6 +43,8 @@ class Mutation:
 
 # The GLM-5 sparse attention's device kernels: each alone against its float64 truth, and the layer.
 SPARSE_CUDA = ("parity/test_mla_dsa_attention.py", "-k", "cuda and (alone or widths)")
+# The delta rule's kernels: the op's CUDA cases, Qwen3.5's widths over document and chunk boundaries among them.
+DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--op=v4_gated_delta_rule", "-k", "cuda")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -179,6 +181,13 @@ MUTATIONS = (
     Mutation("sparse_delta_half_the_terms", "backward only: delta = rowsum(dout * o) from every other column",
              "cc/models/glm5/mla_dsa_attention.cu", "sum += u.x * v.x + u.y * v.y;", "sum += 2.0f * u.x * v.x;",
              SPARSE_CUDA, cuda=True),
+    Mutation("delta_rule_gamma_gradient_dropped", "backward only: the chunk decay's gradient through the state "
+             "(dgamma) left out of g's gradient (g's alone wrong, fla issue 640's kind)", "cc/ops/gated_delta_rule.cu",
+             "      v += static_cast<double>(p.dgamma[head]) * s.gamma;\n", "", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_beta_gradient_through_a", "backward only: beta's gradient through A = beta (K K^T * L) "
+             "dropped (beta's alone wrong)", "cc/ops/gated_delta_rule.cu",
+             "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;", "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk;",
+             DELTA_RULE_CUDA, cuda=True),
 )
 
 
