@@ -18,6 +18,11 @@
 #   the stage "mutants": tools/mutants.py --cuda, the CUDA kernels' mutations, each to be caught (run it
 #     alone: its copies' builds take every core, some 200-400 s, then 10-60 s a mutation on the GPU;
 #     MUTANTS=name,name picks some);
+#   the stage "compare": another version beside this one (BESIDE, a tarball of its cc py parity tools,
+#     made where git is: `git archive BRANCH cc py parity tools > build/gpujob/beside.tar`, carried),
+#     both built side by side (ONLY=v4_a,v4_b the modules, default all; BUILD_ARGS more flags), its
+#     parity cases (PARITY_K; PARITY_FILES, default parity: the files whose modules ONLY builds), then the op benchmarks (OPS; IMPL, default cpp; OPS_ARGS, e.g. --profile)
+#     of both, twice in alternating order (run-to-run noise); logs compare_*.log;
 #   the stage "ncu": Nsight Compute of each kernel of NCU_KERNELS (regexes; default the GLM-5 sparse
 #     attention's three wgmma kernels), its first launch in one forward+backward of the op benchmark's
 #     case (OPS, default v4_mla_dsa_attention; NCU_CASES, default 1: 65,536 tokens), one log a kernel.
@@ -54,6 +59,29 @@ fi
 if has mutants; then
   python3 tools/mutants.py --cuda ${MUTANTS:+--only "$MUTANTS"} >"$out/mutants.log" 2>&1 || status=1
   echo "mutants: $(tail -1 "$out/mutants.log")"
+fi
+if has compare; then
+  beside=build/beside outdir=$(cd "$out" && pwd)
+  rm -rf "$beside" && mkdir -p "$beside" && tar -xf "${BESIDE:-build/gpujob/beside.tar}" -C "$beside" || exit 1
+  ln -sfn ../../testdata "$beside/testdata"
+  half=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))
+  build() { python3 tools/build_ext.py --jobs "$half" ${ONLY:+--only "$ONLY"} ${BUILD_ARGS:-}; }
+  (cd "$beside" && build >"$outdir/compare_build_beside.log" 2>&1) & pid=$!
+  build >"$outdir/compare_build.log" 2>&1 || exit 1
+  wait $pid || { tail -20 "$outdir/compare_build_beside.log"; exit 1; }
+  (cd "$beside" && python3 -m pytest -p no:cacheprovider -q ${PARITY_FILES:-parity} -k "${PARITY_K:-cuda}") \
+    >"$out/compare_parity.log" 2>&1 || status=1
+  echo "compare: parity beside: $(grep -E '[0-9]+ (passed|failed|errors?)' "$out/compare_parity.log" | tail -1)"
+  grep -E '^(FAILED|ERROR)' "$out/compare_parity.log" | cut -c1-300
+  : >"$out/compare_ops_this.log"; : >"$out/compare_ops_beside.log"
+  for order in ". $beside" "$beside ."; do
+    for tree in $order; do
+      name=$([ "$tree" = . ] && echo this || echo beside)
+      (cd "$tree" && python3 tools/benchmark.py --reps 20 --ops "${OPS:-}" --impl "${IMPL:-cpp}" ${OPS_ARGS:-}) \
+        >>"$out/compare_ops_$name.log" 2>&1 || status=1
+    done
+  done
+  for name in this beside; do echo "compare: $name"; grep -E '^\|' "$out/compare_ops_$name.log"; done
 fi
 if has ncu; then
   for k in ${NCU_KERNELS:-sparse_forward_wgmma sparse_backward_wgmma indexer_scores_wgmma}; do
