@@ -25,7 +25,8 @@
 #     of both, twice in alternating order (run-to-run noise); logs compare_*.log;
 #   the stage "ncu": Nsight Compute of each kernel of NCU_KERNELS (regexes; default the GLM-5 sparse
 #     attention's three wgmma kernels), its first launch in one forward+backward of the op benchmark's
-#     case (OPS, default v4_mla_dsa_attention; NCU_CASES, default 1: 65,536 tokens), one log a kernel.
+#     case (OPS, default v4_mla_dsa_attention; NCU_CASES, default 1: 65,536 tokens), all in one
+#     process and one log (ncu.log; NCU_S seconds at most, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
@@ -84,13 +85,14 @@ if has compare; then
   for name in this beside; do echo "compare: $name"; grep -E '^\|' "$out/compare_ops_$name.log"; done
 fi
 if has ncu; then
-  for k in ${NCU_KERNELS:-sparse_forward_wgmma sparse_backward_wgmma indexer_scores_wgmma}; do
-    timeout 300 ncu --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight --section WarpStateStats \
-      --section SourceCounters --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section Occupancy \
-      --section LaunchStats python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl cpp \
-      --cases "${NCU_CASES:-1}" --once >"$out/ncu_$k.log" 2>&1 || status=1
-    echo "ncu $k:"; grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy" "$out/ncu_$k.log"
-  done
+  # One process: the first launch of each kernel whose name matches one of the regexes (--kernel-id's
+  # invocation 1 applies to each matching kernel), where one process a kernel paid the start each time.
+  kernels=$(echo ${NCU_KERNELS:-sparse_forward_wgmma sparse_backward_wgmma indexer_scores_wgmma} | tr ' ' '|')
+  timeout "${NCU_S:-480}" ncu --clock-control none --kernel-id "::regex:($kernels):1" --section SpeedOfLight \
+    --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section Occupancy --section LaunchStats python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl cpp \
+    --cases "${NCU_CASES:-1}" --once >"$out/ncu.log" 2>&1 || status=1
+  echo "ncu:"; grep -E "^  [A-Za-z_].*Context|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" "$out/ncu.log"
 fi
 if has cpu; then
   python3 tools/build_ext.py --no-cuda --out build/ext_cpu --jobs "$(nproc)" >"$out/build_cpu.log" 2>&1 || exit 1
