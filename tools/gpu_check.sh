@@ -21,8 +21,9 @@
 #   the stage "compare": another version beside this one (BESIDE, a tarball of its cc py parity tools,
 #     made where git is: `git archive BRANCH cc py parity tools > build/gpujob/beside.tar`, carried),
 #     both built side by side (ONLY=v4_a,v4_b the modules, default all; BUILD_ARGS more flags), its
-#     parity cases (PARITY_K; PARITY_FILES, default parity: the files whose modules ONLY builds), then the op benchmarks (OPS; IMPL, default cpp; OPS_ARGS, e.g. --profile)
-#     of both, twice in alternating order (run-to-run noise); logs compare_*.log;
+#     parity cases (PARITY_K; PARITY_FILES, default parity: the files whose modules ONLY builds),
+#     then the op benchmarks (OPS; IMPL, default cpp; OPS_ARGS, e.g. --profile) of both, twice in
+#     alternating order (run-to-run noise); logs compare_*.log;
 #   the stage "ncu": Nsight Compute of each kernel of NCU_KERNELS (regexes; default the GLM-5 sparse
 #     attention's three wgmma kernels), its first launch in one forward+backward of the op benchmark's
 #     case (OPS, default v4_mla_dsa_attention; NCU_CASES, default 1: 65,536 tokens), all in one

@@ -35,7 +35,7 @@ def samples(draw, dtype: torch.dtype, device) -> Sample:
     lengths = chunk_documents(draw)
     heads, rep, dk, dv = draw.integers(1, 3), draw.sampled_from([1, 2]), size(draw, 16), size(draw, 16)
     lay, s, decay = layout(draw), seed(draw), draw.sampled_from([0.5, 0.01])  # 0.01: the state crosses chunks
-    if draw.integers(0, 2) == 0:  # a third at Qwen3.5's widths: the CUDA kernels' path for them (FixedDims, planes)
+    if draw.integers(0, 2) == 0:  # a third at Qwen3.5's widths: the CUDA kernels' own path for them (FixedDims)
         dk = dv = 128
     leaves = leaves_for(lengths, heads, rep, dk, dv, dtype, device, s, lay, decay)
     _, cu = packed(lengths, device)
