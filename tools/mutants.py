@@ -188,6 +188,9 @@ MUTATIONS = (
              "dropped (beta's alone wrong)", "cc/ops/gated_delta_rule.cu",
              "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;", "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk;",
              DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_planes_untransposed", "the recurrence's second product reads b's hi plane with ldmatrix "
+             "untransposed (b, not b^T)", "cc/ops/gated_delta_rule.cu", "ldsm_x4_t(fah, bh + arow);",
+             "ldsm_x4(fah, bh + arow);", DELTA_RULE_CUDA, cuda=True),
 )
 
 

@@ -605,6 +605,37 @@ struct RecurrenceArgs {
 
 constexpr int kCols = 32, kColPitch = kCols + 8;
 
+// A chunk's base [64, 32] and add [pk, 32] (if any) for the block's columns col0.. (ncols of them).
+template <typename DimsT>
+__device__ __forceinline__ void load_base_add(float* base, float* add, const RecurrenceArgs& p, int64_t head, int col0,
+                                              int ncols, const DimsT& d) {
+  load_block(base, kCols, p.base + head * kRows * d.dv + col0, d.dv, kRows, ncols, kRows, kCols);
+  if (p.add != nullptr) load_block(add, kCols, p.add + head * d.dk * d.dv + col0, d.dv, d.dk, ncols, d.pk, kCols);
+}
+
+// The chunk loop of both recurrence kernels, over document blockIdx.z's chunks in order (last first
+// where p.reverse): each chunk's tiles loaded a step ahead (load(stage, chunk), asynchronous
+// copies), then step(head, stage, decay) once they are in. A step's own work between its barriers
+// is its critical path (stop 30's profile: 58-61% of the samples before the second barrier, mostly
+// addresses and scalar stores): the next chunk's index is read before the wait.
+template <typename Load, typename Step>
+__device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step) {
+  const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
+  const auto chunk_at = [&](int64_t i) { return p.offset[p.reverse ? chunks - 1 - i : i] + doc; };
+  int64_t chunk = chunks > 0 ? chunk_at(0) : 0;
+  if (chunks > 0) load(0, chunk);
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t head = chunk * p.heads + h, next = i + 1 < chunks ? chunk_at(i + 1) : 0;
+    const int stage = i % 2;
+    const float dec = p.decay[head];
+    wait_copies();
+    __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
+    if (i + 1 < chunks) load(1 - stage, next);
+    step(head, stage, dec);
+    chunk = next;
+  }
+}
+
 // Two stages of a [64, pk + 4], b [64, pk + 8], base [64, 32], add [pk, 32]; S [pk, 40]; X [64, 40].
 struct RecurrenceSmem {
   float *a, *b, *base, *add, *S, *X;
@@ -628,35 +659,18 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
   const RecurrenceSmem m(carve, d);
   const int col0 = blockIdx.x * kCols, ncols = d.dv % kCols == 0 ? kCols : min(kCols, d.dv - col0);
   const int h = blockIdx.y, tid = threadIdx.x;
-  const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
   for (int i = tid; i < d.pk * kColPitch; i += kThreads) m.S[i] = 0.0f;  // S = 0; its padding stays 0
   for (int i = tid; i < kRows * kColPitch; i += kThreads) m.X[i] = 0.0f;
-  const auto chunk_at = [&](int64_t step) { return p.offset[p.reverse ? chunks - 1 - step : step] + doc; };
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
     load_block(m.a + stage * kRows * m.lda, m.lda, p.a + head * kRows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
     load_block(m.b + stage * kRows * m.ldb, m.ldb, p.b + head * kRows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
-    load_block(m.base + stage * kRows * kCols, kCols, p.base + head * kRows * d.dv + col0, d.dv, kRows, ncols, kRows,
-               kCols);
-    if (p.add != nullptr) {
-      load_block(m.add + stage * d.pk * kCols, kCols, p.add + head * d.dk * d.dv + col0, d.dv, d.dk, ncols, d.pk,
-                 kCols);
-    }
+    load_base_add(m.base + stage * kRows * kCols, m.add + stage * d.pk * kCols, p, head, col0, ncols, d);
     commit_copies();
   };
-  // A step's own work between its barriers is its critical path (stop 30's profile: 58-61% of the
-  // samples before the second barrier, mostly addresses and scalar stores): the next chunk's index
-  // is read before the wait, the state and x go out four floats a store after their products,
-  // from shared memory, and the first product's epilogue only writes shared memory.
-  int64_t chunk = chunks > 0 ? chunk_at(0) : 0;
-  if (chunks > 0) load(0, chunk);
-  for (int64_t step = 0; step < chunks; ++step) {
-    const int64_t head = chunk * p.heads + h, next = step + 1 < chunks ? chunk_at(step + 1) : 0;
-    const int stage = step % 2;
-    const float dec = p.decay[head];
-    wait_copies();
-    __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
-    if (step + 1 < chunks) load(1 - stage, next);
+  // The state and x go out four floats a store after their products, from shared memory, and the
+  // first product's epilogue only writes shared memory (the step's critical path: over_chunks).
+  over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
     store_block(p.state_out + head * d.dk * d.dv + col0, d.dv, m.S, kColPitch, d.dk, ncols);
     const float *a = m.a + stage * kRows * m.lda, *b = m.b + stage * kRows * m.ldb;
     const float *base = m.base + stage * kRows * kCols, *add = m.add + stage * d.pk * kCols;
@@ -671,8 +685,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
       m.S[r * kColPitch + c] = s;
     });
     __syncthreads();
-    chunk = next;
-  }
+  });
 }
 
 // The recurrence with W and K~ as planes (kPlanes): a and b two stages of [hi; lo] [128, pk + 8]
@@ -719,18 +732,16 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   static_assert(kWarps == 16 && kCols == 32, "a warp a tile of x [64, 32] and of S [128, 32]");
   extern __shared__ __align__(16) unsigned char smem[];
   const DimsT d{};
-  static_assert(DimsT::pk == 128 && DimsT::dv % kCols == 0, "Qwen3.5's widths");
+  static_assert(DimsT::dk == 128 && DimsT::pk == 128 && DimsT::dv % kCols == 0, "Qwen3.5's widths");
   Carve carve{smem};
   const PlanesSmem m(carve, d);
   const int col0 = blockIdx.x * kCols, h = blockIdx.y, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
   constexpr int kPlane = kRows * (DimsT::pk + 8), kSPlane = DimsT::pk * kPlanePitch, kXPlane = kRows * kPlanePitch;
   for (int i = tid; i < 2 * kSPlane; i += kThreads) m.S[i] = __float2bfloat16_rn(0.0f);
   // This warp's tiles: x rows x0.. (16) and columns xc.. (8); S rows s0.. (16) and columns sc.. (16).
   const int x0 = warp / 4 * 16, xc = warp % 4 * 8, s0 = warp / 2 * 16, sc = warp % 2 * 16;
   float state[2][4] = {};  // S at (s0 + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
-  const auto chunk_at = [&](int64_t step) { return p.offset[p.reverse ? chunks - 1 - step : step] + doc; };
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
     // [hi; lo] of a and b: 128 rows of pk bfloat16 each, contiguous in global memory.
@@ -742,23 +753,11 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
       copy16(m.a + stage * 2 * kPlane + r * m.lda + c, a + r * d.dk + c);
       copy16(m.b + stage * 2 * kPlane + r * m.lda + c, b + r * d.dk + c);
     }
-    load_block(m.base + stage * kRows * kCols, kCols, p.base + head * kRows * d.dv + col0, d.dv, kRows, kCols, kRows,
-               kCols);
-    if (p.add != nullptr) {
-      load_block(m.add + stage * d.pk * kCols, kCols, p.add + head * d.dk * d.dv + col0, d.dv, d.dk, kCols, d.pk,
-                 kCols);
-    }
+    load_base_add(m.base + stage * kRows * kCols, m.add + stage * d.pk * kCols, p, head, col0, kCols, d);
     commit_copies();
   };
-  int64_t chunk = chunks > 0 ? chunk_at(0) : 0;
-  if (chunks > 0) load(0, chunk);
-  for (int64_t step = 0; step < chunks; ++step) {
-    const int64_t head = chunk * p.heads + h, next = step + 1 < chunks ? chunk_at(step + 1) : 0;
-    const int stage = step % 2;
-    const float dec = p.decay[head];
-    wait_copies();
-    __syncthreads();  // this step's tiles and the last step's S planes are in; its reads of the other stage done
-    if (step + 1 < chunks) load(1 - stage, next);
+  // (over_chunks' barrier also makes the last step's S planes visible.)
+  over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
     float* h_out = p.state_out + head * d.dk * d.dv + col0;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
@@ -828,8 +827,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         }
       }
     }
-    chunk = next;
-  }
+  });
 }
 
 // P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
