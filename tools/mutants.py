@@ -191,6 +191,10 @@ MUTATIONS = (
     Mutation("delta_rule_planes_untransposed", "the recurrence's second product reads b's hi plane with ldmatrix "
              "untransposed (b, not b^T)", "cc/ops/gated_delta_rule.cu", "ldsm_x4_t(fah, bh + arow);",
              "ldsm_x4(fah, bh + arow);", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_state_planes_untransposed", "state_grads' second product takes d_state as stored (v_new "
+             "d_state, not v_new d_state^T)", "cc/ops/gated_delta_rule.cu",
+             "plane_gemm<4, true>(m.Y, kPlaneRow, kLo, m.D,", "plane_gemm<4, false>(m.Y, kPlaneRow, kLo, m.D,",
+             DELTA_RULE_CUDA, cuda=True),
 )
 
 
