@@ -13,7 +13,8 @@
 // and the state's gradient), intra_grads (q's gradient; k's and G's parts from inside the chunk),
 // wy_grads (the UT transform's backward: k's, v's, beta's and g's gradients). A kernel takes one
 // chunk and head per block; its products are shared-memory tiles through block_gemm, on TF32 tensor
-// cores for bfloat16 inputs, on the FP32 units for float32 (Mode below).
+// cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
+// bfloat16 the recurrence and state_grads take their operands as bf16 hi / lo planes (kPlanes).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1021,7 +1022,7 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
 
 // Planes [rows, 128] (pitch kPlaneRow, lo at + lo_off) of float32 src0 (row stride 128, 16-byte
 // aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time, four loads
-// in flight; returns this thread's share of <src0, src1> (float32 products), where src1 is given.
+// of each in flight; returns this thread's share of <src0, src1> (float32 products), where src1 is given.
 __device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
                                             const float* src1, int rows, int lo_off) {
   constexpr int kQuads = 128 / 4;
