@@ -831,6 +831,122 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   });
 }
 
+// ---- Products from planes (kPlanes) ---------------------------------------------------------------
+
+constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
+
+// C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
+// [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
+// takes 16 x 8 NT tiles of C in turn (NT even) and hands every element of C to epi(row, col, value)
+// once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
+// zero, not read), two products for three.
+template <int NT, bool kTA, bool kTB, bool kBExact = false, typename Epi>
+__device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
+                                           int b_lo, int M, int N, int K, Epi&& epi) {
+  static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int ngroups = N / (8 * NT);
+  for (int tile = warp; tile < M / 16 * ngroups; tile += kWarps) {
+    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
+    float acc[NT][4] = {}, cross[NT][4] = {};
+#pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      uint32_t ah[4], al[4];
+      if constexpr (kTA) {
+        const int a_at = (k0 + lane % 8 + lane / 16 * 8) * lda + m0 + lane / 8 % 2 * 8;
+        ldsm_x4_t(ah, A + a_at);
+        ldsm_x4_t(al, A + a_lo + a_at);
+      } else {
+        const int a_at = (m0 + lane % 16) * lda + k0 + lane / 16 * 8;
+        ldsm_x4(ah, A + a_at);
+        ldsm_x4(al, A + a_lo + a_at);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        uint32_t bh[4], bl[4] = {};
+        if constexpr (kTB) {
+          const int b_at = (n0 + 8 * j + lane / 16 * 8 + lane % 8) * ldb + k0 + lane / 8 % 2 * 8;
+          ldsm_x4(bh, B + b_at);
+          if constexpr (!kBExact) ldsm_x4(bl, B + b_lo + b_at);
+        } else {
+          const int b_at = (k0 + lane % 16) * ldb + n0 + 8 * j + lane / 16 * 8;
+          ldsm_x4_t(bh, B + b_at);
+          if constexpr (!kBExact) ldsm_x4_t(bl, B + b_lo + b_at);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // n-tiles j and j + 1
+          const uint32_t bhh[2] = {bh[2 * half], bh[2 * half + 1]}, blh[2] = {bl[2 * half], bl[2 * half + 1]};
+          if constexpr (kBExact) {
+            mma16816<__nv_bfloat16>(cross[j + half], al, bhh);
+            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
+          } else {
+            mma_bf16x3(acc[j + half], cross[j + half], ah, al, bhh, blh);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t + e % 2, acc[j][e] + cross[j][e]);
+    }
+  }
+}
+
+// Planes [rows, 128] (pitch kPlaneRow, lo at + lo_off) of float32 src0 (row stride 128, 16-byte
+// aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time, four loads
+// of each in flight; returns this thread's share of <src0, src1> (float32 products), where src1 is given.
+__device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
+                                            const float* src1, int rows, int lo_off) {
+  constexpr int kQuads = 128 / 4;
+  float dot = 0.0f;
+  const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
+    __nv_bfloat16* at = dst + idx / kQuads * kPlaneRow + idx % kQuads * 4;
+    store_split2(at, lo_off, v.x, v.y);
+    store_split2(at + 2, lo_off, v.z, v.w);
+  };
+  for (int i0 = threadIdx.x; i0 < rows * kQuads; i0 += 4 * kThreads) {
+    float4 a[4], b[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads;
+      if (idx < rows * kQuads) {
+        a[u] = reinterpret_cast<const float4*>(src0)[idx];
+        if (src1 != nullptr) b[u] = reinterpret_cast<const float4*>(src1)[idx];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads;
+      if (idx >= rows * kQuads) continue;
+      put(dst0, idx, a[u]);
+      if (src1 != nullptr) {
+        put(dst1, idx, b[u]);
+        dot += a[u].x * b[u].x + a[u].y * b[u].y + a[u].z * b[u].z + a[u].w * b[u].w;
+      }
+    }
+  }
+  return dot;
+}
+
+// The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
+// the values, lo zero (bfloat16 is exact in hi); zero rows for padding slots.
+__device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
+                                                int head, const Info& s, int64_t T_) {
+  constexpr int kPieces = 128 / 8;  // 16 bytes each
+  const bool vec = aligned16(x);
+  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += kThreads) {
+    const int i = idx / kPieces, c = idx % kPieces * 8;
+    const int64_t tok = s.slot[i];
+    __nv_bfloat16* at = dst + i * kPlaneRow + c;
+    const __nv_bfloat16* src = x + (tok * heads + head) * 128 + c;
+    if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+    else if (vec) copy16(at, src);
+    else for (int j = 0; j < 8; ++j) at[j] = src[j];
+    *reinterpret_cast<uint4*>(at + lo_off) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
 // from the chunk's queries and keys (K into `keys`, pitch pk + 4). Used by the output and
 // local_grads kernels; QP's pitch suits each one's product.
@@ -923,6 +1039,52 @@ __global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
   });
 }
 
+// QP [64, ldqp] float32 (columns 0..191) as planes in its own storage (hi [64, ldqp], then lo):
+// every value read before any is written.
+__device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
+  constexpr int kPairs = kRows * (kRows + 128) / 2 / kThreads;
+  float2 v[kPairs];
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    v[u] = *reinterpret_cast<const float2*>(QP + r * ldqp + c);
+  }
+  __syncthreads();
+  auto* planes = reinterpret_cast<__nv_bfloat16*>(QP);
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);
+  }
+}
+
+// local_grads_kernel with its product on planes (kPlanes): [P | E Q] split in place once it is
+// built, d_o's bfloat16 values exact in hi (two products for three).
+template <typename DimsT>
+__global__ void __launch_bounds__(kThreads) local_grads_planes_kernel(Args p) {
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<LocalSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t head = b.head;
+  static_assert(kRows + DimsT::pk + 8 == 200 && DimsT::pv + 8 == kPlaneRow,
+                "LocalSmem's pitches: its planes take the bytes of its float32 tiles");
+  build_qp<__nv_bfloat16, Mode::kTf32x3, DimsT>(m.QP, m.ldqp, m.X, s, p, d, b.h);
+  split_in_place(m.QP, m.ldqp);
+  auto* d_o = reinterpret_cast<__nv_bfloat16*>(m.X);  // the keys are done with (build_qp synchronised)
+  load_rows_split(d_o, kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
+  wait_copies();
+  __syncthreads();
+  const auto* qp = reinterpret_cast<const __nv_bfloat16*>(m.QP);
+  plane_gemm<4, true, false, true>(qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, kRows * kPlaneRow, kRows + d.dk, d.dv,
+                                   kRows, [&](int r, int c, float v) {
+                                     if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
+                                     else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
+                                   });
+}
+
 struct StateSmem {
   Info* info;
   float *Y, *H, *D, *scratch;  // Y [128, pv + 4]: d_o and dv_new, then v_new; H: h and D: d_state [pk, pv + 4]
@@ -973,107 +1135,6 @@ __global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
   });
 }
 
-// ---- Products from planes (kPlanes) ---------------------------------------------------------------
-
-constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
-
-// C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] row-major
-// (pitch lda), B [K, N] stored [N, K] (kTB, pitch ldb) or [K, N]: each warp takes 16 x 8 NT tiles
-// of C in turn (NT even) and hands every element of C to epi(row, col, value) once. M, N, K are
-// multiples of 16 within the planes.
-template <int NT, bool kTB, typename Epi>
-__device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
-                                           int b_lo, int M, int N, int K, Epi&& epi) {
-  static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int ngroups = N / (8 * NT);
-  for (int tile = warp; tile < M / 16 * ngroups; tile += kWarps) {
-    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
-    float acc[NT][4] = {}, cross[NT][4] = {};
-#pragma unroll 4
-    for (int k0 = 0; k0 < K; k0 += 16) {
-      uint32_t ah[4], al[4];
-      const int a_at = (m0 + lane % 16) * lda + k0 + lane / 16 * 8;
-      ldsm_x4(ah, A + a_at);
-      ldsm_x4(al, A + a_lo + a_at);
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) {
-        uint32_t bh[4], bl[4];
-        if constexpr (kTB) {
-          const int b_at = (n0 + 8 * j + lane / 16 * 8 + lane % 8) * ldb + k0 + lane / 8 % 2 * 8;
-          ldsm_x4(bh, B + b_at);
-          ldsm_x4(bl, B + b_lo + b_at);
-        } else {
-          const int b_at = (k0 + lane % 16) * ldb + n0 + 8 * j + lane / 16 * 8;
-          ldsm_x4_t(bh, B + b_at);
-          ldsm_x4_t(bl, B + b_lo + b_at);
-        }
-        mma_bf16x3(acc[j], cross[j], ah, al, {bh[0], bh[1]}, {bl[0], bl[1]});
-        mma_bf16x3(acc[j + 1], cross[j + 1], ah, al, {bh[2], bh[3]}, {bl[2], bl[3]});
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t + e % 2, acc[j][e] + cross[j][e]);
-    }
-  }
-}
-
-// Planes [rows, 128] (pitch kPlaneRow, lo at + lo_off) of float32 src0 (row stride 128, 16-byte
-// aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time, four loads
-// of each in flight; returns this thread's share of <src0, src1> (float32 products), where src1 is given.
-__device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
-                                            const float* src1, int rows, int lo_off) {
-  constexpr int kQuads = 128 / 4;
-  float dot = 0.0f;
-  const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
-    __nv_bfloat16* at = dst + idx / kQuads * kPlaneRow + idx % kQuads * 4;
-    store_split2(at, lo_off, v.x, v.y);
-    store_split2(at + 2, lo_off, v.z, v.w);
-  };
-  for (int i0 = threadIdx.x; i0 < rows * kQuads; i0 += 4 * kThreads) {
-    float4 a[4], b[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads;
-      if (idx < rows * kQuads) {
-        a[u] = reinterpret_cast<const float4*>(src0)[idx];
-        if (src1 != nullptr) b[u] = reinterpret_cast<const float4*>(src1)[idx];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads;
-      if (idx >= rows * kQuads) continue;
-      put(dst0, idx, a[u]);
-      if (src1 != nullptr) {
-        put(dst1, idx, b[u]);
-        dot += a[u].x * b[u].x + a[u].y * b[u].y + a[u].z * b[u].z + a[u].w * b[u].w;
-      }
-    }
-  }
-  return dot;
-}
-
-// The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
-// the values, lo zero (bfloat16 is exact in hi); zero rows for padding slots.
-__device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
-                                                int head, const Info& s, int64_t T_) {
-  constexpr int kPieces = 128 / 8;  // 16 bytes each
-  const bool vec = aligned16(x);
-  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += kThreads) {
-    const int i = idx / kPieces, c = idx % kPieces * 8;
-    const int64_t tok = s.slot[i];
-    __nv_bfloat16* at = dst + i * kPlaneRow + c;
-    const __nv_bfloat16* src = x + (tok * heads + head) * 128 + c;
-    if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
-    else if (vec) copy16(at, src);
-    else for (int j = 0; j < 8; ++j) at[j] = src[j];
-    *reinterpret_cast<uint4*>(at + lo_off) = make_uint4(0, 0, 0, 0);
-  }
-}
-
 struct StatePlanesSmem {
   Info* info;
   __nv_bfloat16 *Y, *H, *D;  // [hi; lo] planes of [128, 128] each: Y d_o and dv_new, then v_new; h; d_state
@@ -1106,14 +1167,14 @@ __global__ void __launch_bounds__(kThreads) state_grads_planes_kernel(Args p) {
   wait_copies();
   dot = block_sum(dot, m.scratch);  // (synchronises: every plane is in)
   if (threadIdx.x == 0) p.dgamma[head] = dot;
-  plane_gemm<4, true>(m.Y, kPlaneRow, kLo, m.H, kPlaneRow, kLo, 2 * kRows, d.dk, d.dv, [&](int r, int c, float v) {
+  plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.H, kPlaneRow, kLo, 2 * kRows, d.dk, d.dv, [&](int r, int c, float v) {
     if (r < kRows) p.dq_state[(head * kRows + r) * d.dk + c] = s.E[r] * v;
     else p.dw[(head * kRows + r - kRows) * d.dk + c] = -v;
   });
   __syncthreads();  // Y is free
   load_split(m.Y, p.v_new + head * kRows * d.dv, nullptr, nullptr, kRows, kLo);
   __syncthreads();
-  plane_gemm<4, true>(m.Y, kPlaneRow, kLo, m.D, kPlaneRow, kLo, kRows, d.dk, d.dv, [&](int r, int c, float v) {
+  plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.D, kPlaneRow, kLo, kRows, d.dk, d.dv, [&](int r, int c, float v) {
     p.dk_tilde[(head * kRows + r) * d.dk + c] = v;
   });
 }
@@ -1410,7 +1471,8 @@ void fused(Fused& f, bool backward) {
   Recurrence r{rows(d.dv), k_tilde, w, at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0, true};
   a.dv_local = r.base.data_ptr<float>();
   a.dh_local = r.add.data_ptr<float>();
-  launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  if constexpr (kPlanes<kMode, DimsT>) launch<LocalSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
+  else launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
   r.state_out = at::empty_like(r.add);
   r.x_out = rows(d.dv);
   recurrence<kMode, DimsT>(r, f.plan, d);
