@@ -193,10 +193,11 @@ MUTATIONS = (
              "ldsm_x4(fah, bh + arow);", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_state_planes_untransposed", "state_grads' second product takes d_state as stored (v_new "
              "d_state, not v_new d_state^T)", "cc/ops/gated_delta_rule.cu",
-             "plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.D,", "plane_gemm<4, false, false>(m.Y, kPlaneRow, kLo, m.D,",
+             "plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.D,",
+             "plane_gemm<4, false, false>(m.Y, kPlaneRow, kLo, m.D,",
              DELTA_RULE_CUDA, cuda=True),
-    Mutation("delta_rule_local_planes_lo_pitch", "local_grads' [P | E Q] lo plane written at the d_o planes' "
-             "pitch (136) instead of its own (200)", "cc/ops/gated_delta_rule.cu",
+    Mutation("delta_rule_local_planes_lo_offset", "local_grads' [P | E Q] lo plane placed at the d_o planes' "
+             "offset (64 x 136) instead of its own (64 x 200)", "cc/ops/gated_delta_rule.cu",
              "store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);",
              "store_split2(planes + r * ldqp + c, kRows * kPlaneRow, v[u].x, v[u].y);", DELTA_RULE_CUDA, cuda=True),
 )

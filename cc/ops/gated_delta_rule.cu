@@ -1061,7 +1061,7 @@ __device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
 // local_grads_kernel with its product on planes (kPlanes): [P | E Q] split in place once it is
 // built, d_o's bfloat16 values exact in hi (two products for three).
 template <typename DimsT>
-__global__ void __launch_bounds__(kThreads) local_grads_planes_kernel(Args p) {
+__global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkBlock<LocalSmem, DimsT> b(p, smem);
@@ -1167,10 +1167,11 @@ __global__ void __launch_bounds__(kThreads) state_grads_planes_kernel(Args p) {
   wait_copies();
   dot = block_sum(dot, m.scratch);  // (synchronises: every plane is in)
   if (threadIdx.x == 0) p.dgamma[head] = dot;
-  plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.H, kPlaneRow, kLo, 2 * kRows, d.dk, d.dv, [&](int r, int c, float v) {
+  const auto first = [&](int r, int c, float v) {
     if (r < kRows) p.dq_state[(head * kRows + r) * d.dk + c] = s.E[r] * v;
     else p.dw[(head * kRows + r - kRows) * d.dk + c] = -v;
-  });
+  };
+  plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.H, kPlaneRow, kLo, 2 * kRows, d.dk, d.dv, first);
   __syncthreads();  // Y is free
   load_split(m.Y, p.v_new + head * kRows * d.dv, nullptr, nullptr, kRows, kLo);
   __syncthreads();
@@ -1423,6 +1424,7 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d) {
 
 template <typename T, Mode kMode, typename DimsT>
 void fused(Fused& f, bool backward) {
+  static_assert(!kPlanes<kMode, DimsT> || std::is_same_v<T, __nv_bfloat16>, "the plane kernels read bfloat16 inputs");
   const c10::cuda::CUDAGuard guard(f.q.device());
   const int64_t T_ = f.q.size(0), chunks = f.slots.numel() / kRows;
   const int hk = f.q.size(1), hv = f.v.size(1);
