@@ -893,15 +893,18 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
   }
 }
 
-// Planes [rows, 128] (pitch kPlaneRow, lo at + lo_off) of float32 src0 (row stride 128, 16-byte
-// aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time, four loads
-// of each in flight; returns this thread's share of <src0, src1> (float32 products), where src1 is given.
+// Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src0 (row stride `stride`, rows
+// 16-byte aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time,
+// four loads of each in flight; returns this thread's share of <src0, src1> (float32 products),
+// where src1 is given.
+template <int kWidth = 128>
 __device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
-                                            const float* src1, int rows, int lo_off) {
-  constexpr int kQuads = 128 / 4;
+                                            const float* src1, int rows, int lo_off, int ld = kPlaneRow,
+                                            int64_t stride = kWidth) {
+  constexpr int kQuads = kWidth / 4;
   float dot = 0.0f;
   const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
-    __nv_bfloat16* at = dst + idx / kQuads * kPlaneRow + idx % kQuads * 4;
+    __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
     store_split2(at, lo_off, v.x, v.y);
     store_split2(at + 2, lo_off, v.z, v.w);
   };
@@ -911,8 +914,9 @@ __device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* sr
     for (int u = 0; u < 4; ++u) {
       const int idx = i0 + u * kThreads;
       if (idx < rows * kQuads) {
-        a[u] = reinterpret_cast<const float4*>(src0)[idx];
-        if (src1 != nullptr) b[u] = reinterpret_cast<const float4*>(src1)[idx];
+        const int64_t at = idx / kQuads * stride + idx % kQuads * 4;
+        a[u] = *reinterpret_cast<const float4*>(src0 + at);
+        if (src1 != nullptr) b[u] = *reinterpret_cast<const float4*>(src1 + at);
       }
     }
 #pragma unroll
@@ -947,6 +951,25 @@ __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, 
   }
 }
 
+// QP [64, ldqp] float32 (columns 0..191) as planes in its own storage (hi [64, ldqp], then lo):
+// every value read before any is written.
+__device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
+  constexpr int kPairs = kRows * (kRows + 128) / 2 / kThreads;
+  float2 v[kPairs];
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    v[u] = *reinterpret_cast<const float2*>(QP + r * ldqp + c);
+  }
+  __syncthreads();
+  auto* planes = reinterpret_cast<__nv_bfloat16*>(QP);
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);
+  }
+}
+
 // P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
 // from the chunk's queries and keys (K into `keys`, pitch pk + 4). Used by the output and
 // local_grads kernels; QP's pitch suits each one's product.
@@ -965,6 +988,16 @@ __device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const 
     QP[i * ldqp + kRows + c] *= s.E[i];
   }
   __syncthreads();
+}
+
+// build_qp's [P | E Q] split in place into planes at its pitch (200: ldmatrix rows 16-byte
+// aligned), for the plane kernels (kPlanes); the keys' region is free after it.
+template <typename DimsT>
+__device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, float* keys, const Info& s, const Args& p,
+                                                const DimsT& d, int h) {
+  build_qp<__nv_bfloat16, Mode::kTf32x3, DimsT>(QP, ldqp, keys, s, p, d, h);
+  split_in_place(QP, ldqp);
+  return reinterpret_cast<const __nv_bfloat16*>(QP);
 }
 
 struct OutputSmem {
@@ -1005,6 +1038,49 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
   }
 }
 
+// output_kernel with its products on planes (kPlanes): [P | E Q] split in place once built (at a
+// pitch of 200: ldmatrix rows 16-byte aligned), each column block of [v_new; h] as it loads.
+struct OutputPlanesSmem {
+  Info* info;
+  float *QP, *X;  // QP [64, 200]; X: the keys [64, pk + 4], then [v_new; h]'s planes [2][64 + pk, 40]
+  int ldqp;
+  template <typename DimsT>
+  __host__ __device__ OutputPlanesSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8) {
+    info = c.take<Info>(1);
+    QP = c.take<float>(kRows * ldqp);
+    X = c.take<float>(larger(kRows * (d.pk + 4), (kRows + d.pk) * kPlanePitch));
+  }
+};
+
+// (split_in_place's 24 values spill one register at 64 a thread, once a block.)
+template <typename DimsT>
+__global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  // two blocks a multiprocessor
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<OutputPlanesSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t head = b.head;
+  const int h = b.h;
+  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, s, p, d, h);
+  auto* x = reinterpret_cast<__nv_bfloat16*>(m.X);
+  constexpr int kLo = (kRows + DimsT::pk) * kPlanePitch;
+  auto* o = static_cast<__nv_bfloat16*>(p.o);
+  for (int c0 = 0; c0 < d.dv; c0 += kCols) {
+    load_split<kCols>(x, p.v_new + head * kRows * d.dv + c0, nullptr, nullptr, kRows, kLo, kPlanePitch, d.dv);
+    load_split<kCols>(x + kRows * kPlanePitch, p.h + head * d.dk * d.dv + c0, nullptr, nullptr, d.dk, kLo, kPlanePitch,
+                      d.dv);
+    __syncthreads();
+    plane_gemm<2, false, false>(qp, m.ldqp, kRows * m.ldqp, x, kPlanePitch, kLo, kRows, kCols, kRows + d.pk,
+                                [&](int r, int c, float v) {
+                                  const int64_t tok = s.slot[r];
+                                  if (tok < p.T) o[(tok * p.hv + h) * d.dv + c0 + c] = __float2bfloat16_rn(v);
+                                });
+    __syncthreads();
+  }
+}
+
 // ---- Backward --------------------------------------------------------------------------------------
 
 struct LocalSmem {
@@ -1039,25 +1115,6 @@ __global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
   });
 }
 
-// QP [64, ldqp] float32 (columns 0..191) as planes in its own storage (hi [64, ldqp], then lo):
-// every value read before any is written.
-__device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
-  constexpr int kPairs = kRows * (kRows + 128) / 2 / kThreads;
-  float2 v[kPairs];
-#pragma unroll
-  for (int u = 0; u < kPairs; ++u) {
-    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
-    v[u] = *reinterpret_cast<const float2*>(QP + r * ldqp + c);
-  }
-  __syncthreads();
-  auto* planes = reinterpret_cast<__nv_bfloat16*>(QP);
-#pragma unroll
-  for (int u = 0; u < kPairs; ++u) {
-    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
-    store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);
-  }
-}
-
 // local_grads_kernel with its product on planes (kPlanes): [P | E Q] split in place once it is
 // built, d_o's bfloat16 values exact in hi (two products for three).
 template <typename DimsT>
@@ -1071,13 +1128,11 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
   const int64_t head = b.head;
   static_assert(kRows + DimsT::pk + 8 == 200 && DimsT::pv + 8 == kPlaneRow,
                 "LocalSmem's pitches: its planes take the bytes of its float32 tiles");
-  build_qp<__nv_bfloat16, Mode::kTf32x3, DimsT>(m.QP, m.ldqp, m.X, s, p, d, b.h);
-  split_in_place(m.QP, m.ldqp);
-  auto* d_o = reinterpret_cast<__nv_bfloat16*>(m.X);  // the keys are done with (build_qp synchronised)
+  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, s, p, d, b.h);
+  auto* d_o = reinterpret_cast<__nv_bfloat16*>(m.X);
   load_rows_split(d_o, kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
   wait_copies();
   __syncthreads();
-  const auto* qp = reinterpret_cast<const __nv_bfloat16*>(m.QP);
   plane_gemm<4, true, false, true>(qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, kRows * kPlaneRow, kRows + d.dk, d.dv,
                                    kRows, [&](int r, int c, float v) {
                                      if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
@@ -1464,7 +1519,8 @@ void fused(Fused& f, bool backward) {
     a.h = f.h.data_ptr<float>();
     a.v_new = f.v_new.data_ptr<float>();
     a.o = f.o.data_ptr();
-    launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
+    if constexpr (kPlanes<kMode, DimsT>) launch<OutputPlanesSmem>(output_planes_kernel<DimsT>, grid, d, a);
+    else launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
     return;
   }
   a.h = f.h.data_ptr<float>();
