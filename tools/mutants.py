@@ -196,8 +196,8 @@ MUTATIONS = (
              "plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.D,",
              "plane_gemm<4, false, false>(m.Y, kPlaneRow, kLo, m.D,",
              DELTA_RULE_CUDA, cuda=True),
-    Mutation("delta_rule_local_planes_lo_offset", "local_grads' [P | E Q] lo plane placed at the d_o planes' "
-             "offset (64 x 136) instead of its own (64 x 200)", "cc/ops/gated_delta_rule.cu",
+    Mutation("delta_rule_local_planes_lo_offset", "[P | E Q]'s lo plane (local_grads and output) placed at the d_o "
+             "planes' offset (64 x 136) instead of its own (64 x 200)", "cc/ops/gated_delta_rule.cu",
              "store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);",
              "store_split2(planes + r * ldqp + c, kRows * kPlaneRow, v[u].x, v[u].y);", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_h_rows", "the output's h planes loaded over v_new's rows (offset 0, not 64)",

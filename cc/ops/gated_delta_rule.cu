@@ -991,7 +991,8 @@ __device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const 
 }
 
 // build_qp's [P | E Q] split in place into planes at its pitch (200: ldmatrix rows 16-byte
-// aligned), for the plane kernels (kPlanes); the keys' region is free after it.
+// aligned), for the plane kernels (kPlanes); the keys' region is free after it, and the planes are
+// read after the caller's next barrier.
 template <typename DimsT>
 __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, float* keys, const Info& s, const Args& p,
                                                 const DimsT& d, int h) {
