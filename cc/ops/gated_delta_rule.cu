@@ -14,7 +14,8 @@
 // wy_grads (the UT transform's backward: k's, v's, beta's and g's gradients). A kernel takes one
 // chunk and head per block; its products are shared-memory tiles through block_gemm, on TF32 tensor
 // cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
-// bfloat16 the recurrence and state_grads take their operands as bf16 hi / lo planes (kPlanes).
+// bfloat16 the recurrence, output, local_grads and state_grads take their operands as bf16 hi / lo
+// planes through ldmatrix (kPlanes).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
