@@ -188,6 +188,21 @@ MUTATIONS = (
              "dropped (beta's alone wrong)", "cc/ops/gated_delta_rule.cu",
              "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;", "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk;",
              DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_planes_untransposed", "the recurrence's second product reads b's hi plane with ldmatrix "
+             "untransposed (b, not b^T)", "cc/ops/gated_delta_rule.cu", "ldsm_x4_t(fah, bh + arow);",
+             "ldsm_x4(fah, bh + arow);", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_state_planes_untransposed", "state_grads' second product takes d_state as stored (v_new "
+             "d_state, not v_new d_state^T)", "cc/ops/gated_delta_rule.cu",
+             "plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.D,",
+             "plane_gemm<4, false, false>(m.Y, kPlaneRow, kLo, m.D,",
+             DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_local_planes_lo_offset", "[P | E Q]'s lo plane (local_grads and output) placed at the d_o "
+             "planes' offset (64 x 136) instead of its own (64 x 200)", "cc/ops/gated_delta_rule.cu",
+             "store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);",
+             "store_split2(planes + r * ldqp + c, kRows * kPlaneRow, v[u].x, v[u].y);", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_output_planes_h_rows", "the output's h planes loaded over v_new's rows (offset 0, not 64)",
+             "cc/ops/gated_delta_rule.cu", "load_split<kCols>(x + kRows * kPlanePitch, p.h + head",
+             "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),
 )
 
 

@@ -13,7 +13,9 @@
 // and the state's gradient), intra_grads (q's gradient; k's and G's parts from inside the chunk),
 // wy_grads (the UT transform's backward: k's, v's, beta's and g's gradients). A kernel takes one
 // chunk and head per block; its products are shared-memory tiles through block_gemm, on TF32 tensor
-// cores for bfloat16 inputs, on the FP32 units for float32 (Mode below).
+// cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
+// bfloat16 the recurrence, output, local_grads and state_grads take their operands as bf16 hi / lo
+// planes through ldmatrix (kPlanes).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +29,7 @@
 
 #include "cc/common/backend.h"
 #include "cc/common/cuda_types.cuh"
+#include "cc/common/mma_sync.cuh"
 #include "cc/ops/gated_delta_rule.h"
 
 namespace v4::gdr {
@@ -198,6 +201,22 @@ template <int kDk, int kDv>
 struct FixedDims {
   static constexpr int dk = kDk, dv = kDv, pk = round16(kDk), pv = round16(kDv);
 };
+// bfloat16 inputs at Qwen3.5's widths: the recurrence reads W and K~ as two bfloat16 planes each,
+// split once by prepare (hi = bf16(x), lo = bf16(x - hi), in the bytes of a [64, D] float32 tile:
+// hi [64, D], then lo), with ldmatrix fragments and three bf16 products (hi hi + hi lo + lo hi) for
+// block_gemm's six TF32 ones and its split at every use; checked on the CPU against the parity
+// suite's judge: tools/delta_rule_split_check.py.
+template <Mode kMode, typename DimsT>
+constexpr bool kPlanes = kMode == Mode::kTf32x3 && !std::is_same_v<DimsT, Dims>;
+
+// Element (i, c) of a planes tile (`tile`, a [64, cols] float32 tile's storage) set to x.
+__device__ __forceinline__ void store_split(float* tile, int cols, int i, int c, float x) {
+  __nv_bfloat16* hi = reinterpret_cast<__nv_bfloat16*>(tile) + i * cols + c;
+  const __nv_bfloat16 h = __float2bfloat16_rn(x);
+  hi[0] = h;
+  hi[kRows * cols] = __float2bfloat16_rn(x - __bfloat162float(h));
+}
+
 template <typename DimsT>
 __host__ __device__ DimsT dims_of(int dk, int dv) {
   if constexpr (std::is_same_v<DimsT, Dims>) return Dims(dk, dv);
@@ -538,7 +557,9 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   __syncthreads();
   for (int idx = tid; idx < kRows * d.dk; idx += kPrepareThreads) {
     const int i = idx / d.dk, c = idx % d.dk;
-    p.k_tilde[(base + i) * d.dk + c] = s.Kt[i] * K[i * m.ldr + c];
+    const float x = s.Kt[i] * K[i * m.ldr + c];
+    if constexpr (kPlanes<kMode, DimsT>) store_split(p.k_tilde + base * d.dk, d.dk, i, c, x);
+    else p.k_tilde[(base + i) * d.dk + c] = x;
   }
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
   block_gemm<2, false, true, kMode, kPrepareThreads>(K, m.ldr, K, m.ldr, kRows, kRows, d.dk,
@@ -561,6 +582,11 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 #pragma unroll
   for (int i = 0; i < kRows; ++i) x[i] = m.R[i * m.ldr + col];
   forward_substitution(x, m.A, kPitch64);
+  if (kPlanes<kMode, DimsT> && !value) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) store_split(p.w + base * d.dk, d.dk, i, tid - d.dv, x[i]);
+    return;
+  }
   float* out = value ? p.u + base * d.dv + tid : p.w + base * d.dk + (tid - d.dv);
   const int stride = value ? d.dv : d.dk;
 #pragma unroll
@@ -580,6 +606,37 @@ struct RecurrenceArgs {
 };
 
 constexpr int kCols = 32, kColPitch = kCols + 8;
+
+// A chunk's base [64, 32] and add [pk, 32] (if any) for the block's columns col0.. (ncols of them).
+template <typename DimsT>
+__device__ __forceinline__ void load_base_add(float* base, float* add, const RecurrenceArgs& p, int64_t head, int col0,
+                                              int ncols, const DimsT& d) {
+  load_block(base, kCols, p.base + head * kRows * d.dv + col0, d.dv, kRows, ncols, kRows, kCols);
+  if (p.add != nullptr) load_block(add, kCols, p.add + head * d.dk * d.dv + col0, d.dv, d.dk, ncols, d.pk, kCols);
+}
+
+// The chunk loop of both recurrence kernels, over document blockIdx.z's chunks in order (last first
+// where p.reverse): each chunk's tiles loaded a step ahead (load(stage, chunk), asynchronous
+// copies), then step(head, stage, decay) once they are in. A step's own work between its barriers
+// is its critical path (stop 30's profile: 58-61% of the samples before the second barrier, mostly
+// addresses and scalar stores): the next chunk's index is read before the wait.
+template <typename Load, typename Step>
+__device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step) {
+  const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
+  const auto chunk_at = [&](int64_t i) { return p.offset[p.reverse ? chunks - 1 - i : i] + doc; };
+  int64_t chunk = chunks > 0 ? chunk_at(0) : 0;
+  if (chunks > 0) load(0, chunk);
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t head = chunk * p.heads + h, next = i + 1 < chunks ? chunk_at(i + 1) : 0;
+    const int stage = i % 2;
+    const float dec = p.decay[head];
+    wait_copies();
+    __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
+    if (i + 1 < chunks) load(1 - stage, next);
+    step(head, stage, dec);
+    chunk = next;
+  }
+}
 
 // Two stages of a [64, pk + 4], b [64, pk + 8], base [64, 32], add [pk, 32]; S [pk, 40]; X [64, 40].
 struct RecurrenceSmem {
@@ -604,35 +661,18 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
   const RecurrenceSmem m(carve, d);
   const int col0 = blockIdx.x * kCols, ncols = d.dv % kCols == 0 ? kCols : min(kCols, d.dv - col0);
   const int h = blockIdx.y, tid = threadIdx.x;
-  const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
   for (int i = tid; i < d.pk * kColPitch; i += kThreads) m.S[i] = 0.0f;  // S = 0; its padding stays 0
   for (int i = tid; i < kRows * kColPitch; i += kThreads) m.X[i] = 0.0f;
-  const auto chunk_at = [&](int64_t step) { return p.offset[p.reverse ? chunks - 1 - step : step] + doc; };
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
     load_block(m.a + stage * kRows * m.lda, m.lda, p.a + head * kRows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
     load_block(m.b + stage * kRows * m.ldb, m.ldb, p.b + head * kRows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
-    load_block(m.base + stage * kRows * kCols, kCols, p.base + head * kRows * d.dv + col0, d.dv, kRows, ncols, kRows,
-               kCols);
-    if (p.add != nullptr) {
-      load_block(m.add + stage * d.pk * kCols, kCols, p.add + head * d.dk * d.dv + col0, d.dv, d.dk, ncols, d.pk,
-                 kCols);
-    }
+    load_base_add(m.base + stage * kRows * kCols, m.add + stage * d.pk * kCols, p, head, col0, ncols, d);
     commit_copies();
   };
-  // A step's own work between its barriers is its critical path (stop 30's profile: 58-61% of the
-  // samples before the second barrier, mostly addresses and scalar stores): the next chunk's index
-  // is read before the wait, the state and x go out four floats a store after their products,
-  // from shared memory, and the first product's epilogue only writes shared memory.
-  int64_t chunk = chunks > 0 ? chunk_at(0) : 0;
-  if (chunks > 0) load(0, chunk);
-  for (int64_t step = 0; step < chunks; ++step) {
-    const int64_t head = chunk * p.heads + h, next = step + 1 < chunks ? chunk_at(step + 1) : 0;
-    const int stage = step % 2;
-    const float dec = p.decay[head];
-    wait_copies();
-    __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
-    if (step + 1 < chunks) load(1 - stage, next);
+  // The state and x go out four floats a store after their products, from shared memory, and the
+  // first product's epilogue only writes shared memory (the step's critical path: over_chunks).
+  over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
     store_block(p.state_out + head * d.dk * d.dv + col0, d.dv, m.S, kColPitch, d.dk, ncols);
     const float *a = m.a + stage * kRows * m.lda, *b = m.b + stage * kRows * m.ldb;
     const float *base = m.base + stage * kRows * kCols, *add = m.add + stage * d.pk * kCols;
@@ -647,7 +687,287 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
       m.S[r * kColPitch + c] = s;
     });
     __syncthreads();
-    chunk = next;
+  });
+}
+
+// The recurrence with W and K~ as planes (kPlanes): a and b two stages of [hi; lo] [128, pk + 8]
+// bfloat16 (rows 16-byte aligned, 16 bytes apart in the banks: ldmatrix without conflicts), base
+// and add as before; the state S and x as [hi; lo] planes [pk, 40] and [64, 40]. The state itself
+// stays in float32, in the registers of the warps whose second-product tiles hold it.
+constexpr int kPlanePitch = kCols + 8;
+struct PlanesSmem {
+  __nv_bfloat16 *a, *b, *S, *X;
+  float *base, *add;
+  int lda;
+  template <typename DimsT>
+  __host__ __device__ PlanesSmem(Carve& c, const DimsT& d) : lda(d.pk + 8) {
+    a = c.take<__nv_bfloat16>(2 * 2 * kRows * lda);
+    b = c.take<__nv_bfloat16>(2 * 2 * kRows * lda);
+    base = c.take<float>(2 * kRows * kCols);
+    add = c.take<float>(2 * d.pk * kCols);
+    S = c.take<__nv_bfloat16>(2 * d.pk * kPlanePitch);
+    X = c.take<__nv_bfloat16>(2 * kRows * kPlanePitch);
+  }
+};
+
+// hi and lo of (x0, x1) at p and p + lo_offset (bfloat16 elements), a pair of columns each.
+__device__ __forceinline__ void store_split2(__nv_bfloat16* p, int lo_offset, float x0, float x1) {
+  const uint32_t hi = pack2<__nv_bfloat16>(x0, x1);
+  const float2 h = unpack2<__nv_bfloat16>(hi);
+  *reinterpret_cast<uint32_t*>(p) = hi;
+  *reinterpret_cast<uint32_t*>(p + lo_offset) = pack2<__nv_bfloat16>(x0 - h.x, x1 - h.y);
+}
+
+// acc += A B and cross += the split's cross terms, for a 16 x 8 tile: A's fragments (hi, lo) and B's.
+__device__ __forceinline__ void mma_bf16x3(float (&acc)[4], float (&cross)[4], const uint32_t (&ah)[4],
+                                           const uint32_t (&al)[4], const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+  mma16816<__nv_bfloat16>(cross, ah, bl);
+  mma16816<__nv_bfloat16>(cross, al, bh);
+  mma16816<__nv_bfloat16>(acc, ah, bh);
+}
+
+// x = base + sign_a a S, then S = decay S + add + sign_b b^T x, as recurrence_kernel, 16 warps: the
+// first product a warp a 16 x 8 tile of x [64, 32] (K = pk), the second a 16 x 16 tile of S [pk, 32]
+// (K = 64), which that warp's lanes keep in float32 from chunk to chunk.
+template <typename DimsT>
+__global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceArgs p) {
+  static_assert(kWarps == 16 && kCols == 32, "a warp a tile of x [64, 32] and of S [128, 32]");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const DimsT d{};
+  static_assert(DimsT::dk == 128 && DimsT::pk == 128 && DimsT::dv % kCols == 0, "Qwen3.5's widths");
+  Carve carve{smem};
+  const PlanesSmem m(carve, d);
+  const int col0 = blockIdx.x * kCols, h = blockIdx.y, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  constexpr int kPlane = kRows * (DimsT::pk + 8), kSPlane = DimsT::pk * kPlanePitch, kXPlane = kRows * kPlanePitch;
+  for (int i = tid; i < 2 * kSPlane; i += kThreads) m.S[i] = __float2bfloat16_rn(0.0f);
+  // This warp's tiles: x rows x0.. (16) and columns xc.. (8); S rows s0.. (16) and columns sc.. (16).
+  const int x0 = warp / 4 * 16, xc = warp % 4 * 8, s0 = warp / 2 * 16, sc = warp % 2 * 16;
+  float state[2][4] = {};  // S at (s0 + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
+  const auto load = [&](int stage, int64_t chunk) {
+    const int64_t head = chunk * p.heads + h;
+    // [hi; lo] of a and b: 128 rows of pk bfloat16 each, contiguous in global memory.
+    const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk);
+    const auto* b = reinterpret_cast<const __nv_bfloat16*>(p.b + head * kRows * d.dk);
+    constexpr int kChunks = DimsT::pk / 8;  // 16-byte pieces a row
+    for (int idx = tid; idx < 2 * kRows * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = idx % kChunks * 8;
+      copy16(m.a + stage * 2 * kPlane + r * m.lda + c, a + r * d.dk + c);
+      copy16(m.b + stage * 2 * kPlane + r * m.lda + c, b + r * d.dk + c);
+    }
+    load_base_add(m.base + stage * kRows * kCols, m.add + stage * d.pk * kCols, p, head, col0, kCols, d);
+    commit_copies();
+  };
+  // (over_chunks' barrier also makes the last step's S planes visible.)
+  over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
+    float* h_out = p.state_out + head * d.dk * d.dv + col0;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = s0 + g + 8 * half, c = sc + 8 * j + 2 * t;
+        *reinterpret_cast<float2*>(h_out + r * d.dv + c) = make_float2(state[j][2 * half], state[j][2 * half + 1]);
+      }
+    }
+    // x = base + sign_a a S: A = a [64, pk] (ldmatrix), B = S [pk, 32] (ldmatrix.trans).
+    {
+      const __nv_bfloat16 *ah = m.a + stage * 2 * kPlane, *al = ah + kPlane;
+      float acc[4] = {}, cross[4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < DimsT::pk; k0 += 16) {
+        uint32_t fah[4], fal[4], fbh[2], fbl[2];
+        const int arow = (x0 + lane % 16) * m.lda + k0 + lane / 16 * 8, brow = (k0 + lane % 16) * kPlanePitch + xc;
+        ldsm_x4(fah, ah + arow);
+        ldsm_x4(fal, al + arow);
+        ldsm_x2_t(fbh, m.S + brow);
+        ldsm_x2_t(fbl, m.S + kSPlane + brow);
+        mma_bf16x3(acc, cross, fah, fal, fbh, fbl);
+      }
+      const float* base = m.base + stage * kRows * kCols;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = x0 + g + 8 * half, c = xc + 2 * t;
+        const float v0 = base[r * kCols + c] + p.sign_a * (acc[2 * half] + cross[2 * half]);
+        const float v1 = base[r * kCols + c + 1] + p.sign_a * (acc[2 * half + 1] + cross[2 * half + 1]);
+        *reinterpret_cast<float2*>(p.x_out + (head * kRows + r) * d.dv + col0 + c) = make_float2(v0, v1);
+        store_split2(m.X + r * kPlanePitch + c, kXPlane, v0, v1);
+      }
+    }
+    __syncthreads();  // x's planes are in; every read of S's planes is done
+    // S = decay S + add + sign_b b^T x: A = b^T (ldmatrix.trans of b [64, pk]), B = x [64, 32].
+    {
+      const __nv_bfloat16 *bh = m.b + stage * 2 * kPlane, *bl = bh + kPlane;
+      float acc[2][4] = {}, cross[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < kRows; k0 += 16) {
+        uint32_t fah[4], fal[4], fbh[4], fbl[4];
+        const int arow = (k0 + lane % 8 + lane / 16 * 8) * m.lda + s0 + lane / 8 % 2 * 8;
+        const int brow = (k0 + lane % 16) * kPlanePitch + sc + lane / 16 * 8;
+        ldsm_x4_t(fah, bh + arow);
+        ldsm_x4_t(fal, bl + arow);
+        ldsm_x4_t(fbh, m.X + brow);
+        ldsm_x4_t(fbl, m.X + kXPlane + brow);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          mma_bf16x3(acc[j], cross[j], fah, fal, {fbh[2 * j], fbh[2 * j + 1]}, {fbl[2 * j], fbl[2 * j + 1]});
+        }
+      }
+      const float* add = m.add + stage * d.pk * kCols;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = s0 + g + 8 * (e / 2), c = sc + 8 * j + 2 * t + e % 2;
+          float v = dec * state[j][e] + p.sign_b * (acc[j][e] + cross[j][e]);
+          if (p.add != nullptr) v += add[r * kCols + c];
+          state[j][e] = v;
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = s0 + g + 8 * half, c = sc + 8 * j + 2 * t;
+          store_split2(m.S + r * kPlanePitch + c, kSPlane, state[j][2 * half], state[j][2 * half + 1]);
+        }
+      }
+    }
+  });
+}
+
+// ---- Products from planes (kPlanes) ---------------------------------------------------------------
+
+constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
+
+// C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
+// [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
+// takes 16 x 8 NT tiles of C in turn (NT even) and hands every element of C to epi(row, col, value)
+// once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
+// zero, not read), two products for three.
+template <int NT, bool kTA, bool kTB, bool kBExact = false, typename Epi>
+__device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
+                                           int b_lo, int M, int N, int K, Epi&& epi) {
+  static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int ngroups = N / (8 * NT);
+  for (int tile = warp; tile < M / 16 * ngroups; tile += kWarps) {
+    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
+    float acc[NT][4] = {}, cross[NT][4] = {};
+#pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      uint32_t ah[4], al[4];
+      if constexpr (kTA) {
+        const int a_at = (k0 + lane % 8 + lane / 16 * 8) * lda + m0 + lane / 8 % 2 * 8;
+        ldsm_x4_t(ah, A + a_at);
+        ldsm_x4_t(al, A + a_lo + a_at);
+      } else {
+        const int a_at = (m0 + lane % 16) * lda + k0 + lane / 16 * 8;
+        ldsm_x4(ah, A + a_at);
+        ldsm_x4(al, A + a_lo + a_at);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        uint32_t bh[4], bl[4] = {};
+        if constexpr (kTB) {
+          const int b_at = (n0 + 8 * j + lane / 16 * 8 + lane % 8) * ldb + k0 + lane / 8 % 2 * 8;
+          ldsm_x4(bh, B + b_at);
+          if constexpr (!kBExact) ldsm_x4(bl, B + b_lo + b_at);
+        } else {
+          const int b_at = (k0 + lane % 16) * ldb + n0 + 8 * j + lane / 16 * 8;
+          ldsm_x4_t(bh, B + b_at);
+          if constexpr (!kBExact) ldsm_x4_t(bl, B + b_lo + b_at);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // n-tiles j and j + 1
+          const uint32_t bhh[2] = {bh[2 * half], bh[2 * half + 1]}, blh[2] = {bl[2 * half], bl[2 * half + 1]};
+          if constexpr (kBExact) {
+            mma16816<__nv_bfloat16>(cross[j + half], al, bhh);
+            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
+          } else {
+            mma_bf16x3(acc[j + half], cross[j + half], ah, al, bhh, blh);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t + e % 2, acc[j][e] + cross[j][e]);
+    }
+  }
+}
+
+// Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src0 (row stride `stride`, rows
+// 16-byte aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time,
+// four loads of each in flight; returns this thread's share of <src0, src1> (float32 products),
+// where src1 is given.
+template <int kWidth = 128>
+__device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
+                                            const float* src1, int rows, int lo_off, int ld = kPlaneRow,
+                                            int64_t stride = kWidth) {
+  constexpr int kQuads = kWidth / 4;
+  float dot = 0.0f;
+  const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
+    __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
+    store_split2(at, lo_off, v.x, v.y);
+    store_split2(at + 2, lo_off, v.z, v.w);
+  };
+  for (int i0 = threadIdx.x; i0 < rows * kQuads; i0 += 4 * kThreads) {
+    float4 a[4], b[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads;
+      if (idx < rows * kQuads) {
+        const int64_t at = idx / kQuads * stride + idx % kQuads * 4;
+        a[u] = *reinterpret_cast<const float4*>(src0 + at);
+        if (src1 != nullptr) b[u] = *reinterpret_cast<const float4*>(src1 + at);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads;
+      if (idx >= rows * kQuads) continue;
+      put(dst0, idx, a[u]);
+      if (src1 != nullptr) {
+        put(dst1, idx, b[u]);
+        dot += a[u].x * b[u].x + a[u].y * b[u].y + a[u].z * b[u].z + a[u].w * b[u].w;
+      }
+    }
+  }
+  return dot;
+}
+
+// The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
+// the values, lo zero (bfloat16 is exact in hi); zero rows for padding slots.
+__device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
+                                                int head, const Info& s, int64_t T_) {
+  constexpr int kPieces = 128 / 8;  // 16 bytes each
+  const bool vec = aligned16(x);
+  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += kThreads) {
+    const int i = idx / kPieces, c = idx % kPieces * 8;
+    const int64_t tok = s.slot[i];
+    __nv_bfloat16* at = dst + i * kPlaneRow + c;
+    const __nv_bfloat16* src = x + (tok * heads + head) * 128 + c;
+    if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+    else if (vec) copy16(at, src);
+    else for (int j = 0; j < 8; ++j) at[j] = src[j];
+    *reinterpret_cast<uint4*>(at + lo_off) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// QP [64, ldqp] float32 (columns 0..191) as planes in its own storage (hi [64, ldqp], then lo):
+// every value read before any is written.
+__device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
+  constexpr int kPairs = kRows * (kRows + 128) / 2 / kThreads;
+  float2 v[kPairs];
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    v[u] = *reinterpret_cast<const float2*>(QP + r * ldqp + c);
+  }
+  __syncthreads();
+  auto* planes = reinterpret_cast<__nv_bfloat16*>(QP);
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);
   }
 }
 
@@ -669,6 +989,17 @@ __device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const 
     QP[i * ldqp + kRows + c] *= s.E[i];
   }
   __syncthreads();
+}
+
+// build_qp's [P | E Q] split in place into planes at its pitch (200: ldmatrix rows 16-byte
+// aligned), for the plane kernels (kPlanes); the keys' region is free after it, and the planes are
+// read after the caller's next barrier.
+template <typename DimsT>
+__device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, float* keys, const Info& s, const Args& p,
+                                                const DimsT& d, int h) {
+  build_qp<__nv_bfloat16, Mode::kTf32x3, DimsT>(QP, ldqp, keys, s, p, d, h);
+  split_in_place(QP, ldqp);
+  return reinterpret_cast<const __nv_bfloat16*>(QP);
 }
 
 struct OutputSmem {
@@ -709,6 +1040,49 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
   }
 }
 
+// output_kernel with its products on planes (kPlanes): [P | E Q] split in place once built (at a
+// pitch of 200: ldmatrix rows 16-byte aligned), each column block of [v_new; h] as it loads.
+struct OutputPlanesSmem {
+  Info* info;
+  float *QP, *X;  // QP [64, 200]; X: the keys [64, pk + 4], then [v_new; h]'s planes [2][64 + pk, 40]
+  int ldqp;
+  template <typename DimsT>
+  __host__ __device__ OutputPlanesSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8) {
+    info = c.take<Info>(1);
+    QP = c.take<float>(kRows * ldqp);
+    X = c.take<float>(larger(kRows * (d.pk + 4), (kRows + d.pk) * kPlanePitch));
+  }
+};
+
+// (split_in_place's 24 values spill one register at 64 a thread, once a block.)
+template <typename DimsT>
+__global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  // two blocks a multiprocessor
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<OutputPlanesSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t head = b.head;
+  const int h = b.h;
+  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, s, p, d, h);
+  auto* x = reinterpret_cast<__nv_bfloat16*>(m.X);
+  constexpr int kLo = (kRows + DimsT::pk) * kPlanePitch;
+  auto* o = static_cast<__nv_bfloat16*>(p.o);
+  for (int c0 = 0; c0 < d.dv; c0 += kCols) {
+    load_split<kCols>(x, p.v_new + head * kRows * d.dv + c0, nullptr, nullptr, kRows, kLo, kPlanePitch, d.dv);
+    load_split<kCols>(x + kRows * kPlanePitch, p.h + head * d.dk * d.dv + c0, nullptr, nullptr, d.dk, kLo, kPlanePitch,
+                      d.dv);
+    __syncthreads();
+    plane_gemm<2, false, false>(qp, m.ldqp, kRows * m.ldqp, x, kPlanePitch, kLo, kRows, kCols, kRows + d.pk,
+                                [&](int r, int c, float v) {
+                                  const int64_t tok = s.slot[r];
+                                  if (tok < p.T) o[(tok * p.hv + h) * d.dv + c0 + c] = __float2bfloat16_rn(v);
+                                });
+    __syncthreads();
+  }
+}
+
 // ---- Backward --------------------------------------------------------------------------------------
 
 struct LocalSmem {
@@ -741,6 +1115,31 @@ __global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
     if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
     else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
   });
+}
+
+// local_grads_kernel with its product on planes (kPlanes): [P | E Q] split in place once it is
+// built, d_o's bfloat16 values exact in hi (two products for three).
+template <typename DimsT>
+__global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<LocalSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t head = b.head;
+  static_assert(kRows + DimsT::pk + 8 == 200 && DimsT::pv + 8 == kPlaneRow,
+                "LocalSmem's pitches: its planes take the bytes of its float32 tiles");
+  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, s, p, d, b.h);
+  auto* d_o = reinterpret_cast<__nv_bfloat16*>(m.X);
+  load_rows_split(d_o, kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
+  wait_copies();
+  __syncthreads();
+  plane_gemm<4, true, false, true>(qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, kRows * kPlaneRow, kRows + d.dk, d.dv,
+                                   kRows, [&](int r, int c, float v) {
+                                     if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
+                                     else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
+                                   });
 }
 
 struct StateSmem {
@@ -789,6 +1188,51 @@ __global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
   wait_copies();
   __syncthreads();
   block_gemm<4, false, true, kMode>(m.Y, m.ld, m.D, m.ld, kRows, d.dk, d.dv, [&](int r, int c, float v) {
+    p.dk_tilde[(head * kRows + r) * d.dk + c] = v;
+  });
+}
+
+struct StatePlanesSmem {
+  Info* info;
+  __nv_bfloat16 *Y, *H, *D;  // [hi; lo] planes of [128, 128] each: Y d_o and dv_new, then v_new; h; d_state
+  float* scratch;
+  template <typename DimsT>
+  __host__ __device__ StatePlanesSmem(Carve& c, const DimsT&) {
+    info = c.take<Info>(1);
+    Y = c.take<__nv_bfloat16>(2 * 2 * kRows * kPlaneRow);
+    H = c.take<__nv_bfloat16>(2 * 2 * kRows * kPlaneRow);
+    D = c.take<__nv_bfloat16>(2 * 2 * kRows * kPlaneRow);
+    scratch = c.take<float>(kWarps);
+  }
+};
+
+// state_grads_kernel with its operands as planes (kPlanes): each loaded tile split once, the
+// products through plane_gemm.
+template <typename DimsT>
+__global__ void __launch_bounds__(kThreads) state_grads_planes_kernel(Args p) {
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<StatePlanesSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t head = b.head;
+  constexpr int kLo = 2 * kRows * kPlaneRow;  // a [128, 128] tile's lo plane
+  load_rows_split(m.Y, kLo, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
+  load_split(m.Y + kRows * kPlaneRow, p.dv_new + head * kRows * d.dv, nullptr, nullptr, kRows, kLo);
+  float dot = load_split(m.H, p.h + head * d.dk * d.dv, m.D, p.d_state + head * d.dk * d.dv, d.dk, kLo);
+  wait_copies();
+  dot = block_sum(dot, m.scratch);  // (synchronises: every plane is in)
+  if (threadIdx.x == 0) p.dgamma[head] = dot;
+  const auto first = [&](int r, int c, float v) {
+    if (r < kRows) p.dq_state[(head * kRows + r) * d.dk + c] = s.E[r] * v;
+    else p.dw[(head * kRows + r - kRows) * d.dk + c] = -v;
+  };
+  plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.H, kPlaneRow, kLo, 2 * kRows, d.dk, d.dv, first);
+  __syncthreads();  // Y is free
+  load_split(m.Y, p.v_new + head * kRows * d.dv, nullptr, nullptr, kRows, kLo);
+  __syncthreads();
+  plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.D, kPlaneRow, kLo, kRows, d.dk, d.dv, [&](int r, int c, float v) {
     p.dk_tilde[(head * kRows + r) * d.dk + c] = v;
   });
 }
@@ -1031,11 +1475,13 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d) {
                    plan.offset_device.data_ptr<int64_t>(), static_cast<float>(r.sign_a), static_cast<float>(r.sign_b),
                    static_cast<int>(r.base.size(1)), d.dk, d.dv, r.reverse};
   const dim3 grid((d.dv + kCols - 1) / kCols, r.base.size(1), plan.documents);
-  launch<RecurrenceSmem>(recurrence_kernel<kMode, DimsT>, grid, d, a);
+  if constexpr (kPlanes<kMode, DimsT>) launch<PlanesSmem>(recurrence_planes_kernel<DimsT>, grid, d, a);
+  else launch<RecurrenceSmem>(recurrence_kernel<kMode, DimsT>, grid, d, a);
 }
 
 template <typename T, Mode kMode, typename DimsT>
 void fused(Fused& f, bool backward) {
+  static_assert(!kPlanes<kMode, DimsT> || std::is_same_v<T, __nv_bfloat16>, "the plane kernels read bfloat16 inputs");
   const c10::cuda::CUDAGuard guard(f.q.device());
   const int64_t T_ = f.q.size(0), chunks = f.slots.numel() / kRows;
   const int hk = f.q.size(1), hv = f.v.size(1);
@@ -1075,7 +1521,8 @@ void fused(Fused& f, bool backward) {
     a.h = f.h.data_ptr<float>();
     a.v_new = f.v_new.data_ptr<float>();
     a.o = f.o.data_ptr();
-    launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
+    if constexpr (kPlanes<kMode, DimsT>) launch<OutputPlanesSmem>(output_planes_kernel<DimsT>, grid, d, a);
+    else launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
     return;
   }
   a.h = f.h.data_ptr<float>();
@@ -1084,7 +1531,8 @@ void fused(Fused& f, bool backward) {
   Recurrence r{rows(d.dv), k_tilde, w, at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0, true};
   a.dv_local = r.base.data_ptr<float>();
   a.dh_local = r.add.data_ptr<float>();
-  launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  if constexpr (kPlanes<kMode, DimsT>) launch<LocalSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
+  else launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
   r.state_out = at::empty_like(r.add);
   r.x_out = rows(d.dv);
   recurrence<kMode, DimsT>(r, f.plan, d);
@@ -1097,7 +1545,8 @@ void fused(Fused& f, bool backward) {
   a.dw = w.data_ptr<float>();  // W is done with: its gradient takes its place
   a.dk_tilde = dk_tilde.data_ptr<float>();
   a.dgamma = dgamma.data_ptr<float>();
-  launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  if constexpr (kPlanes<kMode, DimsT>) launch<StatePlanesSmem>(state_grads_planes_kernel<DimsT>, grid, d, a);
+  else launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
   r.state_out.reset();
   at::Tensor dq = at::empty({T_, hv, d.dk}, f32), dk_part = rows(d.dk);
   at::Tensor dg_part = at::empty({chunks, hv, kRows}, f32.dtype(at::kDouble));
