@@ -24,10 +24,10 @@
 #     parity cases (PARITY_K; PARITY_FILES, default parity: the files whose modules ONLY builds),
 #     then the op benchmarks (OPS; IMPL, default cpp; OPS_ARGS, e.g. --profile) of both, twice in
 #     alternating order (run-to-run noise); logs compare_*.log;
-#   the stage "ncu": Nsight Compute of each kernel of NCU_KERNELS (regexes; default the GLM-5 sparse
-#     attention's three wgmma kernels), its first launch in one forward+backward of the op benchmark's
-#     case (OPS, default v4_mla_dsa_attention; NCU_CASES, default 1: 65,536 tokens), all in one
-#     process and one log (ncu.log; NCU_S seconds at most, default 480).
+#   the stage "ncu": Nsight Compute of the kernels whose names match NCU_KERNELS (regexes; default the
+#     GLM-5 sparse attention's three wgmma kernels), the first NCU_LAUNCHES launches of them (default 3)
+#     in one forward+backward of the op benchmark's case (OPS, default v4_mla_dsa_attention; NCU_CASES,
+#     default 1: 65,536 tokens), all in one process and one log (ncu.log; NCU_S seconds at most, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
@@ -86,12 +86,11 @@ if has compare; then
   for name in this beside; do echo "compare: $name"; grep -E '^\|' "$out/compare_ops_$name.log"; done
 fi
 if has ncu; then
-  # One process: the first launch of each kernel whose name matches one of the regexes (--kernel-id's
-  # invocation 1 applies to each matching kernel), where one process a kernel paid the start each time.
+  # One process for all the kernels (one a process paid the start each time); the launches in order.
   kernels=$(echo ${NCU_KERNELS:-sparse_forward_wgmma sparse_backward_wgmma indexer_scores_wgmma} | tr ' ' '|')
-  timeout "${NCU_S:-480}" ncu --clock-control none --kernel-id "::regex:($kernels):1" --section SpeedOfLight \
+  timeout "${NCU_S:-480}" ncu --clock-control none -k "regex:($kernels)" -c "${NCU_LAUNCHES:-3}" --section SpeedOfLight \
     --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-    --section Occupancy --section LaunchStats python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl cpp \
+    --section Occupancy --section LaunchStats --section InstructionStats python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl cpp \
     --cases "${NCU_CASES:-1}" --once >"$out/ncu.log" 2>&1 || status=1
   echo "ncu:"; grep -E "^  [A-Za-z_].*Context|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" "$out/ncu.log"
 fi
