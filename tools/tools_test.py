@@ -37,6 +37,12 @@ def test_every_mutation_of_the_mutation_check_still_applies():
             assert f.read().count(m.find) == 1, f"{m.name}: its text is not in {m.path} exactly once"
 
 
+def test_the_plane_kernels_fragment_addresses_give_their_products():
+    # The CUDA plane kernels' ldmatrix addresses, emulated on the CPU (the check fails a wrong address).
+    import mma_fragments_check
+    assert mma_fragments_check.main() == 0
+
+
 def test_every_cuda_mutation_names_the_module_built_for_it():
     """mutants.py --cuda builds, in each mutation's copy of the sources, only the module of the
     mutated kernel file (module_of: the file's name, as cc/ops.bzl names modules): a mutation in a
