@@ -27,7 +27,10 @@
 #   the stage "ncu": Nsight Compute of the kernels whose names match NCU_KERNELS (regexes; default the
 #     GLM-5 sparse attention's three wgmma kernels), the first NCU_LAUNCHES launches of them (default 3)
 #     in one forward+backward of the op benchmark's case (OPS, default v4_mla_dsa_attention; NCU_CASES,
-#     default 1: 65,536 tokens), all in one process and one log (ncu.log; NCU_S seconds at most, default 480).
+#     default 1: 65,536 tokens), all in one process: the sections and each warp stall reason in ncu.log,
+#     each kernel's SASS split at its barriers by tools/ncu_phases.py in ncu_phases.log (the table itself
+#     in ncu_sass.csv.gz; the report in NCU_REPORT, default /tmp/v4train_ncu.ncu-rep; NCU_S seconds at
+#     most, default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
@@ -88,11 +91,20 @@ fi
 if has ncu; then
   # One process for all the kernels (one a process paid the start each time); the launches in order.
   kernels=$(echo ${NCU_KERNELS:-sparse_forward_wgmma sparse_backward_wgmma indexer_scores_wgmma} | tr ' ' '|')
+  report=${NCU_REPORT:-/tmp/v4train_ncu}
+  stalls=$(for r in barrier long_scoreboard short_scoreboard mio_throttle math_pipe_throttle wait not_selected selected \
+    lg_throttle dispatch_stall membar no_instruction imc_miss drain branch_resolving misc tex_throttle; do
+    printf "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio," "$r"; done)
   timeout "${NCU_S:-480}" ncu --clock-control none -k "regex:($kernels)" -c "${NCU_LAUNCHES:-3}" --section SpeedOfLight \
     --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-    --section Occupancy --section LaunchStats --section InstructionStats python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl cpp \
+    --section Occupancy --section LaunchStats --section InstructionStats --metrics "${stalls%,}" --import-source yes \
+    -f -o "$report" python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl cpp \
     --cases "${NCU_CASES:-1}" --once >"$out/ncu.log" 2>&1 || status=1
+  ncu -i "$report.ncu-rep" >>"$out/ncu.log" 2>&1 || status=1
+  ncu -i "$report.ncu-rep" --page source --csv --print-source sass 2>>"$out/ncu.log" | gzip >"$out/ncu_sass.csv.gz"
+  python3 tools/ncu_phases.py "$out/ncu_sass.csv.gz" >"$out/ncu_phases.log" 2>&1 || status=1
   echo "ncu:"; grep -E "^  [A-Za-z_].*Context|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued" "$out/ncu.log"
+  grep -E "instructions, .* stall samples" "$out/ncu_phases.log"
 fi
 if has cpu; then
   python3 tools/build_ext.py --no-cuda --out build/ext_cpu --jobs "$(nproc)" >"$out/build_cpu.log" 2>&1 || exit 1

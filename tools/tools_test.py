@@ -43,6 +43,24 @@ def test_the_plane_kernels_fragment_addresses_give_their_products():
     assert mma_fragments_check.main() == 0
 
 
+def test_ncu_phases_splits_a_kernel_at_its_barriers():
+    import ncu_phases
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
+    rows = [("LDG.E R2, [R4]", 10, 100), ("BAR.SYNC.DEFER_BLOCKING 0x0", 0, 100),  # phase 1: 200 instr, 10 samples
+            ("HMMA.16816.F32.BF16 R8, R12, R14, R8", 30, 300), ("BAR.SYNC.DEFER_BLOCKING 0x0", 0, 100),  # 400, 30
+            ("@P0 BRA `(.L_x_2)", 20, 100), ("EXIT", 40, 300)]  # phase 3: 400, 60 (of 1,000 and 100)
+    body = "".join(f'"0x{i:x}","{src}","{s}","{n}"\n' for i, (src, s, n) in enumerate(rows))
+    kernel = '"Kernel Name","void ns::<unnamed>::k<int>(ns::Args)"\n' + head + body
+    found = ncu_phases.kernels(kernel + kernel)  # printed twice, counted once
+    assert [name for name, _ in found] == ["void ns::<unnamed>::k<int>(ns::Args)"]
+    got = [(p["first"], p["last"], p["instructions"], p["samples"]) for p in ncu_phases.phases(found[0][1])]
+    assert got == [(0, 1, 20.0, 10.0), (2, 3, 40.0, 30.0), (4, 5, 40.0, 60.0)]
+    assert ncu_phases.phases(found[0][1])[1]["landmarks"] == {"HMMA": 75.0}
+    assert ncu_phases.opcode("@!P0 BRA `(.L_x_1)") == "BRA"
+    assert "k<int>(Args): 0.0M instructions, 100 stall samples" in ncu_phases.report(kernel)
+    assert ncu_phases.phases(found[0][1])[2]["top"][0] == ("EXIT", 75.0)
+
+
 def test_every_cuda_mutation_names_the_module_built_for_it():
     """mutants.py --cuda builds, in each mutation's copy of the sources, only the module of the
     mutated kernel file (module_of: the file's name, as cc/ops.bzl names modules): a mutation in a
