@@ -64,20 +64,18 @@ def phases(body: list[tuple[str, float, float]]) -> list[dict]:
     the kernel's instructions and samples (percent), its top opcodes and its landmark counts."""
     total_i = sum(b[1] for b in body) or 1.0
     total_s = sum(b[2] for b in body) or 1.0
-    out, start, ops = [], 0, collections.Counter()
-    executed = samples = 0.0
-    landmarks = collections.Counter()
+    out, start, ops, samples = [], 0, collections.Counter(), 0.0
     for n, (op, i, s) in enumerate(body):
-        executed, samples = executed + i, samples + s
         ops[op] += i
-        if op in LANDMARKS:
-            landmarks[op] += i
+        samples += s
         if op == "BAR" or n == len(body) - 1:
+            executed = sum(ops.values())
+            share = lambda c: 100 * c / executed  # noqa: E731 (called only where executed > 0)
             out.append({"first": start, "last": n, "instructions": 100 * executed / total_i,
                         "samples": 100 * samples / total_s,
-                        "top": [(o, 100 * c / executed) for o, c in ops.most_common(4)] if executed else [],
-                        "landmarks": {o: 100 * c / executed for o, c in landmarks.items()} if executed else {}})
-            start, ops, landmarks, executed, samples = n + 1, collections.Counter(), collections.Counter(), 0.0, 0.0
+                        "top": [(o, share(c)) for o, c in ops.most_common(4)] if executed else [],
+                        "landmarks": {o: share(ops[o]) for o in LANDMARKS if o in ops} if executed else {}})
+            start, ops, samples = n + 1, collections.Counter(), 0.0
     return out
 
 

@@ -53,12 +53,13 @@ def test_ncu_phases_splits_a_kernel_at_its_barriers():
     kernel = '"Kernel Name","void ns::<unnamed>::k<int>(ns::Args)"\n' + head + body
     found = ncu_phases.kernels(kernel + kernel)  # printed twice, counted once
     assert [name for name, _ in found] == ["void ns::<unnamed>::k<int>(ns::Args)"]
-    got = [(p["first"], p["last"], p["instructions"], p["samples"]) for p in ncu_phases.phases(found[0][1])]
-    assert got == [(0, 1, 20.0, 10.0), (2, 3, 40.0, 30.0), (4, 5, 40.0, 60.0)]
-    assert ncu_phases.phases(found[0][1])[1]["landmarks"] == {"HMMA": 75.0}
+    phases = ncu_phases.phases(found[0][1])
+    assert [(p["first"], p["last"], p["instructions"], p["samples"]) for p in phases] == \
+        [(0, 1, 20.0, 10.0), (2, 3, 40.0, 30.0), (4, 5, 40.0, 60.0)]
+    assert phases[1]["landmarks"] == {"HMMA": 75.0}
+    assert phases[2]["top"][0] == ("EXIT", 75.0)
     assert ncu_phases.opcode("@!P0 BRA `(.L_x_1)") == "BRA"
     assert "k<int>(Args): 0.0M instructions, 100 stall samples" in ncu_phases.report(kernel)
-    assert ncu_phases.phases(found[0][1])[2]["top"][0] == ("EXIT", 75.0)
 
 
 def test_every_cuda_mutation_names_the_module_built_for_it():
