@@ -1454,6 +1454,15 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
 }
 
+// `waiter` runs its later work after what is queued on `done` now.
+void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& done) {
+  cudaEvent_t event;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(event, done.stream()));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter.stream(), event, 0));
+  C10_CUDA_CHECK(cudaEventDestroy(event));  // (freed once the wait is done with it)
+}
+
 // The key heads' gradients from the value heads' shares: out [rows, D] (T) = the sum over r of x
 // [rows, r, D] (float32), in one pass, four columns a thread (ATen's sum, then the cast, took two
 // passes over the float32 shares: 0.27 ms of the backward at 8,192 tokens on the H200).
@@ -1549,7 +1558,17 @@ void fused(Fused& f, bool backward) {
   a.w = w.data_ptr<float>();
   a.k_tilde = k_tilde.data_ptr<float>();
   a.gamma = gamma.data_ptr<float>();
-  launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
+  // In the backward pass prepare's recomputation and local_grads need nothing of each other: prepare
+  // runs on a side stream beside local_grads, so that their blocks share the multiprocessors (each
+  // kernel alone waits on latency at one or two blocks a multiprocessor). The main stream waits for
+  // it before the recurrence; w, k_tilde and gamma outlive that wait.
+  const c10::cuda::CUDAStream main_stream = at::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream prepare_stream = backward ? c10::cuda::getStreamFromPool() : main_stream;
+  if (backward) wait_for(prepare_stream, main_stream);
+  {
+    const c10::cuda::CUDAStreamGuard on(prepare_stream);
+    launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
+  }
   if (!backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
     r.state_out = at::empty({chunks, hv, d.dk, d.dv}, f32);
@@ -1573,6 +1592,7 @@ void fused(Fused& f, bool backward) {
   a.dh_local = r.add.data_ptr<float>();
   if constexpr (kPlanes<kMode, DimsT>) launch<LocalSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
   else launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  wait_for(main_stream, prepare_stream);
   r.state_out = at::empty_like(r.add);
   r.x_out = rows(d.dv);
   recurrence<kMode, DimsT>(r, f.plan, d);
