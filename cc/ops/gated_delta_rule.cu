@@ -1454,14 +1454,44 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
 }
 
-// `waiter` runs its later work after what is queued on `done` now.
-void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& done) {
-  cudaEvent_t event;
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaEventRecord(event, done.stream()));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter.stream(), event, 0));
-  C10_CUDA_CHECK(cudaEventDestroy(event));  // (freed once the wait is done with it)
-}
+// A side stream forked from the current one (`use`; else the current one itself), joined back at
+// join() or, on an exception, when it leaves scope: declared after the tensors the side stream
+// writes, it joins before they go back to the main stream's cache.
+class SideStream {
+ public:
+  explicit SideStream(bool use)
+      : main_(at::cuda::getCurrentCUDAStream()), side_(use ? c10::cuda::getStreamFromPool() : main_) {
+    if (side_ != main_) order(side_, main_);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream() {
+    try {
+      join();
+    } catch (...) {
+      cudaStreamSynchronize(side_.stream());  // no order to be had: the side stream's work done
+    }
+  }
+  c10::cuda::CUDAStream stream() const { return side_; }
+  void join() {
+    if (side_ != main_ && !joined_) {
+      order(main_, side_);
+      joined_ = true;
+    }
+  }
+
+ private:
+  // `waiter` runs its later work after what is queued on `done` now.
+  static void order(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& done) {
+    cudaEvent_t event;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(event, done.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(waiter.stream(), event, 0));
+    C10_CUDA_CHECK(cudaEventDestroy(event));  // (freed once the wait is done with it)
+  }
+  c10::cuda::CUDAStream main_, side_;
+  bool joined_ = false;
+};
 
 // The key heads' gradients from the value heads' shares: out [rows, D] (T) = the sum over r of x
 // [rows, r, D] (float32), in one pass, four columns a thread (ATen's sum, then the cast, took two
@@ -1561,12 +1591,10 @@ void fused(Fused& f, bool backward) {
   // In the backward pass prepare's recomputation and local_grads need nothing of each other: prepare
   // runs on a side stream beside local_grads, so that their blocks share the multiprocessors (each
   // kernel alone waits on latency at one or two blocks a multiprocessor). The main stream waits for
-  // it before the recurrence; w, k_tilde and gamma outlive that wait.
-  const c10::cuda::CUDAStream main_stream = at::cuda::getCurrentCUDAStream();
-  const c10::cuda::CUDAStream prepare_stream = backward ? c10::cuda::getStreamFromPool() : main_stream;
-  if (backward) wait_for(prepare_stream, main_stream);
+  // it before the recurrence (or, on an exception, before w, k_tilde and gamma are freed).
+  SideStream prepare_stream(backward);
   {
-    const c10::cuda::CUDAStreamGuard on(prepare_stream);
+    const c10::cuda::CUDAStreamGuard on(prepare_stream.stream());
     launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
   }
   if (!backward) {
@@ -1592,7 +1620,7 @@ void fused(Fused& f, bool backward) {
   a.dh_local = r.add.data_ptr<float>();
   if constexpr (kPlanes<kMode, DimsT>) launch<LocalSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
   else launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
-  wait_for(main_stream, prepare_stream);
+  prepare_stream.join();
   r.state_out = at::empty_like(r.add);
   r.x_out = rows(d.dv);
   recurrence<kMode, DimsT>(r, f.plan, d);
