@@ -200,6 +200,12 @@ MUTATIONS = (
              "planes' offset (64 x 136) instead of its own (64 x 200)", "cc/ops/gated_delta_rule.cu",
              "store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);",
              "store_split2(planes + r * ldqp + c, kRows * kPlaneRow, v[u].x, v[u].y);", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_key_heads_one_share", "q's and k's gradients summed over a key head's value heads take "
+             "the first value head's share only", "cc/ops/gated_delta_rule.cu", "for (int j = 1; j < r; ++j) {",
+             "for (int j = 1; j < 1; ++j) {", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_intra_planes_rk_by_row", "intra_grads on planes: dPL's planes for q's gradient scaled by "
+             "the row's key norm (r_k of i) instead of the column's (of j)", "cc/ops/gated_delta_rule.cu",
+             "x0 * m.rk[c], x1 * m.rk[c + 1]);", "x0 * m.rk[r], x1 * m.rk[r]);", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_h_rows", "the output's h planes loaded over v_new's rows (offset 0, not 64)",
              "cc/ops/gated_delta_rule.cu", "load_split<kCols>(x + kRows * kPlanePitch, p.h + head",
              "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),
