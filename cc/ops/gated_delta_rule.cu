@@ -460,6 +460,7 @@ __device__ __forceinline__ void forward_substitution(float (&x)[kRows], const fl
 // holds C L0^-1); its lower triangle stays. Every thread calls it; it synchronises before and after.
 // (The first version, a column's 64-step substitution a thread, one of them from local memory:
 // wy_grads 2.87 ms at 8,192 tokens against 1.85 with this.)
+template <int Threads = kThreads>
 __device__ void invert_unit_lower(float* Ai, float* A) {
   constexpr int ld = kPitch64, kDiag = 16;
   const int tid = threadIdx.x;
@@ -477,7 +478,7 @@ __device__ void invert_unit_lower(float* Ai, float* A) {
 #pragma unroll
     for (int r = 0; r < kDiag; ++r) Ai[(b + r) * ld + b + c] = x[r];
   }
-  for (int e = tid; e < kRows * kRows; e += kThreads) {  // zero above the diagonal blocks
+  for (int e = tid; e < kRows * kRows; e += Threads) {  // zero above the diagonal blocks
     const int r = e / kRows, c = e % kRows;
     if (c / kDiag > r / kDiag) Ai[r * ld + c] = 0.0f;
   }
@@ -485,14 +486,14 @@ __device__ void invert_unit_lower(float* Ai, float* A) {
 #pragma unroll
   for (int s = kDiag; s < kRows; s *= 2) {
     const int n = kRows / 2 * s;  // the elements of the blocks below pairs: (64 / 2s) pairs of s x s
-    for (int e = tid; e < n; e += kThreads) {  // A[lo + i][hi + j] = (C L0^-1)_ij
+    for (int e = tid; e < n; e += Threads) {  // A[lo + i][hi + j] = (C L0^-1)_ij
       const int lo = e / (s * s) * 2 * s, hi = lo + s, i = e / s % s, j = e % s;
       float acc = 0.0f;
       for (int k = 0; k < s; ++k) acc = fmaf(A[(hi + i) * ld + lo + k], Ai[(lo + k) * ld + lo + j], acc);
       A[(lo + i) * ld + hi + j] = acc;
     }
     __syncthreads();
-    for (int e = tid; e < n; e += kThreads) {  // Ai[hi + i][lo + j] = -(L1^-1 C L0^-1)_ij
+    for (int e = tid; e < n; e += Threads) {  // Ai[hi + i][lo + j] = -(L1^-1 C L0^-1)_ij
       const int lo = e / (s * s) * 2 * s, hi = lo + s, i = e / s % s, j = e % s;
       float acc = 0.0f;
       for (int k = 0; k < s; ++k) acc = fmaf(Ai[(hi + i) * ld + hi + k], A[(lo + k) * ld + hi + j], acc);
@@ -527,6 +528,187 @@ __device__ float block_sum(float x, float* scratch) {
   for (int w = 0; w < kWarps; ++w) total += scratch[w];
   __syncthreads();
   return total;
+}
+
+// ---- Products from planes (kPlanes) ---------------------------------------------------------------
+
+// hi and lo of (x0, x1) at p and p + lo_offset (bfloat16 elements), a pair of columns each.
+__device__ __forceinline__ void store_split2(__nv_bfloat16* p, int lo_offset, float x0, float x1) {
+  const uint32_t hi = pack2<__nv_bfloat16>(x0, x1);
+  const float2 h = unpack2<__nv_bfloat16>(hi);
+  *reinterpret_cast<uint32_t*>(p) = hi;
+  *reinterpret_cast<uint32_t*>(p + lo_offset) = pack2<__nv_bfloat16>(x0 - h.x, x1 - h.y);
+}
+
+// acc += A B and cross += the split's cross terms, for a 16 x 8 tile: A's fragments (hi, lo) and B's.
+__device__ __forceinline__ void mma_bf16x3(float (&acc)[4], float (&cross)[4], const uint32_t (&ah)[4],
+                                           const uint32_t (&al)[4], const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+  mma16816<__nv_bfloat16>(cross, ah, bl);
+  mma16816<__nv_bfloat16>(cross, al, bh);
+  mma16816<__nv_bfloat16>(acc, ah, bh);
+}
+
+constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
+constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 bytes apart in the banks
+
+// C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
+// [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
+// takes 16 x 8 NT tiles of C in turn (NT even) and hands every element of C to epi(row, col, value)
+// once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
+// zero, not read), two products for three; kAExact likewise for A; both, one product. Warps: the
+// block's (prepare's 8).
+template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, int Warps = kWarps, typename Epi>
+__device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
+                                           int b_lo, int M, int N, int K, Epi&& epi) {
+  static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int ngroups = N / (8 * NT);
+  for (int tile = warp; tile < M / 16 * ngroups; tile += Warps) {
+    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
+    float acc[NT][4] = {}, cross[NT][4] = {};
+#pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      uint32_t ah[4], al[4] = {};
+      if constexpr (kTA) {
+        const int a_at = (k0 + lane % 8 + lane / 16 * 8) * lda + m0 + lane / 8 % 2 * 8;
+        ldsm_x4_t(ah, A + a_at);
+        if constexpr (!kAExact) ldsm_x4_t(al, A + a_lo + a_at);
+      } else {
+        const int a_at = (m0 + lane % 16) * lda + k0 + lane / 16 * 8;
+        ldsm_x4(ah, A + a_at);
+        if constexpr (!kAExact) ldsm_x4(al, A + a_lo + a_at);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        uint32_t bh[4], bl[4] = {};
+        if constexpr (kTB) {
+          const int b_at = (n0 + 8 * j + lane / 16 * 8 + lane % 8) * ldb + k0 + lane / 8 % 2 * 8;
+          ldsm_x4(bh, B + b_at);
+          if constexpr (!kBExact) ldsm_x4(bl, B + b_lo + b_at);
+        } else {
+          const int b_at = (k0 + lane % 16) * ldb + n0 + 8 * j + lane / 16 * 8;
+          ldsm_x4_t(bh, B + b_at);
+          if constexpr (!kBExact) ldsm_x4_t(bl, B + b_lo + b_at);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // n-tiles j and j + 1
+          const uint32_t bhh[2] = {bh[2 * half], bh[2 * half + 1]}, blh[2] = {bl[2 * half], bl[2 * half + 1]};
+          if constexpr (kAExact && kBExact) {
+            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
+          } else if constexpr (kAExact) {
+            mma16816<__nv_bfloat16>(cross[j + half], ah, blh);
+            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
+          } else if constexpr (kBExact) {
+            mma16816<__nv_bfloat16>(cross[j + half], al, bhh);
+            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
+          } else {
+            mma_bf16x3(acc[j + half], cross[j + half], ah, al, bhh, blh);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t + e % 2, acc[j][e] + cross[j][e]);
+    }
+  }
+}
+
+// Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src0 (row stride `stride`, rows
+// 16-byte aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time,
+// four loads of each in flight; returns this thread's share of <src0, src1> (float32 products),
+// where src1 is given.
+template <int kWidth = 128>
+__device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
+                                            const float* src1, int rows, int lo_off, int ld = kPlaneRow,
+                                            int64_t stride = kWidth) {
+  constexpr int kQuads = kWidth / 4;
+  float dot = 0.0f;
+  const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
+    __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
+    store_split2(at, lo_off, v.x, v.y);
+    store_split2(at + 2, lo_off, v.z, v.w);
+  };
+  for (int i0 = threadIdx.x; i0 < rows * kQuads; i0 += 4 * kThreads) {
+    float4 a[4], b[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads;
+      if (idx < rows * kQuads) {
+        const int64_t at = idx / kQuads * stride + idx % kQuads * 4;
+        a[u] = *reinterpret_cast<const float4*>(src0 + at);
+        if (src1 != nullptr) b[u] = *reinterpret_cast<const float4*>(src1 + at);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads;
+      if (idx >= rows * kQuads) continue;
+      put(dst0, idx, a[u]);
+      if (src1 != nullptr) {
+        put(dst1, idx, b[u]);
+        dot += a[u].x * b[u].x + a[u].y * b[u].y + a[u].z * b[u].z + a[u].w * b[u].w;
+      }
+    }
+  }
+  return dot;
+}
+
+// The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
+// the values, lo zero (bfloat16 is exact in hi); zero rows for padding slots. lo_off < 0: the hi
+// plane alone (for plane_gemm's kAExact / kBExact, which do not read lo).
+template <int Threads = kThreads>
+__device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
+                                                int head, const Info& s, int64_t T_) {
+  constexpr int kPieces = 128 / 8;  // 16 bytes each
+  const bool vec = aligned16(x);
+  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += Threads) {
+    const int i = idx / kPieces, c = idx % kPieces * 8;
+    const int64_t tok = s.slot[i];
+    __nv_bfloat16* at = dst + i * kPlaneRow + c;
+    const __nv_bfloat16* src = x + (tok * heads + head) * 128 + c;
+    if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+    else if (vec) copy16(at, src);
+    else for (int j = 0; j < 8; ++j) at[j] = src[j];
+    if (lo_off >= 0) *reinterpret_cast<uint4*>(at + lo_off) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// rnorm[i] = rsqrt(|x_i|^2 + 1e-6) of the 64 rows of 128 bfloat16 values at x (pitch ld), a warp a
+// row at a time: the sums in load_normalised's order, so the same values.
+template <int Warps = kWarps>
+__device__ __forceinline__ void row_rnorms(float* rnorm, const __nv_bfloat16* x, int ld) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = warp; i < kRows; i += Warps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const float v = __bfloat162float(x[i * ld + lane + 32 * m]);
+      ss += v * v;
+    }
+    const float r = rsqrtf(warp_sum(ss) + 1e-6f);
+    if (lane == 0) rnorm[i] = r;
+  }
+}
+
+// QP [64, ldqp] float32 (columns 0..191) as planes in its own storage (hi [64, ldqp], then lo):
+// every value read before any is written.
+__device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
+  constexpr int kPairs = kRows * (kRows + 128) / 2 / kThreads;
+  float2 v[kPairs];
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    v[u] = *reinterpret_cast<const float2*>(QP + r * ldqp + c);
+  }
+  __syncthreads();
+  auto* planes = reinterpret_cast<__nv_bfloat16*>(QP);
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);
+  }
 }
 
 // ---- Forward ---------------------------------------------------------------------------------------
@@ -713,22 +895,6 @@ struct PlanesSmem {
   }
 };
 
-// hi and lo of (x0, x1) at p and p + lo_offset (bfloat16 elements), a pair of columns each.
-__device__ __forceinline__ void store_split2(__nv_bfloat16* p, int lo_offset, float x0, float x1) {
-  const uint32_t hi = pack2<__nv_bfloat16>(x0, x1);
-  const float2 h = unpack2<__nv_bfloat16>(hi);
-  *reinterpret_cast<uint32_t*>(p) = hi;
-  *reinterpret_cast<uint32_t*>(p + lo_offset) = pack2<__nv_bfloat16>(x0 - h.x, x1 - h.y);
-}
-
-// acc += A B and cross += the split's cross terms, for a 16 x 8 tile: A's fragments (hi, lo) and B's.
-__device__ __forceinline__ void mma_bf16x3(float (&acc)[4], float (&cross)[4], const uint32_t (&ah)[4],
-                                           const uint32_t (&al)[4], const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
-  mma16816<__nv_bfloat16>(cross, ah, bl);
-  mma16816<__nv_bfloat16>(cross, al, bh);
-  mma16816<__nv_bfloat16>(acc, ah, bh);
-}
-
 // x = base + sign_a a S, then S = decay S + add + sign_b b^T x, as recurrence_kernel, 16 warps: the
 // first product a warp a 16 x 8 tile of x [64, 32] (K = pk), the second a 16 x 16 tile of S [pk, 32]
 // (K = 64), which that warp's lanes keep in float32 from chunk to chunk.
@@ -833,167 +999,6 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
       }
     }
   });
-}
-
-// ---- Products from planes (kPlanes) ---------------------------------------------------------------
-
-constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
-
-// C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
-// [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
-// takes 16 x 8 NT tiles of C in turn (NT even) and hands every element of C to epi(row, col, value)
-// once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
-// zero, not read), two products for three; kAExact likewise for A; both, one product.
-template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, typename Epi>
-__device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
-                                           int b_lo, int M, int N, int K, Epi&& epi) {
-  static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int ngroups = N / (8 * NT);
-  for (int tile = warp; tile < M / 16 * ngroups; tile += kWarps) {
-    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
-    float acc[NT][4] = {}, cross[NT][4] = {};
-#pragma unroll 4
-    for (int k0 = 0; k0 < K; k0 += 16) {
-      uint32_t ah[4], al[4] = {};
-      if constexpr (kTA) {
-        const int a_at = (k0 + lane % 8 + lane / 16 * 8) * lda + m0 + lane / 8 % 2 * 8;
-        ldsm_x4_t(ah, A + a_at);
-        if constexpr (!kAExact) ldsm_x4_t(al, A + a_lo + a_at);
-      } else {
-        const int a_at = (m0 + lane % 16) * lda + k0 + lane / 16 * 8;
-        ldsm_x4(ah, A + a_at);
-        if constexpr (!kAExact) ldsm_x4(al, A + a_lo + a_at);
-      }
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) {
-        uint32_t bh[4], bl[4] = {};
-        if constexpr (kTB) {
-          const int b_at = (n0 + 8 * j + lane / 16 * 8 + lane % 8) * ldb + k0 + lane / 8 % 2 * 8;
-          ldsm_x4(bh, B + b_at);
-          if constexpr (!kBExact) ldsm_x4(bl, B + b_lo + b_at);
-        } else {
-          const int b_at = (k0 + lane % 16) * ldb + n0 + 8 * j + lane / 16 * 8;
-          ldsm_x4_t(bh, B + b_at);
-          if constexpr (!kBExact) ldsm_x4_t(bl, B + b_lo + b_at);
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // n-tiles j and j + 1
-          const uint32_t bhh[2] = {bh[2 * half], bh[2 * half + 1]}, blh[2] = {bl[2 * half], bl[2 * half + 1]};
-          if constexpr (kAExact && kBExact) {
-            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
-          } else if constexpr (kAExact) {
-            mma16816<__nv_bfloat16>(cross[j + half], ah, blh);
-            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
-          } else if constexpr (kBExact) {
-            mma16816<__nv_bfloat16>(cross[j + half], al, bhh);
-            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
-          } else {
-            mma_bf16x3(acc[j + half], cross[j + half], ah, al, bhh, blh);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t + e % 2, acc[j][e] + cross[j][e]);
-    }
-  }
-}
-
-// Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src0 (row stride `stride`, rows
-// 16-byte aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time,
-// four loads of each in flight; returns this thread's share of <src0, src1> (float32 products),
-// where src1 is given.
-template <int kWidth = 128>
-__device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
-                                            const float* src1, int rows, int lo_off, int ld = kPlaneRow,
-                                            int64_t stride = kWidth) {
-  constexpr int kQuads = kWidth / 4;
-  float dot = 0.0f;
-  const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
-    __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
-    store_split2(at, lo_off, v.x, v.y);
-    store_split2(at + 2, lo_off, v.z, v.w);
-  };
-  for (int i0 = threadIdx.x; i0 < rows * kQuads; i0 += 4 * kThreads) {
-    float4 a[4], b[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads;
-      if (idx < rows * kQuads) {
-        const int64_t at = idx / kQuads * stride + idx % kQuads * 4;
-        a[u] = *reinterpret_cast<const float4*>(src0 + at);
-        if (src1 != nullptr) b[u] = *reinterpret_cast<const float4*>(src1 + at);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads;
-      if (idx >= rows * kQuads) continue;
-      put(dst0, idx, a[u]);
-      if (src1 != nullptr) {
-        put(dst1, idx, b[u]);
-        dot += a[u].x * b[u].x + a[u].y * b[u].y + a[u].z * b[u].z + a[u].w * b[u].w;
-      }
-    }
-  }
-  return dot;
-}
-
-// The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
-// the values, lo zero (bfloat16 is exact in hi); zero rows for padding slots. lo_off < 0: the hi
-// plane alone (for plane_gemm's kAExact / kBExact, which do not read lo).
-__device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
-                                                int head, const Info& s, int64_t T_) {
-  constexpr int kPieces = 128 / 8;  // 16 bytes each
-  const bool vec = aligned16(x);
-  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += kThreads) {
-    const int i = idx / kPieces, c = idx % kPieces * 8;
-    const int64_t tok = s.slot[i];
-    __nv_bfloat16* at = dst + i * kPlaneRow + c;
-    const __nv_bfloat16* src = x + (tok * heads + head) * 128 + c;
-    if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
-    else if (vec) copy16(at, src);
-    else for (int j = 0; j < 8; ++j) at[j] = src[j];
-    if (lo_off >= 0) *reinterpret_cast<uint4*>(at + lo_off) = make_uint4(0, 0, 0, 0);
-  }
-}
-
-// rnorm[i] = rsqrt(|x_i|^2 + 1e-6) of the 64 rows of 128 bfloat16 values at x (pitch ld), a warp a
-// row at a time: the sums in load_normalised's order, so the same values.
-__device__ __forceinline__ void row_rnorms(float* rnorm, const __nv_bfloat16* x, int ld) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = warp; i < kRows; i += kWarps) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const float v = __bfloat162float(x[i * ld + lane + 32 * m]);
-      ss += v * v;
-    }
-    const float r = rsqrtf(warp_sum(ss) + 1e-6f);
-    if (lane == 0) rnorm[i] = r;
-  }
-}
-
-// QP [64, ldqp] float32 (columns 0..191) as planes in its own storage (hi [64, ldqp], then lo):
-// every value read before any is written.
-__device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
-  constexpr int kPairs = kRows * (kRows + 128) / 2 / kThreads;
-  float2 v[kPairs];
-#pragma unroll
-  for (int u = 0; u < kPairs; ++u) {
-    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
-    v[u] = *reinterpret_cast<const float2*>(QP + r * ldqp + c);
-  }
-  __syncthreads();
-  auto* planes = reinterpret_cast<__nv_bfloat16*>(QP);
-#pragma unroll
-  for (int u = 0; u < kPairs; ++u) {
-    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
-    store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);
-  }
 }
 
 // P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
@@ -1363,7 +1368,6 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
 // hi: Q K^T = diag(r_q s) (q k^T) diag(r_k) is one product, and d_o's and the scaled dPL's with
 // the raw rows two. The first: dPL = (d_o v_new^T) * L (into p.dpl), Z = dPL * (Q K^T) over it,
 // and G's gradient through L, sum_j Z_ij - Z_ji, into dg_part.
-constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 bytes apart in the banks
 struct IntraDplSmem {
   Info* info;
   float *rq, *rk, *Z;              // Z [64, 68]: dPL, then Z
