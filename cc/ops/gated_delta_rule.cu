@@ -16,7 +16,8 @@
 // cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
 // bfloat16 the recurrence, output, local_grads and state_grads take their operands as bf16 hi / lo
 // planes through ldmatrix (kPlanes), and intra_grads runs as two kernels on planes (intra_dpl,
-// intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows.
+// intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows; so do prepare's K K^T and
+// the output's and local_grads' Q K^T (one exact product, the norms applied after it).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -726,9 +727,10 @@ struct PrepareSmem {
 };
 
 // U, W (= (I + A)^-1 [beta V | beta E K]), Kt = exp(G_63 - G) K and gamma for one chunk and head
-// (U not when p.u is null: the backward's recomputation).
+// (U not when p.u is null: the backward's recomputation). Not for kPlanes: prepare_planes_kernel.
 template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
+  static_assert(!kPlanes<kMode, DimsT>, "prepare_planes_kernel");
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkBlock<PrepareSmem, DimsT> b(p, smem);
   const DimsT& d = b.d;
@@ -742,9 +744,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   __syncthreads();
   for (int idx = tid; idx < kRows * d.dk; idx += kPrepareThreads) {
     const int i = idx / d.dk, c = idx % d.dk;
-    const float x = s.Kt[i] * K[i * m.ldr + c];
-    if constexpr (kPlanes<kMode, DimsT>) store_split(p.k_tilde + base * d.dk, d.dk, i, c, x);
-    else p.k_tilde[(base + i) * d.dk + c] = x;
+    p.k_tilde[(base + i) * d.dk + c] = s.Kt[i] * K[i * m.ldr + c];
   }
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
   block_gemm<2, false, true, kMode, kPrepareThreads>(K, m.ldr, K, m.ldr, kRows, kRows, d.dk,
@@ -767,15 +767,82 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 #pragma unroll
   for (int i = 0; i < kRows; ++i) x[i] = m.R[i * m.ldr + col];
   forward_substitution(x, m.A, kPitch64);
-  if (kPlanes<kMode, DimsT> && !value) {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) store_split(p.w + base * d.dk, d.dk, i, tid - d.dv, x[i]);
-    return;
-  }
   float* out = value ? p.u + base * d.dv + tid : p.w + base * d.dk + (tid - d.dv);
   const int stride = value ? d.dv : d.dk;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) out[i * stride] = x[i];
+}
+
+// prepare at Qwen3.5's widths in bfloat16 (kPlanes), on tensor cores where prepare_kernel's forward
+// substitution took a thread a column of [U | W] on the FP32 units (46% of its instructions, ncu
+// 2026-12-03): k's and v's raw bfloat16 rows; K K^T = diag(r_k) (k k^T) diag(r_k) as one exact product;
+// Ai = (I + A)^-1 by blocks (invert_unit_lower); then U = (Ai diag(beta)) v and
+// W = (Ai diag(beta E r_k)) k, each Ai's scaled planes times the raw rows (two products). Writes
+// W and K~ as planes (the recurrence reads them so).
+struct PreparePlanesSmem {
+  Info* info;
+  float *A, *Ai, *rk;                // [64, 68] each; k's rsqrt norms
+  __nv_bfloat16 *k, *v, *pv, *pk;    // raw rows [64, kPlaneRow]; Ai diag(beta), Ai diag(beta E r_k): planes [2][64, 72]
+  template <typename DimsT>
+  __host__ __device__ PreparePlanesSmem(Carve& c, const DimsT&) {
+    info = c.take<Info>(1);
+    A = c.take<float>(kRows * kPitch64);
+    Ai = c.take<float>(kRows * kPitch64);
+    rk = c.take<float>(kRows);
+    k = c.take<__nv_bfloat16>(kRows * kPlaneRow);
+    v = c.take<__nv_bfloat16>(kRows * kPlaneRow);
+    pv = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
+    pk = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
+  }
+};
+
+template <typename DimsT>
+__global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args p) {  // two blocks a multiprocessor
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  constexpr int kW = kPrepareThreads / 32, kLo64 = kRows * kPlane64;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<PreparePlanesSmem, DimsT> b(p, smem);
+  const DimsT& d = b.d;
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t base = b.rows;
+  const int tid = threadIdx.x;
+  const bool values = p.u != nullptr;  // the forward's (the backward recomputes W and K~ alone)
+  load_rows_split<kPrepareThreads>(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
+  if (values) load_rows_split<kPrepareThreads>(m.v, -1, static_cast<const __nv_bfloat16*>(p.v), p.hv, b.h, s, p.T);
+  wait_copies();
+  __syncthreads();
+  row_rnorms<kW>(m.rk, m.k, kPlaneRow);
+  __syncthreads();
+  // K~ = Kt K as planes, with K = k r_k as load_normalised forms it.
+  for (int idx = tid; idx < kRows * d.dk; idx += kPrepareThreads) {
+    const int i = idx / d.dk, c = idx % d.dk;
+    store_split(p.k_tilde + base * d.dk, d.dk, i, c, s.Kt[i] * (__bfloat162float(m.k[i * kPlaneRow + c]) * m.rk[i]));
+  }
+  if (tid == 0) p.gamma[b.chunk * p.hv + b.h] = s.gamma;
+  // A = strictly lower (diag(beta) K K^T * L).
+  plane_gemm<2, false, true, true, true, kW>(m.k, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
+                                             [&](int r, int c, float v) {
+                                               m.A[r * kPitch64 + c] =
+                                                   c < r ? s.beta[r] * (v * m.rk[r] * m.rk[c] * decay(s, r, c)) : 0.0f;
+                                             });
+  invert_unit_lower<kPrepareThreads>(m.Ai, m.A);
+  for (int idx = tid; idx < kRows * kRows / 2; idx += kPrepareThreads) {
+    const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
+    const float x0 = m.Ai[r * kPitch64 + c], x1 = m.Ai[r * kPitch64 + c + 1];
+    const float y0 = x0 * s.beta[c], y1 = x1 * s.beta[c + 1];
+    if (values) store_split2(m.pv + r * kPlane64 + c, kLo64, y0, y1);
+    store_split2(m.pk + r * kPlane64 + c, kLo64, y0 * (s.E[c] * m.rk[c]), y1 * (s.E[c + 1] * m.rk[c + 1]));
+  }
+  __syncthreads();
+  if (values) {
+    plane_gemm<4, false, false, true, false, kW>(m.pv, kPlane64, kLo64, m.v, kPlaneRow, 0, kRows, DimsT::dv, kRows,
+                                                 [&](int r, int c, float x) { p.u[(base + r) * d.dv + c] = x; });
+  }
+  plane_gemm<4, false, false, true, false, kW>(m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows,
+                                               [&](int r, int c, float x) {
+                                                 store_split(p.w + base * d.dk, d.dk, r, c, x);
+                                               });
 }
 
 // The recurrence across chunks (gdr::Recurrence), a block per 32 columns of a document's head:
@@ -1021,13 +1088,35 @@ __device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const 
   __syncthreads();
 }
 
-// build_qp's [P | E Q] split in place into planes at its pitch (200: ldmatrix rows 16-byte
-// aligned), for the plane kernels (kPlanes); the keys' region is free after it, and the planes are
-// read after the caller's next barrier.
+// build_qp's [P | E Q] for the plane kernels (kPlanes), split in place into planes at its pitch (200:
+// ldmatrix rows 16-byte aligned). Q K^T = diag(r_q s) (q k^T) diag(r_k) from q's and k's raw bfloat16
+// rows (exact: one product for block_gemm's six), which take the keys' region (`rows`, [2][64,
+// kPlaneRow]); rn [128] their rsqrt norms. `rows` is free after it, and the planes are read after the
+// caller's next barrier.
 template <typename DimsT>
-__device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, float* keys, const Info& s, const Args& p,
-                                                const DimsT& d, int h) {
-  build_qp<__nv_bfloat16, Mode::kTf32x3, DimsT>(QP, ldqp, keys, s, p, d, h);
+__device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows, float* rn, const Info& s,
+                                                const Args& p, const DimsT& d, int h) {
+  const int kh = h / (p.hv / p.hk);
+  auto* q = static_cast<__nv_bfloat16*>(rows);
+  auto* k = q + kRows * kPlaneRow;
+  const auto* q_in = static_cast<const __nv_bfloat16*>(p.q);
+  load_rows_split(q, -1, q_in, p.hk, kh, s, p.T);
+  load_rows_split(k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
+  load_normalised(QP + kRows, ldqp, rn, q_in, p.hk, kh, d.dk, d.pk, p.scale, s, p.T);  // Q, and r_q into rn
+  wait_copies();
+  __syncthreads();
+  row_rnorms(rn + kRows, k, kPlaneRow);
+  __syncthreads();
+  plane_gemm<2, false, true, true, true>(q, kPlaneRow, 0, k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
+                                         [&](int r, int c, float v) {
+                                           QP[r * ldqp + c] =
+                                               c <= r ? v * rn[r] * p.scale * rn[kRows + c] * decay(s, r, c) : 0.0f;
+                                         });
+  for (int idx = threadIdx.x; idx < kRows * d.pk; idx += kThreads) {  // E Q, beside the product's columns
+    const int i = idx / d.pk, c = idx % d.pk;
+    QP[i * ldqp + kRows + c] *= s.E[i];
+  }
+  __syncthreads();
   split_in_place(QP, ldqp);
   return reinterpret_cast<const __nv_bfloat16*>(QP);
 }
@@ -1074,13 +1163,15 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 // pitch of 200: ldmatrix rows 16-byte aligned), each column block of [v_new; h] as it loads.
 struct OutputPlanesSmem {
   Info* info;
-  float *QP, *X;  // QP [64, 200]; X: the keys [64, pk + 4], then [v_new; h]'s planes [2][64 + pk, 40]
+  float *QP, *X, *rn;  // QP [64, 200]; X: q's and k's raw rows [2][64, kPlaneRow] bfloat16, then
+                       // [v_new; h]'s planes [2][64 + pk, 40]; rn: q's and k's rsqrt norms [2][64]
   int ldqp;
   template <typename DimsT>
   __host__ __device__ OutputPlanesSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8) {
     info = c.take<Info>(1);
     QP = c.take<float>(kRows * ldqp);
-    X = c.take<float>(larger(kRows * (d.pk + 4), (kRows + d.pk) * kPlanePitch));
+    X = c.take<float>(larger(kRows * kPlaneRow, (kRows + d.pk) * kPlanePitch));
+    rn = c.take<float>(2 * kRows);
   }
 };
 
@@ -1095,7 +1186,7 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   Info& s = b.s;
   const int64_t head = b.head;
   const int h = b.h;
-  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, s, p, d, h);
+  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, m.rn, s, p, d, h);
   auto* x = reinterpret_cast<__nv_bfloat16*>(m.X);
   constexpr int kLo = (kRows + DimsT::pk) * kPlanePitch;
   auto* o = static_cast<__nv_bfloat16*>(p.o);
@@ -1117,13 +1208,15 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
 
 struct LocalSmem {
   Info* info;
-  float *QP, *X;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4], then d_o [64, pv + 8]
+  float *QP, *X, *rn;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4] (planes: q's and k's raw rows
+                       // [2][64, kPlaneRow] bfloat16), then d_o [64, pv + 8]; rn: (planes) q's and k's rsqrt norms
   int ldqp, ldo;
   template <typename DimsT>
   __host__ __device__ LocalSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8), ldo(d.pv + 8) {
     info = c.take<Info>(1);
     QP = c.take<float>(kRows * ldqp);
     X = c.take<float>(kRows * larger(d.pk + 4, ldo));
+    rn = c.take<float>(2 * kRows);
   }
 };
 
@@ -1159,8 +1252,8 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
   Info& s = b.s;
   const int64_t head = b.head;
   static_assert(kRows + DimsT::pk + 8 == 200 && DimsT::pv + 8 == kPlaneRow,
-                "LocalSmem's pitches: its planes take the bytes of its float32 tiles");
-  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, s, p, d, b.h);
+                "LocalSmem's pitches: its planes (and q's and k's raw rows) take the bytes of its float32 tiles");
+  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, m.rn, s, p, d, b.h);
   auto* d_o = reinterpret_cast<__nv_bfloat16*>(m.X);
   load_rows_split(d_o, kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
   wait_copies();
@@ -1783,7 +1876,11 @@ void fused(Fused& f, bool backward) {
   SideStream prepare_stream(backward);
   {
     const c10::cuda::CUDAStreamGuard on(prepare_stream.stream());
-    launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
+    if constexpr (kPlanes<kMode, DimsT>) {
+      launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT>, grid, d, a);
+    } else {
+      launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
+    }
   }
   if (!backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
