@@ -214,6 +214,10 @@ MUTATIONS = (
              "(of i) instead of the column's (of j), so U and W take beta of the wrong token",
              "cc/ops/gated_delta_rule.cu", "y0 = x0 * s.beta[c], y1 = x1 * s.beta[c + 1];",
              "y0 = x0 * s.beta[r], y1 = x1 * s.beta[r];", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_wy_raw_rk_by_row", "wy_grads on planes: K K^T from k's raw rows with both norms taken "
+             "from the row (r_k of i, twice)", "cc/ops/gated_delta_rule.cu",
+             "gram(r, c, val * m.rk[r] * m.rk[c]);", "gram(r, c, val * m.rk[r] * m.rk[r]);", DELTA_RULE_CUDA,
+             cuda=True),
     Mutation("delta_rule_qp_raw_rk_by_row", "[P | E Q]'s Q K^T from the raw rows (output and local_grads): k's norm "
              "taken from the row (of i) instead of the column (of j)", "cc/ops/gated_delta_rule.cu",
              "p.scale * rn[kRows + c]", "p.scale * rn[kRows + r]", DELTA_RULE_CUDA, cuda=True),

@@ -16,8 +16,8 @@
 // cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
 // bfloat16 the recurrence, output, local_grads and state_grads take their operands as bf16 hi / lo
 // planes through ldmatrix (kPlanes), and intra_grads runs as two kernels on planes (intra_dpl,
-// intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows; so do prepare's K K^T and
-// the output's and local_grads' Q K^T (one exact product, the norms applied after it).
+// intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows; so do prepare's and wy_grads'
+// K K^T and the output's and local_grads' Q K^T (one exact product, the norms applied after it).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -291,6 +291,11 @@ __device__ __forceinline__ void copy16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::); }
+// Every copy but the last group's (those issued since the last commit_copies()): the tiles a product
+// needs first in, while later ones still load.
+__device__ __forceinline__ void wait_copies_but_last() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 1;\n" ::);
+}
 
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -1644,16 +1649,31 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* v = static_cast<const T*>(p.v);
   T* dv = static_cast<T*>(p.dv_out);
+  // kPlanes: k's raw rows in Ai's bytes until the inverse writes it, for K K^T = diag(r_k) (k k^T)
+  // diag(r_k) as one exact product (as prepare_planes_kernel), loaded first.
+  auto* k_rows = reinterpret_cast<__nv_bfloat16*>(m.Ai);
+  if constexpr (kPlanes<kMode, DimsT>) {
+    static_assert(2 * kPitch64 == kPlaneRow, "k's raw rows take Ai's bytes");
+    load_rows_split(k_rows, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
+    commit_copies();
+  }
   load_block(m.R, m.ldx, p.dv_new + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
   load_block(m.R + d.pv, m.ldx, p.dw + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   load_normalised(m.K, m.ldk, m.rk, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
   load_rows(m.X, m.ldx, v, p.hv, h, d.dv, d.pv, s.beta, s, p.T);
+  if constexpr (kPlanes<kMode, DimsT>) wait_copies_but_last();
   __syncthreads();
-  block_gemm<2, false, true, kMode>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, d.dk, [&](int r, int c, float val) {
+  const auto gram = [&](int r, int c, float val) {
     const float kkl = c < r ? val * decay(s, r, c) : 0.0f;
     m.KKL[r * kPitch64 + c] = kkl;
     m.A[r * kPitch64 + c] = s.beta[r] * kkl;
-  });
+  };
+  if constexpr (kPlanes<kMode, DimsT>) {
+    plane_gemm<2, false, true, true, true>(k_rows, kPlaneRow, 0, k_rows, kPlaneRow, 0, kRows, kRows, DimsT::dk,
+                                           [&](int r, int c, float val) { gram(r, c, val * m.rk[r] * m.rk[c]); });
+  } else {
+    block_gemm<2, false, true, kMode>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, d.dk, gram);
+  }
   for (int idx = tid; idx < kRows * d.pk; idx += kThreads) {
     const int i = idx / d.pk, c = idx % d.pk;
     m.X[i * m.ldx + d.pv + c] = s.beta[i] * s.E[i] * m.K[i * m.ldk + c];
