@@ -206,14 +206,6 @@ MUTATIONS = (
     Mutation("delta_rule_intra_planes_rk_by_row", "intra_grads on planes: dPL's planes for q's gradient scaled by "
              "the row's key norm (r_k of i) instead of the column's (of j)", "cc/ops/gated_delta_rule.cu",
              "x0 * m.rk[c], x1 * m.rk[c + 1]);", "x0 * m.rk[r], x1 * m.rk[r]);", DELTA_RULE_CUDA, cuda=True),
-    Mutation("delta_rule_prepare_raw_rk_by_row", "prepare on planes: K K^T from k's raw rows with both norms taken "
-             "from the row (r_k of i, twice) instead of the row's and the column's", "cc/ops/gated_delta_rule.cu",
-             "v * m.rk[r] * m.rk[c] * decay(s, r, c)", "v * m.rk[r] * m.rk[r] * decay(s, r, c)", DELTA_RULE_CUDA,
-             cuda=True),
-    Mutation("delta_rule_prepare_planes_beta_by_row", "prepare on planes: Ai's columns scaled by the row's beta "
-             "(of i) instead of the column's (of j), so U and W take beta of the wrong token",
-             "cc/ops/gated_delta_rule.cu", "y0 = x0 * s.beta[c], y1 = x1 * s.beta[c + 1];",
-             "y0 = x0 * s.beta[r], y1 = x1 * s.beta[r];", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_wy_raw_rk_by_row", "wy_grads on planes: K K^T from k's raw rows with both norms taken "
              "from the row (r_k of i, twice)", "cc/ops/gated_delta_rule.cu",
              "gram(r, c, val * m.rk[r] * m.rk[c]);", "gram(r, c, val * m.rk[r] * m.rk[r]);", DELTA_RULE_CUDA,

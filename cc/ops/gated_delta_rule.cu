@@ -16,8 +16,8 @@
 // cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
 // bfloat16 the recurrence, output, local_grads and state_grads take their operands as bf16 hi / lo
 // planes through ldmatrix (kPlanes), and intra_grads runs as two kernels on planes (intra_dpl,
-// intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows; so do prepare's and wy_grads'
-// K K^T and the output's and local_grads' Q K^T (one exact product, the norms applied after it).
+// intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows; so do wy_grads' K K^T and the
+// output's and local_grads' Q K^T (one exact product, the norms applied after it).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -466,7 +466,6 @@ __device__ __forceinline__ void forward_substitution(float (&x)[kRows], const fl
 // holds C L0^-1); its lower triangle stays. Every thread calls it; it synchronises before and after.
 // (The first version, a column's 64-step substitution a thread, one of them from local memory:
 // wy_grads 2.87 ms at 8,192 tokens against 1.85 with this.)
-template <int Threads = kThreads>
 __device__ void invert_unit_lower(float* Ai, float* A) {
   constexpr int ld = kPitch64, kDiag = 16;
   const int tid = threadIdx.x;
@@ -484,7 +483,7 @@ __device__ void invert_unit_lower(float* Ai, float* A) {
 #pragma unroll
     for (int r = 0; r < kDiag; ++r) Ai[(b + r) * ld + b + c] = x[r];
   }
-  for (int e = tid; e < kRows * kRows; e += Threads) {  // zero above the diagonal blocks
+  for (int e = tid; e < kRows * kRows; e += kThreads) {  // zero above the diagonal blocks
     const int r = e / kRows, c = e % kRows;
     if (c / kDiag > r / kDiag) Ai[r * ld + c] = 0.0f;
   }
@@ -492,14 +491,14 @@ __device__ void invert_unit_lower(float* Ai, float* A) {
 #pragma unroll
   for (int s = kDiag; s < kRows; s *= 2) {
     const int n = kRows / 2 * s;  // the elements of the blocks below pairs: (64 / 2s) pairs of s x s
-    for (int e = tid; e < n; e += Threads) {  // A[lo + i][hi + j] = (C L0^-1)_ij
+    for (int e = tid; e < n; e += kThreads) {  // A[lo + i][hi + j] = (C L0^-1)_ij
       const int lo = e / (s * s) * 2 * s, hi = lo + s, i = e / s % s, j = e % s;
       float acc = 0.0f;
       for (int k = 0; k < s; ++k) acc = fmaf(A[(hi + i) * ld + lo + k], Ai[(lo + k) * ld + lo + j], acc);
       A[(lo + i) * ld + hi + j] = acc;
     }
     __syncthreads();
-    for (int e = tid; e < n; e += Threads) {  // Ai[hi + i][lo + j] = -(L1^-1 C L0^-1)_ij
+    for (int e = tid; e < n; e += kThreads) {  // Ai[hi + i][lo + j] = -(L1^-1 C L0^-1)_ij
       const int lo = e / (s * s) * 2 * s, hi = lo + s, i = e / s % s, j = e % s;
       float acc = 0.0f;
       for (int k = 0; k < s; ++k) acc = fmaf(Ai[(hi + i) * ld + hi + k], A[(lo + k) * ld + hi + j], acc);
@@ -561,15 +560,14 @@ constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 
 // [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
 // takes 16 x 8 NT tiles of C in turn (NT even) and hands every element of C to epi(row, col, value)
 // once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
-// zero, not read), two products for three; kAExact likewise for A; both, one product. Warps: the
-// block's (prepare's 8).
-template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, int Warps = kWarps, typename Epi>
+// zero, not read), two products for three; kAExact likewise for A; both, one product.
+template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, typename Epi>
 __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
                                            int b_lo, int M, int N, int K, Epi&& epi) {
   static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int ngroups = N / (8 * NT);
-  for (int tile = warp; tile < M / 16 * ngroups; tile += Warps) {
+  for (int tile = warp; tile < M / 16 * ngroups; tile += kWarps) {
     const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
     float acc[NT][4] = {}, cross[NT][4] = {};
 #pragma unroll 4
@@ -664,12 +662,11 @@ __device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* sr
 // The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
 // the values, lo zero (bfloat16 is exact in hi); zero rows for padding slots. lo_off < 0: the hi
 // plane alone (for plane_gemm's kAExact / kBExact, which do not read lo).
-template <int Threads = kThreads>
 __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
                                                 int head, const Info& s, int64_t T_) {
   constexpr int kPieces = 128 / 8;  // 16 bytes each
   const bool vec = aligned16(x);
-  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += Threads) {
+  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += kThreads) {
     const int i = idx / kPieces, c = idx % kPieces * 8;
     const int64_t tok = s.slot[i];
     __nv_bfloat16* at = dst + i * kPlaneRow + c;
@@ -683,10 +680,9 @@ __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, 
 
 // rnorm[i] = rsqrt(|x_i|^2 + 1e-6) of the 64 rows of 128 bfloat16 values at x (pitch ld), a warp a
 // row at a time: the sums in load_normalised's order, so the same values.
-template <int Warps = kWarps>
 __device__ __forceinline__ void row_rnorms(float* rnorm, const __nv_bfloat16* x, int ld) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = warp; i < kRows; i += Warps) {
+  for (int i = warp; i < kRows; i += kWarps) {
     float ss = 0.0f;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -732,10 +728,9 @@ struct PrepareSmem {
 };
 
 // U, W (= (I + A)^-1 [beta V | beta E K]), Kt = exp(G_63 - G) K and gamma for one chunk and head
-// (U not when p.u is null: the backward's recomputation). Not for kPlanes: prepare_planes_kernel.
+// (U not when p.u is null: the backward's recomputation).
 template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
-  static_assert(!kPlanes<kMode, DimsT>, "prepare_planes_kernel");
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkBlock<PrepareSmem, DimsT> b(p, smem);
   const DimsT& d = b.d;
@@ -749,7 +744,9 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   __syncthreads();
   for (int idx = tid; idx < kRows * d.dk; idx += kPrepareThreads) {
     const int i = idx / d.dk, c = idx % d.dk;
-    p.k_tilde[(base + i) * d.dk + c] = s.Kt[i] * K[i * m.ldr + c];
+    const float x = s.Kt[i] * K[i * m.ldr + c];
+    if constexpr (kPlanes<kMode, DimsT>) store_split(p.k_tilde + base * d.dk, d.dk, i, c, x);
+    else p.k_tilde[(base + i) * d.dk + c] = x;
   }
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
   block_gemm<2, false, true, kMode, kPrepareThreads>(K, m.ldr, K, m.ldr, kRows, kRows, d.dk,
@@ -772,82 +769,15 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 #pragma unroll
   for (int i = 0; i < kRows; ++i) x[i] = m.R[i * m.ldr + col];
   forward_substitution(x, m.A, kPitch64);
+  if (kPlanes<kMode, DimsT> && !value) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) store_split(p.w + base * d.dk, d.dk, i, tid - d.dv, x[i]);
+    return;
+  }
   float* out = value ? p.u + base * d.dv + tid : p.w + base * d.dk + (tid - d.dv);
   const int stride = value ? d.dv : d.dk;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) out[i * stride] = x[i];
-}
-
-// prepare at Qwen3.5's widths in bfloat16 (kPlanes), on tensor cores where prepare_kernel's forward
-// substitution took a thread a column of [U | W] on the FP32 units (46% of its instructions, ncu
-// 2026-12-03): k's and v's raw bfloat16 rows; K K^T = diag(r_k) (k k^T) diag(r_k) as one exact product;
-// Ai = (I + A)^-1 by blocks (invert_unit_lower); then U = (Ai diag(beta)) v and
-// W = (Ai diag(beta E r_k)) k, each Ai's scaled planes times the raw rows (two products). Writes
-// W and K~ as planes (the recurrence reads them so).
-struct PreparePlanesSmem {
-  Info* info;
-  float *A, *Ai, *rk;                // [64, 68] each; k's rsqrt norms
-  __nv_bfloat16 *k, *v, *pv, *pk;    // raw rows [64, kPlaneRow]; Ai diag(beta), Ai diag(beta E r_k): planes [2][64, 72]
-  template <typename DimsT>
-  __host__ __device__ PreparePlanesSmem(Carve& c, const DimsT&) {
-    info = c.take<Info>(1);
-    A = c.take<float>(kRows * kPitch64);
-    Ai = c.take<float>(kRows * kPitch64);
-    rk = c.take<float>(kRows);
-    k = c.take<__nv_bfloat16>(kRows * kPlaneRow);
-    v = c.take<__nv_bfloat16>(kRows * kPlaneRow);
-    pv = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
-    pk = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
-  }
-};
-
-template <typename DimsT>
-__global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args p) {  // two blocks a multiprocessor
-  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
-  constexpr int kW = kPrepareThreads / 32, kLo64 = kRows * kPlane64;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<PreparePlanesSmem, DimsT> b(p, smem);
-  const DimsT& d = b.d;
-  const auto& m = b.m;
-  Info& s = b.s;
-  const int64_t base = b.rows;
-  const int tid = threadIdx.x;
-  const bool values = p.u != nullptr;  // the forward's (the backward recomputes W and K~ alone)
-  load_rows_split<kPrepareThreads>(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
-  if (values) load_rows_split<kPrepareThreads>(m.v, -1, static_cast<const __nv_bfloat16*>(p.v), p.hv, b.h, s, p.T);
-  wait_copies();
-  __syncthreads();
-  row_rnorms<kW>(m.rk, m.k, kPlaneRow);
-  __syncthreads();
-  // K~ = Kt K as planes, with K = k r_k as load_normalised forms it.
-  for (int idx = tid; idx < kRows * d.dk; idx += kPrepareThreads) {
-    const int i = idx / d.dk, c = idx % d.dk;
-    store_split(p.k_tilde + base * d.dk, d.dk, i, c, s.Kt[i] * (__bfloat162float(m.k[i * kPlaneRow + c]) * m.rk[i]));
-  }
-  if (tid == 0) p.gamma[b.chunk * p.hv + b.h] = s.gamma;
-  // A = strictly lower (diag(beta) K K^T * L).
-  plane_gemm<2, false, true, true, true, kW>(m.k, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
-                                             [&](int r, int c, float v) {
-                                               m.A[r * kPitch64 + c] =
-                                                   c < r ? s.beta[r] * (v * m.rk[r] * m.rk[c] * decay(s, r, c)) : 0.0f;
-                                             });
-  invert_unit_lower<kPrepareThreads>(m.Ai, m.A);
-  for (int idx = tid; idx < kRows * kRows / 2; idx += kPrepareThreads) {
-    const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
-    const float x0 = m.Ai[r * kPitch64 + c], x1 = m.Ai[r * kPitch64 + c + 1];
-    const float y0 = x0 * s.beta[c], y1 = x1 * s.beta[c + 1];
-    if (values) store_split2(m.pv + r * kPlane64 + c, kLo64, y0, y1);
-    store_split2(m.pk + r * kPlane64 + c, kLo64, y0 * (s.E[c] * m.rk[c]), y1 * (s.E[c + 1] * m.rk[c + 1]));
-  }
-  __syncthreads();
-  if (values) {
-    plane_gemm<4, false, false, true, false, kW>(m.pv, kPlane64, kLo64, m.v, kPlaneRow, 0, kRows, DimsT::dv, kRows,
-                                                 [&](int r, int c, float x) { p.u[(base + r) * d.dv + c] = x; });
-  }
-  plane_gemm<4, false, false, true, false, kW>(m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows,
-                                               [&](int r, int c, float x) {
-                                                 store_split(p.w + base * d.dk, d.dk, r, c, x);
-                                               });
 }
 
 // The recurrence across chunks (gdr::Recurrence), a block per 32 columns of a document's head:
@@ -1650,7 +1580,7 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   const T* v = static_cast<const T*>(p.v);
   T* dv = static_cast<T*>(p.dv_out);
   // kPlanes: k's raw rows in Ai's bytes until the inverse writes it, for K K^T = diag(r_k) (k k^T)
-  // diag(r_k) as one exact product (as prepare_planes_kernel), loaded first.
+  // diag(r_k) as one exact product (as build_qp_planes' Q K^T), loaded first.
   auto* k_rows = reinterpret_cast<__nv_bfloat16*>(m.Ai);
   if constexpr (kPlanes<kMode, DimsT>) {
     static_assert(2 * kPitch64 == kPlaneRow, "k's raw rows take Ai's bytes");
@@ -1896,11 +1826,7 @@ void fused(Fused& f, bool backward) {
   SideStream prepare_stream(backward);
   {
     const c10::cuda::CUDAStreamGuard on(prepare_stream.stream());
-    if constexpr (kPlanes<kMode, DimsT>) {
-      launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT>, grid, d, a);
-    } else {
-      launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
-    }
+    launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
   }
   if (!backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
