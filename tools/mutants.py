@@ -206,6 +206,13 @@ MUTATIONS = (
     Mutation("delta_rule_intra_planes_rk_by_row", "intra_grads on planes: dPL's planes for q's gradient scaled by "
              "the row's key norm (r_k of i) instead of the column's (of j)", "cc/ops/gated_delta_rule.cu",
              "x0 * m.rk[c], x1 * m.rk[c + 1]);", "x0 * m.rk[r], x1 * m.rk[r]);", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_wy_raw_rk_by_row", "wy_grads on planes: K K^T from k's raw rows with both norms taken "
+             "from the row (r_k of i, twice)", "cc/ops/gated_delta_rule.cu",
+             "gram(r, c, val * m.rk[r] * m.rk[c]);", "gram(r, c, val * m.rk[r] * m.rk[r]);", DELTA_RULE_CUDA,
+             cuda=True),
+    Mutation("delta_rule_qp_raw_rk_by_row", "[P | E Q]'s Q K^T from the raw rows (output and local_grads): k's norm "
+             "taken from the row (of i) instead of the column (of j)", "cc/ops/gated_delta_rule.cu",
+             "p.scale * rn[kRows + c]", "p.scale * rn[kRows + r]", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_h_rows", "the output's h planes loaded over v_new's rows (offset 0, not 64)",
              "cc/ops/gated_delta_rule.cu", "load_split<kCols>(x + kRows * kPlanePitch, p.h + head",
              "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),

@@ -16,7 +16,8 @@
 // cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
 // bfloat16 the recurrence, output, local_grads and state_grads take their operands as bf16 hi / lo
 // planes through ldmatrix (kPlanes), and intra_grads runs as two kernels on planes (intra_dpl,
-// intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows.
+// intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows; so do wy_grads' K K^T and the
+// output's and local_grads' Q K^T (one exact product, the norms applied after it).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -290,6 +291,11 @@ __device__ __forceinline__ void copy16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::); }
+// Every copy but the last group's (those issued since the last commit_copies()): the tiles a product
+// needs first in, while later ones still load.
+__device__ __forceinline__ void wait_copies_but_last() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 1;\n" ::);
+}
 
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -529,6 +535,184 @@ __device__ float block_sum(float x, float* scratch) {
   return total;
 }
 
+// ---- Products from planes (kPlanes) ---------------------------------------------------------------
+
+// hi and lo of (x0, x1) at p and p + lo_offset (bfloat16 elements), a pair of columns each.
+__device__ __forceinline__ void store_split2(__nv_bfloat16* p, int lo_offset, float x0, float x1) {
+  const uint32_t hi = pack2<__nv_bfloat16>(x0, x1);
+  const float2 h = unpack2<__nv_bfloat16>(hi);
+  *reinterpret_cast<uint32_t*>(p) = hi;
+  *reinterpret_cast<uint32_t*>(p + lo_offset) = pack2<__nv_bfloat16>(x0 - h.x, x1 - h.y);
+}
+
+// acc += A B and cross += the split's cross terms, for a 16 x 8 tile: A's fragments (hi, lo) and B's.
+__device__ __forceinline__ void mma_bf16x3(float (&acc)[4], float (&cross)[4], const uint32_t (&ah)[4],
+                                           const uint32_t (&al)[4], const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+  mma16816<__nv_bfloat16>(cross, ah, bl);
+  mma16816<__nv_bfloat16>(cross, al, bh);
+  mma16816<__nv_bfloat16>(acc, ah, bh);
+}
+
+constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
+constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 bytes apart in the banks
+
+// C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
+// [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
+// takes 16 x 8 NT tiles of C in turn (NT even) and hands every element of C to epi(row, col, value)
+// once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
+// zero, not read), two products for three; kAExact likewise for A; both, one product.
+template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, typename Epi>
+__device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
+                                           int b_lo, int M, int N, int K, Epi&& epi) {
+  static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int ngroups = N / (8 * NT);
+  for (int tile = warp; tile < M / 16 * ngroups; tile += kWarps) {
+    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
+    float acc[NT][4] = {}, cross[NT][4] = {};
+#pragma unroll 4
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      uint32_t ah[4], al[4] = {};
+      if constexpr (kTA) {
+        const int a_at = (k0 + lane % 8 + lane / 16 * 8) * lda + m0 + lane / 8 % 2 * 8;
+        ldsm_x4_t(ah, A + a_at);
+        if constexpr (!kAExact) ldsm_x4_t(al, A + a_lo + a_at);
+      } else {
+        const int a_at = (m0 + lane % 16) * lda + k0 + lane / 16 * 8;
+        ldsm_x4(ah, A + a_at);
+        if constexpr (!kAExact) ldsm_x4(al, A + a_lo + a_at);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        uint32_t bh[4], bl[4] = {};
+        if constexpr (kTB) {
+          const int b_at = (n0 + 8 * j + lane / 16 * 8 + lane % 8) * ldb + k0 + lane / 8 % 2 * 8;
+          ldsm_x4(bh, B + b_at);
+          if constexpr (!kBExact) ldsm_x4(bl, B + b_lo + b_at);
+        } else {
+          const int b_at = (k0 + lane % 16) * ldb + n0 + 8 * j + lane / 16 * 8;
+          ldsm_x4_t(bh, B + b_at);
+          if constexpr (!kBExact) ldsm_x4_t(bl, B + b_lo + b_at);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // n-tiles j and j + 1
+          const uint32_t bhh[2] = {bh[2 * half], bh[2 * half + 1]}, blh[2] = {bl[2 * half], bl[2 * half + 1]};
+          if constexpr (kAExact && kBExact) {
+            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
+          } else if constexpr (kAExact) {
+            mma16816<__nv_bfloat16>(cross[j + half], ah, blh);
+            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
+          } else if constexpr (kBExact) {
+            mma16816<__nv_bfloat16>(cross[j + half], al, bhh);
+            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
+          } else {
+            mma_bf16x3(acc[j + half], cross[j + half], ah, al, bhh, blh);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t + e % 2, acc[j][e] + cross[j][e]);
+    }
+  }
+}
+
+// Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src0 (row stride `stride`, rows
+// 16-byte aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time,
+// four loads of each in flight; returns this thread's share of <src0, src1> (float32 products),
+// where src1 is given.
+template <int kWidth = 128>
+__device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
+                                            const float* src1, int rows, int lo_off, int ld = kPlaneRow,
+                                            int64_t stride = kWidth) {
+  constexpr int kQuads = kWidth / 4;
+  float dot = 0.0f;
+  const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
+    __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
+    store_split2(at, lo_off, v.x, v.y);
+    store_split2(at + 2, lo_off, v.z, v.w);
+  };
+  for (int i0 = threadIdx.x; i0 < rows * kQuads; i0 += 4 * kThreads) {
+    float4 a[4], b[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads;
+      if (idx < rows * kQuads) {
+        const int64_t at = idx / kQuads * stride + idx % kQuads * 4;
+        a[u] = *reinterpret_cast<const float4*>(src0 + at);
+        if (src1 != nullptr) b[u] = *reinterpret_cast<const float4*>(src1 + at);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int idx = i0 + u * kThreads;
+      if (idx >= rows * kQuads) continue;
+      put(dst0, idx, a[u]);
+      if (src1 != nullptr) {
+        put(dst1, idx, b[u]);
+        dot += a[u].x * b[u].x + a[u].y * b[u].y + a[u].z * b[u].z + a[u].w * b[u].w;
+      }
+    }
+  }
+  return dot;
+}
+
+// The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
+// the values, lo zero (bfloat16 is exact in hi); zero rows for padding slots. lo_off < 0: the hi
+// plane alone (for plane_gemm's kAExact / kBExact, which do not read lo).
+__device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
+                                                int head, const Info& s, int64_t T_) {
+  constexpr int kPieces = 128 / 8;  // 16 bytes each
+  const bool vec = aligned16(x);
+  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += kThreads) {
+    const int i = idx / kPieces, c = idx % kPieces * 8;
+    const int64_t tok = s.slot[i];
+    __nv_bfloat16* at = dst + i * kPlaneRow + c;
+    const __nv_bfloat16* src = x + (tok * heads + head) * 128 + c;
+    if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+    else if (vec) copy16(at, src);
+    else for (int j = 0; j < 8; ++j) at[j] = src[j];
+    if (lo_off >= 0) *reinterpret_cast<uint4*>(at + lo_off) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// rnorm[i] = rsqrt(|x_i|^2 + 1e-6) of the 64 rows of 128 bfloat16 values at x (pitch ld), a warp a
+// row at a time: the sums in load_normalised's order, so the same values.
+__device__ __forceinline__ void row_rnorms(float* rnorm, const __nv_bfloat16* x, int ld) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = warp; i < kRows; i += kWarps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const float v = __bfloat162float(x[i * ld + lane + 32 * m]);
+      ss += v * v;
+    }
+    const float r = rsqrtf(warp_sum(ss) + 1e-6f);
+    if (lane == 0) rnorm[i] = r;
+  }
+}
+
+// QP [64, ldqp] float32 (columns 0..191) as planes in its own storage (hi [64, ldqp], then lo):
+// every value read before any is written.
+__device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
+  constexpr int kPairs = kRows * (kRows + 128) / 2 / kThreads;
+  float2 v[kPairs];
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    v[u] = *reinterpret_cast<const float2*>(QP + r * ldqp + c);
+  }
+  __syncthreads();
+  auto* planes = reinterpret_cast<__nv_bfloat16*>(QP);
+#pragma unroll
+  for (int u = 0; u < kPairs; ++u) {
+    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
+    store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);
+  }
+}
+
 // ---- Forward ---------------------------------------------------------------------------------------
 
 struct PrepareSmem {
@@ -713,22 +897,6 @@ struct PlanesSmem {
   }
 };
 
-// hi and lo of (x0, x1) at p and p + lo_offset (bfloat16 elements), a pair of columns each.
-__device__ __forceinline__ void store_split2(__nv_bfloat16* p, int lo_offset, float x0, float x1) {
-  const uint32_t hi = pack2<__nv_bfloat16>(x0, x1);
-  const float2 h = unpack2<__nv_bfloat16>(hi);
-  *reinterpret_cast<uint32_t*>(p) = hi;
-  *reinterpret_cast<uint32_t*>(p + lo_offset) = pack2<__nv_bfloat16>(x0 - h.x, x1 - h.y);
-}
-
-// acc += A B and cross += the split's cross terms, for a 16 x 8 tile: A's fragments (hi, lo) and B's.
-__device__ __forceinline__ void mma_bf16x3(float (&acc)[4], float (&cross)[4], const uint32_t (&ah)[4],
-                                           const uint32_t (&al)[4], const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
-  mma16816<__nv_bfloat16>(cross, ah, bl);
-  mma16816<__nv_bfloat16>(cross, al, bh);
-  mma16816<__nv_bfloat16>(acc, ah, bh);
-}
-
 // x = base + sign_a a S, then S = decay S + add + sign_b b^T x, as recurrence_kernel, 16 warps: the
 // first product a warp a 16 x 8 tile of x [64, 32] (K = pk), the second a 16 x 16 tile of S [pk, 32]
 // (K = 64), which that warp's lanes keep in float32 from chunk to chunk.
@@ -835,167 +1003,6 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   });
 }
 
-// ---- Products from planes (kPlanes) ---------------------------------------------------------------
-
-constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
-
-// C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
-// [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
-// takes 16 x 8 NT tiles of C in turn (NT even) and hands every element of C to epi(row, col, value)
-// once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
-// zero, not read), two products for three; kAExact likewise for A; both, one product.
-template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, typename Epi>
-__device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
-                                           int b_lo, int M, int N, int K, Epi&& epi) {
-  static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int ngroups = N / (8 * NT);
-  for (int tile = warp; tile < M / 16 * ngroups; tile += kWarps) {
-    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
-    float acc[NT][4] = {}, cross[NT][4] = {};
-#pragma unroll 4
-    for (int k0 = 0; k0 < K; k0 += 16) {
-      uint32_t ah[4], al[4] = {};
-      if constexpr (kTA) {
-        const int a_at = (k0 + lane % 8 + lane / 16 * 8) * lda + m0 + lane / 8 % 2 * 8;
-        ldsm_x4_t(ah, A + a_at);
-        if constexpr (!kAExact) ldsm_x4_t(al, A + a_lo + a_at);
-      } else {
-        const int a_at = (m0 + lane % 16) * lda + k0 + lane / 16 * 8;
-        ldsm_x4(ah, A + a_at);
-        if constexpr (!kAExact) ldsm_x4(al, A + a_lo + a_at);
-      }
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) {
-        uint32_t bh[4], bl[4] = {};
-        if constexpr (kTB) {
-          const int b_at = (n0 + 8 * j + lane / 16 * 8 + lane % 8) * ldb + k0 + lane / 8 % 2 * 8;
-          ldsm_x4(bh, B + b_at);
-          if constexpr (!kBExact) ldsm_x4(bl, B + b_lo + b_at);
-        } else {
-          const int b_at = (k0 + lane % 16) * ldb + n0 + 8 * j + lane / 16 * 8;
-          ldsm_x4_t(bh, B + b_at);
-          if constexpr (!kBExact) ldsm_x4_t(bl, B + b_lo + b_at);
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // n-tiles j and j + 1
-          const uint32_t bhh[2] = {bh[2 * half], bh[2 * half + 1]}, blh[2] = {bl[2 * half], bl[2 * half + 1]};
-          if constexpr (kAExact && kBExact) {
-            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
-          } else if constexpr (kAExact) {
-            mma16816<__nv_bfloat16>(cross[j + half], ah, blh);
-            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
-          } else if constexpr (kBExact) {
-            mma16816<__nv_bfloat16>(cross[j + half], al, bhh);
-            mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
-          } else {
-            mma_bf16x3(acc[j + half], cross[j + half], ah, al, bhh, blh);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t + e % 2, acc[j][e] + cross[j][e]);
-    }
-  }
-}
-
-// Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src0 (row stride `stride`, rows
-// 16-byte aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time,
-// four loads of each in flight; returns this thread's share of <src0, src1> (float32 products),
-// where src1 is given.
-template <int kWidth = 128>
-__device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
-                                            const float* src1, int rows, int lo_off, int ld = kPlaneRow,
-                                            int64_t stride = kWidth) {
-  constexpr int kQuads = kWidth / 4;
-  float dot = 0.0f;
-  const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
-    __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
-    store_split2(at, lo_off, v.x, v.y);
-    store_split2(at + 2, lo_off, v.z, v.w);
-  };
-  for (int i0 = threadIdx.x; i0 < rows * kQuads; i0 += 4 * kThreads) {
-    float4 a[4], b[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads;
-      if (idx < rows * kQuads) {
-        const int64_t at = idx / kQuads * stride + idx % kQuads * 4;
-        a[u] = *reinterpret_cast<const float4*>(src0 + at);
-        if (src1 != nullptr) b[u] = *reinterpret_cast<const float4*>(src1 + at);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads;
-      if (idx >= rows * kQuads) continue;
-      put(dst0, idx, a[u]);
-      if (src1 != nullptr) {
-        put(dst1, idx, b[u]);
-        dot += a[u].x * b[u].x + a[u].y * b[u].y + a[u].z * b[u].z + a[u].w * b[u].w;
-      }
-    }
-  }
-  return dot;
-}
-
-// The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
-// the values, lo zero (bfloat16 is exact in hi); zero rows for padding slots. lo_off < 0: the hi
-// plane alone (for plane_gemm's kAExact / kBExact, which do not read lo).
-__device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
-                                                int head, const Info& s, int64_t T_) {
-  constexpr int kPieces = 128 / 8;  // 16 bytes each
-  const bool vec = aligned16(x);
-  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += kThreads) {
-    const int i = idx / kPieces, c = idx % kPieces * 8;
-    const int64_t tok = s.slot[i];
-    __nv_bfloat16* at = dst + i * kPlaneRow + c;
-    const __nv_bfloat16* src = x + (tok * heads + head) * 128 + c;
-    if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
-    else if (vec) copy16(at, src);
-    else for (int j = 0; j < 8; ++j) at[j] = src[j];
-    if (lo_off >= 0) *reinterpret_cast<uint4*>(at + lo_off) = make_uint4(0, 0, 0, 0);
-  }
-}
-
-// rnorm[i] = rsqrt(|x_i|^2 + 1e-6) of the 64 rows of 128 bfloat16 values at x (pitch ld), a warp a
-// row at a time: the sums in load_normalised's order, so the same values.
-__device__ __forceinline__ void row_rnorms(float* rnorm, const __nv_bfloat16* x, int ld) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = warp; i < kRows; i += kWarps) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const float v = __bfloat162float(x[i * ld + lane + 32 * m]);
-      ss += v * v;
-    }
-    const float r = rsqrtf(warp_sum(ss) + 1e-6f);
-    if (lane == 0) rnorm[i] = r;
-  }
-}
-
-// QP [64, ldqp] float32 (columns 0..191) as planes in its own storage (hi [64, ldqp], then lo):
-// every value read before any is written.
-__device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
-  constexpr int kPairs = kRows * (kRows + 128) / 2 / kThreads;
-  float2 v[kPairs];
-#pragma unroll
-  for (int u = 0; u < kPairs; ++u) {
-    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
-    v[u] = *reinterpret_cast<const float2*>(QP + r * ldqp + c);
-  }
-  __syncthreads();
-  auto* planes = reinterpret_cast<__nv_bfloat16*>(QP);
-#pragma unroll
-  for (int u = 0; u < kPairs; ++u) {
-    const int idx = threadIdx.x + u * kThreads, r = idx / ((kRows + 128) / 2), c = idx % ((kRows + 128) / 2) * 2;
-    store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);
-  }
-}
-
 // P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
 // from the chunk's queries and keys (K into `keys`, pitch pk + 4). Used by the output and
 // local_grads kernels; QP's pitch suits each one's product.
@@ -1016,13 +1023,35 @@ __device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const 
   __syncthreads();
 }
 
-// build_qp's [P | E Q] split in place into planes at its pitch (200: ldmatrix rows 16-byte
-// aligned), for the plane kernels (kPlanes); the keys' region is free after it, and the planes are
-// read after the caller's next barrier.
+// build_qp's [P | E Q] for the plane kernels (kPlanes), split in place into planes at its pitch (200:
+// ldmatrix rows 16-byte aligned). Q K^T = diag(r_q s) (q k^T) diag(r_k) from q's and k's raw bfloat16
+// rows (exact: one product for block_gemm's six), which take the keys' region (`rows`, [2][64,
+// kPlaneRow]); rn [128] their rsqrt norms. `rows` is free after it, and the planes are read after the
+// caller's next barrier.
 template <typename DimsT>
-__device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, float* keys, const Info& s, const Args& p,
-                                                const DimsT& d, int h) {
-  build_qp<__nv_bfloat16, Mode::kTf32x3, DimsT>(QP, ldqp, keys, s, p, d, h);
+__device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows, float* rn, const Info& s,
+                                                const Args& p, const DimsT& d, int h) {
+  const int kh = h / (p.hv / p.hk);
+  auto* q = static_cast<__nv_bfloat16*>(rows);
+  auto* k = q + kRows * kPlaneRow;
+  const auto* q_in = static_cast<const __nv_bfloat16*>(p.q);
+  load_rows_split(q, -1, q_in, p.hk, kh, s, p.T);
+  load_rows_split(k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
+  load_normalised(QP + kRows, ldqp, rn, q_in, p.hk, kh, d.dk, d.pk, p.scale, s, p.T);  // Q, and r_q into rn
+  wait_copies();
+  __syncthreads();
+  row_rnorms(rn + kRows, k, kPlaneRow);
+  __syncthreads();
+  plane_gemm<2, false, true, true, true>(q, kPlaneRow, 0, k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
+                                         [&](int r, int c, float v) {
+                                           QP[r * ldqp + c] =
+                                               c <= r ? v * rn[r] * p.scale * rn[kRows + c] * decay(s, r, c) : 0.0f;
+                                         });
+  for (int idx = threadIdx.x; idx < kRows * d.pk; idx += kThreads) {  // E Q, beside the product's columns
+    const int i = idx / d.pk, c = idx % d.pk;
+    QP[i * ldqp + kRows + c] *= s.E[i];
+  }
+  __syncthreads();
   split_in_place(QP, ldqp);
   return reinterpret_cast<const __nv_bfloat16*>(QP);
 }
@@ -1069,13 +1098,15 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 // pitch of 200: ldmatrix rows 16-byte aligned), each column block of [v_new; h] as it loads.
 struct OutputPlanesSmem {
   Info* info;
-  float *QP, *X;  // QP [64, 200]; X: the keys [64, pk + 4], then [v_new; h]'s planes [2][64 + pk, 40]
+  float *QP, *X, *rn;  // QP [64, 200]; X: q's and k's raw rows [2][64, kPlaneRow] bfloat16, then
+                       // [v_new; h]'s planes [2][64 + pk, 40]; rn: q's and k's rsqrt norms [2][64]
   int ldqp;
   template <typename DimsT>
   __host__ __device__ OutputPlanesSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8) {
     info = c.take<Info>(1);
     QP = c.take<float>(kRows * ldqp);
-    X = c.take<float>(larger(kRows * (d.pk + 4), (kRows + d.pk) * kPlanePitch));
+    X = c.take<float>(larger(kRows * kPlaneRow, (kRows + d.pk) * kPlanePitch));
+    rn = c.take<float>(2 * kRows);
   }
 };
 
@@ -1090,7 +1121,7 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   Info& s = b.s;
   const int64_t head = b.head;
   const int h = b.h;
-  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, s, p, d, h);
+  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, m.rn, s, p, d, h);
   auto* x = reinterpret_cast<__nv_bfloat16*>(m.X);
   constexpr int kLo = (kRows + DimsT::pk) * kPlanePitch;
   auto* o = static_cast<__nv_bfloat16*>(p.o);
@@ -1112,13 +1143,15 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
 
 struct LocalSmem {
   Info* info;
-  float *QP, *X;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4], then d_o [64, pv + 8]
+  float *QP, *X, *rn;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4] (planes: q's and k's raw rows
+                       // [2][64, kPlaneRow] bfloat16), then d_o [64, pv + 8]; rn: (planes) q's and k's rsqrt norms
   int ldqp, ldo;
   template <typename DimsT>
   __host__ __device__ LocalSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8), ldo(d.pv + 8) {
     info = c.take<Info>(1);
     QP = c.take<float>(kRows * ldqp);
     X = c.take<float>(kRows * larger(d.pk + 4, ldo));
+    rn = c.take<float>(2 * kRows);
   }
 };
 
@@ -1154,8 +1187,8 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
   Info& s = b.s;
   const int64_t head = b.head;
   static_assert(kRows + DimsT::pk + 8 == 200 && DimsT::pv + 8 == kPlaneRow,
-                "LocalSmem's pitches: its planes take the bytes of its float32 tiles");
-  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, s, p, d, b.h);
+                "LocalSmem's pitches: its planes (and q's and k's raw rows) take the bytes of its float32 tiles");
+  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, m.rn, s, p, d, b.h);
   auto* d_o = reinterpret_cast<__nv_bfloat16*>(m.X);
   load_rows_split(d_o, kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
   wait_copies();
@@ -1363,7 +1396,6 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
 // hi: Q K^T = diag(r_q s) (q k^T) diag(r_k) is one product, and d_o's and the scaled dPL's with
 // the raw rows two. The first: dPL = (d_o v_new^T) * L (into p.dpl), Z = dPL * (Q K^T) over it,
 // and G's gradient through L, sum_j Z_ij - Z_ji, into dg_part.
-constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 bytes apart in the banks
 struct IntraDplSmem {
   Info* info;
   float *rq, *rk, *Z;              // Z [64, 68]: dPL, then Z
@@ -1547,16 +1579,31 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* v = static_cast<const T*>(p.v);
   T* dv = static_cast<T*>(p.dv_out);
+  // kPlanes: k's raw rows in Ai's bytes until the inverse writes it, for K K^T = diag(r_k) (k k^T)
+  // diag(r_k) as one exact product (as build_qp_planes' Q K^T), loaded first.
+  auto* k_rows = reinterpret_cast<__nv_bfloat16*>(m.Ai);
+  if constexpr (kPlanes<kMode, DimsT>) {
+    static_assert(2 * kPitch64 == kPlaneRow, "k's raw rows take Ai's bytes");
+    load_rows_split(k_rows, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
+    commit_copies();
+  }
   load_block(m.R, m.ldx, p.dv_new + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
   load_block(m.R + d.pv, m.ldx, p.dw + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   load_normalised(m.K, m.ldk, m.rk, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
   load_rows(m.X, m.ldx, v, p.hv, h, d.dv, d.pv, s.beta, s, p.T);
+  if constexpr (kPlanes<kMode, DimsT>) wait_copies_but_last();
   __syncthreads();
-  block_gemm<2, false, true, kMode>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, d.dk, [&](int r, int c, float val) {
+  const auto gram = [&](int r, int c, float val) {
     const float kkl = c < r ? val * decay(s, r, c) : 0.0f;
     m.KKL[r * kPitch64 + c] = kkl;
     m.A[r * kPitch64 + c] = s.beta[r] * kkl;
-  });
+  };
+  if constexpr (kPlanes<kMode, DimsT>) {
+    plane_gemm<2, false, true, true, true>(k_rows, kPlaneRow, 0, k_rows, kPlaneRow, 0, kRows, kRows, DimsT::dk,
+                                           [&](int r, int c, float val) { gram(r, c, val * m.rk[r] * m.rk[c]); });
+  } else {
+    block_gemm<2, false, true, kMode>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, d.dk, gram);
+  }
   for (int idx = tid; idx < kRows * d.pk; idx += kThreads) {
     const int i = idx / d.pk, c = idx % d.pk;
     m.X[i * m.ldx + d.pv + c] = s.beta[i] * s.E[i] * m.K[i * m.ldk + c];
