@@ -8,8 +8,12 @@ v4_gated_deltanet (whose A_log and dt_bias gradients sum the log decay's with ca
 issue 640's kind) and of v4_gated_delta_rule is judged as the parity suite judges bf16 results
 (v4train.testing.check.judge against the float64 truth), beside the kernels' split today (TF32,
 both parts truncated) and plain bf16 operands (fla's precision, the variant that should fail).
+With --each, also every product site of the chunked rule (reference/gated_delta_rule.py names
+them) alone in plain bf16, the others split: which products a kernel may take as one bf16 product
+where the planes take three; --plain a,b judges those sites in plain bf16 together.
 
     python3 tools/delta_rule_split_check.py [--samples 500] [--ops v4_gated_deltanet,v4_gated_delta_rule]
+    python3 tools/delta_rule_split_check.py --each --samples 200
 """
 
 from __future__ import annotations
@@ -65,12 +69,15 @@ class Product(torch.autograd.Function):
         return da, db, None
 
 
-class Ops:
-    """The reference op table with the delta rule's products emulated."""
+SITES = ("k_kt", "q_kt", "w_state", "q_state", "intra_v_new", "kt_v_new")
 
-    def __init__(self, split: str):
-        def mm(a, b):
-            return Product.apply(a, b, split)
+
+class Ops:
+    """The reference op table with the delta rule's products emulated, `split` of each site."""
+
+    def __init__(self, split):
+        def mm(a, b, site):
+            return Product.apply(a, b, split(site))
 
         self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm)
 
@@ -78,7 +85,7 @@ class Ops:
         return getattr(REFERENCE, name)
 
 
-def candidate(op: str, split: str):
+def candidate(op: str, split):
     ops = Ops(split)
     return ops.v4_gated_delta_rule if op == "v4_gated_delta_rule" else functools.partial(v4_gated_deltanet, ops=ops)
 
@@ -87,9 +94,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=500, help="bf16 samples of each op (RandomDraw(0), ...)")
     parser.add_argument("--ops", default="v4_gated_deltanet,v4_gated_delta_rule")
+    parser.add_argument("--each", action="store_true", help="also each site alone in plain bf16, the others bf16x3")
+    parser.add_argument("--plain", default="", help="comma list of sites in plain bf16 together, the others bf16x3")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    splits = ("float32", "tf32x3", "bf16x3", "bf16")
+    splits = {name: (lambda site, name=name: name) for name in ("float32", "tf32x3", "bf16x3", "bf16")}
+    plain = [site for site in args.plain.split(",") if site]
+    for site in plain:
+        if site not in SITES:
+            parser.error(f"--plain: unknown site {site!r}; the sites are {', '.join(SITES)}")
+    variants = [[site] for site in SITES] if args.each else []
+    for sites in variants + ([plain] if plain else []):
+        splits[f"bf16 at {'+'.join(sites)}"] = lambda site, sites=sites: "bf16" if site in sites else "bf16x3"
     print("| op | products | samples failed | tensors that failed first | A_log's error / the reference's (median, max) |")
     print("|---|---|---|---|---|")
     for op in args.ops.split(","):
@@ -104,7 +120,7 @@ def main() -> None:
             true_out, truth = forward_backward(reference, in_float64(sample), upstream, seed)
             spreads = Spreads(reference, sample, upstream, seed)
             for split in splits:
-                outputs, grads = forward_backward(candidate(op, split), sample, upstream, seed)
+                outputs, grads = forward_backward(candidate(op, splits[split]), sample, upstream, seed)
                 try:  # as check_parity judges: every output and gradient, the first failure raised
                     _compare(case, sample, outputs, grads, ref_out, ref, true_out, truth, spreads)
                 except AssertionError as failure:

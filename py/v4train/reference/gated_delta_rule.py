@@ -45,8 +45,13 @@ def recurrent(q, k, v, g, beta, initial_state=None):
     return o.transpose(1, 2).contiguous().to(out_dtype), state
 
 
-def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=torch.matmul):
-    # mm: every matrix product (tools/delta_rule_split_check.py passes emulations of the kernels' products)
+def _matmul(a, b, site: str):
+    return torch.matmul(a, b)
+
+
+def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matmul):
+    # mm(a, b, site): every matrix product, named (tools/delta_rule_split_check.py passes emulations of
+    # the kernels' products, per site)
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, L, Dk = k.shape
@@ -67,8 +72,8 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=torch
     decay = (g[..., :, None] - g[..., None, :]).to(compute).masked_fill(upper, float("-inf")).exp()  # [.., i, j]
     to_start = g.exp().to(compute)[..., None]
     # UT transform: (I + tril(diag(beta) K K^T, -1)) solved once per chunk for the values and keys.
-    system = mm(k_beta, k.transpose(-1, -2)) * decay
-    intra = mm(q, k.transpose(-1, -2)) * decay
+    system = mm(k_beta, k.transpose(-1, -2), "k_kt") * decay
+    intra = mm(q, k.transpose(-1, -2), "q_kt") * decay
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, k_beta * to_start, upper=False, unitriangular=True)
     state = torch.zeros(B, H, Dk, Dv).to(v) if initial_state is None else initial_state.to(v)
@@ -77,15 +82,15 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=torch
     chunk_decay = g[..., -1].exp().to(compute)[..., None, None]
     outs = []
     for i in range(n):
-        v_new = u[:, :, i] - mm(w[:, :, i], state)
-        outs.append(mm(q[:, :, i], state) + mm(intra[:, :, i], v_new))
-        state = state * chunk_decay[:, :, i] + mm(k[:, :, i].transpose(-1, -2), v_new)
+        v_new = u[:, :, i] - mm(w[:, :, i], state, "w_state")
+        outs.append(mm(q[:, :, i], state, "q_state") + mm(intra[:, :, i], v_new, "intra_v_new"))
+        state = state * chunk_decay[:, :, i] + mm(k[:, :, i].transpose(-1, -2), v_new, "kt_v_new")
     o = torch.stack(outs, dim=2).reshape(B, H, -1, Dv)[:, :, :L] if outs else v.new_zeros(B, H, 0, Dv)
     return o.transpose(1, 2).contiguous().to(out_dtype), state
 
 
 def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        cu_seqlens: torch.Tensor, *, mm=torch.matmul) -> torch.Tensor:
+                        cu_seqlens: torch.Tensor, *, mm=_matmul) -> torch.Tensor:
     """The gated delta rule over packed documents, each from a zero state: `chunked` per document.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens int64 [N + 1]. Returns o [T, Hv, Dv]
