@@ -26,7 +26,7 @@ import torch
 
 from v4train.models.qwen3_5.deltanet import v4_gated_deltanet
 from v4train.ops import REFERENCE
-from v4train.reference.gated_delta_rule import v4_gated_delta_rule
+from v4train.reference.gated_delta_rule import PRODUCT_SITES, v4_gated_delta_rule
 from v4train.testing.cases import CASES
 from v4train.testing.check import Spreads, _compare, forward_backward, in_float64, upstream_of
 from v4train.testing.samples import RandomDraw
@@ -69,9 +69,6 @@ class Product(torch.autograd.Function):
         return da, db, None
 
 
-SITES = ("k_kt", "q_kt", "w_state", "q_state", "intra_v_new", "kt_v_new")
-
-
 class Ops:
     """The reference op table with the delta rule's products emulated, `split` of each site."""
 
@@ -101,9 +98,9 @@ def main() -> None:
     splits = {name: (lambda site, name=name: name) for name in ("float32", "tf32x3", "bf16x3", "bf16")}
     plain = [site for site in args.plain.split(",") if site]
     for site in plain:
-        if site not in SITES:
-            parser.error(f"--plain: unknown site {site!r}; the sites are {', '.join(SITES)}")
-    variants = [[site] for site in SITES] if args.each else []
+        if site not in PRODUCT_SITES:
+            parser.error(f"--plain: unknown site {site!r}; the sites are {', '.join(PRODUCT_SITES)}")
+    variants = [[site] for site in PRODUCT_SITES] if args.each else []
     for sites in variants + ([plain] if plain else []):
         splits[f"bf16 at {'+'.join(sites)}"] = lambda site, sites=sites: "bf16" if site in sites else "bf16x3"
     print("| op | products | samples failed | tensors that failed first | A_log's error / the reference's (median, max) |")
@@ -119,8 +116,8 @@ def main() -> None:
             ref_out, ref = forward_backward(reference, sample, upstream, seed)
             true_out, truth = forward_backward(reference, in_float64(sample), upstream, seed)
             spreads = Spreads(reference, sample, upstream, seed)
-            for split in splits:
-                outputs, grads = forward_backward(candidate(op, splits[split]), sample, upstream, seed)
+            for split, of_site in splits.items():
+                outputs, grads = forward_backward(candidate(op, of_site), sample, upstream, seed)
                 try:  # as check_parity judges: every output and gradient, the first failure raised
                     _compare(case, sample, outputs, grads, ref_out, ref, true_out, truth, spreads)
                 except AssertionError as failure:

@@ -45,6 +45,10 @@ def recurrent(q, k, v, g, beta, initial_state=None):
     return o.transpose(1, 2).contiguous().to(out_dtype), state
 
 
+# The sites of chunked's products, as it names them to mm.
+PRODUCT_SITES = ("k_kt", "q_kt", "w_state", "q_state", "intra_v_new", "kt_v_new")
+
+
 def _matmul(a, b, site: str):
     return torch.matmul(a, b)
 
