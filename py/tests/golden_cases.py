@@ -4,6 +4,7 @@ run v4train on them."""
 import contextlib
 import json
 import os
+import sys
 
 import torch
 from safetensors.torch import load_file
@@ -142,6 +143,14 @@ def gloo(rank: int, size: int, init: str):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # A worker that passed ends here, without Python's finalisation: gloo's worker threads drop
+    # their last reference to a collective's tensors after its wait returns, and one that does so
+    # while the interpreter finalises cannot take the GIL, exits the thread, and aborts the process
+    # ("terminate called without an active exception", SIGABRT; a core dump's stack showed
+    # ProcessGroupGloo::runLoop -> ~AsyncWork -> THPVariable_clear -> take_gil -> pthread_exit).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_train(*args: str, **kwargs):
