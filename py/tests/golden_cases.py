@@ -131,7 +131,8 @@ def start_cli(script: str, *args: str, env: dict | None = None, **kwargs):
 @contextlib.contextmanager
 def gloo(rank: int, size: int, init: str):
     """This process as rank `rank` of a gloo group of `size` (mp.spawn's workers), rendezvous
-    through the file `init`."""
+    through the file `init`. A worker whose body passes exits at the block's end (os._exit(0)), so
+    nothing after the `with` runs; one that raises leaves as before."""
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (a sandbox's hostname may not resolve)
