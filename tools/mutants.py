@@ -188,9 +188,11 @@ MUTATIONS = (
              "dropped (beta's alone wrong)", "cc/ops/gated_delta_rule.cu",
              "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;", "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk;",
              DELTA_RULE_CUDA, cuda=True),
-    Mutation("delta_rule_planes_untransposed", "the recurrence's second product reads b's hi plane with ldmatrix "
-             "untransposed (b, not b^T)", "cc/ops/gated_delta_rule.cu", "ldsm_x4_t(fah, bh + arow);",
-             "ldsm_x4(fah, bh + arow);", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_planes_untransposed", "the recurrence's second product reads b with ldmatrix "
+             "untransposed (b, not b^T)", "cc/ops/gated_delta_rule.cu",
+             "ldsm_x4_t(fa, b + (k0 + lane % 8 + lane / 16 * 8) * m.lda",
+             "ldsm_x4(fa, b + (k0 + lane % 8 + lane / 16 * 8) * m.lda",
+             DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_state_planes_untransposed", "state_grads' second product takes d_state as stored (v_new "
              "d_state, not v_new d_state^T)", "cc/ops/gated_delta_rule.cu",
              "plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.D,",

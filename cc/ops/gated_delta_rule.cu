@@ -14,8 +14,8 @@
 // wy_grads (the UT transform's backward: k's, v's, beta's and g's gradients). A kernel takes one
 // chunk and head per block; its products are shared-memory tiles through block_gemm, on TF32 tensor
 // cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
-// bfloat16 the recurrence, output, local_grads and state_grads take their operands as bf16 hi / lo
-// planes through ldmatrix (kPlanes), and intra_grads runs as two kernels on planes (intra_dpl,
+// bfloat16 the output, local_grads and state_grads take their operands as bf16 hi / lo planes
+// through ldmatrix (kPlanes), the recurrence its operands rounded once to bfloat16, and intra_grads runs as two kernels on planes (intra_dpl,
 // intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows; so do wy_grads' K K^T and the
 // output's and local_grads' Q K^T (one exact product, the norms applied after it).
 #include <ATen/ATen.h>
@@ -204,20 +204,18 @@ template <int kDk, int kDv>
 struct FixedDims {
   static constexpr int dk = kDk, dv = kDv, pk = round16(kDk), pv = round16(kDv);
 };
-// bfloat16 inputs at Qwen3.5's widths: the recurrence reads W and K~ as two bfloat16 planes each,
-// split once by prepare (hi = bf16(x), lo = bf16(x - hi), in the bytes of a [64, D] float32 tile:
-// hi [64, D], then lo), with ldmatrix fragments and three bf16 products (hi hi + hi lo + lo hi) for
-// block_gemm's six TF32 ones and its split at every use; checked on the CPU against the parity
-// suite's judge: tools/delta_rule_split_check.py.
+// bfloat16 inputs at Qwen3.5's widths: the plane kernels (ldmatrix fragments, bf16 products). Their
+// operands are split into two bfloat16 planes (hi = bf16(x), lo = bf16(x - hi)) where a product must
+// keep float32's precision (three bf16 products for block_gemm's six TF32 ones), and rounded once to
+// bfloat16 where one product will do: the recurrence's W S and K~^T x (fla's precision; prepare
+// writes W and K~ as bfloat16, [64, D] in the bytes of a [64, D] float32 tile). Which products may
+// be rounded once was judged on the CPU by the parity suite's judge: tools/delta_rule_split_check.py.
 template <Mode kMode, typename DimsT>
 constexpr bool kPlanes = kMode == Mode::kTf32x3 && !std::is_same_v<DimsT, Dims>;
 
-// Element (i, c) of a planes tile (`tile`, a [64, cols] float32 tile's storage) set to x.
-__device__ __forceinline__ void store_split(float* tile, int cols, int i, int c, float x) {
-  __nv_bfloat16* hi = reinterpret_cast<__nv_bfloat16*>(tile) + i * cols + c;
-  const __nv_bfloat16 h = __float2bfloat16_rn(x);
-  hi[0] = h;
-  hi[kRows * cols] = __float2bfloat16_rn(x - __bfloat162float(h));
+// Element (i, c) of a bfloat16 tile [64, cols] (in a [64, cols] float32 tile's storage) set to x.
+__device__ __forceinline__ void store_bf16(float* tile, int cols, int i, int c, float x) {
+  reinterpret_cast<__nv_bfloat16*>(tile)[i * cols + c] = __float2bfloat16_rn(x);
 }
 
 template <typename DimsT>
@@ -745,7 +743,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   for (int idx = tid; idx < kRows * d.dk; idx += kPrepareThreads) {
     const int i = idx / d.dk, c = idx % d.dk;
     const float x = s.Kt[i] * K[i * m.ldr + c];
-    if constexpr (kPlanes<kMode, DimsT>) store_split(p.k_tilde + base * d.dk, d.dk, i, c, x);
+    if constexpr (kPlanes<kMode, DimsT>) store_bf16(p.k_tilde + base * d.dk, d.dk, i, c, x);
     else p.k_tilde[(base + i) * d.dk + c] = x;
   }
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
@@ -771,7 +769,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   forward_substitution(x, m.A, kPitch64);
   if (kPlanes<kMode, DimsT> && !value) {
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) store_split(p.w + base * d.dk, d.dk, i, tid - d.dv, x[i]);
+    for (int i = 0; i < kRows; ++i) store_bf16(p.w + base * d.dk, d.dk, i, tid - d.dv, x[i]);
     return;
   }
   float* out = value ? p.u + base * d.dv + tid : p.w + base * d.dk + (tid - d.dv);
@@ -877,10 +875,11 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
   });
 }
 
-// The recurrence with W and K~ as planes (kPlanes): a and b two stages of [hi; lo] [128, pk + 8]
-// bfloat16 (rows 16-byte aligned, 16 bytes apart in the banks: ldmatrix without conflicts), base
-// and add as before; the state S and x as [hi; lo] planes [pk, 40] and [64, 40]. The state itself
-// stays in float32, in the registers of the warps whose second-product tiles hold it.
+// The recurrence on bfloat16 operands (kPlanes): a and b two stages of [64, pk + 8] bfloat16 (W and
+// K~ as prepare rounded them; rows 16-byte aligned, 16 bytes apart in the banks: ldmatrix without
+// conflicts), base and add as before; S and x rounded once to bfloat16 for the products ([pk, 40] and
+// [64, 40]), one bf16 product each (fla's precision). The state itself stays in float32, in the
+// registers of the warps whose second-product tiles hold it, and so do x and the state written out.
 constexpr int kPlanePitch = kCols + 8;
 struct PlanesSmem {
   __nv_bfloat16 *a, *b, *S, *X;
@@ -888,12 +887,12 @@ struct PlanesSmem {
   int lda;
   template <typename DimsT>
   __host__ __device__ PlanesSmem(Carve& c, const DimsT& d) : lda(d.pk + 8) {
-    a = c.take<__nv_bfloat16>(2 * 2 * kRows * lda);
-    b = c.take<__nv_bfloat16>(2 * 2 * kRows * lda);
+    a = c.take<__nv_bfloat16>(2 * kRows * lda);
+    b = c.take<__nv_bfloat16>(2 * kRows * lda);
     base = c.take<float>(2 * kRows * kCols);
     add = c.take<float>(2 * d.pk * kCols);
-    S = c.take<__nv_bfloat16>(2 * d.pk * kPlanePitch);
-    X = c.take<__nv_bfloat16>(2 * kRows * kPlanePitch);
+    S = c.take<__nv_bfloat16>(d.pk * kPlanePitch);
+    X = c.take<__nv_bfloat16>(kRows * kPlanePitch);
   }
 };
 
@@ -910,26 +909,26 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   const PlanesSmem m(carve, d);
   const int col0 = blockIdx.x * kCols, h = blockIdx.y, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  constexpr int kPlane = kRows * (DimsT::pk + 8), kSPlane = DimsT::pk * kPlanePitch, kXPlane = kRows * kPlanePitch;
-  for (int i = tid; i < 2 * kSPlane; i += kThreads) m.S[i] = __float2bfloat16_rn(0.0f);
+  constexpr int kTile = kRows * (DimsT::pk + 8);
+  for (int i = tid; i < DimsT::pk * kPlanePitch; i += kThreads) m.S[i] = __float2bfloat16_rn(0.0f);
   // This warp's tiles: x rows x0.. (16) and columns xc.. (8); S rows s0.. (16) and columns sc.. (16).
   const int x0 = warp / 4 * 16, xc = warp % 4 * 8, s0 = warp / 2 * 16, sc = warp % 2 * 16;
   float state[2][4] = {};  // S at (s0 + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
-    // [hi; lo] of a and b: 128 rows of pk bfloat16 each, contiguous in global memory.
+    // a and b: 64 rows of pk bfloat16 each, contiguous in global memory.
     const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk);
     const auto* b = reinterpret_cast<const __nv_bfloat16*>(p.b + head * kRows * d.dk);
     constexpr int kChunks = DimsT::pk / 8;  // 16-byte pieces a row
-    for (int idx = tid; idx < 2 * kRows * kChunks; idx += kThreads) {
+    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
       const int r = idx / kChunks, c = idx % kChunks * 8;
-      copy16(m.a + stage * 2 * kPlane + r * m.lda + c, a + r * d.dk + c);
-      copy16(m.b + stage * 2 * kPlane + r * m.lda + c, b + r * d.dk + c);
+      copy16(m.a + stage * kTile + r * m.lda + c, a + r * d.dk + c);
+      copy16(m.b + stage * kTile + r * m.lda + c, b + r * d.dk + c);
     }
     load_base_add(m.base + stage * kRows * kCols, m.add + stage * d.pk * kCols, p, head, col0, kCols, d);
     commit_copies();
   };
-  // (over_chunks' barrier also makes the last step's S planes visible.)
+  // (over_chunks' barrier also makes the last step's bfloat16 S visible.)
   over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
     float* h_out = p.state_out + head * d.dk * d.dv + col0;
 #pragma unroll
@@ -942,46 +941,37 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
     }
     // x = base + sign_a a S: A = a [64, pk] (ldmatrix), B = S [pk, 32] (ldmatrix.trans).
     {
-      const __nv_bfloat16 *ah = m.a + stage * 2 * kPlane, *al = ah + kPlane;
-      float acc[4] = {}, cross[4] = {};
+      const __nv_bfloat16* a = m.a + stage * kTile;
+      float acc[4] = {};
 #pragma unroll
       for (int k0 = 0; k0 < DimsT::pk; k0 += 16) {
-        uint32_t fah[4], fal[4], fbh[2], fbl[2];
-        const int arow = (x0 + lane % 16) * m.lda + k0 + lane / 16 * 8, brow = (k0 + lane % 16) * kPlanePitch + xc;
-        ldsm_x4(fah, ah + arow);
-        ldsm_x4(fal, al + arow);
-        ldsm_x2_t(fbh, m.S + brow);
-        ldsm_x2_t(fbl, m.S + kSPlane + brow);
-        mma_bf16x3(acc, cross, fah, fal, fbh, fbl);
+        uint32_t fa[4], fb[2];
+        ldsm_x4(fa, a + (x0 + lane % 16) * m.lda + k0 + lane / 16 * 8);
+        ldsm_x2_t(fb, m.S + (k0 + lane % 16) * kPlanePitch + xc);
+        mma16816<__nv_bfloat16>(acc, fa, fb);
       }
       const float* base = m.base + stage * kRows * kCols;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = x0 + g + 8 * half, c = xc + 2 * t;
-        const float v0 = base[r * kCols + c] + p.sign_a * (acc[2 * half] + cross[2 * half]);
-        const float v1 = base[r * kCols + c + 1] + p.sign_a * (acc[2 * half + 1] + cross[2 * half + 1]);
+        const float v0 = base[r * kCols + c] + p.sign_a * acc[2 * half];
+        const float v1 = base[r * kCols + c + 1] + p.sign_a * acc[2 * half + 1];
         *reinterpret_cast<float2*>(p.x_out + (head * kRows + r) * d.dv + col0 + c) = make_float2(v0, v1);
-        store_split2(m.X + r * kPlanePitch + c, kXPlane, v0, v1);
+        *reinterpret_cast<uint32_t*>(m.X + r * kPlanePitch + c) = pack2<__nv_bfloat16>(v0, v1);
       }
     }
-    __syncthreads();  // x's planes are in; every read of S's planes is done
+    __syncthreads();  // x is in; every read of S is done
     // S = decay S + add + sign_b b^T x: A = b^T (ldmatrix.trans of b [64, pk]), B = x [64, 32].
     {
-      const __nv_bfloat16 *bh = m.b + stage * 2 * kPlane, *bl = bh + kPlane;
-      float acc[2][4] = {}, cross[2][4] = {};
+      const __nv_bfloat16* b = m.b + stage * kTile;
+      float acc[2][4] = {};
 #pragma unroll
       for (int k0 = 0; k0 < kRows; k0 += 16) {
-        uint32_t fah[4], fal[4], fbh[4], fbl[4];
-        const int arow = (k0 + lane % 8 + lane / 16 * 8) * m.lda + s0 + lane / 8 % 2 * 8;
-        const int brow = (k0 + lane % 16) * kPlanePitch + sc + lane / 16 * 8;
-        ldsm_x4_t(fah, bh + arow);
-        ldsm_x4_t(fal, bl + arow);
-        ldsm_x4_t(fbh, m.X + brow);
-        ldsm_x4_t(fbl, m.X + kXPlane + brow);
+        uint32_t fa[4], fb[4];
+        ldsm_x4_t(fa, b + (k0 + lane % 8 + lane / 16 * 8) * m.lda + s0 + lane / 8 % 2 * 8);
+        ldsm_x4_t(fb, m.X + (k0 + lane % 16) * kPlanePitch + sc + lane / 16 * 8);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          mma_bf16x3(acc[j], cross[j], fah, fal, {fbh[2 * j], fbh[2 * j + 1]}, {fbl[2 * j], fbl[2 * j + 1]});
-        }
+        for (int j = 0; j < 2; ++j) mma16816<__nv_bfloat16>(acc[j], fa, {fb[2 * j], fb[2 * j + 1]});
       }
       const float* add = m.add + stage * d.pk * kCols;
 #pragma unroll
@@ -989,14 +979,15 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = s0 + g + 8 * (e / 2), c = sc + 8 * j + 2 * t + e % 2;
-          float v = dec * state[j][e] + p.sign_b * (acc[j][e] + cross[j][e]);
+          float v = dec * state[j][e] + p.sign_b * acc[j][e];
           if (p.add != nullptr) v += add[r * kCols + c];
           state[j][e] = v;
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = s0 + g + 8 * half, c = sc + 8 * j + 2 * t;
-          store_split2(m.S + r * kPlanePitch + c, kSPlane, state[j][2 * half], state[j][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(m.S + r * kPlanePitch + c) = pack2<__nv_bfloat16>(state[j][2 * half],
+                                                                                      state[j][2 * half + 1]);
         }
       }
     }
