@@ -195,8 +195,8 @@ MUTATIONS = (
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_state_planes_untransposed", "state_grads' second product takes d_state as stored (v_new "
              "d_state, not v_new d_state^T)", "cc/ops/gated_delta_rule.cu",
-             "plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.D,",
-             "plane_gemm<4, false, false>(m.Y, kPlaneRow, kLo, m.D,",
+             "plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.D,",
+             "plane_gemm<4, false, false, true, true>(m.Y, kPlaneRow, 0, m.D,",
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_local_planes_lo_offset", "[P | E Q]'s lo plane (local_grads and output) placed at the d_o "
              "planes' offset (64 x 136) instead of its own (64 x 200)", "cc/ops/gated_delta_rule.cu",

@@ -14,10 +14,12 @@
 // wy_grads (the UT transform's backward: k's, v's, beta's and g's gradients). A kernel takes one
 // chunk and head per block; its products are shared-memory tiles through block_gemm, on TF32 tensor
 // cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
-// bfloat16 the output, local_grads and state_grads take their operands as bf16 hi / lo planes
-// through ldmatrix (kPlanes), the recurrence its operands rounded once to bfloat16, and intra_grads runs as two kernels on planes (intra_dpl,
-// intra_grads_planes) that read q, k and d_o as their raw bfloat16 rows; so do wy_grads' K K^T and the
-// output's and local_grads' Q K^T (one exact product, the norms applied after it).
+// bfloat16 the kernels take their operands through ldmatrix (kPlanes): as bf16 hi / lo planes (three
+// products for one of float32's precision) where a product needs it, rounded once to bfloat16 (one
+// product) where it does not (the recurrence's, state_grads', and q S in output and local_grads);
+// intra_grads runs as two kernels on planes (intra_dpl, intra_grads_planes) that read q, k and d_o as
+// their raw bfloat16 rows; so do wy_grads' K K^T and the output's and local_grads' Q K^T (one exact
+// product, the norms applied after it).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -558,8 +560,11 @@ constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 
 // [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
 // takes 16 x 8 NT tiles of C in turn (NT even) and hands every element of C to epi(row, col, value)
 // once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
-// zero, not read), two products for three; kAExact likewise for A; both, one product.
-template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, typename Epi>
+// zero, not read), two products for three; kAExact likewise for A; both, one product. From k = kOnceFrom
+// on, and in C's rows from kOnceFromRow on (multiples of 16), both operands are taken rounded to
+// bfloat16 (their hi planes): one product.
+template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, int kOnceFrom = (1 << 30),
+          int kOnceFromRow = (1 << 30), typename Epi>
 __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
                                            int b_lo, int M, int N, int K, Epi&& epi) {
   static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
@@ -570,15 +575,16 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
     float acc[NT][4] = {}, cross[NT][4] = {};
 #pragma unroll 4
     for (int k0 = 0; k0 < K; k0 += 16) {
+      const bool once = k0 >= kOnceFrom || m0 >= kOnceFromRow;
       uint32_t ah[4], al[4] = {};
       if constexpr (kTA) {
         const int a_at = (k0 + lane % 8 + lane / 16 * 8) * lda + m0 + lane / 8 % 2 * 8;
         ldsm_x4_t(ah, A + a_at);
-        if constexpr (!kAExact) ldsm_x4_t(al, A + a_lo + a_at);
+        if (!kAExact && !once) ldsm_x4_t(al, A + a_lo + a_at);
       } else {
         const int a_at = (m0 + lane % 16) * lda + k0 + lane / 16 * 8;
         ldsm_x4(ah, A + a_at);
-        if constexpr (!kAExact) ldsm_x4(al, A + a_lo + a_at);
+        if (!kAExact && !once) ldsm_x4(al, A + a_lo + a_at);
       }
 #pragma unroll
       for (int j = 0; j < NT; j += 2) {
@@ -586,16 +592,16 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
         if constexpr (kTB) {
           const int b_at = (n0 + 8 * j + lane / 16 * 8 + lane % 8) * ldb + k0 + lane / 8 % 2 * 8;
           ldsm_x4(bh, B + b_at);
-          if constexpr (!kBExact) ldsm_x4(bl, B + b_lo + b_at);
+          if (!kBExact && !once) ldsm_x4(bl, B + b_lo + b_at);
         } else {
           const int b_at = (k0 + lane % 16) * ldb + n0 + 8 * j + lane / 16 * 8;
           ldsm_x4_t(bh, B + b_at);
-          if constexpr (!kBExact) ldsm_x4_t(bl, B + b_lo + b_at);
+          if (!kBExact && !once) ldsm_x4_t(bl, B + b_lo + b_at);
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {  // n-tiles j and j + 1
           const uint32_t bhh[2] = {bh[2 * half], bh[2 * half + 1]}, blh[2] = {bl[2 * half], bl[2 * half + 1]};
-          if constexpr (kAExact && kBExact) {
+          if ((kAExact && kBExact) || once) {
             mma16816<__nv_bfloat16>(acc[j + half], ah, bhh);
           } else if constexpr (kAExact) {
             mma16816<__nv_bfloat16>(cross[j + half], ah, blh);
@@ -620,7 +626,7 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
 // Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src0 (row stride `stride`, rows
 // 16-byte aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time,
 // four loads of each in flight; returns this thread's share of <src0, src1> (float32 products),
-// where src1 is given.
+// where src1 is given. lo_off < 0: the values rounded to bfloat16, the hi plane alone.
 template <int kWidth = 128>
 __device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
                                             const float* src1, int rows, int lo_off, int ld = kPlaneRow,
@@ -629,6 +635,10 @@ __device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* sr
   float dot = 0.0f;
   const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
     __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
+    if (lo_off < 0) {
+      *reinterpret_cast<uint2*>(at) = make_uint2(pack2<__nv_bfloat16>(v.x, v.y), pack2<__nv_bfloat16>(v.z, v.w));
+      return;
+    }
     store_split2(at, lo_off, v.x, v.y);
     store_split2(at + 2, lo_off, v.z, v.w);
   };
@@ -1086,7 +1096,8 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 }
 
 // output_kernel with its products on planes (kPlanes): [P | E Q] split in place once built (at a
-// pitch of 200: ldmatrix rows 16-byte aligned), each column block of [v_new; h] as it loads.
+// pitch of 200: ldmatrix rows 16-byte aligned), each column block of v_new split and of h rounded to
+// bfloat16 as it loads (P v_new on planes, E Q h one bf16 product).
 struct OutputPlanesSmem {
   Info* info;
   float *QP, *X, *rn;  // QP [64, 200]; X: q's and k's raw rows [2][64, kPlaneRow] bfloat16, then
@@ -1118,10 +1129,12 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   auto* o = static_cast<__nv_bfloat16*>(p.o);
   for (int c0 = 0; c0 < d.dv; c0 += kCols) {
     load_split<kCols>(x, p.v_new + head * kRows * d.dv + c0, nullptr, nullptr, kRows, kLo, kPlanePitch, d.dv);
-    load_split<kCols>(x + kRows * kPlanePitch, p.h + head * d.dk * d.dv + c0, nullptr, nullptr, d.dk, kLo, kPlanePitch,
+    load_split<kCols>(x + kRows * kPlanePitch, p.h + head * d.dk * d.dv + c0, nullptr, nullptr, d.dk, -1, kPlanePitch,
                       d.dv);
     __syncthreads();
-    plane_gemm<2, false, false>(qp, m.ldqp, kRows * m.ldqp, x, kPlanePitch, kLo, kRows, kCols, kRows + d.pk,
+    // P v_new on planes, E Q h on bfloat16 operands (k from 64 on: the site q S, one product)
+    plane_gemm<2, false, false, false, false, kRows>(qp, m.ldqp, kRows * m.ldqp, x, kPlanePitch, kLo, kRows, kCols,
+                                                     kRows + d.pk,
                                 [&](int r, int c, float v) {
                                   const int64_t tok = s.slot[r];
                                   if (tok < p.T) o[(tok * p.hv + h) * d.dv + c0 + c] = __float2bfloat16_rn(v);
@@ -1167,7 +1180,7 @@ __global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
 }
 
 // local_grads_kernel with its product on planes (kPlanes): [P | E Q] split in place once it is
-// built, d_o's bfloat16 values exact in hi (two products for three).
+// built, d_o's bfloat16 values exact in hi (two products for three; one for E Q's rows).
 template <typename DimsT>
 __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
@@ -1184,11 +1197,14 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
   load_rows_split(d_o, kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
   wait_copies();
   __syncthreads();
-  plane_gemm<4, true, false, true>(qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, kRows * kPlaneRow, kRows + d.dk, d.dv,
-                                   kRows, [&](int r, int c, float v) {
-                                     if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
-                                     else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
-                                   });
+  // dv_local = P^T d_o on P's planes, dh_local = (E Q)^T d_o on E Q rounded to bfloat16 (rows from 64 on:
+  // the site q S's backward, one product)
+  const auto out = [&](int r, int c, float v) {
+    if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
+    else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
+  };
+  plane_gemm<4, true, false, true, false, 1 << 30, kRows>(qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow,
+                                                          kRows * kPlaneRow, kRows + d.dk, d.dv, kRows, out);
 }
 
 struct StateSmem {
@@ -1243,22 +1259,23 @@ __global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
 
 struct StatePlanesSmem {
   Info* info;
-  __nv_bfloat16 *Y, *H, *D;  // [hi; lo] planes of [128, 128] each: Y d_o and dv_new, then v_new; h; d_state
+  __nv_bfloat16 *Y, *H, *D;  // bfloat16 [128, 128] each: Y d_o and dv_new, then v_new; h; d_state
   float* scratch;
   template <typename DimsT>
   __host__ __device__ StatePlanesSmem(Carve& c, const DimsT&) {
     info = c.take<Info>(1);
-    Y = c.take<__nv_bfloat16>(2 * 2 * kRows * kPlaneRow);
-    H = c.take<__nv_bfloat16>(2 * 2 * kRows * kPlaneRow);
-    D = c.take<__nv_bfloat16>(2 * 2 * kRows * kPlaneRow);
+    Y = c.take<__nv_bfloat16>(2 * kRows * kPlaneRow);
+    H = c.take<__nv_bfloat16>(2 * kRows * kPlaneRow);
+    D = c.take<__nv_bfloat16>(2 * kRows * kPlaneRow);
     scratch = c.take<float>(kWarps);
   }
 };
 
-// state_grads_kernel with its operands as planes (kPlanes): each loaded tile split once, the
-// products through plane_gemm.
+// state_grads_kernel on bfloat16 operands (kPlanes): each loaded tile rounded once, the products
+// through plane_gemm, one bf16 product each (the sites q S, W S and K~^T v_new, judged on the CPU:
+// tools/delta_rule_split_check.py). dgamma's dot of h and d_state stays float32.
 template <typename DimsT>
-__global__ void __launch_bounds__(kThreads) state_grads_planes_kernel(Args p) {
+__global__ void __launch_bounds__(kThreads, 2) state_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkBlock<StatePlanesSmem, DimsT> b(p, smem);
@@ -1266,24 +1283,24 @@ __global__ void __launch_bounds__(kThreads) state_grads_planes_kernel(Args p) {
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t head = b.head;
-  constexpr int kLo = 2 * kRows * kPlaneRow;  // a [128, 128] tile's lo plane
-  load_rows_split(m.Y, kLo, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
-  load_split(m.Y + kRows * kPlaneRow, p.dv_new + head * kRows * d.dv, nullptr, nullptr, kRows, kLo);
-  float dot = load_split(m.H, p.h + head * d.dk * d.dv, m.D, p.d_state + head * d.dk * d.dv, d.dk, kLo);
+  load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
+  load_split(m.Y + kRows * kPlaneRow, p.dv_new + head * kRows * d.dv, nullptr, nullptr, kRows, -1);
+  float dot = load_split(m.H, p.h + head * d.dk * d.dv, m.D, p.d_state + head * d.dk * d.dv, d.dk, -1);
   wait_copies();
-  dot = block_sum(dot, m.scratch);  // (synchronises: every plane is in)
+  dot = block_sum(dot, m.scratch);  // (synchronises: every tile is in)
   if (threadIdx.x == 0) p.dgamma[head] = dot;
   const auto first = [&](int r, int c, float v) {
     if (r < kRows) p.dq_state[(head * kRows + r) * d.dk + c] = s.E[r] * v;
     else p.dw[(head * kRows + r - kRows) * d.dk + c] = -v;
   };
-  plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.H, kPlaneRow, kLo, 2 * kRows, d.dk, d.dv, first);
+  plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.H, kPlaneRow, 0, 2 * kRows, d.dk, d.dv, first);
   __syncthreads();  // Y is free
-  load_split(m.Y, p.v_new + head * kRows * d.dv, nullptr, nullptr, kRows, kLo);
+  load_split(m.Y, p.v_new + head * kRows * d.dv, nullptr, nullptr, kRows, -1);
   __syncthreads();
-  plane_gemm<4, false, true>(m.Y, kPlaneRow, kLo, m.D, kPlaneRow, kLo, kRows, d.dk, d.dv, [&](int r, int c, float v) {
-    p.dk_tilde[(head * kRows + r) * d.dk + c] = v;
-  });
+  plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.D, kPlaneRow, 0, kRows, d.dk, d.dv,
+                                         [&](int r, int c, float v) {
+                                           p.dk_tilde[(head * kRows + r) * d.dk + c] = v;
+                                         });
 }
 
 struct IntraSmem {
