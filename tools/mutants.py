@@ -198,8 +198,8 @@ MUTATIONS = (
              "plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.D,",
              "plane_gemm<4, false, false, true, true>(m.Y, kPlaneRow, 0, m.D,",
              DELTA_RULE_CUDA, cuda=True),
-    Mutation("delta_rule_local_planes_lo_offset", "[P | E Q]'s lo plane (local_grads and output) placed at the d_o "
-             "planes' offset (64 x 136) instead of its own (64 x 200)", "cc/ops/gated_delta_rule.cu",
+    Mutation("delta_rule_local_planes_lo_offset", "[P | E Q]'s lo plane (P's read by local_grads and output) placed "
+             "at the d_o planes' offset (64 x 136) instead of its own (64 x 200)", "cc/ops/gated_delta_rule.cu",
              "store_split2(planes + r * ldqp + c, kRows * ldqp, v[u].x, v[u].y);",
              "store_split2(planes + r * ldqp + c, kRows * kPlaneRow, v[u].x, v[u].y);", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_key_heads_one_share", "q's and k's gradients summed over a key head's value heads take "
@@ -215,7 +215,8 @@ MUTATIONS = (
     Mutation("delta_rule_qp_raw_rk_by_row", "[P | E Q]'s Q K^T from the raw rows (output and local_grads): k's norm "
              "taken from the row (of i) instead of the column (of j)", "cc/ops/gated_delta_rule.cu",
              "p.scale * rn[kRows + c]", "p.scale * rn[kRows + r]", DELTA_RULE_CUDA, cuda=True),
-    Mutation("delta_rule_output_planes_h_rows", "the output's h planes loaded over v_new's rows (offset 0, not 64)",
+    Mutation("delta_rule_output_planes_h_rows", "the output's h (rounded to bf16) loaded over v_new's rows (offset 0, "
+             "not 64)",
              "cc/ops/gated_delta_rule.cu", "load_split<kCols>(x + kRows * kPlanePitch, p.h + head",
              "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),
 )

@@ -63,9 +63,10 @@ __host__ __device__ constexpr int larger(int a, int b) { return a > b ? a : b; }
 // a TF32 operand's top 19 bits): rounding lo (cvt.rna) took five instructions a split on sm_90, one
 // FSETP for every 0.75 HMMA in ncu's count (2026-12-02, stop 30). Plain TF32 (operands rounded to 10 bits)
 // measured no faster on the H200 (2026-12-02: 3.25 / 9.87 ms against 3.21 / 9.96 at 8,192 tokens).
-// Operands rounded to bfloat16 (fla's precision, one m16n8k16 instruction for six) took 1.76 / 6.37
-// ms against 2.20 / 7.34 at 8,192 with the widths fixed, and failed a bf16 parity sample of
-// v4_gated_deltanet (2026-12-02, stop 29; docs/benchmarks.md): not used.
+// Every operand rounded to bfloat16 (fla's precision, one m16n8k16 instruction for six) took 1.76 /
+// 6.37 ms against 2.20 / 7.34 at 8,192 with the widths fixed, and failed a bf16 parity sample of
+// v4_gated_deltanet (2026-12-02, stop 29; docs/benchmarks.md): only the products that the CPU judge
+// allows are rounded so (kPlanes below).
 enum class Mode { kFp32, kTf32x3 };
 
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
@@ -209,9 +210,11 @@ struct FixedDims {
 // bfloat16 inputs at Qwen3.5's widths: the plane kernels (ldmatrix fragments, bf16 products). Their
 // operands are split into two bfloat16 planes (hi = bf16(x), lo = bf16(x - hi)) where a product must
 // keep float32's precision (three bf16 products for block_gemm's six TF32 ones), and rounded once to
-// bfloat16 where one product will do: the recurrence's W S and K~^T x (fla's precision; prepare
-// writes W and K~ as bfloat16, [64, D] in the bytes of a [64, D] float32 tile). Which products may
-// be rounded once was judged on the CPU by the parity suite's judge: tools/delta_rule_split_check.py.
+// bfloat16 where one product will do (fla's precision): the sites W S, q S and K~^T v_new, forward
+// and backward (the recurrence's two products, state_grads' three, the output's E Q h, local_grads'
+// (E Q)^T d_o; prepare writes W and K~ as bfloat16, [64, D] in the bytes of a [64, D] float32 tile).
+// Which products may be rounded once was judged on the CPU by the parity suite's judge:
+// tools/delta_rule_split_check.py.
 template <Mode kMode, typename DimsT>
 constexpr bool kPlanes = kMode == Mode::kTf32x3 && !std::is_same_v<DimsT, Dims>;
 
@@ -626,7 +629,8 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
 // Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src0 (row stride `stride`, rows
 // 16-byte aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time,
 // four loads of each in flight; returns this thread's share of <src0, src1> (float32 products),
-// where src1 is given. lo_off < 0: the values rounded to bfloat16, the hi plane alone.
+// where src1 is given. lo_off < 0: the values rounded to bfloat16, the hi plane alone (four values
+// a store: ld a multiple of 4).
 template <int kWidth = 128>
 __device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
                                             const float* src1, int rows, int lo_off, int ld = kPlaneRow,
@@ -1101,7 +1105,8 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 struct OutputPlanesSmem {
   Info* info;
   float *QP, *X, *rn;  // QP [64, 200]; X: q's and k's raw rows [2][64, kPlaneRow] bfloat16, then
-                       // [v_new; h]'s planes [2][64 + pk, 40]; rn: q's and k's rsqrt norms [2][64]
+                       // [v_new; h] [2][64 + pk, 40] (v_new's planes, h's hi alone); rn: q's and k's
+                       // rsqrt norms [2][64]
   int ldqp;
   template <typename DimsT>
   __host__ __device__ OutputPlanesSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8) {
