@@ -10,10 +10,18 @@ issue 640's kind) and of v4_gated_delta_rule is judged as the parity suite judge
 both parts truncated) and plain bf16 operands (fla's precision, the variant that should fail).
 With --each, also every product site of the chunked rule (reference/gated_delta_rule.py names
 them) alone in plain bf16, the others split: which products a kernel may take as one bf16 product
-where the planes take three; --plain a,b judges those sites in plain bf16 together.
+where the planes take three; --plain a,b judges those sites in plain bf16 together. --stored h,d_state
+adds to that variant the states as a kernel would store them, rounded to bf16, in the one place that
+reads them outside a product: the chunk decay's gradient, the dot of the state before a chunk's end
+(h) with the gradient of the state after it (d_state), accumulated in float32. That dot is zero
+before a document's first chunk end and after its last, so the drawn samples reach it only in
+documents of 129 tokens or more, few and narrow: --long judges v4_gated_delta_rule on the long
+documents of parity/test_gated_delta_rule.py instead (1, 63, 64, 65 and 4,097 tokens, widths 128,
+the slow decay under which the state crosses chunks; one seed a sample), where a dot 1% off fails.
 
     python3 tools/delta_rule_split_check.py [--samples 500] [--ops v4_gated_deltanet,v4_gated_delta_rule]
     python3 tools/delta_rule_split_check.py --each --samples 200
+    python3 tools/delta_rule_split_check.py --plain w_state,q_state,kt_v_new --stored h,d_state --long --samples 5
 """
 
 from __future__ import annotations
@@ -28,8 +36,19 @@ from v4train.models.qwen3_5.deltanet import v4_gated_deltanet
 from v4train.ops import REFERENCE
 from v4train.reference.gated_delta_rule import PRODUCT_SITES, v4_gated_delta_rule
 from v4train.testing.cases import CASES
+from v4train.testing.cases.gated_delta_rule import leaves_for
+from v4train.testing.cases.mla_dsa_attention import packed
 from v4train.testing.check import Spreads, _compare, forward_backward, in_float64, upstream_of
-from v4train.testing.samples import RandomDraw
+from v4train.testing.samples import RandomDraw, Sample
+
+LONG = [1, 63, 64, 65, 4097]  # parity/test_gated_delta_rule.py's documents at Qwen3.5's widths
+
+
+def long_sample(seed: int) -> Sample:
+    leaves = leaves_for(LONG, 2, 2, 128, 128, torch.bfloat16, "cpu", seed, decay=0.01)
+    cu = packed(LONG, "cpu")[1]
+    return Sample(leaves, lambda lv: ((lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"], cu), {}),
+                  note=f"documents {LONG}")
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -69,21 +88,45 @@ class Product(torch.autograd.Function):
         return da, db, None
 
 
-class Ops:
-    """The reference op table with the delta rule's products emulated, `split` of each site."""
+STORED = ("h", "d_state")
 
-    def __init__(self, split):
+
+class StoredDecay(torch.autograd.Function):
+    """state * factor, the factor's gradient the float32 dot of the states in `stored` rounded to bf16."""
+
+    @staticmethod
+    def forward(ctx, state, factor, stored):
+        ctx.save_for_backward(state, factor)
+        ctx.stored = stored
+        return state * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        state, factor = ctx.saved_tensors
+        h = bf16(state) if "h" in ctx.stored else state
+        d = bf16(grad) if "d_state" in ctx.stored else grad
+        return grad * factor, (h * d).sum(dim=(-2, -1), keepdim=True).to(factor.dtype), None
+
+
+class Ops:
+    """The reference op table with the delta rule's products emulated, `split` of each site, and the
+    states in `stored` rounded to bf16 where the chunk decay's gradient reads them."""
+
+    def __init__(self, split, stored=()):
         def mm(a, b, site):
             return Product.apply(a, b, split(site))
 
-        self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm)
+        def decay_state(state, factor):
+            return StoredDecay.apply(state, factor, stored) if stored else state * factor
+
+        self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm, decay_state=decay_state)
 
     def __getattr__(self, name):
         return getattr(REFERENCE, name)
 
 
-def candidate(op: str, split):
-    ops = Ops(split)
+def candidate(op: str, split, stored=()):
+    ops = Ops(split, stored)
     return ops.v4_gated_delta_rule if op == "v4_gated_delta_rule" else functools.partial(v4_gated_deltanet, ops=ops)
 
 
@@ -93,31 +136,45 @@ def main() -> None:
     parser.add_argument("--ops", default="v4_gated_deltanet,v4_gated_delta_rule")
     parser.add_argument("--each", action="store_true", help="also each site alone in plain bf16, the others bf16x3")
     parser.add_argument("--plain", default="", help="comma list of sites in plain bf16 together, the others bf16x3")
+    parser.add_argument("--stored", default="", help="with --plain: comma list of the states (h, d_state) read "
+                        "rounded to bf16 by the chunk decay's gradient")
+    parser.add_argument("--long", action="store_true", help="v4_gated_delta_rule on long documents (seeds 0, 1, ...) "
+                        "instead of the drawn samples")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    splits = {name: (lambda site, name=name: name) for name in ("float32", "tf32x3", "bf16x3", "bf16")}
+    # name: (the split of each site, the states stored in bf16)
+    splits = {name: (lambda site, name=name: name, ()) for name in ("float32", "tf32x3", "bf16x3", "bf16")}
     plain = [site for site in args.plain.split(",") if site]
+    stored = tuple(x for x in args.stored.split(",") if x)
     for site in plain:
         if site not in PRODUCT_SITES:
             parser.error(f"--plain: unknown site {site!r}; the sites are {', '.join(PRODUCT_SITES)}")
+    for x in stored:
+        if x not in STORED:
+            parser.error(f"--stored: unknown state {x!r}; the states are {', '.join(STORED)}")
+    if stored and not plain:
+        parser.error("--stored: give the sites in plain bf16 with --plain (the kernels that store the states)")
     variants = [[site] for site in PRODUCT_SITES] if args.each else []
     for sites in variants + ([plain] if plain else []):
-        splits[f"bf16 at {'+'.join(sites)}"] = lambda site, sites=sites: "bf16" if site in sites else "bf16x3"
+        splits[f"bf16 at {'+'.join(sites)}"] = (lambda site, sites=sites: "bf16" if site in sites else "bf16x3", ())
+    if stored:
+        splits[f"bf16 at {'+'.join(plain)}, {' and '.join(stored)} stored in bf16"] = (
+            lambda site: "bf16" if site in plain else "bf16x3", stored)
     print("| op | products | samples failed | tensors that failed first | A_log's error / the reference's (median, max) |")
     print("|---|---|---|---|---|")
-    for op in args.ops.split(","):
+    for op in ["v4_gated_delta_rule"] if args.long else args.ops.split(","):
         case, reference = CASES[op], REFERENCE[op]
         failed = {s: [] for s in splits}  # (sample, its first failing tensor)
         ratios = {s: [] for s in splits}
         for i in range(args.samples):
-            sample = case.samples(RandomDraw(i), torch.bfloat16, "cpu")
+            sample = long_sample(i) if args.long else case.samples(RandomDraw(i), torch.bfloat16, "cpu")
             seed = random.Random(10**6 + i).randrange(2**31)
             upstream = upstream_of(seed)
             ref_out, ref = forward_backward(reference, sample, upstream, seed)
             true_out, truth = forward_backward(reference, in_float64(sample), upstream, seed)
             spreads = Spreads(reference, sample, upstream, seed)
-            for split, of_site in splits.items():
-                outputs, grads = forward_backward(candidate(op, of_site), sample, upstream, seed)
+            for split, (of_site, rounded) in splits.items():
+                outputs, grads = forward_backward(candidate(op, of_site, rounded), sample, upstream, seed)
                 try:  # as check_parity judges: every output and gradient, the first failure raised
                     _compare(case, sample, outputs, grads, ref_out, ref, true_out, truth, spreads)
                 except AssertionError as failure:

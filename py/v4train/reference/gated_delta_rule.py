@@ -53,9 +53,11 @@ def _matmul(a, b, site: str):
     return torch.matmul(a, b)
 
 
-def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matmul):
-    # mm(a, b, site): every matrix product, named (tools/delta_rule_split_check.py passes emulations of
-    # the kernels' products, per site)
+def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matmul, decay_state=torch.mul):
+    # mm(a, b, site): every matrix product, named; decay_state(state, factor): the state's decay at a
+    # chunk's end, whose gradient to the factor is the state's dot with the next state's gradient
+    # (tools/delta_rule_split_check.py passes emulations of the kernels' products, per site, and of
+    # that dot on stored states)
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, L, Dk = k.shape
@@ -88,13 +90,13 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     for i in range(n):
         v_new = u[:, :, i] - mm(w[:, :, i], state, "w_state")
         outs.append(mm(q[:, :, i], state, "q_state") + mm(intra[:, :, i], v_new, "intra_v_new"))
-        state = state * chunk_decay[:, :, i] + mm(k[:, :, i].transpose(-1, -2), v_new, "kt_v_new")
+        state = decay_state(state, chunk_decay[:, :, i]) + mm(k[:, :, i].transpose(-1, -2), v_new, "kt_v_new")
     o = torch.stack(outs, dim=2).reshape(B, H, -1, Dv)[:, :, :L] if outs else v.new_zeros(B, H, 0, Dv)
     return o.transpose(1, 2).contiguous().to(out_dtype), state
 
 
 def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        cu_seqlens: torch.Tensor, *, mm=_matmul) -> torch.Tensor:
+                        cu_seqlens: torch.Tensor, *, mm=_matmul, decay_state=torch.mul) -> torch.Tensor:
     """The gated delta rule over packed documents, each from a zero state: `chunked` per document.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens int64 [N + 1]. Returns o [T, Hv, Dv]
@@ -105,7 +107,8 @@ def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         raise ValueError(f"v4_gated_delta_rule: g is a log decay and must be <= 0 (Gated DeltaNet's -exp(A_log) "
                          f"softplus(a + dt_bias)), got a largest value of {g.max().item()}")
     bounds = cu_seqlens.tolist()
-    outs = [chunked(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e], mm=mm)[0][0]
+    outs = [chunked(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e], mm=mm,
+                    decay_state=decay_state)[0][0]
             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
     if not outs:  # no tokens: an empty result that is still a function of every input
         compute = torch.promote_types(q.dtype, torch.float32)
