@@ -9,7 +9,7 @@ import torch
 from parity.strategies import devices
 from v4train.ops import OPS
 from v4train.testing.compare import assert_close
-from v4train.testing.cases.gated_delta_rule import leaves_for
+from v4train.testing.cases.gated_delta_rule import leaves_for, long_documents
 from v4train.testing.cases.mla_dsa_attention import packed
 from v4train.reference import gated_delta_rule
 
@@ -62,12 +62,6 @@ def test_qwen_widths_across_document_and_chunk_boundaries(device, dtype):
     forward and backward) against the reference and its float64 truth, every gradient, g's and
     beta's included (a Hopper backward can be wrong in one gradient only: fla issue 640)."""
     from v4train.testing.check import check_parity
-    from v4train.testing.samples import Sample
     from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
 
-    lengths = [1, 63, 64, 65, 4097]
-    leaves = leaves_for(lengths, 2, 2, 128, 128, dtype, device, 11, decay=0.01)  # the state crosses chunks
-    cu = packed(lengths, device)[1]
-    sample = Sample(leaves, lambda lv: ((lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"], cu), {}),
-                    note=f"documents {lengths}, Qwen3.5 widths")
-    check_parity(OPS["v4_gated_delta_rule"], OP, reference, sample, seed=3)
+    check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(dtype, device, 11), seed=3)

@@ -36,19 +36,9 @@ from v4train.models.qwen3_5.deltanet import v4_gated_deltanet
 from v4train.ops import REFERENCE
 from v4train.reference.gated_delta_rule import PRODUCT_SITES, v4_gated_delta_rule
 from v4train.testing.cases import CASES
-from v4train.testing.cases.gated_delta_rule import leaves_for
-from v4train.testing.cases.mla_dsa_attention import packed
+from v4train.testing.cases.gated_delta_rule import long_documents
 from v4train.testing.check import Spreads, _compare, forward_backward, in_float64, upstream_of
-from v4train.testing.samples import RandomDraw, Sample
-
-LONG = [1, 63, 64, 65, 4097]  # parity/test_gated_delta_rule.py's documents at Qwen3.5's widths
-
-
-def long_sample(seed: int) -> Sample:
-    leaves = leaves_for(LONG, 2, 2, 128, 128, torch.bfloat16, "cpu", seed, decay=0.01)
-    cu = packed(LONG, "cpu")[1]
-    return Sample(leaves, lambda lv: ((lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"], cu), {}),
-                  note=f"documents {LONG}")
+from v4train.testing.samples import RandomDraw
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -157,9 +147,9 @@ def main() -> None:
     variants = [[site] for site in PRODUCT_SITES] if args.each else []
     for sites in variants + ([plain] if plain else []):
         splits[f"bf16 at {'+'.join(sites)}"] = (lambda site, sites=sites: "bf16" if site in sites else "bf16x3", ())
-    if stored:
+    if stored:  # the --plain variant's split, the states stored in bf16
         splits[f"bf16 at {'+'.join(plain)}, {' and '.join(stored)} stored in bf16"] = (
-            lambda site: "bf16" if site in plain else "bf16x3", stored)
+            splits[f"bf16 at {'+'.join(plain)}"][0], stored)
     print("| op | products | samples failed | tensors that failed first | A_log's error / the reference's (median, max) |")
     print("|---|---|---|---|---|")
     for op in ["v4_gated_delta_rule"] if args.long else args.ops.split(","):
@@ -167,7 +157,10 @@ def main() -> None:
         failed = {s: [] for s in splits}  # (sample, its first failing tensor)
         ratios = {s: [] for s in splits}
         for i in range(args.samples):
-            sample = long_sample(i) if args.long else case.samples(RandomDraw(i), torch.bfloat16, "cpu")
+            if args.long:
+                sample = long_documents(torch.bfloat16, "cpu", i)
+            else:
+                sample = case.samples(RandomDraw(i), torch.bfloat16, "cpu")
             seed = random.Random(10**6 + i).randrange(2**31)
             upstream = upstream_of(seed)
             ref_out, ref = forward_backward(reference, sample, upstream, seed)

@@ -42,6 +42,20 @@ def leaves_for(lengths: list[int], heads: int, rep: int, dk: int, dv: int, dtype
             "g": g.to(device=device, dtype=dtype).requires_grad_(), "beta": beta.to(device=device, dtype=dtype).requires_grad_()}
 
 
+LONG_DOCUMENTS = [1, 63, 64, 65, 4097]
+
+
+def long_documents(dtype, device, s: int) -> Sample:
+    """Qwen3.5's head widths (128; 2 key heads serving 4 value heads) over documents of 1, 63, 64,
+    65 and 4,097 tokens in one packed batch, under the slow decay at which the state crosses chunks:
+    the only samples where the chunk decay's gradient (zero before a document's first chunk end and
+    after its last) is a large part of g's."""
+    leaves = leaves_for(LONG_DOCUMENTS, 2, 2, 128, 128, dtype, device, s, decay=0.01)
+    cu = packed(LONG_DOCUMENTS, device)[1]
+    return Sample(leaves, lambda lv: ((lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"], cu), {}),
+                  note=f"documents {LONG_DOCUMENTS}, Qwen3.5 widths")
+
+
 def samples(draw, dtype: torch.dtype, device) -> Sample:
     lengths = chunk_documents(draw)
     heads, rep, dk, dv = draw.integers(1, 3), draw.sampled_from([1, 2]), size(draw, 16), size(draw, 16)
