@@ -104,7 +104,10 @@ def main(argv):
         config = RunConfig.from_flags()
         if FLAGS.nproc_per_node and not distributed.launched():
             launch(config, ARGV)
-        return Trainer(config).run()
+        code = Trainer(config).run()
+        if distributed.launched():  # one of torchrun's ranks, its group left
+            distributed.exit_process(code)
+        return code
     except (FlagError, ValueError, ops.CppOpUnavailable) as e:  # data, config, checkpoint errors are ValueErrors
         print(f"train: {e}", file=sys.stderr)
         return 2

@@ -84,8 +84,11 @@ def train(out: str, config: str, data: str, args, processes: int, extra: tuple[s
     os.makedirs(out, exist_ok=True)
     with open(out + ".log", "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"proxy_run: {processes} process(es) failed (exit {done.returncode}); see {out}.log")
+    if done.returncode != 0:  # the log in the message (a CI run keeps only what its test printed):
+        with open(out + ".log") as log:  # the ranks' own errors first, torchrun's summary last
+            lines = log.readlines()
+        shown = "".join(lines if len(lines) <= 50 else lines[:10] + ["...\n"] + lines[-40:])
+        raise SystemExit(f"proxy_run: {processes} process(es) failed (exit {done.returncode}); {out}.log:\n{shown}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -21,7 +21,7 @@ def proxy_run(*args: str, env: dict = ENV) -> dict:
     """tools/proxy_run.py's JSON result (its run checked to end well)."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "proxy_run.py"), "--device", "cpu", *args],
                           capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
     print(done.stdout)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -144,14 +144,7 @@ def gloo(rank: int, size: int, init: str):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    # A worker that passed ends here, without Python's finalisation: gloo's worker threads drop
-    # their last reference to a collective's tensors after its wait returns, and one that does so
-    # while the interpreter finalises cannot take the GIL, exits the thread, and aborts the process
-    # ("terminate called without an active exception", SIGABRT; a core dump's stack showed
-    # ProcessGroupGloo::runLoop -> ~AsyncWork -> THPVariable_clear -> take_gil -> pthread_exit).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    distributed.exit_process(0)  # a worker that passed: gloo's threads and Python's finalisation race
 
 
 def run_train(*args: str, **kwargs):

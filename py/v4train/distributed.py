@@ -22,6 +22,8 @@ import collections
 import dataclasses
 import datetime
 import os
+import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -193,6 +195,18 @@ def fill_shards(model, rows: dict[str, torch.Tensor]) -> None:
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """The end of a process that was one rank of a group (after leave()), without Python's
+    finalisation: gloo's worker threads drop their last reference to a collective's tensors after
+    its wait returns, and one that does so while the interpreter finalises cannot take the GIL,
+    exits the thread, and aborts the process ("terminate called without an active exception",
+    SIGABRT: a finished run reported failed; a core dump's stack showed ProcessGroupGloo::runLoop ->
+    ~AsyncWork -> THPVariable_clear -> take_gil -> pthread_exit). Every file is closed by then."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def shard(model, world: World) -> None:
