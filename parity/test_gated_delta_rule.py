@@ -3,13 +3,15 @@
 a packed batch equals each document run alone, so no state leaks from one document into the next
 (the Qwen3.5 training bug other trainers report most)."""
 
+import functools
+
 import pytest
 import torch
 
 from parity.strategies import devices
 from v4train.ops import OPS
 from v4train.testing.compare import assert_close
-from v4train.testing.cases.gated_delta_rule import leaves_for, long_documents
+from v4train.testing.cases.gated_delta_rule import StoredDecay, leaves_for, long_documents
 from v4train.testing.cases.mla_dsa_attention import packed
 from v4train.reference import gated_delta_rule
 
@@ -65,3 +67,34 @@ def test_qwen_widths_across_document_and_chunk_boundaries(device, dtype):
     from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
 
     check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(dtype, device, 11), seed=3)
+
+
+def _chunk_decay_share(fn, device, dtype) -> float:
+    """judge_path of fn's g gradient along the chunk decay's share of it (the state's decay across a
+    chunk's end: its gradient, the dot of the state before the end with the gradient of the state
+    after it), on the long documents, where that share is some 60% of g's gradient."""
+    from v4train.testing.check import forward_backward, in_float64, judge_path, upstream_of
+
+    reference = gated_delta_rule.v4_gated_delta_rule
+    sample, seed = long_documents(dtype, device, 11), 3
+    upstream = upstream_of(seed)
+    grads = [forward_backward(f, s, upstream, seed)[1]["g"] for f, s in (
+        (fn, sample), (reference, sample), (reference, in_float64(sample)),
+        (functools.partial(reference, decay_state=lambda state, factor: state * factor.detach()), in_float64(sample)))]
+    return judge_path(f"v4_gated_delta_rule g's gradient through the chunk decay [{dtype}, {device}]", *grads)
+
+
+@pytest.mark.parametrize("device,dtype", [(d, t) for d in devices() for t in (torch.float32, torch.bfloat16)])
+def test_the_chunk_decay_s_share_of_g_s_gradient(device, dtype):
+    """The chunk decay's gradient (on CUDA a dot in state_grads' kernel) is judged along its own share
+    of g's gradient: judge's norm bound passed it 10% off in bf16 on these documents."""
+    _chunk_decay_share(OP, device, dtype)
+
+
+@pytest.mark.parametrize("off", [0.01, -0.01])
+def test_the_path_judge_fails_the_chunk_decay_one_percent_off(off):
+    """The same judge handed the reference with that dot 1% off, in bf16 (the kernels' dtype)."""
+    wrong = functools.partial(gated_delta_rule.v4_gated_delta_rule,
+                              decay_state=lambda state, factor: StoredDecay.apply(state, factor, (), off))
+    with pytest.raises(AssertionError, match="through the chunk decay"):
+        _chunk_decay_share(wrong, "cpu", torch.bfloat16)

@@ -18,10 +18,16 @@ before a document's first chunk end and after its last, so the drawn samples rea
 documents of 129 tokens or more, few and narrow: --long judges v4_gated_delta_rule on the long
 documents of parity/test_gated_delta_rule.py instead (1, 63, 64, 65 and 4,097 tokens, widths 128,
 the slow decay under which the state crosses chunks; one seed a sample), where a dot 1% off fails.
+A last column measures each variant's g gradient from the kernels' own rounding (the --plain
+sites, the --stored states) as a distance over its norm: where the bf16 judge's bound is too wide
+to see a dot some percent off (--off: that variant too), the built op (--cpp, on --device: the CUDA
+kernels) should sit as close to its own rounding as the emulation's float32 order allows
+(docs/gpu.md, item 6 of the eleventh session).
 
     python3 tools/delta_rule_split_check.py [--samples 500] [--ops v4_gated_deltanet,v4_gated_delta_rule]
     python3 tools/delta_rule_split_check.py --each --samples 200
     python3 tools/delta_rule_split_check.py --plain w_state,q_state,kt_v_new --stored h,d_state --long --samples 5
+    python3 tools/delta_rule_split_check.py --plain w_state,q_state,kt_v_new --long --off 0.01 --cpp --device cuda
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ import random
 import torch
 
 from v4train.models.qwen3_5.deltanet import v4_gated_deltanet
-from v4train.ops import REFERENCE
+from v4train.ops import REFERENCE, resolve
 from v4train.reference.gated_delta_rule import PRODUCT_SITES, v4_gated_delta_rule
 from v4train.testing.cases import CASES
-from v4train.testing.cases.gated_delta_rule import long_documents
+from v4train.testing.cases.gated_delta_rule import StoredDecay, long_documents
 from v4train.testing.check import Spreads, _compare, forward_backward, in_float64, upstream_of
 from v4train.testing.samples import RandomDraw
 
@@ -81,33 +87,16 @@ class Product(torch.autograd.Function):
 STORED = ("h", "d_state")
 
 
-class StoredDecay(torch.autograd.Function):
-    """state * factor, the factor's gradient the float32 dot of the states in `stored` rounded to bf16."""
-
-    @staticmethod
-    def forward(ctx, state, factor, stored):
-        ctx.save_for_backward(state, factor)
-        ctx.stored = stored
-        return state * factor
-
-    @staticmethod
-    def backward(ctx, grad):
-        state, factor = ctx.saved_tensors
-        h = bf16(state) if "h" in ctx.stored else state
-        d = bf16(grad) if "d_state" in ctx.stored else grad
-        return grad * factor, (h * d).sum(dim=(-2, -1), keepdim=True).to(factor.dtype), None
-
-
 class Ops:
     """The reference op table with the delta rule's products emulated, `split` of each site, and the
     states in `stored` rounded to bf16 where the chunk decay's gradient reads them."""
 
-    def __init__(self, split, stored=()):
+    def __init__(self, split, stored=(), off=0.0):
         def mm(a, b, site):
             return Product.apply(a, b, split(site))
 
         def decay_state(state, factor):
-            return StoredDecay.apply(state, factor, stored) if stored else state * factor
+            return StoredDecay.apply(state, factor, stored, off) if stored or off else state * factor
 
         self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm, decay_state=decay_state)
 
@@ -115,9 +104,13 @@ class Ops:
         return getattr(REFERENCE, name)
 
 
-def candidate(op: str, split, stored=()):
-    ops = Ops(split, stored)
+def candidate(op: str, split, stored=(), off=0.0):
+    ops = Ops(split, stored, off)
     return ops.v4_gated_delta_rule if op == "v4_gated_delta_rule" else functools.partial(v4_gated_deltanet, ops=ops)
+
+
+def distance(x: torch.Tensor, to: torch.Tensor) -> float:
+    return ((x.double() - to.double()).norm() / to.double().norm()).item()
 
 
 def main() -> None:
@@ -130,10 +123,15 @@ def main() -> None:
                         "rounded to bf16 by the chunk decay's gradient")
     parser.add_argument("--long", action="store_true", help="v4_gated_delta_rule on long documents (seeds 0, 1, ...) "
                         "instead of the drawn samples")
+    parser.add_argument("--off", type=float, default=0.0, help="with --plain: also its variant with the chunk decay's "
+                        "gradient (the dot) this far off, e.g. 0.01")
+    parser.add_argument("--cpp", action="store_true", help="also the built C++ op (on --device: the CUDA kernels)")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # name: (the split of each site, the states stored in bf16)
-    splits = {name: (lambda site, name=name: name, ()) for name in ("float32", "tf32x3", "bf16x3", "bf16")}
+    # name: the implementation of an op (the variant's split of each site, the states it stores in bf16)
+    variants = {name: lambda op, name=name: candidate(op, lambda site: name) for name in ("float32", "tf32x3",
+                                                                                          "bf16x3", "bf16")}
     plain = [site for site in args.plain.split(",") if site]
     stored = tuple(x for x in args.stored.split(",") if x)
     for site in plain:
@@ -142,45 +140,63 @@ def main() -> None:
     for x in stored:
         if x not in STORED:
             parser.error(f"--stored: unknown state {x!r}; the states are {', '.join(STORED)}")
-    if stored and not plain:
-        parser.error("--stored: give the sites in plain bf16 with --plain (the kernels that store the states)")
-    variants = [[site] for site in PRODUCT_SITES] if args.each else []
-    for sites in variants + ([plain] if plain else []):
-        splits[f"bf16 at {'+'.join(sites)}"] = (lambda site, sites=sites: "bf16" if site in sites else "bf16x3", ())
-    if stored:  # the --plain variant's split, the states stored in bf16
-        splits[f"bf16 at {'+'.join(plain)}, {' and '.join(stored)} stored in bf16"] = (
-            splits[f"bf16 at {'+'.join(plain)}"][0], stored)
-    print("| op | products | samples failed | tensors that failed first | A_log's error / the reference's (median, max) |")
-    print("|---|---|---|---|---|")
+    if (stored or args.off) and not plain:
+        parser.error("--stored, --off: give the sites in plain bf16 with --plain (the kernels' own)")
+    for sites in [[site] for site in PRODUCT_SITES] if args.each else []:
+        variants[f"bf16 at {'+'.join(sites)}"] = lambda op, sites=sites: candidate(
+            op, lambda site: "bf16" if site in sites else "bf16x3")
+    # The kernels' own rounding (the --plain sites, the --stored states), the others bf16x3: the
+    # variant each row's g gradient is measured from.
+    kernels = None
+    if plain:
+        of_site = lambda site: "bf16" if site in plain else "bf16x3"  # noqa: E731
+        kernels = f"bf16 at {'+'.join(plain)}"
+        variants[kernels] = lambda op: candidate(op, of_site)
+        if stored:
+            kernels += f", {' and '.join(stored)} stored in bf16"
+            variants[kernels] = lambda op: candidate(op, of_site, stored)
+        if args.off:
+            variants[f"the same, the dot {args.off:g} off"] = lambda op: candidate(op, of_site, stored, args.off)
+    if args.cpp:
+        variants[f"the C++ op ({args.device})"] = lambda op: resolve(op)[op]
+    grad_of_g = {"v4_gated_delta_rule": "g", "v4_gated_deltanet": "linear_attn.A_log"}
+    print("| op | products | samples failed | tensors that failed first | A_log's error / the reference's (median, "
+          f"max) | g's gradient from {kernels or '-'}: distance / norm (median, max) |")
+    print("|---|---|---|---|---|---|")
     for op in ["v4_gated_delta_rule"] if args.long else args.ops.split(","):
         case, reference = CASES[op], REFERENCE[op]
-        failed = {s: [] for s in splits}  # (sample, its first failing tensor)
-        ratios = {s: [] for s in splits}
+        failed = {v: [] for v in variants}  # (sample, its first failing tensor)
+        ratios = {v: [] for v in variants}
+        apart = {v: [] for v in variants}
         for i in range(args.samples):
             if args.long:
-                sample = long_documents(torch.bfloat16, "cpu", i)
+                sample = long_documents(torch.bfloat16, args.device, i)
             else:
-                sample = case.samples(RandomDraw(i), torch.bfloat16, "cpu")
+                sample = case.samples(RandomDraw(i), torch.bfloat16, args.device)
             seed = random.Random(10**6 + i).randrange(2**31)
             upstream = upstream_of(seed)
             ref_out, ref = forward_backward(reference, sample, upstream, seed)
             true_out, truth = forward_backward(reference, in_float64(sample), upstream, seed)
             spreads = Spreads(reference, sample, upstream, seed)
-            for split, (of_site, rounded) in splits.items():
-                outputs, grads = forward_backward(candidate(op, of_site, rounded), sample, upstream, seed)
+            runs = {v: forward_backward(implementation(op), sample, upstream, seed)
+                    for v, implementation in variants.items()}
+            for v, (outputs, grads) in runs.items():
                 try:  # as check_parity judges: every output and gradient, the first failure raised
                     _compare(case, sample, outputs, grads, ref_out, ref, true_out, truth, spreads)
                 except AssertionError as failure:
-                    failed[split].append((i, str(failure).removeprefix(f"{op} ").split(" [")[0]))
+                    failed[v].append((i, str(failure).removeprefix(f"{op} ").split(" [")[0]))
                 a_log = "linear_attn.A_log"
                 if a_log in grads and (ref[a_log] - truth[a_log]).norm() > 0:
                     err = lambda x: (x.double() - truth[a_log].double()).norm().item()  # noqa: E731
-                    ratios[split].append(err(grads[a_log]) / err(ref[a_log]))
-        for split in splits:
-            r = sorted(ratios[split])
+                    ratios[v].append(err(grads[a_log]) / err(ref[a_log]))
+                if kernels:
+                    apart[v].append(distance(grads[grad_of_g[op]], runs[kernels][1][grad_of_g[op]]))
+        for v in variants:
+            r, d = sorted(ratios[v]), sorted(apart[v])
             stats = f"{r[len(r) // 2]:.2f}, {r[-1]:.2f}" if r else "-"
-            print(f"| {op} | {split} | {len({i for i, _ in failed[split]})} of {args.samples} | "
-                  f"{', '.join(sorted({t for _, t in failed[split]})) or '-'} | {stats} |", flush=True)
+            dist = f"{d[len(d) // 2]:.2e}, {d[-1]:.2e}" if d else "-"
+            print(f"| {op} | {v} | {len({i for i, _ in failed[v]})} of {args.samples} | "
+                  f"{', '.join(sorted({t for _, t in failed[v]})) or '-'} | {stats} | {dist} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,10 @@ MUTATIONS = (
     Mutation("delta_rule_backward_decay_gradient", "backward only: the chunk decay's gradient dropped (g's gradient "
              "wrong alone, fla issue 640's kind)", "cc/ops/gated_delta_rule.cc", "(h * next).sum({-1, -2}),",
              "at::zeros_like(decay),", parity("gated_delta_rule")),
+    Mutation("delta_rule_chunk_decay_one_percent_off", "backward only: the chunk decay's gradient 1% large (g's "
+             "gradient some 0.6% off: inside judge's bf16 bound, caught along its path by judge_path)",
+             "cc/ops/gated_delta_rule.cc", "(h * next).sum({-1, -2}),", "(h * next).sum({-1, -2}) * 1.01,",
+             parity("gated_delta_rule")),
     Mutation("decay_matrix_backward_column", "backward only: the decay matrix's gradient misses the column sums",
              "cc/ops/gated_delta_rule.cc", "return {m.sum(-1, false, at::kDouble) - m.sum(-2, false, at::kDouble), at::Tensor()};",
              "return {m.sum(-1, false, at::kDouble), at::Tensor()};", parity("gated_delta_rule")),
@@ -184,6 +188,11 @@ MUTATIONS = (
     Mutation("delta_rule_gamma_gradient_dropped", "backward only: the chunk decay's gradient through the state "
              "(dgamma) left out of g's gradient (g's alone wrong, fla issue 640's kind)", "cc/ops/gated_delta_rule.cu",
              "      v += static_cast<double>(p.dgamma[head]) * s.gamma;\n", "", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_planes_chunk_decay_one_percent_off", "backward only: the bf16 kernels' chunk decay "
+             "gradient (state_grads' dot of h and d_state) 1% large: g's gradient some 0.6% off, inside judge's bf16 "
+             "bound, caught along its path by judge_path", "cc/ops/gated_delta_rule.cu",
+             "every tile is in)\n  if (threadIdx.x == 0) p.dgamma[head] = dot;",
+             "every tile is in)\n  if (threadIdx.x == 0) p.dgamma[head] = 1.01f * dot;", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_beta_gradient_through_a", "backward only: beta's gradient through A = beta (K K^T * L) "
              "dropped (beta's alone wrong)", "cc/ops/gated_delta_rule.cu",
              "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;", "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk;",
