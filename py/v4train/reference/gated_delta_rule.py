@@ -47,17 +47,27 @@ def recurrent(q, k, v, g, beta, initial_state=None):
 
 # The sites of chunked's products, as it names them to mm.
 PRODUCT_SITES = ("k_kt", "q_kt", "w_state", "q_state", "intra_v_new", "kt_v_new")
+# The sites that read chunked's cumulative log decay G, as it names them to log_decay: the decay
+# matrix of the UT system and of Q K^T, the decay to the chunk's start of w's keys and of q, k's
+# decay to the chunk's end, the state's decay across a chunk's end. g's gradient is their sum.
+DECAY_SITES = ("system", "intra", "w", "q", "k", "state")
 
 
 def _matmul(a, b, site: str):
     return torch.matmul(a, b)
 
 
-def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matmul, decay_state=torch.mul):
+def _log_decay(g, site: str):
+    return g
+
+
+def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matmul, decay_state=torch.mul,
+            log_decay=_log_decay):
     # mm(a, b, site): every matrix product, named; decay_state(state, factor): the state's decay at a
     # chunk's end, whose gradient to the factor is the state's dot with the next state's gradient
     # (tools/delta_rule_split_check.py passes emulations of the kernels' products, per site, and of
-    # that dot on stored states)
+    # that dot on stored states); log_decay(G, site): the cumulative log decay as each of DECAY_SITES
+    # reads it (the parity suite cuts one, G detached, to judge g's gradient along that path)
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, L, Dk = k.shape
@@ -75,17 +85,24 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     compute = q.dtype
     g = g.reshape(B, H, n, chunk_size).double().cumsum(dim=-1)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    decay = (g[..., :, None] - g[..., None, :]).to(compute).masked_fill(upper, float("-inf")).exp()  # [.., i, j]
-    to_start = g.exp().to(compute)[..., None]
+
+    def decay(site):  # [.., i, j]: exp(G_i - G_j) for j <= i
+        G = log_decay(g, site)
+        return (G[..., :, None] - G[..., None, :]).to(compute).masked_fill(upper, float("-inf")).exp()
+
+    def to_start(site):
+        return log_decay(g, site).exp().to(compute)[..., None]
+
     # UT transform: (I + tril(diag(beta) K K^T, -1)) solved once per chunk for the values and keys.
-    system = mm(k_beta, k.transpose(-1, -2), "k_kt") * decay
-    intra = mm(q, k.transpose(-1, -2), "q_kt") * decay
+    system = mm(k_beta, k.transpose(-1, -2), "k_kt") * decay("system")
+    intra = mm(q, k.transpose(-1, -2), "q_kt") * decay("intra")
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * to_start, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * to_start("w"), upper=False, unitriangular=True)
     state = torch.zeros(B, H, Dk, Dv).to(v) if initial_state is None else initial_state.to(v)
-    q = q * to_start
-    k = k * (g[..., -1:] - g).exp().to(compute)[..., None]
-    chunk_decay = g[..., -1].exp().to(compute)[..., None, None]
+    q = q * to_start("q")
+    G = log_decay(g, "k")
+    k = k * (G[..., -1:] - G).exp().to(compute)[..., None]
+    chunk_decay = log_decay(g, "state")[..., -1].exp().to(compute)[..., None, None]
     outs = []
     for i in range(n):
         v_new = u[:, :, i] - mm(w[:, :, i], state, "w_state")
@@ -96,7 +113,8 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
 
 
 def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        cu_seqlens: torch.Tensor, *, mm=_matmul, decay_state=torch.mul) -> torch.Tensor:
+                        cu_seqlens: torch.Tensor, *, mm=_matmul, decay_state=torch.mul,
+                        log_decay=_log_decay) -> torch.Tensor:
     """The gated delta rule over packed documents, each from a zero state: `chunked` per document.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens int64 [N + 1]. Returns o [T, Hv, Dv]
@@ -108,7 +126,7 @@ def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                          f"softplus(a + dt_bias)), got a largest value of {g.max().item()}")
     bounds = cu_seqlens.tolist()
     outs = [chunked(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e], mm=mm,
-                    decay_state=decay_state)[0][0]
+                    decay_state=decay_state, log_decay=log_decay)[0][0]
             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
     if not outs:  # no tokens: an empty result that is still a function of every input
         compute = torch.promote_types(q.dtype, torch.float32)
