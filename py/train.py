@@ -100,14 +100,19 @@ def main(argv):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    code = exit_status()
+    if distributed.launched():  # one of torchrun's ranks, its group left (Trainer.run)
+        distributed.exit_process(code)
+    return code
+
+
+def exit_status() -> int:
+    """The run, as its exit status (docs/reliability.md): bad input is one line and 2."""
     try:
         config = RunConfig.from_flags()
         if FLAGS.nproc_per_node and not distributed.launched():
             launch(config, ARGV)
-        code = Trainer(config).run()
-        if distributed.launched():  # one of torchrun's ranks, its group left
-            distributed.exit_process(code)
-        return code
+        return Trainer(config).run()
     except (FlagError, ValueError, ops.CppOpUnavailable) as e:  # data, config, checkpoint errors are ValueErrors
         print(f"train: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -85,9 +86,10 @@ def train(out: str, config: str, data: str, args, processes: int, extra: tuple[s
     with open(out + ".log", "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     if done.returncode != 0:  # the log in the message (a CI run keeps only what its test printed):
-        with open(out + ".log") as log:  # the ranks' own errors first, torchrun's summary last
+        with open(out + ".log", errors="replace") as log:  # the ranks' errors, then torchrun's summary
             lines = log.readlines()
-        shown = "".join(lines if len(lines) <= 50 else lines[:10] + ["...\n"] + lines[-40:])
+        errors = [line for line in lines[:-30] if re.search(r"^(\[rank\d+\]: )?(train: |\w*Error\b|terminate )", line)]
+        shown = "".join(errors[-20:] + ["...\n"] + lines[-30:] if len(lines) > 30 else lines)
         raise SystemExit(f"proxy_run: {processes} process(es) failed (exit {done.returncode}); {out}.log:\n{shown}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

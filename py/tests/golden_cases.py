@@ -104,8 +104,6 @@ SMALL = ["--model_dir=" + BASE, "--data=" + CHAT, "--dtype=float32", "--seq_len=
 def _cli(script: str, args, env: dict | None) -> tuple[list[str], dict]:
     """The command line of python py/<script> args..., and its environment: this test's import
     path, plus `env`."""
-    import sys
-
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.path.abspath(p) for p in sys.path), **(env or {}))
     return [sys.executable, os.path.join(REPO, "py", script), *args], env
 

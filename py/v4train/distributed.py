@@ -204,8 +204,11 @@ def exit_process(code: int) -> NoReturn:
     exits the thread, and aborts the process ("terminate called without an active exception",
     SIGABRT: a finished run reported failed; a core dump's stack showed ProcessGroupGloo::runLoop ->
     ~AsyncWork -> THPVariable_clear -> take_gil -> pthread_exit). Every file is closed by then."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more to say there
+            pass
     os._exit(code)
 
 

@@ -86,12 +86,20 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     g = g.reshape(B, H, n, chunk_size).double().cumsum(dim=-1)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
 
-    def decay(site):  # [.., i, j]: exp(G_i - G_j) for j <= i
+    made = {}  # each factor once per G it is made from (with the default hook every site reads g itself)
+
+    def once(kind, site, make):
         G = log_decay(g, site)
-        return (G[..., :, None] - G[..., None, :]).to(compute).masked_fill(upper, float("-inf")).exp()
+        if (kind, id(G)) not in made:
+            made[kind, id(G)] = G, make(G)  # (G kept, so that its id is not reused)
+        return made[kind, id(G)][1]
+
+    def decay(site):  # [.., i, j]: exp(G_i - G_j) for j <= i
+        return once("decay", site, lambda G: (G[..., :, None] - G[..., None, :]).to(compute)
+                    .masked_fill(upper, float("-inf")).exp())
 
     def to_start(site):
-        return log_decay(g, site).exp().to(compute)[..., None]
+        return once("to_start", site, lambda G: G.exp().to(compute)[..., None])
 
     # UT transform: (I + tril(diag(beta) K K^T, -1)) solved once per chunk for the values and keys.
     system = mm(k_beta, k.transpose(-1, -2), "k_kt") * decay("system")
