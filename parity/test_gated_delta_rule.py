@@ -86,52 +86,55 @@ class _ScaledGradient(torch.autograd.Function):
 
 
 @functools.lru_cache(maxsize=None)
-def _decay_paths(device, dtype):
+def _paths(device, dtype):
     """On the long documents (where the state crosses chunks, so every path carries a large share):
-    (the run's upstream gradients, the reference's g gradient, the exact one, and the exact one with
-    each of DECAY_SITES cut, G detached there)."""
+    the run's upstream gradients, the reference's gradients, the exact ones, and for each path (a
+    site of PATH_SITES) the exact gradient of its leaf with that site cut (the leaf detached there)."""
     from v4train.testing.check import forward_backward, in_float64, upstream_of
 
     reference, sample = gated_delta_rule.v4_gated_delta_rule, long_documents(dtype, device, 11)
     upstream = upstream_of(3)  # drawn by the first run, in the sample's dtype (exact in the others)
-    g_of = lambda fn, s: forward_backward(fn, s, upstream, 3)[1]["g"]  # noqa: E731
-    expected, truth = g_of(reference, sample), g_of(reference, in_float64(sample))
-    cut = {site: g_of(functools.partial(reference, log_decay=lambda g, at, site=site: g.detach() if at == site else g),
-                      in_float64(sample)) for site in gated_delta_rule.DECAY_SITES}
+    grads = lambda fn, s: forward_backward(fn, s, upstream, 3)[1]  # noqa: E731
+    expected, truth = grads(reference, sample), grads(reference, in_float64(sample))
+    cut = {(leaf, site): grads(functools.partial(reference, path=lambda x, of, at, cut=(leaf, site):
+                                                 x.detach() if (of, at) == cut else x), in_float64(sample))[leaf]
+           for leaf, sites in gated_delta_rule.PATH_SITES.items() for site in sites}
     return upstream, expected, truth, cut
 
 
-def _judge_decay_paths(fn, device, dtype) -> None:
-    """judge_path of fn's g gradient along each path of it (each site that reads the log decay)."""
+def _judge_paths(fn, device, dtype) -> None:
+    """judge_path of fn's g and beta gradients along each of their paths, every failing one reported."""
     from v4train.testing.check import forward_backward, judge_path
 
-    upstream, expected, truth, cut = _decay_paths(device, dtype)
-    actual = forward_backward(fn, long_documents(dtype, device, 11), upstream, 3)[1]["g"]
+    upstream, expected, truth, cut = _paths(device, dtype)
+    actual = forward_backward(fn, long_documents(dtype, device, 11), upstream, 3)[1]
     failures = []
-    for site, without in cut.items():  # every path judged, every failing one reported
+    for (leaf, site), without in cut.items():
         try:
-            judge_path(f"v4_gated_delta_rule g's gradient through the log decay at {site} [{dtype}, {device}]",
-                       actual, expected, truth, without)
+            judge_path(f"v4_gated_delta_rule {leaf}'s gradient through {site} [{dtype}, {device}]",
+                       actual[leaf], expected[leaf], truth[leaf], without)
         except AssertionError as failure:
             failures.append(str(failure))
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("device,dtype", LONG)
-def test_each_path_of_g_s_gradient(device, dtype):
-    """g's gradient judged along each path's share of it (check.judge_path): the decay matrix of the
-    UT system and of Q K^T, the decay of w's keys and of q to the chunk's start, of k to its end, and
-    the state's across it (on CUDA a dot in state_grads' kernel, which judge's bf16 norm bound
-    passed 10% off on these documents)."""
-    _judge_decay_paths(OP, device, dtype)
+def test_each_path_of_g_s_and_beta_s_gradients(device, dtype):
+    """g's and beta's gradients judged along each path's share (check.judge_path). g's: the decay
+    matrix of the UT system and of Q K^T, the decay of w's keys and of q to the chunk's start, of k to
+    its end, and the state's across it (on CUDA a dot in state_grads' kernel, which judge's bf16 norm
+    bound passed 10% off on these documents); beta's: through v, and through k in the system and in w
+    (wy_grads' three sums)."""
+    _judge_paths(OP, device, dtype)
 
 
-@pytest.mark.parametrize("site", gated_delta_rule.DECAY_SITES)
-def test_the_path_judge_fails_each_path_two_percent_off(site):
+@pytest.mark.parametrize("leaf,site", [(leaf, site) for leaf, sites in gated_delta_rule.PATH_SITES.items()
+                                       for site in sites])
+def test_the_path_judge_fails_each_path_two_percent_off(leaf, site):
     """The same judge handed the reference with one path's gradient 2% off, in bf16 (the kernels'
     dtype; the state's path fails 1% off too, docs/testing.md): it fails along that path's own share
     (the shares are not orthogonal, so others may fail as well)."""
-    wrong = functools.partial(gated_delta_rule.v4_gated_delta_rule,
-                              log_decay=lambda g, at: _ScaledGradient.apply(g, 1.02) if at == site else g)
-    with pytest.raises(AssertionError, match=rf"through the log decay at {site} \["):
-        _judge_decay_paths(wrong, "cpu", torch.bfloat16)
+    wrong = functools.partial(gated_delta_rule.v4_gated_delta_rule, path=lambda x, of, at: _ScaledGradient.apply(
+        x, 1.02) if (of, at) == (leaf, site) else x)
+    with pytest.raises(AssertionError, match=rf"{leaf}'s gradient through {site} \["):
+        _judge_paths(wrong, "cpu", torch.bfloat16)

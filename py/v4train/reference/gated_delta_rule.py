@@ -47,27 +47,30 @@ def recurrent(q, k, v, g, beta, initial_state=None):
 
 # The sites of chunked's products, as it names them to mm.
 PRODUCT_SITES = ("k_kt", "q_kt", "w_state", "q_state", "intra_v_new", "kt_v_new")
-# The sites that read chunked's cumulative log decay G, as it names them to log_decay: the decay
-# matrix of the UT system and of Q K^T, the decay to the chunk's start of w's keys and of q, k's
-# decay to the chunk's end, the state's decay across a chunk's end. g's gradient is their sum.
-DECAY_SITES = ("system", "intra", "w", "q", "k", "state")
+# The sites at which chunked reads g (its cumulative log decay G) and beta, as it names them to
+# path(x, leaf, site); a leaf's gradient is the sum of what reaches it through its sites. G: the
+# decay matrix of the UT system and of Q K^T, the decay to the chunk's start of w's keys and of q,
+# k's decay to the chunk's end, the state's decay across a chunk's end. beta: v's weights (the
+# values' side of the system) and k's, in the system's matrix and in w's right-hand side.
+PATH_SITES = {"g": ("system", "intra", "w", "q", "k", "state"), "beta": ("v", "system", "w")}
 
 
 def _matmul(a, b, site: str):
     return torch.matmul(a, b)
 
 
-def _log_decay(g, site: str):
-    return g
+def _path(x, leaf: str, site: str):
+    return x
 
 
 def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matmul, decay_state=torch.mul,
-            log_decay=_log_decay):
+            path=_path):
     # mm(a, b, site): every matrix product, named; decay_state(state, factor): the state's decay at a
     # chunk's end, whose gradient to the factor is the state's dot with the next state's gradient
     # (tools/delta_rule_split_check.py passes emulations of the kernels' products, per site, and of
-    # that dot on stored states); log_decay(G, site): the cumulative log decay as each of DECAY_SITES
-    # reads it (the parity suite cuts one, G detached, to judge g's gradient along that path)
+    # that dot on stored states); path(x, leaf, site): g's cumulative log decay G and beta as each of
+    # their PATH_SITES reads them (the parity suite cuts one, x detached there, to judge the leaf's
+    # gradient along that path)
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, L, Dk = k.shape
@@ -76,8 +79,18 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
     n = (L + pad) // chunk_size
-    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
-    q, k, k_beta, v_beta = (x.reshape(B, H, n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    made = {}  # each factor once per tensor the hook returns (by default the same one at every site)
+
+    def once(kind, x, make):
+        if (kind, id(x)) not in made:
+            made[kind, id(x)] = x, make(x)  # (x kept, so that its id is not reused)
+        return made[kind, id(x)][1]
+
+    chunks = lambda x: x.reshape(B, H, n, chunk_size, x.shape[-1])  # noqa: E731
+    v_beta = chunks(v * path(beta, "beta", "v")[..., None])
+    k_beta = {site: once("k_beta", path(beta, "beta", site), lambda b: chunks(k * b[..., None]))
+              for site in ("system", "w")}
+    q, k = chunks(q), chunks(k)
     # The cumulative log decay inside each chunk, summed, differenced and (but for the decay matrix)
     # exponentiated in float64: in fp32 the differences of sums of up to 64 log decays lose digits, and the
     # A_log / dt_bias gradients, which sum them with cancellation, came out up to 19% off the exact
@@ -86,31 +99,23 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     g = g.reshape(B, H, n, chunk_size).double().cumsum(dim=-1)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
 
-    made = {}  # each factor once per G it is made from (with the default hook every site reads g itself)
-
-    def once(kind, site, make):
-        G = log_decay(g, site)
-        if (kind, id(G)) not in made:
-            made[kind, id(G)] = G, make(G)  # (G kept, so that its id is not reused)
-        return made[kind, id(G)][1]
-
     def decay(site):  # [.., i, j]: exp(G_i - G_j) for j <= i
-        return once("decay", site, lambda G: (G[..., :, None] - G[..., None, :]).to(compute)
+        return once("decay", path(g, "g", site), lambda G: (G[..., :, None] - G[..., None, :]).to(compute)
                     .masked_fill(upper, float("-inf")).exp())
 
     def to_start(site):
-        return once("to_start", site, lambda G: G.exp().to(compute)[..., None])
+        return once("to_start", path(g, "g", site), lambda G: G.exp().to(compute)[..., None])
 
     # UT transform: (I + tril(diag(beta) K K^T, -1)) solved once per chunk for the values and keys.
-    system = mm(k_beta, k.transpose(-1, -2), "k_kt") * decay("system")
+    system = mm(k_beta["system"], k.transpose(-1, -2), "k_kt") * decay("system")
     intra = mm(q, k.transpose(-1, -2), "q_kt") * decay("intra")
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * to_start("w"), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta["w"] * to_start("w"), upper=False, unitriangular=True)
     state = torch.zeros(B, H, Dk, Dv).to(v) if initial_state is None else initial_state.to(v)
     q = q * to_start("q")
-    G = log_decay(g, "k")
+    G = path(g, "g", "k")
     k = k * (G[..., -1:] - G).exp().to(compute)[..., None]
-    chunk_decay = log_decay(g, "state")[..., -1].exp().to(compute)[..., None, None]
+    chunk_decay = path(g, "g", "state")[..., -1].exp().to(compute)[..., None, None]
     outs = []
     for i in range(n):
         v_new = u[:, :, i] - mm(w[:, :, i], state, "w_state")
@@ -122,7 +127,7 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
 
 def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         cu_seqlens: torch.Tensor, *, mm=_matmul, decay_state=torch.mul,
-                        log_decay=_log_decay) -> torch.Tensor:
+                        path=_path) -> torch.Tensor:
     """The gated delta rule over packed documents, each from a zero state: `chunked` per document.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens int64 [N + 1]. Returns o [T, Hv, Dv]
@@ -134,7 +139,7 @@ def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                          f"softplus(a + dt_bias)), got a largest value of {g.max().item()}")
     bounds = cu_seqlens.tolist()
     outs = [chunked(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e], mm=mm,
-                    decay_state=decay_state, log_decay=log_decay)[0][0]
+                    decay_state=decay_state, path=path)[0][0]
             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
     if not outs:  # no tokens: an empty result that is still a function of every input
         compute = torch.promote_types(q.dtype, torch.float32)

@@ -190,9 +190,9 @@ def judge_path(name: str, actual, expected, truth, truth_without) -> float:
     samples in bf16, along the chunk decay's path |alpha| was 1.8-7.5e-4 for the reference, the
     kernels' rounding emulated (bf16 state products, the states stored in bf16) and every product in
     bf16, against a bound of 3.8e-3; the chunk decay 1% large gave 0.0095-0.011 and 0.3% small
-    -0.0024 to -0.0035 (each path of the delta rule's g gradient: docs/testing.md). The bound does
-    not grow with the error a result is otherwise allowed (judge's 10x): a correct kernel noisier
-    than the reference passes only while its error stays nearly orthogonal to the share."""
+    -0.0024 to -0.0035 (each path of the delta rule's g and beta gradients: docs/testing.md). The
+    bound does not grow with the error a result is otherwise allowed (judge's 10x): a correct kernel
+    noisier than the reference passes only while its error stays nearly orthogonal to the share."""
     a, e, t, c = (x.double().cpu() for x in (actual, expected, truth, truth_without))
     d = t - c
     if d.norm() == 0:
