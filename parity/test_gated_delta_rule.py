@@ -11,7 +11,7 @@ import torch
 from parity.strategies import devices
 from v4train.ops import OPS
 from v4train.testing.compare import assert_close
-from v4train.testing.cases.gated_delta_rule import leaves_for, long_documents
+from v4train.testing.cases.gated_delta_rule import ScaledGradient, leaves_for, long_documents
 from v4train.testing.cases.mla_dsa_attention import packed
 from v4train.reference import gated_delta_rule
 
@@ -72,19 +72,6 @@ def test_qwen_widths_across_document_and_chunk_boundaries(device, dtype):
     check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(dtype, device, 11), seed=3)
 
 
-class _ScaledGradient(torch.autograd.Function):
-    """x, its gradient times `factor`: a path of g's gradient computed that far off."""
-
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
 @functools.lru_cache(maxsize=None)
 def _paths(device, dtype):
     """On the long documents (where the state crosses chunks, so every path carries a large share):
@@ -134,7 +121,7 @@ def test_the_path_judge_fails_each_path_two_percent_off(leaf, site):
     """The same judge handed the reference with one path's gradient 2% off, in bf16 (the kernels'
     dtype; the state's path fails 1% off too, docs/testing.md): it fails along that path's own share
     (the shares are not orthogonal, so others may fail as well)."""
-    wrong = functools.partial(gated_delta_rule.v4_gated_delta_rule, path=lambda x, of, at: _ScaledGradient.apply(
+    wrong = functools.partial(gated_delta_rule.v4_gated_delta_rule, path=lambda x, of, at: ScaledGradient.apply(
         x, 1.02) if (of, at) == (leaf, site) else x)
     with pytest.raises(AssertionError, match=rf"{leaf}'s gradient through {site} \["):
         _judge_paths(wrong, "cpu", torch.bfloat16)

@@ -42,7 +42,7 @@ from v4train.models.qwen3_5.deltanet import v4_gated_deltanet
 from v4train.ops import REFERENCE, resolve
 from v4train.reference.gated_delta_rule import PRODUCT_SITES, v4_gated_delta_rule
 from v4train.testing.cases import CASES
-from v4train.testing.cases.gated_delta_rule import StoredDecay, long_documents
+from v4train.testing.cases.gated_delta_rule import ScaledGradient, long_documents
 from v4train.testing.check import Spreads, _compare, forward_backward, in_float64, upstream_of
 from v4train.testing.samples import RandomDraw
 
@@ -87,18 +87,39 @@ class Product(torch.autograd.Function):
 STORED = ("h", "d_state")
 
 
+class StoredDecay(torch.autograd.Function):
+    """state * factor, the factor's gradient the float32 dot of the states in `stored` rounded to bf16."""
+
+    @staticmethod
+    def forward(ctx, state, factor, stored):
+        ctx.save_for_backward(state, factor)
+        ctx.stored = stored
+        return state * factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        state, factor = ctx.saved_tensors
+        h = bf16(state) if "h" in ctx.stored else state
+        d = bf16(grad) if "d_state" in ctx.stored else grad
+        return grad * factor, (h * d).sum(dim=(-2, -1), keepdim=True).to(factor.dtype), None
+
+
 class Ops:
-    """The reference op table with the delta rule's products emulated, `split` of each site, and the
-    states in `stored` rounded to bf16 where the chunk decay's gradient reads them."""
+    """The reference op table with the delta rule's products emulated, `split` of each site, the
+    states in `stored` rounded to bf16 where the chunk decay's gradient reads them, and that gradient
+    `off` of the way off (the reference's path hook at g's site "state")."""
 
     def __init__(self, split, stored=(), off=0.0):
         def mm(a, b, site):
             return Product.apply(a, b, split(site))
 
         def decay_state(state, factor):
-            return StoredDecay.apply(state, factor, stored, off) if stored or off else state * factor
+            return StoredDecay.apply(state, factor, stored) if stored else state * factor
 
-        self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm, decay_state=decay_state)
+        def path(x, leaf, site):
+            return ScaledGradient.apply(x, 1 + off) if off and (leaf, site) == ("g", "state") else x
+
+        self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm, decay_state=decay_state, path=path)
 
     def __getattr__(self, name):
         return getattr(REFERENCE, name)

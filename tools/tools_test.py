@@ -147,21 +147,27 @@ def test_the_benchmark_runs_a_picked_case_once(capsys):
 def test_the_split_check_rounds_the_stored_states_only_in_the_decay_s_gradient():
     """delta_rule_split_check's --stored: the state's decay and its gradient to the state as torch
     gives them; the gradient to the factor the float32 dot of the states in bf16 (each rounded
-    once), and torch's own where none is rounded; --off scales that dot alone."""
+    once), and torch's own where none is rounded. --off's ScaledGradient: the value as given, its
+    gradient scaled alone."""
     import torch
 
-    from v4train.testing.cases.gated_delta_rule import StoredDecay
+    import delta_rule_split_check as check
 
     gen = torch.Generator().manual_seed(0)
     state, grad = (torch.randn(2, 3, 8, 5, generator=gen) for _ in range(2))
     factor = torch.rand(2, 3, 1, 1, generator=gen)
-    for stored, off in (((), 0.0), (("h",), 0.0), (("h", "d_state"), 0.0), ((), 0.01), (("h",), -0.1)):
+    for stored in ((), ("h",), ("h", "d_state")):
         s, f = state.clone().requires_grad_(), factor.clone().requires_grad_()
-        out = StoredDecay.apply(s, f, stored, off)
+        out = check.StoredDecay.apply(s, f, stored)
         out.backward(grad)
         assert torch.equal(out, state * factor) and torch.allclose(s.grad, grad * factor)
         h = state.bfloat16().float() if "h" in stored else state
         d = grad.bfloat16().float() if "d_state" in stored else grad
-        expected = torch.einsum("bhij,bhij->bh", h.double(), d.double()).view(2, 3, 1, 1) * (1 + off)
-        assert torch.allclose(f.grad.double(), expected, rtol=1e-5), (stored, off)
+        expected = torch.einsum("bhij,bhij->bh", h.double(), d.double()).view(2, 3, 1, 1)
+        assert torch.allclose(f.grad.double(), expected, rtol=1e-5), stored
+    for off in (0.01, -0.1):
+        s = state.clone().requires_grad_()
+        out = check.ScaledGradient.apply(s, 1 + off)
+        out.backward(grad)
+        assert torch.equal(out, state) and torch.allclose(s.grad, grad * (1 + off)), off
     assert not torch.allclose(state.bfloat16().float(), state)  # (the rounding is there to see)

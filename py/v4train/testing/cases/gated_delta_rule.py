@@ -56,25 +56,18 @@ def long_documents(dtype, device, s: int) -> Sample:
                   note=f"documents {LONG_DOCUMENTS}, Qwen3.5 widths")
 
 
-class StoredDecay(torch.autograd.Function):
-    """The reference's decay_state hook (the state's decay across a chunk's end, state * factor) with
-    the factor's gradient as a kernel might compute it: the float32 dot of the state before the end
-    (h) with the gradient of the state after it (d_state), those in `stored` rounded to bf16 first,
-    times 1 + off (off != 0: a kernel whose dot is that far off, the mutation a judge must see)."""
+class ScaledGradient(torch.autograd.Function):
+    """x, its gradient times `factor`: through the reference's path hook, one path of a gradient
+    computed that far off (a kernel's bug a judge must see)."""
 
     @staticmethod
-    def forward(ctx, state, factor, stored=(), off=0.0):
-        ctx.save_for_backward(state, factor)
-        ctx.stored, ctx.off = stored, off
-        return state * factor
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        state, factor = ctx.saved_tensors
-        h = state.bfloat16().to(state.dtype) if "h" in ctx.stored else state
-        d = grad.bfloat16().to(grad.dtype) if "d_state" in ctx.stored else grad
-        dot = (h * d).sum(dim=(-2, -1), keepdim=True) * (1 + ctx.off)
-        return grad * factor, dot.to(factor.dtype), None, None
+        return grad * ctx.factor, None
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
