@@ -90,7 +90,7 @@ def _paths(device, dtype):
 
 
 def _judge_paths(fn, device, dtype) -> None:
-    """judge_path of fn's g and beta gradients along each of their paths, every failing one reported."""
+    """judge_path of fn's g, beta, k and q gradients along each of their paths, every failing one reported."""
     from v4train.testing.check import forward_backward, judge_path
 
     upstream, expected, truth, cut = _paths(device, dtype)
@@ -106,12 +106,14 @@ def _judge_paths(fn, device, dtype) -> None:
 
 
 @pytest.mark.parametrize("device,dtype", LONG)
-def test_each_path_of_g_s_and_beta_s_gradients(device, dtype):
-    """g's and beta's gradients judged along each path's share (check.judge_path). g's: the decay
-    matrix of the UT system and of Q K^T, the decay of w's keys and of q to the chunk's start, of k to
-    its end, and the state's across it (on CUDA a dot in state_grads' kernel, which judge's bf16 norm
-    bound passed 10% off on these documents); beta's: through v, and through k in the system and in w
-    (wy_grads' three sums)."""
+def test_each_path_of_the_gradients(device, dtype):
+    """g's, beta's, k's and q's gradients judged along each path's share (check.judge_path). g's: the
+    decay matrix of the UT system and of Q K^T, the decay of w's keys and of q to the chunk's start, of
+    k to its end, and the state's across it (on CUDA a dot in state_grads' kernel, which judge's bf16
+    norm bound passed 10% off on these documents); beta's: through v, and through k in the system and
+    in w (wy_grads' three sums); k's: through K K^T, w, Q K^T and the state's update; q's: through
+    Q K^T and Q S (each a product of its own in the kernels, where judge's bf16 bound passes a path
+    1% off)."""
     _judge_paths(OP, device, dtype)
 
 
@@ -119,7 +121,7 @@ def test_each_path_of_g_s_and_beta_s_gradients(device, dtype):
                                        for site in sites])
 def test_the_path_judge_fails_each_path_two_percent_off(leaf, site):
     """The same judge handed the reference with one path's gradient 2% off, in bf16 (the kernels'
-    dtype; the state's path fails 1% off too, docs/testing.md): it fails along that path's own share
+    dtype; g's state path fails 1% off too, docs/testing.md): it fails along that path's own share
     (the shares are not orthogonal, so others may fail as well)."""
     wrong = functools.partial(gated_delta_rule.v4_gated_delta_rule, path=lambda x, of, at: ScaledGradient.apply(
         x, 1.02) if (of, at) == (leaf, site) else x)

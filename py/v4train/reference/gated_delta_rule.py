@@ -47,12 +47,15 @@ def recurrent(q, k, v, g, beta, initial_state=None):
 
 # The sites of chunked's products, as it names them to mm.
 PRODUCT_SITES = ("k_kt", "q_kt", "w_state", "q_state", "intra_v_new", "kt_v_new")
-# The sites at which chunked reads g (its cumulative log decay G) and beta, as it names them to
-# path(x, leaf, site); a leaf's gradient is the sum of what reaches it through its sites. G: the
-# decay matrix of the UT system and of Q K^T, the decay to the chunk's start of w's keys and of q,
-# k's decay to the chunk's end, the state's decay across a chunk's end. beta: v's weights (the
-# values' side of the system) and k's, in the system's matrix and in w's right-hand side.
-PATH_SITES = {"g": ("system", "intra", "w", "q", "k", "state"), "beta": ("v", "system", "w")}
+# The sites at which chunked reads g (its cumulative log decay G), beta and the normalised k and q,
+# as it names them to path(x, leaf, site); a leaf's gradient is the sum of what reaches it through
+# its sites. G: the decay matrix of the UT system and of Q K^T, the decay to the chunk's start of w's
+# keys and of q, k's decay to the chunk's end, the state's decay across a chunk's end. beta: v's
+# weights (the values' side of the system) and k's, in the system's matrix and in w's right-hand
+# side. k: both sides of the system's K K^T, w's right-hand side, Q K^T, the state's update (K~). q:
+# Q K^T and the state's product (Q S).
+PATH_SITES = {"g": ("system", "intra", "w", "q", "k", "state"), "beta": ("v", "system", "w"),
+              "k": ("system", "w", "intra", "state"), "q": ("intra", "state")}
 
 
 def _matmul(a, b, site: str):
@@ -68,9 +71,9 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     # mm(a, b, site): every matrix product, named; decay_state(state, factor): the state's decay at a
     # chunk's end, whose gradient to the factor is the state's dot with the next state's gradient
     # (tools/delta_rule_split_check.py passes emulations of the kernels' products, per site, and of
-    # that dot on stored states); path(x, leaf, site): g's cumulative log decay G and beta as each of
-    # their PATH_SITES reads them (the parity suite cuts one, x detached there, to judge the leaf's
-    # gradient along that path)
+    # that dot on stored states); path(x, leaf, site): g's cumulative log decay G, beta, k and q as
+    # each of their PATH_SITES reads them (the parity suite cuts one, x detached there, to judge the
+    # leaf's gradient along that path)
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, L, Dk = k.shape
@@ -79,18 +82,20 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
     n = (L + pad) // chunk_size
-    made = {}  # each factor once per tensor the hook returns (by default the same one at every site)
+    made = {}  # each factor once per tensors the hook returns (by default the same ones at every site)
 
-    def once(kind, x, make):
-        if (kind, id(x)) not in made:
-            made[kind, id(x)] = x, make(x)  # (x kept, so that its id is not reused)
-        return made[kind, id(x)][1]
+    def once(kind, xs, make):
+        key = (kind, *map(id, xs))
+        if key not in made:
+            made[key] = xs, make(*xs)  # (xs kept, so that their ids are not reused)
+        return made[key][1]
 
     chunks = lambda x: x.reshape(B, H, n, chunk_size, x.shape[-1])  # noqa: E731
+    keys = lambda site, k=k: once("chunks", (path(k, "k", site),), chunks)  # noqa: E731
+    queries = lambda site, q=q: once("chunks", (path(q, "q", site),), chunks)  # noqa: E731
     v_beta = chunks(v * path(beta, "beta", "v")[..., None])
-    k_beta = {site: once("k_beta", path(beta, "beta", site), lambda b: chunks(k * b[..., None]))
-              for site in ("system", "w")}
-    q, k = chunks(q), chunks(k)
+    k_beta = {site: once("k_beta", (path(beta, "beta", site), path(k, "k", site)),
+                         lambda b, x: chunks(x * b[..., None])) for site in ("system", "w")}
     # The cumulative log decay inside each chunk, summed, differenced and (but for the decay matrix)
     # exponentiated in float64: in fp32 the differences of sums of up to 64 log decays lose digits, and the
     # A_log / dt_bias gradients, which sum them with cancellation, came out up to 19% off the exact
@@ -100,21 +105,21 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
 
     def decay(site):  # [.., i, j]: exp(G_i - G_j) for j <= i
-        return once("decay", path(g, "g", site), lambda G: (G[..., :, None] - G[..., None, :]).to(compute)
+        return once("decay", (path(g, "g", site),), lambda G: (G[..., :, None] - G[..., None, :]).to(compute)
                     .masked_fill(upper, float("-inf")).exp())
 
     def to_start(site):
-        return once("to_start", path(g, "g", site), lambda G: G.exp().to(compute)[..., None])
+        return once("to_start", (path(g, "g", site),), lambda G: G.exp().to(compute)[..., None])
 
     # UT transform: (I + tril(diag(beta) K K^T, -1)) solved once per chunk for the values and keys.
-    system = mm(k_beta["system"], k.transpose(-1, -2), "k_kt") * decay("system")
-    intra = mm(q, k.transpose(-1, -2), "q_kt") * decay("intra")
+    system = mm(k_beta["system"], keys("system").transpose(-1, -2), "k_kt") * decay("system")
+    intra = mm(queries("intra"), keys("intra").transpose(-1, -2), "q_kt") * decay("intra")
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, k_beta["w"] * to_start("w"), upper=False, unitriangular=True)
     state = torch.zeros(B, H, Dk, Dv).to(v) if initial_state is None else initial_state.to(v)
-    q = q * to_start("q")
+    q = queries("state") * to_start("q")
     G = path(g, "g", "k")
-    k = k * (G[..., -1:] - G).exp().to(compute)[..., None]
+    k = keys("state") * (G[..., -1:] - G).exp().to(compute)[..., None]
     chunk_decay = path(g, "g", "state")[..., -1].exp().to(compute)[..., None, None]
     outs = []
     for i in range(n):
