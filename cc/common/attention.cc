@@ -23,6 +23,12 @@ at::Tensor aligned(const at::Tensor& t) {
 
 }  // namespace
 
+std::vector<at::Tensor> per_document(const at::Tensor& x, const std::vector<std::pair<int64_t, int64_t>>& docs) {
+  std::vector<int64_t> sizes;
+  for (const auto& [start, end] : docs) sizes.push_back(end - start);
+  return x.split_with_sizes(sizes, 0);
+}
+
 at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, double scale, bool causal,
                 const std::optional<at::Tensor>& mask) {
   const int64_t rep = q.size(1) / k_in.size(1);

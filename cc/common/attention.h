@@ -3,9 +3,18 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <optional>
+#include <utility>
+#include <vector>
 
 namespace v4 {
+
+// x's rows [T, ...] as one view a document (docs tile [0, T) in order, as documents() checks), from
+// one split: its backward is one concatenation, where a slice's writes a zero tensor of x's whole
+// size, so that slicing each of a packed batch's documents took a backward quadratic in T (a
+// micro-batch of many short chats, the usual SFT batch).
+std::vector<at::Tensor> per_document(const at::Tensor& x, const std::vector<std::pair<int64_t, int64_t>>& docs);
 
 // softmax(q k^T * scale [+ causal or boolean mask]) v for one document, heads second: q [Lq, Hq, D],
 // k [Lk, Hk, D], v [Lk, Hk, Dv], Hq a multiple of Hk (query head h reads key head h / (Hq / Hk),

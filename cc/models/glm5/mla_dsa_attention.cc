@@ -351,23 +351,26 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
   // Per-head keys and values of the tokens that attend densely: every token of a document up to
   // masked_max_len, the first index_topk of a longer one (its other queries attend through the latent).
   const bool any_long = std::any_of(docs.begin(), docs.end(), [&](const auto& d) { return d.second - d.first > masked_max_len; });
-  const auto keys_values = [&](int64_t start, int64_t rows) {
-    const at::Tensor kv =
-        linear(latent.slice(0, start, start + rows), weights.kv_b_proj, lora, op, "kv_b_proj").view({rows, nh, nope + dv});
-    return std::pair{at::cat({kv.slice(-1, 0, nope), k_rot.slice(0, start, start + rows).expand({rows, nh, r})}, -1),
-                     kv.slice(-1, nope)};
+  const auto keys_values = [&](const at::Tensor& latent_rows, const at::Tensor& rot_rows) {
+    const int64_t rows = latent_rows.size(0);
+    const at::Tensor kv = linear(latent_rows, weights.kv_b_proj, lora, op, "kv_b_proj").view({rows, nh, nope + dv});
+    return std::pair{at::cat({kv.slice(-1, 0, nope), rot_rows.expand({rows, nh, r})}, -1), kv.slice(-1, nope)};
   };
-  const auto [k, v] = any_long ? std::pair<at::Tensor, at::Tensor>{} : keys_values(0, T);
+  const auto [k, v] = any_long ? std::pair<at::Tensor, at::Tensor>{} : keys_values(latent, k_rot);
   const at::Tensor selection = carry ? *carry : select_keys(h, q_resid, weights, cfg, cos, sin, docs);
   check_selection(op, selection, docs, K, carry.has_value());
 
   const double scale = std::pow(nope + r, -0.5) * rope_softmax_scale_factor(cfg.rope);
   std::vector<at::Tensor> outs;
-  for (const auto& [start, end] : docs) {
-    const int64_t L = end - start;
-    const auto [kd, vd] = any_long ? keys_values(start, L > masked_max_len ? std::min(L, K) : L)
-                                   : std::pair{k.slice(0, start, end), v.slice(0, start, end)};
-    const at::Tensor qd = q.slice(0, start, end);
+  const auto qs = per_document(q, docs), latents = per_document(latent, docs), rots = per_document(k_rot, docs);
+  const auto ks = any_long ? std::vector<at::Tensor>{} : per_document(k, docs);
+  const auto vs = any_long ? std::vector<at::Tensor>{} : per_document(v, docs);
+  for (size_t i = 0; i < docs.size(); ++i) {
+    const int64_t start = docs[i].first, end = docs[i].second, L = end - start;
+    const int64_t rows = L > masked_max_len ? std::min(L, K) : L;  // the keys it attends densely
+    const auto [kd, vd] = any_long ? keys_values(latents[i].slice(0, 0, rows), rots[i].slice(0, 0, rows))
+                                   : std::pair{ks[i], vs[i]};
+    const at::Tensor& qd = qs[i];
     if (L <= K) {  // every query attends to all its causal keys
       outs.push_back(sdpa(qd, kd, vd, scale, /*causal=*/true));
       continue;
@@ -385,8 +388,7 @@ std::tuple<at::Tensor, at::Tensor> v4_mla_dsa_attention(const at::Tensor& h, con
                           "for documents longer than ", masked_max_len, " tokens (the latent path folds the adapter)");
         kv_b = kv_b + at::matmul(*map.lora_B, *map.lora_A) * lora_scaling;
       }
-      outs.push_back(latent_attention(qd.slice(0, K), latent.slice(0, start, end), k_rot.slice(0, start, end).select(1, 0),
-                                      kv_b, sel, cfg, scale));
+      outs.push_back(latent_attention(qd.slice(0, K), latents[i], rots[i].select(1, 0), kv_b, sel, cfg, scale));
     }
   }
   const at::Tensor attn = outs.empty() ? at::empty({0, nh, dv}, h.options()) : at::cat(outs, 0);

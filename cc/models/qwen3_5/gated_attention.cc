@@ -42,10 +42,11 @@ at::Tensor v4_gated_attention(const at::Tensor& h, const v4::GatedAttentionWeigh
   q = v4::rope_half(q, cos, sin);
   k = v4::rope_half(k, cos, sin);
   std::vector<at::Tensor> outs;
-  for (const auto& [start, end] : docs) {
-    if (end > start)
-      outs.push_back(v4::sdpa(q.slice(0, start, end), k.slice(0, start, end), v.slice(0, start, end),
-                              std::pow(hd, -0.5), /*causal=*/true));
+  const auto qs = v4::per_document(q, docs), ks = v4::per_document(k, docs), vs = v4::per_document(v, docs);
+  for (size_t i = 0; i < docs.size(); ++i) {
+    if (docs[i].second > docs[i].first) {
+      outs.push_back(v4::sdpa(qs[i], ks[i], vs[i], std::pow(hd, -0.5), /*causal=*/true));
+    }
   }
   const at::Tensor attn = outs.empty() ? at::zeros({0, nh, hd}, h.options()) : at::cat(outs, 0);
   return v4::linear(attn.reshape({T, nh * hd}) * at::sigmoid(gate.reshape({T, nh * hd})), weights.o_proj, lora, op,
