@@ -45,8 +45,9 @@ def _flag_names(lines):
 
 def resolve_flagfiles(argv: list[str]) -> list[str]:
     """--flagfile=NAME: from the user's directory, else from the repository's py/flags/. Notes
-    which flags each flagfile sets (flags.SOURCES) unless a later argument sets them again."""
-    out = []
+    which flags each flagfile sets (flags.SOURCES) unless a later argument sets them again. A flag
+    given before a flagfile that sets it again is refused: the later value would win, silently."""
+    out, given = [], set()  # given: the flags the arguments so far set
     for arg in argv:
         if arg.startswith("--flagfile="):
             name = os.path.expanduser(arg.split("=", 1)[1])
@@ -58,7 +59,13 @@ def resolve_flagfiles(argv: list[str]) -> list[str]:
                     except ValueError as e:
                         print(f"train: {e}", file=sys.stderr)
                         sys.exit(2)
-                    SOURCES.update({flag: name for flag in _flag_names(text.splitlines())})
+                    sets = set(_flag_names(text.splitlines()))
+                    if sets & given:
+                        print(f"train: {', '.join('--' + f for f in sorted(sets & given))} given before "
+                              f"--flagfile={name}, which sets it again (the later value wins): put --flagfile={name} "
+                              "first", file=sys.stderr)
+                        sys.exit(2)
+                    SOURCES.update({flag: name for flag in sets})
                     break
             else:
                 print(f"train: --flagfile={name}: not found in {cli.user_dir()} or {FLAGFILE_DIR}", file=sys.stderr)
@@ -66,6 +73,7 @@ def resolve_flagfiles(argv: list[str]) -> list[str]:
         else:
             for flag in _flag_names([arg]):
                 SOURCES.pop(flag, None)
+                given.add(flag)
         out.append(arg)
     return out
 

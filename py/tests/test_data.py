@@ -56,6 +56,15 @@ def test_malformed_lines_are_all_reported_with_their_line(tmp_path):
         assert f"{path}:{line}: {text}" in msg
 
 
+def test_a_tokenizer_of_another_model_is_named_not_the_record_s_input_ids(tmp_path):
+    # The bundled tokenizer has 384 ids; a model of 160 cannot take its tokens.
+    path = _write(tmp_path, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "woof"}]})
+    with pytest.raises(data.DataError) as info:
+        data.read_records(path, TOK, vocab_size=160)
+    assert f"{path}:1: the tokenizer of {TOK.directory} (384 ids) gives ids past the model's vocab_size, 160" in \
+        str(info.value), str(info.value)
+
+
 def test_text_records_without_a_tokenizer_are_an_error(tmp_path):
     with pytest.raises(data.DataError, match="1 'text' record\\(s\\), the first at line 1, need a tokenizer: give --tokenizer_dir"):
         data.read_records(_write(tmp_path, {"text": "x"}), None)

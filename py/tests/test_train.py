@@ -27,6 +27,12 @@ from v4train.testing.compare import assert_close
      "its own base"),
     (["--model_dir=x", "--data=d", "--output_dir=o", "--max_steps=5", "--profile_step=6"],
      "--profile_step=6 is past the last step (--max_steps=5)"),
+    (["--model_dir=x", "--data=d", "--output_dir=o", "--max_steps=3", "--stop_at_step=500"],
+     "--stop_at_step=500 is past the last step (--max_steps=3)"),
+    (["--model_dir=" + BASE, "--data=" + CHAT, "--output_dir=o", "--epochs=1", "--stop_at_step=100000"],
+     "--stop_at_step=100000 is past the last of the run's"),
+    (["--output_dir=o", "--max_steps=2", "--flagfile=glm5.flags"],
+     "--max_steps, --output_dir given before --flagfile=glm5.flags, which sets it again"),
     (["--lr=-1"], "--lr"),
     (["--nonsense=1"], "Unknown command line flag 'nonsense'"),
     (["--flagfile=missing.flags"], "--flagfile=missing.flags: not found"),
@@ -46,6 +52,7 @@ def test_lora_run_writes_metrics_plot_checkpoints_and_summary(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = last_json(result.stdout)
     assert summary["steps"] == 6 and summary["final_loss"] < summary["first_loss"]
+    assert summary["first_step"] == 1 and summary["eval_step"] == 6
     rows = metrics(str(out))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"} <= set(rows[0])
@@ -67,12 +74,27 @@ def test_resumed_run_continues_the_same_loss_curve(tmp_path):
     first = run_cli("train.py", *args, f"--output_dir={tmp_path / 'split'}", "--stop_at_step=4")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "stopped after step 4" in first.stderr
+    assert (last_json(first.stdout)["steps"], last_json(first.stdout)["first_step"]) == (4, 1)  # not the run's 8
+    again = run_cli("train.py", *args, f"--output_dir={tmp_path / 'split'}", "--resume_from=latest", "--stop_at_step=4")
+    assert again.returncode == 2 and "--stop_at_step=4: --resume_from=" in again.stderr, again.stderr[-2000:]
+    assert "is already at step 4" in again.stderr and "Traceback" not in again.stderr
     second = run_cli("train.py", *args, f"--output_dir={tmp_path / 'split'}", "--resume_from=latest")
     assert second.returncode == 0, second.stderr[-3000:]
+    assert (last_json(second.stdout)["steps"], last_json(second.stdout)["first_step"]) == (8, 5)
     a, b = metrics(str(tmp_path / "whole")), metrics(str(tmp_path / "split"))
     assert [r["step"] for r in b] == list(range(1, 9))
     assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]), "resumed loss curve")
     assert_close(torch.tensor([r["grad_norm"] for r in b]), torch.tensor([r["grad_norm"] for r in a]), "grad norms")
+
+
+def test_eval_data_without_target_tokens_is_refused_naming_it(tmp_path):
+    # Its mean loss would divide by no tokens (it printed 0.0); //py:evaluate refuses the same file.
+    evals = tmp_path / "prompts_only.jsonl"
+    evals.write_text(json.dumps({"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}) + "\n")
+    result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", "--max_steps=2", f"--eval_data={evals}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"--eval_data={evals}: no target tokens" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_cpp_and_reference_paths_train_alike(tmp_path):

@@ -130,6 +130,10 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None) -> li
                 ids, labels = _parse(obj, tokenizer)
                 if vocab_size is not None:
                     if not all(0 <= t < vocab_size for t in ids):
+                        if isinstance(obj, dict) and "input_ids" not in obj:  # the tokenizer's ids, not the record's
+                            raise ValueError(f"the tokenizer of {tokenizer.directory} ({tokenizer.vocab_size} ids) "
+                                             f"gives ids past the model's vocab_size, {vocab_size}: a tokenizer of "
+                                             "another model? (--tokenizer_dir, or the model directory's own)")
                         raise ValueError(f"input_ids must lie in [0, {vocab_size}) (the model's vocab_size)")
                     if not all(t == IGNORE or 0 <= t < vocab_size for t in labels):
                         raise ValueError(f"labels must be -100 or lie in [0, {vocab_size})")

@@ -178,8 +178,9 @@ def validate(f=FLAGS) -> None:
         raise FlagError("--nosave_base_model: only a --model_config LoRA run writes a base (base_model/); "
                         + ("a --model_dir checkpoint is its own base" if f.model_dir else
                            "--finetune=full saves every weight in its checkpoints"))
-    if f.max_steps and f.profile_step > f.max_steps:
-        raise FlagError(f"{shown('profile_step', f)} is past the last step (--max_steps={f.max_steps})")
+    for step_flag in ("profile_step", "stop_at_step"):
+        if f.max_steps and f[step_flag].value > f.max_steps:
+            raise FlagError(f"{shown(step_flag, f)} is past the last step (--max_steps={f.max_steps})")
     if f.eval_interval and not f.eval_data:
         raise FlagError("--eval_interval needs --eval_data")
 

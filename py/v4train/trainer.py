@@ -280,6 +280,9 @@ class Trainer:
         self.train_set = data.fit_to_length(data.read_records(c.data, self.tokenizer, vocab), max_len, c.overlong,
                                             self.limit)
         self.eval_records = data.read_records(c.eval_data, self.tokenizer, vocab) if c.eval_data else None
+        if self.eval_records is not None and not sum(r.num_targets for r in self.eval_records):
+            raise data.DataError(f"--eval_data={c.eval_data}: no target tokens (every label is -100 or every record "
+                                 "has one token), so no eval loss: give records with assistant or completion tokens")
         too_long = sum(len(r.input_ids) > max_positions for r in self.eval_records or []) if max_positions else 0
         if too_long:
             say(f"{too_long} of the {len(self.eval_records)} --eval_data records are longer than the model's "
@@ -292,8 +295,9 @@ class Trainer:
         if c.warmup_steps > self.total_steps:
             raise FlagError(warmup_too_long(self.total_steps, f"--epochs={c.epochs} of {batches} micro-batches, "
                                                               f"--grad_accum={c.grad_accum}"))
-        if c.profile_step > self.total_steps:
-            raise FlagError(f"--profile_step={c.profile_step} is past the last of the run's {self.total_steps} steps")
+        for name, step in (("profile_step", c.profile_step), ("stop_at_step", c.stop_at_step)):
+            if step > self.total_steps:
+                raise FlagError(f"--{name}={step} is past the last of the run's {self.total_steps} steps")
 
     # -- the parts, built in run() in this order ------------------------------------------------
 
@@ -379,6 +383,9 @@ class Trainer:
                 raise FlagError(f"--resume_from={c.resume_from}: it is step {self.start_step}, past the "
                                 f"{self.total_steps} steps of this run; give a --max_steps of at least that to "
                                 "continue it")
+            if 0 < c.stop_at_step <= self.start_step < self.total_steps:
+                raise FlagError(f"--stop_at_step={c.stop_at_step}: --resume_from={c.resume_from} is already at step "
+                                f"{self.start_step}; give a later step, or leave the flag out to train to the end")
 
     def save(self, step: int) -> None:
         """The checkpointer: checkpoint-STEP of the adapters or weights, optimizer, RNG and data
@@ -477,7 +484,7 @@ class Trainer:
         """The step loop: Python picks the batch, the ops compute, autograd walks their graph."""
         c, progress, metrics, loader = self.config, self.progress, self.metrics, self.loader
         t_start, first_loss, last, eval_loss, skipped, in_a_row = time.time(), None, {}, None, 0, 0
-        exit_code = 0
+        exit_code, done, first_step, eval_step = 0, self.start_step, None, None
         for step in range(self.start_step + 1, self.total_steps + 1):
             t0 = time.time()
             lr = lr_at(step, c.lr, c.min_lr, c.warmup_steps, self.total_steps, c.lr_schedule)
@@ -486,6 +493,7 @@ class Trainer:
                 if step == c.profile_step and self.world.main else contextlib.nullcontext()
             with profiled:
                 result = train_step(self.model, self.optimizer, micro, lr, c.max_grad_norm, c.device, self.world)
+            done = step
             if not result.finite:  # no update was applied
                 skipped, in_a_row = skipped + 1, in_a_row + 1
                 report = nonfinite_report(step, result, micro)
@@ -505,7 +513,8 @@ class Trainer:
                 if c.device == "cuda":
                     torch.cuda.synchronize()
                 tokens_per_s = result.tokens / (time.time() - t0)
-                first_loss = result.loss if first_loss is None else first_loss
+                if first_loss is None:
+                    first_loss, first_step = result.loss, step
                 last = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                         "tokens_per_s": tokens_per_s, "peak_mem_mib": round(peak_memory_mib(c.device), 1),
                         "epoch": loader.epoch}
@@ -514,6 +523,7 @@ class Trainer:
                 if self.eval_records and ((c.eval_interval and step % c.eval_interval == 0) or step == self.total_steps):
                     eval_loss = last["eval_loss"] = cli.mean_loss(self.model, self.eval_records,
                                                                   c.seq_len * c.micro_batch_size, c.device)[0]
+                    eval_step = step
                 if step % c.log_interval == 0 or step == self.total_steps or {"eval_loss", "profile"} & set(last):
                     metrics.write(last)
                     progress.update(step, result.loss, lr, tokens_per_s,
@@ -539,8 +549,11 @@ class Trainer:
                 metrics.plot(os.path.join(c.output_dir, "loss.png"))
             except OSError as e:  # a full disk: the plot is a convenience, metrics.jsonl holds the numbers
                 say(f"could not write {c.output_dir}/loss.png ({e.strerror or e}); the metrics are in metrics.jsonl")
-        print(json.dumps({"steps": self.total_steps, "first_loss": first_loss, "final_loss": last.get("loss"),
-                          "eval_loss": eval_loss, "nonfinite_skips": skipped,
+        # steps: the last step done (a stop before the end says so); first_loss and eval_loss name their steps
+        # (a resumed run's first is its first step after the checkpoint).
+        print(json.dumps({"steps": done, "first_step": first_step, "first_loss": first_loss,
+                          "final_loss": last.get("loss"), "eval_step": eval_step, "eval_loss": eval_loss,
+                          "nonfinite_skips": skipped,
                           "tokens_per_s": round(last.get("tokens_per_s", 0.0), 1), "wall_s": round(wall, 1),
                           "output_dir": c.output_dir, "checkpoint": checkpoint.latest(c.output_dir)}))
         return exit_code
