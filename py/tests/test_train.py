@@ -78,6 +78,10 @@ def test_resumed_run_continues_the_same_loss_curve(tmp_path):
     again = run_cli("train.py", *args, f"--output_dir={tmp_path / 'split'}", "--resume_from=latest", "--stop_at_step=4")
     assert again.returncode == 2 and "--stop_at_step=4: --resume_from=" in again.stderr, again.stderr[-2000:]
     assert "is already at step 4" in again.stderr and "Traceback" not in again.stderr
+    other = run_cli("train.py", *args, f"--output_dir={tmp_path / 'split'}", "--resume_from=latest", "--seq_len=64")
+    assert other.returncode == 2 and "the checkpoint was made on other data or rows (" in other.stderr, \
+        other.stderr[-2000:]
+    assert "seq_len 128 there, 64 here" in other.stderr and "Traceback" not in other.stderr
     second = run_cli("train.py", *args, f"--output_dir={tmp_path / 'split'}", "--resume_from=latest")
     assert second.returncode == 0, second.stderr[-3000:]
     assert (last_json(second.stdout)["steps"], last_json(second.stdout)["first_step"]) == (8, 5)

@@ -14,6 +14,7 @@ file:line, all of them in one error; a compressed file is refused as a whole.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 
@@ -220,7 +221,7 @@ class Loader:
 
     def __init__(self, examples: list[Record], seq_len: int, packing: bool, batch_rows: int, seed: int):
         self.examples, self.seq_len, self.packing, self.batch_rows, self.seed = examples, seq_len, packing, batch_rows, seed
-        self.epoch, self.cursor = 0, 0
+        self.epoch, self.cursor, self._fingerprint = 0, 0, None
         self._rows = self._epoch_rows()
 
     def _epoch_rows(self, epoch: int | None = None):
@@ -242,7 +243,19 @@ class Loader:
         return [doc for row in batch for doc in row]
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+        return {"epoch": self.epoch, "cursor": self.cursor, "data": self.fingerprint()}
+
+    def fingerprint(self) -> dict:
+        """What the position means: the examples (their count, tokens and a digest of their ids and
+        labels, in file order) and how they are laid out in rows. A resume on other data, or another
+        --seq_len or --packing, would take up a position in batches it never saw."""
+        if self._fingerprint is None:  # (once: every checkpoint saves it)
+            digest = hashlib.sha256()
+            for r in self.examples:
+                digest.update(json.dumps([r.input_ids, r.labels], separators=(",", ":")).encode())
+            self._fingerprint = {"examples": len(self.examples), "tokens": sum(len(r.input_ids) for r in self.examples),
+                                 "sha256": digest.hexdigest()[:16], "seq_len": self.seq_len, "packing": self.packing}
+        return dict(self._fingerprint)
 
     def position_after(self, micro_batches: int) -> tuple[int, int]:
         """(epoch, cursor) after `micro_batches` calls of next() from the start (an epoch's row
@@ -262,6 +275,11 @@ class Loader:
         epoch, cursor = (state.get("epoch"), state.get("cursor")) if isinstance(state, dict) else (None, None)
         if not _count(epoch) or not _count(cursor):
             raise ValueError(f"expected {{\"epoch\", \"cursor\"}} of integers >= 0, got {state!r}")
+        saved, own = state.get("data"), self.fingerprint()  # (checkpoints before it have none)
+        if saved is not None and saved != own:
+            differ = ", ".join(f"{k} {saved.get(k)!r} there, {own[k]!r} here" for k in own if saved.get(k) != own[k])
+            raise ValueError(f"the checkpoint was made on other data or rows ({differ}): resume with its --data, "
+                             "--seq_len and --packing, or start afresh in another --output_dir")
         rows = len(self._epoch_rows(epoch))
         if cursor % self.batch_rows or cursor >= rows + self.batch_rows:
             raise ValueError(f"cursor {cursor} is not a position of this data in micro-batches of {self.batch_rows} "
