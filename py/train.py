@@ -2,8 +2,8 @@
 
     tools/bazel run //py:train -- --flagfile=glm5.flags
 
-The flags (every one defined, with its help text, in v4train/flags.py; `--helpfull` lists them)
-are read once into a RunConfig, and a Trainer built from it runs (v4train/trainer.py, which
+The flags (every one defined, with its help text, in v4train/flags.py; `--help` lists them) are
+read once into a RunConfig, and a Trainer built from it runs (v4train/trainer.py, which
 reads top to bottom). What a user gets on each kind of fault: docs/reliability.md.
 """
 
@@ -26,9 +26,12 @@ import sys
 
 import torch
 from absl import app
+from absl import flags as absl_flags
 
 from v4train import cli, distributed, hf_checkpoint, ops
 from v4train.flags import FLAGS, SOURCES, FlagError
+
+absl_flags.adopt_module_key_flags(sys.modules["v4train.flags"])  # --help lists the trainer's flags
 from v4train.trainer import RunConfig, Trainer, check_expert_parallel, check_random_base
 
 FLAGFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")

@@ -45,6 +45,12 @@ def test_bad_flags_stop_before_any_work_naming_the_flag(args, message, tmp_path)
     assert not (tmp_path / "o").exists()
 
 
+def test_help_lists_the_trainer_s_flags(tmp_path):
+    result = run_cli("train.py", "--help", cwd=str(tmp_path))
+    assert "--model_dir:" in result.stdout and "--lora_r:" in result.stdout and "--resume_from:" in result.stdout, \
+        result.stdout[-2000:]
+
+
 def test_lora_run_writes_metrics_plot_checkpoints_and_summary(tmp_path):
     out = tmp_path / "run"
     result = run_cli("train.py", *SMALL, f"--output_dir={out}", "--max_steps=6", "--save_interval=2",
