@@ -29,10 +29,11 @@ from absl import app
 from absl import flags as absl_flags
 
 from v4train import cli, distributed, hf_checkpoint, ops
+from v4train import flags as trainer_flags
 from v4train.flags import FLAGS, SOURCES, FlagError
-
-absl_flags.adopt_module_key_flags(sys.modules["v4train.flags"])  # --help lists the trainer's flags
 from v4train.trainer import RunConfig, Trainer, check_expert_parallel, check_random_base
+
+absl_flags.adopt_module_key_flags(trainer_flags)  # --help lists the trainer's flags
 
 FLAGFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")
 

@@ -91,8 +91,10 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
         return made[key][1]
 
     chunks = lambda x: x.reshape(B, H, n, chunk_size, x.shape[-1])  # noqa: E731
-    keys = lambda site, k=k: once("chunks", (path(k, "k", site),), chunks)  # noqa: E731
-    queries = lambda site, q=q: once("chunks", (path(q, "q", site),), chunks)  # noqa: E731
+
+    def read(x, leaf, site):  # x (k or q) in chunks as the site reads it
+        return once("chunks", (path(x, leaf, site),), chunks)
+
     v_beta = chunks(v * path(beta, "beta", "v")[..., None])
     k_beta = {site: once("k_beta", (path(beta, "beta", site), path(k, "k", site)),
                          lambda b, x: chunks(x * b[..., None])) for site in ("system", "w")}
@@ -112,14 +114,14 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
         return once("to_start", (path(g, "g", site),), lambda G: G.exp().to(compute)[..., None])
 
     # UT transform: (I + tril(diag(beta) K K^T, -1)) solved once per chunk for the values and keys.
-    system = mm(k_beta["system"], keys("system").transpose(-1, -2), "k_kt") * decay("system")
-    intra = mm(queries("intra"), keys("intra").transpose(-1, -2), "q_kt") * decay("intra")
+    system = mm(k_beta["system"], read(k, "k", "system").transpose(-1, -2), "k_kt") * decay("system")
+    intra = mm(read(q, "q", "intra"), read(k, "k", "intra").transpose(-1, -2), "q_kt") * decay("intra")
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, k_beta["w"] * to_start("w"), upper=False, unitriangular=True)
     state = torch.zeros(B, H, Dk, Dv).to(v) if initial_state is None else initial_state.to(v)
-    q = queries("state") * to_start("q")
+    q = read(q, "q", "state") * to_start("q")
     G = path(g, "g", "k")
-    k = keys("state") * (G[..., -1:] - G).exp().to(compute)[..., None]
+    k = read(k, "k", "state") * (G[..., -1:] - G).exp().to(compute)[..., None]
     chunk_decay = path(g, "g", "state")[..., -1].exp().to(compute)[..., None, None]
     outs = []
     for i in range(n):
