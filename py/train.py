@@ -38,48 +38,16 @@ absl_flags.adopt_module_key_flags(trainer_flags)  # --help lists the trainer's f
 FLAGFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")
 
 
-def _flag_names(lines):
-    """The flags that argument or flagfile lines set (--name=value, --name, --noname)."""
-    for line in lines:
-        line = line.strip()
-        if line.startswith("--"):
-            name = line[2:].split("=", 1)[0]
-            yield name[2:] if name.startswith("no") and name not in FLAGS and name[2:] in FLAGS else name
-
-
 def resolve_flagfiles(argv: list[str]) -> list[str]:
-    """--flagfile=NAME: from the user's directory, else from the repository's py/flags/. Notes
-    which flags each flagfile sets (flags.SOURCES) unless a later argument sets them again. A flag
-    given before a flagfile that sets it again is refused: the later value would win, silently."""
-    out, given = [], set()  # given: the flags the arguments so far set
-    for arg in argv:
-        if arg.startswith("--flagfile="):
-            name = os.path.expanduser(arg.split("=", 1)[1])
-            for candidate in (os.path.join(cli.user_dir(), name), os.path.join(FLAGFILE_DIR, name)):
-                if os.path.exists(candidate):
-                    arg = "--flagfile=" + os.path.abspath(candidate)
-                    try:
-                        text = cli.read_text(candidate, f"--flagfile={name}")
-                    except ValueError as e:
-                        print(f"train: {e}", file=sys.stderr)
-                        sys.exit(2)
-                    sets = set(_flag_names(text.splitlines()))
-                    if sets & given:
-                        print(f"train: {', '.join('--' + f for f in sorted(sets & given))} given before "
-                              f"--flagfile={name}, which sets it again (the later value wins): put --flagfile={name} "
-                              "first", file=sys.stderr)
-                        sys.exit(2)
-                    SOURCES.update({flag: name for flag in sets})
-                    break
-            else:
-                print(f"train: --flagfile={name}: not found in {cli.user_dir()} or {FLAGFILE_DIR}", file=sys.stderr)
-                sys.exit(2)
-        else:
-            for flag in _flag_names([arg]):
-                SOURCES.pop(flag, None)
-                given.add(flag)
-        out.append(arg)
-    return out
+    """argv with its flagfiles' lines in their place (cli.Flagfiles), noting in flags.SOURCES which
+    flagfile set each flag; a bad flagfile is one line and exit 2."""
+    try:
+        expanded = cli.Flagfiles(argv, FLAGFILE_DIR, lambda name: name in FLAGS)
+    except ValueError as e:
+        print(f"train: {e}", file=sys.stderr)
+        sys.exit(2)
+    SOURCES.update(expanded.sources)
+    return expanded.argv
 
 
 LAUNCHER_FLAGS = ("nproc_per_node", "torchrun_args")
@@ -134,5 +102,5 @@ def exit_status() -> int:
 
 
 if __name__ == "__main__":
-    ARGV = resolve_flagfiles(sys.argv)  # flagfiles by absolute path: what a launched copy is given
+    ARGV = resolve_flagfiles(sys.argv)  # flagfiles expanded: what a launched copy is given
     cli.run_app("train", main, ARGV)

@@ -364,3 +364,46 @@ def test_15_9_the_data_is_read_before_the_model_loads(tmp_path):
     result = run_train(*SMALL, "--max_steps=1", f"--model_dir={broken}", f"--output_dir={tmp_path / 'out'}",
                        "--data=" + _data_file(tmp_path, b"{broken"))
     assert "d.jsonl:3: not valid JSON" in error_line(result)
+
+
+# Flagfiles as users write them: one starting from another, comments after a value.
+
+def test_a_flagfile_can_start_from_another_and_comment_its_lines(tmp_path):
+    """my.flags starts from the bundled glm5.flags and overrides it; the comments after values
+    are not read into them (absl alone would make a folder named 'out  # mine')."""
+    (tmp_path / "my.flags").write_text("--flagfile=glm5.flags   # the bundled run\n// a comment line\n"
+                                       "--max_steps=2  # short\n--warmup_steps=0\n--output_dir=out\t# mine\n--eval_interval=0\n")
+    result = run_cli("train.py", "--flagfile=my.flags", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["my.flags", "out"]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["steps"] == 2
+
+
+def test_flagfiles_nest_from_their_own_folder_and_bad_lines_name_the_file_and_line(tmp_path, monkeypatch):
+    from v4train.cli import Flagfiles
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("BUILD_WORKING_DIRECTORY", raising=False)
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "base.flags").write_text("--lr=1e-3\n--max_steps=10\n")
+    (tmp_path / "conf" / "run.flags").write_text("# from the base\n--flagfile=base.flags\n--max_steps=3 # override\n")
+    (tmp_path / "search").mkdir()
+    expanded = Flagfiles(["train", "--seed=1", "--flagfile", "conf/run.flags", "--lr=2e-3"], str(tmp_path / "search"))
+    assert expanded.argv == ["train", "--seed=1", "--lr=1e-3", "--max_steps=10", "--max_steps=3", "--lr=2e-3"]
+    assert expanded.sources == {"max_steps": "conf/run.flags"}, "a typed --lr after the flagfile is no flagfile's"
+
+    def refused(text, *argv):
+        (tmp_path / "bad.flags").write_text(text)
+        with pytest.raises(ValueError) as e:
+            Flagfiles(["train", *(argv or ["--flagfile=bad.flags"])], str(tmp_path / "search"))
+        return str(e.value)
+
+    assert refused("--lr=1\nmax_steps=3\n") == "--flagfile=bad.flags:2: 'max_steps=3' is not a flag (expected " \
+        "--name=value, one a line)"
+    assert refused("--max_steps=1\n--flagfile=conf/base.flags\n") == "--max_steps given before " \
+        "--flagfile=conf/base.flags, which sets it again (the later value wins): put --flagfile=conf/base.flags " \
+        "first (bad.flags:2)"
+    assert refused("--flagfile=bad.flags\n").startswith("--flagfile=bad.flags (bad.flags:1) includes itself: ")
+    assert refused("\n--flagfile=nowhere.flags\n") == f"--flagfile=nowhere.flags: not found in {tmp_path} or " \
+        f"{tmp_path / 'search'} (bad.flags:2)"
+    assert refused("", "--flagfile") == "the command line: --flagfile needs a file name"

@@ -4,6 +4,7 @@ device, and the mean loss over a dataset."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import torch
@@ -52,6 +53,85 @@ def read_text(path: str, what: str) -> str:
                          "UTF-8)") from None
     except OSError as e:
         raise ValueError(f"{what}: {path} cannot be read ({e.strerror})") from None
+
+
+class Flagfiles:
+    """The command line with each --flagfile=NAME (or `--flagfile NAME`) replaced by its lines, so
+    that absl parses one flat list and every flag's origin is known (`sources`: flag -> the
+    flagfile that set it last, absent when a typed argument set it after).
+
+    NAME is looked up in the user's directory, then in `search` (the repository's py/flags/); one
+    named inside a flagfile, in that flagfile's directory first, so a flagfile can start from
+    another (`--flagfile=glm5.flags` then its own overrides). In a flagfile, blank lines and lines
+    starting with # or // are comments, and so is the rest of a line after whitespace and #
+    (absl would read it into the value: `--output_dir=runs/x  # mine` a folder named so). Within
+    one level (the command line or one flagfile), a flag set before a --flagfile that sets it
+    again is refused: the later value would win, silently. Errors are ValueErrors of one line
+    naming the flagfile (and its line)."""
+
+    def __init__(self, argv: list[str], search: str, names_flag=lambda name: True):
+        self.search, self.names_flag, self.sources = search, names_flag, {}
+        self.argv = [argv[0], *(arg for arg, _ in self._expand([(a, None) for a in argv[1:]], None, [], user_dir()))]
+
+    def _flag(self, arg: str) -> str | None:
+        """The flag an argument sets (--name=value, --name, --noname), or None."""
+        if not arg.startswith("--"):
+            return None
+        name = arg[2:].split("=", 1)[0]
+        return name[2:] if name.startswith("no") and not self.names_flag(name) and self.names_flag(name[2:]) else name
+
+    def _expand(self, args, where, stack, here):
+        """args: (argument, line number or None) of one level; `where` its flagfile (None: the
+        command line), `here` the directory its nested flagfiles are looked up in first."""
+        out, given = [], set()  # given: the flags this level set so far
+        args = iter(args)
+        for arg, line in args:
+            at = "the command line" if where is None else f"{where}:{line}"
+            if arg == "--flagfile" or arg.startswith("--flagfile="):
+                name = arg.split("=", 1)[1] if "=" in arg else next(args, (None,))[0]
+                if not name:
+                    raise ValueError(f"{at}: --flagfile needs a file name")
+                path = self._find(os.path.expanduser(name), here, at)
+                if path in stack:
+                    raise ValueError(f"--flagfile={name} ({at}) includes itself: {' -> '.join(stack + [path])}")
+                text = read_text(path, f"--flagfile={name}")
+                expanded = self._expand(self._lines(text, name), name, stack + [path], os.path.dirname(path))
+                sets = {self._flag(a) for a, _ in expanded}
+                if sets & given:
+                    raise ValueError(f"{', '.join('--' + f for f in sorted(sets & given))} given before "
+                                     f"--flagfile={name}, which sets it again (the later value wins): put "
+                                     f"--flagfile={name} first" + ("" if where is None else f" ({at})"))
+                out += expanded
+                given |= sets
+                continue
+            flag = self._flag(arg)
+            if flag:
+                given.add(flag)
+                if where is None:
+                    self.sources.pop(flag, None)
+                else:
+                    self.sources[flag] = where
+            out.append((arg, line))
+        return out
+
+    def _find(self, name: str, here: str, at: str) -> str:
+        dirs = [here, user_dir(), self.search] if here != user_dir() else [here, self.search]
+        for d in dict.fromkeys(dirs):
+            if os.path.exists(os.path.join(d, name)):
+                return os.path.abspath(os.path.join(d, name))
+        looked = " or ".join(dict.fromkeys(dirs))
+        raise ValueError(f"--flagfile={name}: not found in {looked}" + ("" if at == "the command line" else f" ({at})"))
+
+    @staticmethod
+    def _lines(text: str, name: str):
+        """(argument, line number) for each flag line of a flagfile."""
+        for n, line in enumerate(text.splitlines(), 1):
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if not line or line.startswith(("#", "//")):
+                continue
+            if not line.startswith("-"):
+                raise ValueError(f"--flagfile={name}:{n}: {line!r} is not a flag (expected --name=value, one a line)")
+            yield line, n
 
 
 def user_dir() -> str:
