@@ -75,7 +75,10 @@ def test_1_two_runs_cannot_write_one_output_dir_and_a_stale_lock_is_taken_over(t
         wait_for_rows(out, 1, holder)
         second = run_train(*SMALL, f"--output_dir={out}", "--max_steps=2", "--overwrite_output_dir")
         assert f"--output_dir={out}: another run (pid {holder.pid}) is writing it" in error_line(second)
-        assert metrics(str(out))[0]["step"] == 1, "the refused run deleted nothing"
+        resumed = run_train(*SMALL, f"--output_dir={out}", "--max_steps=2", "--resume_from=latest")
+        assert f"--resume_from=latest: {out} has no checkpoint yet, and another run (pid {holder.pid}) is writing " \
+               "it; wait for" in error_line(resumed), "not: start afresh with --overwrite_output_dir"
+        assert metrics(str(out))[0]["step"] == 1, "the refused runs deleted nothing"
     finally:
         holder.kill()
         holder.wait()

@@ -26,6 +26,21 @@ LOCK = ".lock"
 RUN_OUTPUTS = re.compile(r"^(checkpoint-\d+|metrics\.jsonl|loss\.png|base_model|profile-step\d+\.json)$")
 
 
+def writer(output_dir: str) -> str | None:
+    """The pid of a live run that holds output_dir's lock (written in it), else None."""
+    try:
+        fd = os.open(os.path.join(output_dir, LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+
+
 class Claim:
     """`with Claim(output_dir, resume_path, overwrite) as claim:` the run owns output_dir; claim.notes
     says what was found and done (a stale lock taken over, temporary folders removed, outputs

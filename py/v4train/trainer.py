@@ -153,6 +153,10 @@ def resume_path(resume_from: str | None, output_dir: str) -> str | None:
         return cli.input_path("resume_from", resume_from, directory=True)
     complete, incomplete = checkpoint.scan(output_dir)
     skipped = "; ".join(f"{os.path.basename(p)} is incomplete: {why}" for p, why in sorted(incomplete.items()))
+    if not complete and (pid := run_dir.writer(output_dir)):
+        raise FlagError(f"--resume_from=latest: {output_dir} has no checkpoint yet, and another run (pid {pid}) is "
+                        "writing it; wait for that run's first checkpoint (--save_interval) or its end, or choose "
+                        "another --output_dir")
     if not complete:
         raise FlagError(f"--resume_from=latest: no complete checkpoint in {output_dir}"
                         + (f" ({skipped})" if skipped else "")
