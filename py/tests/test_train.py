@@ -51,6 +51,17 @@ def test_help_lists_the_trainer_s_flags(tmp_path):
         result.stdout[-2000:]
 
 
+def test_bf16_on_a_cpu_without_bf16_instructions_is_said_to_be_slow(monkeypatch):
+    from v4train.cli import slow_dtype_note
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert "about 10x slower than --dtype=float32" in slow_dtype_note("cpu", torch.bfloat16)
+    assert slow_dtype_note("cpu", torch.float32) is None and slow_dtype_note("cuda", torch.bfloat16) is None
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert slow_dtype_note("cpu", torch.bfloat16) is None
+
+
 def test_lora_run_writes_metrics_plot_checkpoints_and_summary(tmp_path):
     out = tmp_path / "run"
     result = run_cli("train.py", *SMALL, f"--output_dir={out}", "--max_steps=6", "--save_interval=2",

@@ -429,8 +429,9 @@ class Trainer:
             claim = run_dir.Claim(c.output_dir, c.resume_from, c.overwrite_output_dir) if self.world.main else \
                 contextlib.nullcontext()
             with claim:
-                for note in getattr(claim, "notes", []):
-                    say(note)
+                for note in getattr(claim, "notes", []) + [cli.slow_dtype_note(c.device, c.dtype)]:
+                    if note and self.world.main:
+                        say(note)
                 self.world.barrier()
                 self.stop_signal = StopSignal()  # from here SIGINT/SIGTERM stop the run at the end of a step
                 try:
