@@ -47,6 +47,7 @@ def test_bad_flags_stop_before_any_work_naming_the_flag(args, message, tmp_path)
 
 def test_help_lists_the_trainer_s_flags(tmp_path):
     result = run_cli("train.py", "--help", cwd=str(tmp_path))
+    assert result.returncode == 0, "help asked for is no failure (absl exits 1)"
     assert "--model_dir:" in result.stdout and "--lora_r:" in result.stdout and "--resume_from:" in result.stdout, \
         result.stdout[-2000:]
 

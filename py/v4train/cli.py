@@ -16,11 +16,14 @@ REPO = os.environ.get("BUILD_WORKSPACE_DIRECTORY") or os.path.dirname(os.path.di
     os.path.abspath(__file__))))
 
 
+HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
 def run_app(name: str, main, argv: list[str]) -> None:
     """absl's app.run(main), with the exit codes docs/reliability.md gives: a flag absl itself
     refuses (a value out of its bounds, an unknown flag) and a usage error main raises (a stray
     argument, a required flag missing) are one line `NAME: message` and exit 2, as every other
-    bad input (absl prints its usage and exits 1)."""
+    bad input (absl prints its usage and exits 1). --help (or -h) exits 0."""
     from absl import app, flags
 
     def parse(args):
@@ -29,6 +32,8 @@ def run_app(name: str, main, argv: list[str]) -> None:
         except flags.Error as e:
             print(f"{name}: {e}", file=sys.stderr)
             sys.exit(2)
+        except SystemExit as e:  # --help and its kin: absl prints the help and exits 1; asked for, it is no failure
+            sys.exit(0 if e.code == 1 and any(a.split("=", 1)[0] in HELP_FLAGS for a in args[1:]) else e.code)
 
     def checked(args):
         try:
@@ -37,7 +42,7 @@ def run_app(name: str, main, argv: list[str]) -> None:
             print(f"{name}: {e}", file=sys.stderr)
             return 2
 
-    app.run(checked, argv=argv, flags_parser=parse)
+    app.run(checked, argv=[a if a != "-h" else "--help" for a in argv], flags_parser=parse)  # (-h: absl has -?)
 
 
 def read_text(path: str, what: str) -> str:
