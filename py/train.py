@@ -35,21 +35,6 @@ from v4train.trainer import RunConfig, Trainer, check_expert_parallel, check_ran
 
 absl_flags.adopt_module_key_flags(trainer_flags)  # --help lists the trainer's flags
 
-FLAGFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")
-
-
-def resolve_flagfiles(argv: list[str]) -> list[str]:
-    """argv with its flagfiles' lines in their place (cli.Flagfiles), noting in flags.SOURCES which
-    flagfile set each flag; a bad flagfile is one line and exit 2."""
-    try:
-        expanded = cli.Flagfiles(argv, FLAGFILE_DIR, lambda name: name in FLAGS)
-    except ValueError as e:
-        print(f"train: {e}", file=sys.stderr)
-        sys.exit(2)
-    SOURCES.update(expanded.sources)
-    return expanded.argv
-
-
 LAUNCHER_FLAGS = ("nproc_per_node", "torchrun_args")
 
 
@@ -102,5 +87,7 @@ def exit_status() -> int:
 
 
 if __name__ == "__main__":
-    ARGV = resolve_flagfiles(sys.argv)  # flagfiles expanded: what a launched copy is given
+    expanded = cli.expand_flagfiles("train", sys.argv)
+    SOURCES.update(expanded.sources)
+    ARGV = expanded.argv  # flagfiles expanded: what a launched copy is given
     cli.run_app("train", main, ARGV)

@@ -14,9 +14,10 @@ from v4train.testing.compare import assert_rel_close
 EVALUATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "evaluate.py")
 
 
-def _run(*args):
+def _run(*args, cwd=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    return subprocess.run([sys.executable, EVALUATE, *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, EVALUATE, *args], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=cwd)
 
 
 def _write_rows(path, rows):
@@ -46,6 +47,16 @@ def test_labels_are_used_as_given(tmp_path):
     data.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}) + "\n")
     out = json.loads(_run(f"--model_dir={model_dir}", f"--data={data}").stdout.splitlines()[-1])
     assert out["tokens"] == 2
+
+
+def test_flags_from_a_flagfile_with_comments(tmp_path):
+    """The trainer's flagfiles (cli.Flagfiles): read from the user's folder, comments after values."""
+    model_dir, _, _ = golden("qwen3_5")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}) + "\n")
+    (tmp_path / "e.flags").write_text(f"--model_dir={model_dir}\n--data=d.jsonl  # two target tokens\n")
+    result = _run("--flagfile=e.flags", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1])["tokens"] == 2
 
 
 def test_malformed_lines_are_reported_with_file_and_line(tmp_path):

@@ -42,7 +42,22 @@ def run_app(name: str, main, argv: list[str]) -> None:
             print(f"{name}: {e}", file=sys.stderr)
             return 2
 
-    app.run(checked, argv=[a if a != "-h" else "--help" for a in argv], flags_parser=parse)  # (-h: absl has -?)
+    argv = expand_flagfiles(name, [a if a != "-h" else "--help" for a in argv]).argv  # (-h: absl has -?)
+    app.run(checked, argv=argv, flags_parser=parse)
+
+
+FLAGFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "flags")  # py/flags
+
+
+def expand_flagfiles(name: str, argv: list[str]) -> "Flagfiles":
+    """argv's flagfiles expanded (Flagfiles); a bad one is `NAME: message` and exit 2."""
+    from absl import flags
+
+    try:
+        return Flagfiles(argv, FLAGFILE_DIR, lambda flag: flag in flags.FLAGS)
+    except ValueError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def read_text(path: str, what: str) -> str:
