@@ -135,11 +135,11 @@ class Flagfiles:
         return out
 
     def _find(self, name: str, here: str, at: str) -> str:
-        dirs = [here, user_dir(), self.search] if here != user_dir() else [here, self.search]
-        for d in dict.fromkeys(dirs):
+        dirs = dict.fromkeys([here, user_dir(), self.search])  # (in order, each once)
+        for d in dirs:
             if os.path.exists(os.path.join(d, name)):
                 return os.path.abspath(os.path.join(d, name))
-        looked = " or ".join(dict.fromkeys(dirs))
+        looked = " or ".join(dirs)
         raise ValueError(f"--flagfile={name}: not found in {looked}" + ("" if at == "the command line" else f" ({at})"))
 
     @staticmethod
