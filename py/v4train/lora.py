@@ -70,6 +70,11 @@ def targeted(model: CausalLM, lcfg: LoraConfig, layer: int) -> list:
     return out
 
 
+def has_experts(model: CausalLM) -> bool:
+    """Whether the model has routed experts (what --lora_experts adapts)."""
+    return any(spec.experts for i in range(len(model.layers)) for spec in model.family.layer_specs(model.cfg, i))
+
+
 def _modules(model: CausalLM) -> list[str]:
     """Every module a LoRA target can name, by full name (model.layers.{i}.self_attn.o_proj)."""
     return [layer_prefix(i) + s.name.removesuffix(".weight") for i in range(len(model.layers))
@@ -166,12 +171,15 @@ def save_peft(model: CausalLM, adapters: dict[str, torch.Tensor], lcfg: LoraConf
               base_model_dir: str) -> None:
     """adapter_config.json + adapter_model.safetensors in out_dir (which must exist)."""
     has_modules = any(not _is_expert(n) for n in adapters)
+    has_experts = any(_is_expert(n) for n in adapters)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "peft_version": "0.21.2",
         "base_model_name_or_path": os.path.abspath(base_model_dir),
-        "r": lcfg.r, "lora_alpha": lcfg.alpha, "lora_dropout": lcfg.dropout, "bias": "none",
+        # peft refuses a dropout on adapters of parameters (the fused experts: "lora.ParamWrapper does
+        # not work with lora_dropout != 0"); a dropout acts in training only, so the adapter says 0.
+        "r": lcfg.r, "lora_alpha": lcfg.alpha, "lora_dropout": 0.0 if has_experts else lcfg.dropout, "bias": "none",
         "target_modules": sorted(set(lcfg.target_modules)) if has_modules else [],
-        "target_parameters": list(EXPERT_TENSORS) if lcfg.experts else [],
+        "target_parameters": list(EXPERT_TENSORS) if has_experts else [],
         "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {}, "modules_to_save": None,
     }

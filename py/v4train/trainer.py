@@ -330,7 +330,9 @@ class Trainer:
         self.adapters, self.lcfg = None, None
         if c.finetune == "lora":
             targets = lora.expand_targets(model, list(c.lora_target_modules))
-            self.lcfg = lora.LoraConfig(c.lora_r, c.lora_alpha, c.lora_dropout, targets, c.lora_experts)
+            # (--lora_experts, the default, on a model without routed experts: none to adapt)
+            self.lcfg = lora.LoraConfig(c.lora_r, c.lora_alpha, c.lora_dropout, targets,
+                                        c.lora_experts and lora.has_experts(model))
             self.adapters = lora.add_adapters(model, self.lcfg, c.dtype, c.device, c.seed)
             self.trainable = self.adapters
         else:
