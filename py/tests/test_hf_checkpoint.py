@@ -51,6 +51,10 @@ def test_sharded_save_writes_an_index_and_reads_back_identically(tmp_path):
         assert all(index["weight_map"][k] == shard for k in tensors)
     again, _ = hf_checkpoint.load(str(tmp_path / "out"), torch.bfloat16)
     assert all(torch.equal(again.get_parameter(k), v) for k, v in model.weights().items())
+    import transformers  # the weights' dtype, not the float32 base's: what dtype="auto" loads them in
+
+    assert transformers.AutoConfig.from_pretrained(golden("glm5")[0]).dtype == torch.float32
+    assert transformers.AutoConfig.from_pretrained(str(out)).dtype == torch.bfloat16
 
 
 def test_save_is_atomic_and_replaces_the_old_checkpoint(tmp_path, monkeypatch):

@@ -440,5 +440,14 @@ def _hf_config_for_save(model: CausalLM) -> dict:
         if model.family.architecture:
             d.setdefault("architectures", [model.family.architecture(model.cfg)])
     d.pop("quantization_config", None)  # written unquantised
+    # The weights' dtype (most of their elements'), which transformers' dtype="auto" loads them in: a
+    # bf16 fine-tune of a float32 base is no float32 checkpoint.
+    counts = collections.Counter()
+    for t in model.weights().values():
+        counts[t.dtype] += t.numel()
+    main = max(counts, key=counts.get, default=None)
+    if main in (torch.float32, torch.bfloat16, torch.float16):
+        name = str(main).removeprefix("torch.")
+        d.update({key: name for key in ("dtype", "torch_dtype") if key in d or key == "dtype"})
     config_from_dict(d, "config to save")  # must read back
     return d
