@@ -42,6 +42,25 @@ def test_prompt_completion_text_and_tokens(tmp_path):
     assert records[2].num_targets == 1  # label 6 at position 1 is the target of position 0
 
 
+def test_a_tokenizer_without_eos_token_is_said_to_leave_completions_unterminated(tmp_path):
+    import shutil
+
+    records = _write(tmp_path, {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+                     {"prompt": "The capital of France is", "completion": " Paris."}, {"text": "Snow is white."})
+    notes = []
+    data.read_records(records, TOK, notes=notes)
+    assert notes == [], "the bundled tokenizer names its eos_token"
+    noeos = tmp_path / "noeos"
+    shutil.copytree(TOK.directory, noeos)
+    config = json.loads((noeos / "tokenizer_config.json").read_text())
+    del config["eos_token"]
+    (noeos / "tokenizer_config.json").write_text(json.dumps(config))
+    data.read_records(records, Tokenizer(str(noeos)), notes=notes)
+    assert notes == [f"{records}: 2 prompt/completion or text record(s), the first at line 2, end with no "
+                     f"end-of-sequence token: {noeos}'s tokenizer_config.json names no eos_token, so the model does "
+                     "not learn to stop; set one there"]
+
+
 def test_malformed_lines_are_all_reported_with_their_line(tmp_path):
     path = _write(tmp_path, {"text": "fine"}, "{broken", {"messages": [{"role": "user", "content": "hi"}]},
                   {"prompt": 3, "completion": "x"}, {"input_ids": [1, 2], "labels": [1]}, {"other": 1}, {"input_ids": [999]})

@@ -110,8 +110,11 @@ def _grouped(problems: list[str], path: str) -> list[str]:
             (f"{wheres[0]}: {m}" if wheres[0] else m) for m, wheres in by_message.items()]
 
 
-def read_records(path: str, tokenizer=None, vocab_size: int | None = None) -> list[Record]:
-    records, problems, untokenized = [], [], {}
+def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes: list[str] | None = None
+                 ) -> list[Record]:
+    """The records of a JSONL file (the forms of the module's docstring); every malformed line is
+    listed in one DataError. `notes` gets what the run should say (a tokenizer with no eos_token)."""
+    records, problems, untokenized, unterminated = [], [], {}, []
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -151,6 +154,9 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None) -> li
                 problems.append(f"{where}: {e}")
                 continue
             records.append(Record(ids, labels, where))
+            if tokenizer is not None and not tokenizer.eos_token and isinstance(obj, dict) and \
+                    ("prompt" in obj or "text" in obj) and "input_ids" not in obj:
+                unterminated.append(n)
     for form, lines in untokenized.items():
         problems.insert(0, f"{path}: {len(lines)} '{form}' record(s), the first at line {lines[0]}, need a tokenizer: give "
                            "--tokenizer_dir (a folder with tokenizer.json), or pre-tokenized 'input_ids' records")
@@ -162,6 +168,10 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None) -> li
         raise DataError(f"{path}: {count} malformed records:\n  " + "\n  ".join(problems[:20]) + more)
     if not records:
         raise DataError(f"{path}: no records")
+    if unterminated and notes is not None:
+        notes.append(f"{path}: {len(unterminated)} prompt/completion or text record(s), the first at line "
+                     f"{unterminated[0]}, end with no end-of-sequence token: {tokenizer.directory}'s "
+                     "tokenizer_config.json names no eos_token, so the model does not learn to stop; set one there")
     return records
 
 

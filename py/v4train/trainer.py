@@ -281,9 +281,12 @@ class Trainer:
         max_len = min(c.seq_len, max_positions or c.seq_len)
         self.limit = f"--seq_len={c.seq_len}" if max_len == c.seq_len else \
             f"the model's max_position_embeddings={max_positions}, below --seq_len={c.seq_len}"
-        self.train_set = data.fit_to_length(data.read_records(c.data, self.tokenizer, vocab), max_len, c.overlong,
-                                            self.limit)
+        notes = []
+        self.train_set = data.fit_to_length(data.read_records(c.data, self.tokenizer, vocab, notes), max_len,
+                                            c.overlong, self.limit)
         self.eval_records = data.read_records(c.eval_data, self.tokenizer, vocab) if c.eval_data else None
+        for note in notes:
+            say(note)
         if self.eval_records is not None and not sum(r.num_targets for r in self.eval_records):
             raise data.DataError(f"--eval_data={c.eval_data}: no target tokens (every label is -100 or every record "
                                  "has one token), so no eval loss: give records with assistant or completion tokens")
