@@ -127,6 +127,22 @@ def test_sample_145_of_the_latent_attention_passes_by_its_spread():
             judge(op, wrong.bfloat16(), expected, truth, "wrong", spread)
 
 
+def test_a_result_of_another_dtype_or_shape_fails_whatever_its_error():
+    """A float32 result for bf16 inputs (a kernel that forgot its cast back) is closer to the exact
+    answer than the bf16 reference, so every exit would pass it (found by a kernel developer's QA
+    pass through //parity:<op>); nor does a float64 result pass for float32, or another shape."""
+    op = _op(centred_lora)
+    sample = _lora_sample(0)
+    actual, expected, truth, spread = _runs(_bf16(centred_lora), centred_lora, sample, 0, ("grad", "a"))
+    judge(op, actual, expected, truth, "as computed", spread)
+    for wrong, message in ((truth.float(), "dtype torch.float32 != expected torch.bfloat16"),
+                           (truth.bfloat16().reshape(-1), "shape")):
+        with pytest.raises(AssertionError, match=message):
+            judge(op, wrong, expected, truth, "wrong kind", spread)
+    with pytest.raises(AssertionError, match="dtype torch.float64 != expected torch.float32"):
+        judge(op, truth, expected.float(), truth, "float64 for float32")
+
+
 def _attention_sample(seed=0):
     g = torch.Generator().manual_seed(seed)
     return _sample({"q": torch.randn(12, 8, generator=g), "k": torch.randn(12, 8, generator=g),

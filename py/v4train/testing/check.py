@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from v4train.testing.compare import SPREAD_FACTOR, assert_close
+from v4train.testing.compare import SPREAD_FACTOR, assert_close, assert_same_kind
 from v4train.op import Op, OpTable
 from v4train.testing.cases import CASES
 from v4train.testing.samples import FP8_DTYPES, RandomDraw, Sample, takes_gradient
@@ -150,7 +150,11 @@ def judge(op: Op, actual, expected, truth, name: str,
     O(1) against a spread of O(u) (parity/test_spread.py hands it each such bug). A wrong result
     passes only where the tensor amplifies rounding to near its own size, where bf16 cannot
     resolve the answer (A's gradient of test_spread.py's LoRA, 5% off in bf16, has a bound of
-    50-90% of its norm); there the op's float32 samples (and float64, for F64 ops) judge its math."""
+    50-90% of its norm); there the op's float32 samples (and float64, for F64 ops) judge its math.
+
+    A result of another shape, dtype or device fails before any exit: a float32 result for bf16
+    inputs is closer to the exact answer than the reference, and would pass the exits."""
+    assert_same_kind(actual, expected, name)
     try:
         assert_close(actual, expected, name, truth=truth)
     except AssertionError as failure:
@@ -193,6 +197,7 @@ def judge_path(name: str, actual, expected, truth, truth_without) -> float:
     -0.0024 to -0.0035 (each path of the delta rule's g and beta gradients: docs/testing.md). The
     bound does not grow with the error a result is otherwise allowed (judge's 10x): a correct kernel
     noisier than the reference passes only while its error stays nearly orthogonal to the share."""
+    assert_same_kind(actual, expected, name)
     a, e, t, c = (x.double().cpu() for x in (actual, expected, truth, truth_without))
     d = t - c
     if d.norm() == 0:

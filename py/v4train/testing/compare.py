@@ -43,9 +43,8 @@ class Report:
     rel_error_norm: float  # ||actual - expected|| / ||expected||
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str,
-                 truth: torch.Tensor | None = None) -> Report:
-    """Fails with a full report unless `actual` matches `expected` within TOLERANCES."""
+def assert_same_kind(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Fails unless both are tensors of one shape, dtype and device: what no tolerance forgives."""
     if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
         raise AssertionError(f"{name}: expected two tensors, got {type(actual).__name__} and {type(expected).__name__}")
     if actual.shape != expected.shape:
@@ -54,6 +53,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str,
         raise AssertionError(f"{name}: dtype {actual.dtype} != expected {expected.dtype}")
     if actual.device != expected.device:
         raise AssertionError(f"{name}: device {actual.device} != expected {expected.device}")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str,
+                 truth: torch.Tensor | None = None) -> Report:
+    """Fails with a full report unless `actual` matches `expected` within TOLERANCES."""
+    assert_same_kind(actual, expected, name)
     tol = TOLERANCES[expected.dtype]
     a = actual.detach().double().cpu()
     e = expected.detach().double().cpu()
