@@ -14,7 +14,7 @@ import os
 import random
 import sys
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
@@ -42,6 +42,9 @@ GLM5_BASE = {
     "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu", "dtype": "float32",
 }
 
+# Qwen's pre-tokenizer split (transformers' Qwen3_5Tokenizer, and Qwen's released tokenizer.json).
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"""
+              r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 SPECIAL = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -89,21 +92,30 @@ def main(root: str) -> None:
                 for q, a in rng.sample(pool, rng.randint(1, 3)):
                     messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
                 f.write(json.dumps({"messages": messages}) + "\n")
-    # Tokenizer: byte-level BPE on both.
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    # Tokenizers: byte-level BPE on both. The GLM-5 base's splits words as GPT-2 does; the Qwen3.5
+    # base's as Qwen's own (each digit alone, NFC), since transformers builds every qwen3_5
+    # tokenizer with that split whatever its tokenizer.json says.
     corpus = text_lines + [f"{q}\n{a}" for q, a in qa]
-    tok.train_from_iterator(corpus, trainer)
-    tdir = os.path.join(root, "tokenizer")
-    os.makedirs(tdir, exist_ok=True)
-    tok.save(os.path.join(tdir, "tokenizer.json"))
-    with open(os.path.join(tdir, "tokenizer_config.json"), "w") as f:
-        json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|end|>", "bos_token": None,
-                   "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast",
-                   "model_max_length": 4096}, f, indent=2)
+    for name, qwen in (("tokenizer", False), ("tokenizer_qwen3_5", True)):
+        tok = Tokenizer(models.BPE())
+        if qwen:
+            tok.normalizer = normalizers.NFC()
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIAL, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(corpus, trainer)
+        tdir = os.path.join(root, name)
+        os.makedirs(tdir, exist_ok=True)
+        tok.save(os.path.join(tdir, "tokenizer.json"))
+        with open(os.path.join(tdir, "tokenizer_config.json"), "w") as f:
+            json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|end|>", "bos_token": None,
+                       "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast",
+                       "model_max_length": 4096}, f, indent=2)
     config = dict(GLM5_BASE, vocab_size=tok.get_vocab_size())
     with open(os.path.join(root, "glm5_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from golden_cases import CHAT, CHAT_EVAL, REPO
+from golden_cases import BASE, CHAT, CHAT_EVAL, QWEN_BASE, REPO
 from v4train import data
 from v4train.tokenizer import Tokenizer
 
@@ -132,3 +132,19 @@ def test_bundled_eval_chats_ask_only_questions_training_never_saw():
     assert len(held_out) >= 20 and len(train) >= 100
     assert not {q for q, _ in held_out} & {q for q, _ in train}
     assert not {a for _, a in held_out} & {a for _, a in train}
+
+
+@pytest.mark.parametrize("base", [BASE, QWEN_BASE], ids=["glm5_base", "qwen3_5_base"])
+def test_the_bundled_bases_tokenize_as_transformers_does(base):
+    """A user who loads a fine-tuned bundled model in transformers gets the tokens it trained on:
+    transformers builds every qwen3_5 tokenizer with Qwen's own split whatever tokenizer.json says
+    (the Qwen base once had GPT-2's, and 954 of the 1,200 chats tokenized otherwise)."""
+    import transformers
+
+    ours, theirs = Tokenizer(base), transformers.AutoTokenizer.from_pretrained(base)
+    with open(CHAT) as f:
+        chats = [json.loads(line)["messages"] for line in f]
+    for n, messages in enumerate(chats, 1):
+        ids, _ = ours.encode_chat(messages)
+        assert ids == list(theirs.apply_chat_template(messages, tokenize=True, return_dict=False)), f"{CHAT}:{n}"
+    assert ours.encode("What is 9 plus 14?") == theirs.encode("What is 9 plus 14?", add_special_tokens=False)
