@@ -303,12 +303,17 @@ def main() -> int:
         if not torch.cuda.is_available():  # the CUDA cases would skip, and every mutation would survive
             sys.exit("mutants: --cuda needs a GPU (torch.cuda.is_available() is False)")
     print(f"mutants: the unmutated build first, then {len(chosen)} mutation(s)", flush=True)
-    survivors = []
+    survivors, unbuilt = [], []
 
     def report(m: Mutation, ok: bool, line: str, start: float) -> None:
-        if ok:
+        if line.startswith("did not build"):  # a mutation's own typo, no gap in the tests: said as such
+            unbuilt.append(m.name)
+            verdict = "DID NOT BUILD: " + line.removeprefix("did not build: ").strip().splitlines()[-1][:200]
+        elif ok:
             survivors.append(m.name)
-        verdict = "SURVIVED" if ok else line.removeprefix("FAILED ").split(" - ")[0]
+            verdict = "SURVIVED"
+        else:
+            verdict = line.removeprefix("FAILED ").split(" - ")[0]
         print(f"| {m.name} | {m.what} | {verdict} ({time.time() - start:.0f} s) |", flush=True)
 
     def check_unmutated(root: str) -> None:
@@ -348,9 +353,10 @@ def main() -> int:
                     f.write(original)
             report(m, ok, line, start)
         build()  # the restored sources
-    print(f"mutants: {len(chosen) - len(survivors)} of {len(chosen)} caught"
-          + (f"; survived: {', '.join(survivors)}" if survivors else ""))
-    return 1 if survivors else 0
+    print(f"mutants: {len(chosen) - len(survivors) - len(unbuilt)} of {len(chosen)} caught"
+          + (f"; survived: {', '.join(survivors)}" if survivors else "")
+          + (f"; did not build (fix the mutation): {', '.join(unbuilt)}" if unbuilt else ""))
+    return 1 if survivors or unbuilt else 0
 
 
 if __name__ == "__main__":

@@ -62,6 +62,33 @@ def test_ncu_phases_splits_a_kernel_at_its_barriers():
     assert "k<int>(Args): 0.0M instructions, 100 stall samples" in ncu_phases.report(kernel)
 
 
+def test_a_mutation_that_does_not_build_is_said_so_not_counted_a_survivor(monkeypatch, capsys, tmp_path):
+    """A typo in a mutation is no gap in the tests: the report says the compiler's last line, and
+    the run fails (found by a kernel developer's QA pass: it printed SURVIVED)."""
+    import mutants
+
+    m = next(m for m in mutants.MUTATIONS if not m.cuda)
+    builds = iter([None, RuntimeError("x.cc:3: error: expected ';'"), None])
+
+    def build(*args, **kwargs):
+        outcome = next(builds)
+        if outcome:
+            raise outcome
+
+    source = tmp_path / m.path  # (main restores the mutated file: here, not in the sources)
+    source.parent.mkdir(parents=True)
+    source.write_text("original")
+    monkeypatch.setattr(mutants, "ROOT", str(tmp_path))
+    monkeypatch.setattr(mutants, "build", build)
+    monkeypatch.setattr(mutants, "apply", lambda m: source.read_text())
+    monkeypatch.setattr(mutants, "run_tests", lambda *args, **kwargs: (True, ""))
+    monkeypatch.setattr(sys, "argv", ["mutants.py", f"--only={m.name}"])
+    assert mutants.main() == 1
+    out = capsys.readouterr().out
+    assert f"| {m.name} | {m.what} | DID NOT BUILD: x.cc:3: error: expected ';' (" in out
+    assert f"mutants: 0 of 1 caught; did not build (fix the mutation): {m.name}" in out
+
+
 def test_every_cuda_mutation_names_the_module_built_for_it():
     """mutants.py --cuda builds, in each mutation's copy of the sources, only the module of the
     mutated kernel file (module_of: the file's name, as cc/ops.bzl names modules): a mutation in a
