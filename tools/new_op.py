@@ -85,14 +85,17 @@ from v4train.testing.samples import Sample, layout, make_leaf, seed, shape, size
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
-    lead, hidden, x_layout, s = shape(draw, 0, 3, 9), size(draw, 300), layout(draw), seed(draw)
+    # Every tensor argument in a drawn layout (an op that ignores one's strides must fail here), and
+    # widths up to 300: a kernel with another path for wide rows needs samples that reach it.
+    lead, hidden, s = shape(draw, 0, 3, 9), size(draw, 300), seed(draw)
+    x_layout, w_layout = layout(draw), layout(draw)
     leaves = {{"x": make_leaf(lead + (hidden,), x_layout, dtype, device, s),
-              "weight": make_leaf((hidden,), "contiguous", dtype, device, s + 1)}}
+              "weight": make_leaf((hidden,), w_layout, dtype, device, s + 1)}}
 
     def build(lv):
-        return (view_as_layout(lv["x"], x_layout), lv["weight"]), {{}}
+        return (view_as_layout(lv["x"], x_layout), view_as_layout(lv["weight"], w_layout)), {{}}
 
-    return Sample(leaves, build, note=f"x layout {{x_layout}}")
+    return Sample(leaves, build, note=f"x layout {{x_layout}}, weight layout {{w_layout}}")
 
 
 def _bench(device, dtype):

@@ -60,3 +60,19 @@ def test_every_norm_of_a_forward_follows_the_table(case, norms, monkeypatch):
         with torch.no_grad():
             model.logits(Packed.from_documents([[1, 2, 3, 4, 5]]))
     assert calls == {"cpp": norms, "reference": norms}, calls
+
+
+def test_an_op_registered_half_way_is_named_with_the_list_it_is_missing_from(monkeypatch):
+    """What a kernel developer sees when one step of "Adding an op" is missing (a QA pass found bare
+    KeyErrors and AttributeErrors)."""
+    import sys
+    import types
+
+    from v4train.op import CppOpUnavailable, Op
+    from v4train.ops import OPS
+
+    with pytest.raises(KeyError, match=r"v4_nope: no Op record in OPS .*add Op\(\"v4_nope\""):
+        OPS["v4_nope"]
+    monkeypatch.setitem(sys.modules, "v4_nope", types.ModuleType("v4_nope"))  # built, its binding misnamed
+    with pytest.raises(CppOpUnavailable, match=r"the C\+\+ module v4_nope defines no function v4_nope"):
+        Op("v4_nope", lambda x: x).cpp()

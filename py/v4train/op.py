@@ -54,6 +54,9 @@ class Op:
                 f"`tools/bazel run|test`, or build it without Bazel with `python tools/build_ext.py` "
                 f"and put build/ext on PYTHONPATH; or keep it on the reference path (--cpp_ops=none)."
             ) from e
+        if not hasattr(module, self.name):
+            raise CppOpUnavailable(f"the C++ module {self.name} defines no function {self.name} (its binding, "
+                                   f"cc/ops/bind/: m.def(\"{self.name}\", ...))")
         return getattr(module, self.name)
 
 

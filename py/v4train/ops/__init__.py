@@ -17,7 +17,13 @@ from v4train.reference import gated_delta_rule
 from v4train.reference import mlp
 from v4train.reference import rms_norm
 
-OPS: dict[str, Op] = {op.name: op for op in (
+class _Registry(dict):
+    def __missing__(self, name):  # (an op registered half way: its test case names it first)
+        raise KeyError(f"{name}: no Op record in OPS (v4train/ops/__init__.py, or a family's OPS): add "
+                       f"Op(\"{name}\", <its reference>)")
+
+
+OPS: dict[str, Op] = _Registry({op.name: op for op in (
     Op("v4_embedding", embedding.v4_embedding),
     Op("v4_rms_norm", rms_norm.v4_rms_norm, dtypes=F64),
     Op("v4_mlp", mlp.v4_mlp, dtypes=F64),
@@ -29,7 +35,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
     # the families' own ops
     *glm5.OPS,
     *qwen3_5.OPS,
-)}
+)})
 
 REFERENCE = OpTable(OPS)
 

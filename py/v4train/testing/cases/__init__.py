@@ -39,4 +39,8 @@ _MODULES = (
     rms_norm,
 )
 _BY_NAME = {m.CASE.name: m.CASE for m in _MODULES}
+_MISSING = sorted(set(OPS) - set(_BY_NAME))
+if _MISSING:  # (an op registered half way: name the list it is missing from)
+    raise ImportError(f"{', '.join(_MISSING)}: an Op in v4train/ops but no test case: add its module (cases/<op>.py, "
+                      "CASE = OpCase(...)) to _MODULES in v4train/testing/cases/__init__.py")
 CASES: dict[str, OpCase] = {name: _BY_NAME[name] for name in OPS}
