@@ -148,3 +148,38 @@ def test_the_bundled_bases_tokenize_as_transformers_does(base):
         ids, _ = ours.encode_chat(messages)
         assert ids == list(theirs.apply_chat_template(messages, tokenize=True, return_dict=False)), f"{CHAT}:{n}"
     assert ours.encode("What is 9 plus 14?") == theirs.encode("What is 9 plus 14?", add_special_tokens=False)
+
+
+# Qwen3's way: an empty reasoning block on the assistant turns after the last user message only, so
+# a conversation's earlier renderings are no prefixes of its later ones.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last=-1) -%}{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor -%}{%- for m in messages -%}<|{{ m.role }}|>\n{% if m.role == 'assistant' and loop.index0 > "
+    "ns.last %}<think>\n\n</think>\n\n{% endif %}{{ m.content }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_each_turn_as_the_model_wrote_it(tmp_path):
+    """Multi-turn chats under a Qwen3-style template were refused (a QA pass): now one example per
+    assistant turn, on the conversation as the template renders it when the model writes that turn."""
+    import shutil
+
+    tdir = tmp_path / "tok"
+    shutil.copytree(TOK.directory, tdir)
+    config = json.loads((tdir / "tokenizer_config.json").read_text())
+    (tdir / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=THINKING_TEMPLATE)))
+    tok = Tokenizer(str(tdir))
+    chat = {"messages": [{"role": "user", "content": "What does a cow say?"}, {"role": "assistant", "content": "Moo."},
+                         {"role": "user", "content": "And a cat?"}, {"role": "assistant", "content": "Meow."}]}
+    notes = []
+    first, second = data.read_records(_write(tmp_path, chat), tok, notes=notes)
+    target = lambda r: tok.decode([t for t, l in zip(r.input_ids, r.labels) if l != data.IGNORE])  # noqa: E731
+    assert tok.decode(first.input_ids) == "<|user|>\nWhat does a cow say?<|end|>\n<|assistant|>\n<think>\n\n</think>\n\nMoo.<|end|>\n"
+    assert target(first) == "<think>\n\n</think>\n\nMoo.<|end|>\n"
+    assert tok.decode(second.input_ids) == ("<|user|>\nWhat does a cow say?<|end|>\n<|assistant|>\nMoo.<|end|>\n"
+                                            "<|user|>\nAnd a cat?<|end|>\n<|assistant|>\n<think>\n\n</think>\n\nMeow.<|end|>\n")
+    assert target(second) == "<think>\n\n</think>\n\nMeow.<|end|>\n"
+    assert len(notes) == 1 and "1 conversation(s), the first at line 1, each trained as one example per assistant turn" \
+        in notes[0]
+    (single,) = data.read_records(_write(tmp_path, {"messages": chat["messages"][:2]}), tok, notes=notes)
+    assert single.input_ids == first.input_ids and len(notes) == 1, "one turn: one example, as before"

@@ -19,6 +19,7 @@ import json
 import random
 
 from v4train.reference.cross_entropy_loss import IGNORE_INDEX as IGNORE
+from v4train.tokenizer import NotPrefixes
 
 
 class DataError(ValueError):
@@ -41,8 +42,10 @@ def _ints(x) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def _parse(obj, tokenizer) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of one record; raises ValueError with what is wrong."""
+def _parse(obj, tokenizer) -> tuple[list[tuple[list[int], list[int]]], bool]:
+    """([(input_ids, labels)] of one record, or of each assistant turn of a conversation whose
+    template rewrites earlier turns (Tokenizer.encode_turns), whether per turn); raises ValueError
+    with what is wrong."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     if "input_ids" in obj:
@@ -51,7 +54,7 @@ def _parse(obj, tokenizer) -> tuple[list[int], list[int]]:
             raise ValueError("input_ids must be a non-empty list of integers")
         if not (_ints(labels) and len(labels) == len(ids)):
             raise ValueError(f"labels must be a list of integers as long as input_ids ({len(ids)})")
-        return ids, labels
+        return [(ids, labels)], False
     form = next((k for k in ("messages", "prompt", "text") if k in obj), None)
     if form is None:
         raise ValueError(f"expected one of messages, prompt/completion, text, input_ids; got keys {sorted(obj)}")
@@ -65,17 +68,20 @@ def _parse(obj, tokenizer) -> tuple[list[int], list[int]]:
             raise ValueError("messages must be a non-empty list of {role: str, content: str}")
         if not any(m["role"] == "assistant" for m in msgs):
             raise ValueError("messages has no assistant message (nothing to learn)")
-        ids, mask = tokenizer.encode_chat(msgs)
-        return ids, [t if m else IGNORE for t, m in zip(ids, mask)]
+        try:
+            encoded, per_turn = [tokenizer.encode_chat(msgs)], False
+        except NotPrefixes:
+            encoded, per_turn = tokenizer.encode_turns(msgs), True
+        return [(ids, [t if m else IGNORE for t, m in zip(ids, mask)]) for ids, mask in encoded], per_turn
     if form == "prompt":
         if not (isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str)):
             raise ValueError("prompt and completion must both be strings")
         p, c = tokenizer.encode(obj["prompt"]), tokenizer.encode(obj["completion"]) + eos
-        return p + c, [IGNORE] * len(p) + c
+        return [(p + c, [IGNORE] * len(p) + c)], False
     if not isinstance(obj["text"], str) or not obj["text"]:
         raise ValueError("text must be a non-empty string")
     ids = tokenizer.encode(obj["text"]) + eos
-    return ids, list(ids)
+    return [(ids, list(ids))], False
 
 
 class _NeedsTokenizer(ValueError):
@@ -114,7 +120,7 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes
                  ) -> list[Record]:
     """The records of a JSONL file (the forms of the module's docstring); every malformed line is
     listed in one DataError. `notes` gets what the run should say (a tokenizer with no eos_token)."""
-    records, problems, untokenized, unterminated = [], [], {}, []
+    records, problems, untokenized, unterminated, split = [], [], {}, [], []
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -131,8 +137,8 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes
                     continue
                 obj = json.loads(line)
                 _no_lone_surrogates(obj)
-                ids, labels = _parse(obj, tokenizer)
-                if vocab_size is not None:
+                parsed, per_turn = _parse(obj, tokenizer)
+                for ids, labels in parsed if vocab_size is not None else ():
                     if not all(0 <= t < vocab_size for t in ids):
                         if isinstance(obj, dict) and "input_ids" not in obj:  # the tokenizer's ids, not the record's
                             raise ValueError(f"the tokenizer of {tokenizer.directory} ({tokenizer.vocab_size} ids) "
@@ -153,7 +159,9 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes
             except ValueError as e:
                 problems.append(f"{where}: {e}")
                 continue
-            records.append(Record(ids, labels, where))
+            records += [Record(ids, labels, where) for ids, labels in parsed]
+            if per_turn:
+                split.append(n)
             if tokenizer is not None and not tokenizer.eos_token and isinstance(obj, dict) and \
                     ("prompt" in obj or "text" in obj) and "input_ids" not in obj:
                 unterminated.append(n)
@@ -168,6 +176,11 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes
         raise DataError(f"{path}: {count} malformed records:\n  " + "\n  ".join(problems[:20]) + more)
     if not records:
         raise DataError(f"{path}: no records")
+    if split and notes is not None:
+        notes.append(f"{path}: {len(split)} conversation(s), the first at line {split[0]}, each trained as one example "
+                     f"per assistant turn: the chat template of {tokenizer.directory} renders earlier turns otherwise "
+                     "than when they were written (e.g. without their reasoning), so each turn is learned on the "
+                     "conversation as the model sees it when it writes that turn")
     if unterminated and notes is not None:
         notes.append(f"{path}: {len(unterminated)} prompt/completion or text record(s), the first at line "
                      f"{unterminated[0]}, end with no end-of-sequence token: {tokenizer.directory}'s "

@@ -13,6 +13,10 @@ from tokenizers import Tokenizer as _HFTokenizer
 from v4train.hf_checkpoint import read_json
 
 
+class NotPrefixes(ValueError):
+    """The chat template renders a conversation otherwise than as its earlier renderings went on."""
+
+
 class TokenizerError(ValueError):
     pass
 
@@ -94,10 +98,25 @@ class Tokenizer:
             done = text
         return ids, mask
 
+    def encode_turns(self, messages: list[dict]) -> list[tuple[list[int], list[bool]]]:
+        """For a template that rewrites earlier turns (Qwen3's drops their reasoning, and adds an
+        empty one to the last assistant turn only), one example per assistant turn: the conversation
+        up to that turn as the template renders it when the model writes it, the turn its only
+        target."""
+        out = []
+        for i, message in enumerate(messages):
+            if message.get("role") == "assistant":
+                ids, mask = [], []
+                prompt = self.render(messages[:i], add_generation_prompt=True)
+                self._append(prompt, "", ids, mask, False)
+                self._append(self.render(messages[: i + 1]), prompt, ids, mask, True)
+                out.append((ids, mask))
+        return out
+
     def _append(self, text, done, ids, mask, flag):
         if not text.startswith(done):
-            raise TokenizerError("the chat template does not render conversations as prefixes of each other; "
-                                 "cannot tell which tokens are the assistant's")
+            raise NotPrefixes("the chat template does not render a conversation as its generation prompt "
+                              "followed by the assistant's turn; cannot tell which tokens are the assistant's")
         new = self.encode(text[len(done):])
         ids += new
         mask += [flag] * len(new)
