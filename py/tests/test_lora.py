@@ -163,3 +163,13 @@ def test_qwen_adapters_load_in_peft_too(case, targets, tmp_path):
     assert_rel_close(ours, theirs, f"{case}: v4train vs transformers + peft")
     assert not [w for w in caught if "target_parameters" in str(w.message)], "the adapter names no absent experts"
     assert ((ours - tensors["logits"]).norm() / tensors["logits"].norm()) > 1e-3, "the adapter changes the logits"
+
+
+def test_all_linear_targets_every_linear_map_of_the_layers_but_routers_indexer_and_experts():
+    """PEFT's --lora_target_modules=all-linear (refused before; a QA pass): the GLM-5 base's MLA
+    projections, its dense layer's MLP and the shared experts; no router, DSA indexer or routed expert."""
+    model, _ = hf_checkpoint.load(BASE)
+    assert set(lora.expand_targets(model, ["all-linear"])) == {
+        "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",
+        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.shared_experts.gate_proj",
+        "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"}

@@ -72,8 +72,9 @@ flags.DEFINE_integer("lora_r", 16, "LoRA rank.", lower_bound=1)
 flags.DEFINE_float("lora_alpha", 32.0, "LoRA alpha (the update is scaled by alpha / r).", lower_bound=0.0)
 flags.DEFINE_float("lora_dropout", 0.0, "Dropout on the LoRA input.", lower_bound=0.0, upper_bound=1.0)
 flags.DEFINE_list("lora_target_modules", ["attention"], "Modules to adapt, PEFT-style names (q_a_proj, o_proj, "
-                  "mlp.gate_proj, shared_experts.up_proj, ...), or 'attention' for every attention projection of "
-                  "the model's family.")
+                  "mlp.gate_proj, shared_experts.up_proj, ...), 'attention' for every attention projection of "
+                  "the model's family, or 'all-linear' for every linear map of the layers (not the routers, the "
+                  "DSA indexer or the routed experts, which --lora_experts adapts).")
 flags.DEFINE_boolean("lora_experts", True, "Adapt every routed expert (PEFT target_parameters "
                      "mlp.experts.gate_up_proj and mlp.experts.down_proj).")
 

@@ -83,10 +83,13 @@ def _modules(model: CausalLM) -> list[str]:
 
 def expand_targets(model: CausalLM, names) -> tuple[str, ...]:
     """--lora_target_modules as targets: 'attention' becomes those of the family's attention
-    projections that this model has (a Qwen3.5 model may have no linear-attention layer)."""
+    projections that this model has (a Qwen3.5 model may have no linear-attention layer);
+    'all-linear' (PEFT's name) every linear map of the layers that LoRA adapts here (the routers,
+    the DSA indexer and the routed experts' own tensors, which --lora_experts adapts, are no target)."""
     modules = _modules(model)
     attention = [a for a in model.family.attention_targets if any(_matches(m, [a]) for m in modules)]
-    return tuple(t for name in names for t in (attention if name == "attention" else [name]))
+    every = sorted({m.split(".", 3)[3] for m in modules})  # without model.layers.{i}.
+    return tuple(t for name in names for t in {"attention": attention, "all-linear": every}.get(name, [name]))
 
 
 def adapter_shapes(model: CausalLM, lcfg: LoraConfig,
