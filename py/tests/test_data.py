@@ -98,6 +98,9 @@ def test_truncation_dropping_and_the_no_trainable_token_error():
     masked = [data.Record([1, 2, 3], [-100, -100, -100], "b:1")]
     with pytest.raises(data.DataError, match="no trainable token"):
         data.fit_to_length(masked, 4, "truncate", "--seq_len=4")
+    with pytest.raises(data.DataError, match=r"every one of the 2 examples is longer than 1 tokens \(--seq_len=1\) and "
+                                             r"was dropped \(--overlong=drop\)"):
+        data.fit_to_length(recs, 1, "drop", "--seq_len=1")
 
 
 def test_packing_fills_rows_without_splitting_examples():

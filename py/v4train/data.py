@@ -212,6 +212,9 @@ def fit_to_length(records: list[Record], max_len: int, overlong: str, what: str)
         else:
             dropped += 1
     prepared = Prepared(out, truncated, dropped)
+    if not out:
+        raise DataError(f"every one of the {dropped} examples is longer than {max_len} tokens ({what}) and was "
+                        "dropped (--overlong=drop): raise --seq_len, or --overlong=truncate")
     if prepared.num_targets == 0:
         raise DataError("the dataset has no trainable token (every label is -100 after "
                         f"{'truncation' if overlong == 'truncate' else 'dropping'} to {max_len} tokens, {what})")
