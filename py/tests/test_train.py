@@ -103,6 +103,7 @@ def test_resumed_run_continues_the_same_loss_curve(tmp_path):
     second = run_cli("train.py", *args, f"--output_dir={tmp_path / 'split'}", "--resume_from=latest")
     assert second.returncode == 0, second.stderr[-3000:]
     assert (last_json(second.stdout)["steps"], last_json(second.stdout)["first_step"]) == (8, 5)
+    assert f"resuming {tmp_path / 'split' / 'checkpoint-4'}: step 4 of 8 done" in second.stderr
     a, b = metrics(str(tmp_path / "whole")), metrics(str(tmp_path / "split"))
     assert [r["step"] for r in b] == list(range(1, 9))
     assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]), "resumed loss curve")

@@ -395,6 +395,8 @@ class Trainer:
             if 0 < c.stop_at_step <= self.start_step < self.total_steps:
                 raise FlagError(f"--stop_at_step={c.stop_at_step}: --resume_from={c.resume_from} is already at step "
                                 f"{self.start_step}; give a later step, or leave the flag out to train to the end")
+            if self.world.main:
+                say(f"resuming {c.resume_from}: step {self.start_step} of {self.total_steps} done")
 
     def save(self, step: int) -> None:
         """The checkpointer: checkpoint-STEP of the adapters or weights, optimizer, RNG and data
