@@ -76,3 +76,10 @@ def test_an_op_registered_half_way_is_named_with_the_list_it_is_missing_from(mon
     monkeypatch.setitem(sys.modules, "v4_nope", types.ModuleType("v4_nope"))  # built, its binding misnamed
     with pytest.raises(CppOpUnavailable, match=r"the C\+\+ module v4_nope defines no function v4_nope"):
         Op("v4_nope", lambda x: x).cpp()
+
+
+@pytest.mark.parametrize("spec", ["", " ", ","])
+def test_an_empty_cpp_ops_is_refused_not_read_as_none(spec):
+    with pytest.raises(ValueError, match="--cpp_ops is empty; expected 'all', 'none' or a comma list"):
+        parse_cpp_ops(spec, ops.OPS)
+    assert parse_cpp_ops("none", ops.OPS) == set()

@@ -173,7 +173,8 @@ def input_path(flag: str, value: str, directory: bool = False) -> str:
             if directory and not os.path.isdir(candidate):
                 raise ValueError(f"--{flag}={value}: {os.path.abspath(candidate)} is a file, expected a directory")
             return os.path.abspath(candidate)
-    raise ValueError(f"--{flag}={value}: not found (looked in {user_dir()} and {REPO})")
+    looked = " and ".join(dict.fromkeys([user_dir(), REPO]))  # (once, where the user works in the repository)
+    raise ValueError(f"--{flag}={value}: not found (looked in {looked})")
 
 
 def pick_device(name: str) -> str:

@@ -97,8 +97,10 @@ def parse_cpp_ops(spec: str, known: dict[str, Op]) -> set[str]:
     spec = spec.strip()
     if spec == "all":
         return {name for name, op in known.items() if op.has_cpp}
-    if spec in ("none", ""):
+    if spec == "none":
         return set()
+    if not spec.strip(", "):  # (an empty value is no choice: a flagfile's line left unfinished, say)
+        raise ValueError("--cpp_ops is empty; expected 'all', 'none' or a comma list of op names")
     names = {n if n.startswith("v4_") else "v4_" + n for n in (p.strip() for p in spec.split(",")) if n}
     unknown = sorted(names - set(known))
     if unknown:
