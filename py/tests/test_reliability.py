@@ -343,3 +343,18 @@ def test_15_7_resuming_a_finished_run_says_it_is_finished(tmp_path):
     assert summary["finished"] is True and summary["final_loss"] is not None
     past = run_train(*SMALL, "--max_steps=3", f"--output_dir={out}", "--resume_from=latest")
     assert f"it is step 4, past the 3 steps of this run; give a --max_steps of at least that" in error_line(past)
+
+
+def test_1_resuming_another_folder_s_checkpoint_into_a_run_s_folder_says_what_to_do(tmp_path):
+    """Not 'continue it with --resume_from=latest', which the user did not mean (the QA pass)."""
+    from v4train.run_dir import Claim
+
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "metrics.jsonl").write_text('{"step": 1}\n')
+    other = str(tmp_path / "there" / "checkpoint-2")
+    with pytest.raises(ValueError) as e:
+        Claim(str(tmp_path / "here"), other, overwrite=False).__enter__()
+    assert str(e.value) == (f"--output_dir={tmp_path / 'here'} holds an earlier run (metrics.jsonl), and "
+                            f"--resume_from={other} is another folder's checkpoint: resume it into a new --output_dir, "
+                            "or replace this folder's run with --overwrite_output_dir")
+    assert not (tmp_path / "here" / ".lock").exists(), "the refused claim let go of its lock"

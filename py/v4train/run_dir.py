@@ -138,6 +138,10 @@ class Claim:
             return
         if not self.overwrite:
             shown = ", ".join(conflicting[:5]) + (", ..." if len(conflicting) > 5 else "")
+            if self.resume_path is not None and not resumes_here:  # another run's checkpoint, resumed here
+                raise ValueError(f"--output_dir={d} {what} ({shown}), and --resume_from={self.resume_path} is another "
+                                 "folder's checkpoint: resume it into a new --output_dir, or replace this folder's "
+                                 "run with --overwrite_output_dir")
             raise ValueError(f"--output_dir={d} {what} ({shown}): continue it with --resume_from=latest, replace it "
                              "with --overwrite_output_dir, or choose another --output_dir")
         deleted = [n for n in conflicting if RUN_OUTPUTS.match(n)]
