@@ -240,3 +240,18 @@ def test_lora_on_a_base_kept_in_fp8_trains_as_on_the_base_dequantised_on_load(tm
         assert result.returncode == 0, result.stderr[-3000:]
         losses[how] = [row["loss"] for row in metrics(str(out))]
     assert len(losses["keep"]) == 3 and losses["keep"] == losses["dequantize"], losses
+
+
+def test_a_logged_row_s_loss_is_the_mean_over_its_interval(tmp_path):
+    """--log_interval=2 logged the second step's loss alone (the QA pass); HF's Trainer, and now
+    v4train, log the mean over the steps since the last row."""
+    every = run_cli("train.py", *SMALL, "--max_steps=4", f"--output_dir={tmp_path / 'every'}")
+    paired = run_cli("train.py", *SMALL, "--max_steps=4", "--log_interval=2", f"--output_dir={tmp_path / 'paired'}")
+    assert every.returncode == 0 and paired.returncode == 0, paired.stderr[-2000:]
+    losses = [r["loss"] for r in metrics(str(tmp_path / "every"))]
+    rows = metrics(str(tmp_path / "paired"))
+    assert [r["step"] for r in rows] == [2, 4]
+    assert_close(torch.tensor([r["loss"] for r in rows], dtype=torch.float64),
+                 torch.tensor([(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2], dtype=torch.float64),
+                 "the rows' losses")
+    assert last_json(paired.stdout)["final_loss"] == losses[3], "the summary's final loss is the last step's"

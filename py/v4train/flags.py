@@ -83,7 +83,8 @@ flags.DEFINE_string("output_dir", None, "Where checkpoints, metrics.jsonl and lo
 flags.DEFINE_integer("save_interval", 0, "Save a checkpoint every this many steps (0: only at the end).", lower_bound=0)
 flags.DEFINE_integer("save_total_limit", 2, "Checkpoints to keep (the oldest are deleted).", lower_bound=1)
 flags.DEFINE_string("resume_from", None, "'latest' (the newest checkpoint in --output_dir) or a checkpoint directory.")
-flags.DEFINE_integer("log_interval", 1, "Log every this many steps.", lower_bound=1)
+flags.DEFINE_integer("log_interval", 1, "Log every this many steps; a row's loss is the mean over the steps since "
+                     "the last row.", lower_bound=1)
 flags.DEFINE_integer("stop_at_step", 0, "Save and stop after this step, as a preemption would (0: run to the end); "
                      "a later run with --resume_from=latest continues where it stopped.", lower_bound=0)
 flags.DEFINE_boolean("overwrite_output_dir", False, "Start afresh in an --output_dir that holds an earlier run: its "

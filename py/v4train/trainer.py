@@ -496,6 +496,7 @@ class Trainer:
         """The step loop: Python picks the batch, the ops compute, autograd walks their graph."""
         c, progress, metrics, loader = self.config, self.progress, self.metrics, self.loader
         t_start, first_loss, last, eval_loss, skipped, in_a_row = time.time(), None, {}, None, 0, 0
+        unlogged, final_loss = [], None  # the losses of the steps since the last row: a row's loss is their mean
         exit_code, done, first_step, eval_step = 0, self.start_step, None, None
         for step in range(self.start_step + 1, self.total_steps + 1):
             t0 = time.time()
@@ -527,7 +528,9 @@ class Trainer:
                 tokens_per_s = result.tokens / (time.time() - t0)
                 if first_loss is None:
                     first_loss, first_step = result.loss, step
-                last = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+                unlogged.append(result.loss)
+                final_loss = result.loss
+                last = {"step": step, "loss": sum(unlogged) / len(unlogged), "lr": lr, "grad_norm": result.grad_norm,
                         "tokens_per_s": tokens_per_s, "peak_mem_mib": round(peak_memory_mib(c.device), 1),
                         "epoch": loader.epoch}
                 if getattr(profiled, "split", None):
@@ -538,7 +541,8 @@ class Trainer:
                     eval_step = step
                 if step % c.log_interval == 0 or step == self.total_steps or {"eval_loss", "profile"} & set(last):
                     metrics.write(last)
-                    progress.update(step, result.loss, lr, tokens_per_s,
+                    unlogged = []
+                    progress.update(step, last["loss"], lr, tokens_per_s,
                                     f" eval {eval_loss:.4f}" if "eval_loss" in last else "")
             signum = self.stop_signal.signum
             if self.world.size > 1 and self.world.sum([float(signum is not None)], c.device)[0] and signum is None:
@@ -564,7 +568,7 @@ class Trainer:
         # steps: the last step done (a stop before the end says so); first_loss and eval_loss name their steps
         # (a resumed run's first is its first step after the checkpoint).
         print(json.dumps({"steps": done, "first_step": first_step, "first_loss": first_loss,
-                          "final_loss": last.get("loss"), "eval_step": eval_step, "eval_loss": eval_loss,
+                          "final_loss": final_loss, "eval_step": eval_step, "eval_loss": eval_loss,
                           "nonfinite_skips": skipped,
                           "tokens_per_s": round(last.get("tokens_per_s", 0.0), 1), "wall_s": round(wall, 1),
                           "output_dir": c.output_dir, "checkpoint": checkpoint.latest(c.output_dir)}))
