@@ -33,6 +33,7 @@ from absl import app, flags
 
 from v4train import cli, hf_checkpoint, lora, ops
 from v4train.data import DataError, read_records
+from v4train.models import ops_of
 from v4train.tokenizer import Tokenizer
 
 FLAGS = flags.FLAGS
@@ -70,7 +71,7 @@ def evaluate(model_dir: str, data: str, dtype: torch.dtype, device: str, max_bat
     return {"loss": loss, "tokens": targets, "records": len(records),
             "model_type": model.cfg.model_type, "dtype": str(dtype).removeprefix("torch."), "device": device,
             "skipped_tensors": report["skipped"], "seconds": round(time.time() - start, 3),
-            "weight_bytes": weight_bytes, "weight_dtypes": weight_dtypes}
+            "weight_bytes": weight_bytes, "weight_dtypes": weight_dtypes, "cpp_ops": ops_of(model.cfg, table.cpp)}
 
 
 def main(argv):
@@ -95,7 +96,6 @@ def main(argv):
     except KeyboardInterrupt:  # loading or evaluating: nothing is written, so nothing to keep
         print("\nevaluate: interrupted before it finished; nothing was written", file=sys.stderr)
         return 128 + signal.SIGINT
-    result["cpp_ops"] = sorted(table.cpp)
     print(json.dumps(result, sort_keys=True))
     return 0
 

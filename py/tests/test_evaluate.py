@@ -47,6 +47,8 @@ def test_labels_are_used_as_given(tmp_path):
     data.write_text(json.dumps({"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]}) + "\n")
     out = json.loads(_run(f"--model_dir={model_dir}", f"--data={data}").stdout.splitlines()[-1])
     assert out["tokens"] == 2
+    assert "v4_qwen3_5_layer_forward" in out["cpp_ops"] and not [n for n in out["cpp_ops"] if "glm5" in n or "mla" in n], \
+        "the model's own ops, not the other family's"
 
 
 def test_flags_from_a_flagfile_with_comments(tmp_path):

@@ -28,6 +28,7 @@ from v4train.distributed import World
 from v4train.flags import FLAGS, FlagError, validate, warmup_too_long
 from v4train.metrics import MetricsLog, Progress, peak_memory_mib
 from v4train.model import CausalLM, Packed
+from v4train.models import ops_of
 from v4train.testing.check import self_check
 from v4train.optim import AdamW, lr_at
 from v4train.step_profile import Profiled
@@ -476,7 +477,7 @@ class Trainer:
             f"{sum(w.numel() for w in model.parameters()):,} weights), {str(c.dtype).removeprefix('torch.')} on "
             f"{c.device}; {len(ts.examples)} examples ({ts.truncated} truncated, {ts.dropped} dropped at "
             f"{self.limit}), {ts.num_targets:,} target tokens; {self.total_steps} steps; "
-            f"C++ ops: {', '.join(sorted(self.table.cpp)) or 'none'}; router bias/aux-loss updates: off")
+            f"C++ ops: {', '.join(ops_of(model.cfg, self.table.cpp)) or 'none'}; router bias/aux-loss updates: off")
 
     def _finished(self) -> int:
         """A resumed run that was already at its last step: say so, and end as a finished run does."""

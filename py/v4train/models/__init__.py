@@ -23,6 +23,12 @@ def family_of(cfg: ModelConfig) -> Family:
     return FAMILIES[cfg.family]
 
 
+def ops_of(cfg: ModelConfig, names) -> list[str]:
+    """Of the op names, those a model of cfg's family can call (no other family's own ops)."""
+    others = {op.name for f in FAMILIES.values() if f is not family_of(cfg) for op in f.ops}
+    return sorted(n for n in names if n not in others)
+
+
 def config_from_dict(d: dict[str, Any], source: str = "config") -> ModelConfig:
     """The model config of a config.json's contents (`source` names it in errors)."""
     model_type = d.get("model_type")
