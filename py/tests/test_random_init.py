@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from golden_cases import assert_each_rank_drew_its_part, gloo, metrics, run_cli, small_glm5_fp8
+from golden_cases import assert_each_rank_drew_its_part, gloo, golden, metrics, run_cli, small_glm5_fp8
 from v4train import distributed, hf_checkpoint, lora, ops, plan, random_init
 from v4train.flags import FlagError
 from v4train.model import Packed, all_specs, linear_map_names
@@ -186,3 +186,16 @@ def test_a_lora_run_over_two_processes_writes_its_random_base_gathered(tmp_path)
     lora.load_peft(base, str(out / "checkpoint-1"), torch.float32, "cpu")
     assert re.fullmatch(r".*/base_model", json.loads((out / "checkpoint-1" / "adapter_config.json").read_text())
                         ["base_model_name_or_path"])
+
+
+def test_adapters_of_an_unsaved_base_naming_a_folder_of_other_weights_are_said_so(tmp_path):
+    """--nosave_base_model: the adapters name the config's folder; one holding a checkpoint would
+    have peft load them onto those weights, not the random base they trained on (the QA pass)."""
+    model_dir = golden("glm5")[0]
+    (tmp_path / "data.jsonl").write_text(json.dumps({"input_ids": list(range(64))}) + "\n")
+    result = run_cli("train.py", f"--model_config={model_dir}/config.json", "--nosave_base_model", "--max_steps=1",
+                     f"--data={tmp_path / 'data.jsonl'}", "--seq_len=64", f"--output_dir={tmp_path / 'out'}",
+                     "--dtype=float32")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"--nosave_base_model: the adapters name {model_dir} (the config's folder) as their base, and it holds " \
+           "weights other than the random base" in result.stderr

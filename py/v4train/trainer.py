@@ -358,6 +358,11 @@ class Trainer:
         if self.adapters is not None and not c.model_dir and c.save_base_model:  # the adapters' loadable base
             self.base_model_dir = os.path.join(c.output_dir, "base_model")
             self.write_base()
+        elif self.adapters is not None and not c.model_dir and self.world.main and \
+                any(n.endswith(".safetensors") for n in os.listdir(self.base_model_dir)):
+            say(f"--nosave_base_model: the adapters name {self.base_model_dir} (the config's folder) as their base, "
+                "and it holds weights other than the random base they train on: peft would load them onto those; "
+                "give the config a folder of its own")
 
     def write_base(self) -> None:
         """The random base into base_model_dir, written by rank 0: over several processes each
