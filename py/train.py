@@ -21,6 +21,7 @@ def _interrupted_at_start(signum, frame):  # until main() starts: no traceback f
 signal.signal(signal.SIGINT, _interrupted_at_start)
 signal.signal(signal.SIGTERM, _interrupted_at_start)
 
+import json
 import shlex
 import sys
 
@@ -36,6 +37,7 @@ from v4train.trainer import RunConfig, Trainer, check_expert_parallel, check_ran
 absl_flags.adopt_module_key_flags(trainer_flags)  # --help lists the trainer's flags
 
 LAUNCHER_FLAGS = ("nproc_per_node", "torchrun_args")
+SOURCES_ENV = "V4TRAIN_FLAG_SOURCES"
 
 
 def launch(config: RunConfig, argv: list[str]) -> None:
@@ -55,6 +57,7 @@ def launch(config: RunConfig, argv: list[str]) -> None:
     own = [a for a in argv[1:] if not any(a.startswith(f"--{name}=") or a == f"--{name}" for name in LAUNCHER_FLAGS)]
     rendezvous = shlex.split(FLAGS.torchrun_args) or ["--standalone"]
     sys.stdout.flush()
+    os.environ[SOURCES_ENV] = json.dumps(SOURCES)  # which flags came from a flagfile: the ranks get them expanded
     os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *rendezvous,
                               os.path.abspath(__file__), *own, f"--device={config.device}"])
 
@@ -88,6 +91,6 @@ def exit_status() -> int:
 
 if __name__ == "__main__":
     expanded = cli.expand_flagfiles("train", sys.argv)
-    SOURCES.update(expanded.sources)
+    SOURCES.update(json.loads(os.environ.pop(SOURCES_ENV, "{}")) or expanded.sources)  # (a launched rank: its launcher's)
     ARGV = expanded.argv  # flagfiles expanded: what a launched copy is given
     cli.run_app("train", main, ARGV)

@@ -90,6 +90,16 @@ def test_a_two_process_run_resumes_exactly_and_refuses_another_world_size(tmp_pa
         assert_close(_curve(tmp_path / "split", field), _curve(tmp_path / "whole", field), f"resumed {field}")
 
 
+def test_launched_ranks_know_which_flags_came_from_a_flagfile(tmp_path):
+    """--finetune=full after the LoRA flagfile wins over its --lora_* flags (flags.validate): in each
+    launched rank too, which gets the flagfiles expanded (a review found them refused there)."""
+    result = run_cli("train.py", "--flagfile=glm5.flags", "--finetune=full", "--nproc_per_node=2", "--max_steps=1",
+                     "--warmup_steps=0", "--eval_interval=0", "--save_interval=0", "--seq_len=64",
+                     f"--output_dir={tmp_path / 'o'}", DEVICE, cwd=str(tmp_path), env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert last_json(result.stdout)["steps"] == 1
+
+
 def test_more_processes_than_gpus_is_refused_before_any_work(tmp_path):
     result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", "--device=cuda", "--nproc_per_node=64",
                      env=ENV)

@@ -85,8 +85,9 @@ class Flagfiles:
     another (`--flagfile=glm5.flags` then its own overrides). In a flagfile, blank lines and lines
     starting with # or // are comments, and so is the rest of a line after whitespace and #
     (absl would read it into the value: `--output_dir=runs/x  # mine` a folder named so). Within
-    one level (the command line or one flagfile), a flag set before a --flagfile that sets it
-    again is refused: the later value would win, silently. Errors are ValueErrors of one line
+    one level (the command line or one flagfile), a flag set on its own line before a --flagfile
+    that sets it again is refused: the later value would win, silently (one flagfile after another
+    overrides it, as a typed flag after a flagfile does). Errors are ValueErrors of one line
     naming the flagfile (and its line)."""
 
     def __init__(self, argv: list[str], search: str, names_flag=lambda name: True):
@@ -94,11 +95,14 @@ class Flagfiles:
         self.argv = [argv[0], *(arg for arg, _ in self._expand([(a, None) for a in argv[1:]], None, [], user_dir()))]
 
     def _flag(self, arg: str) -> str | None:
-        """The flag an argument sets (--name=value, --name, --noname), or None."""
-        if not arg.startswith("--"):
+        """The flag an argument sets (--name=value, --name, --noname; one dash as absl allows), or None
+        (a value, or no flag's name)."""
+        if not arg.startswith("-"):
             return None
-        name = arg[2:].split("=", 1)[0]
-        return name[2:] if name.startswith("no") and not self.names_flag(name) and self.names_flag(name[2:]) else name
+        name = arg.lstrip("-").split("=", 1)[0]
+        if name.startswith("no") and not self.names_flag(name) and self.names_flag(name[2:]):
+            return name[2:]
+        return name if self.names_flag(name) else None
 
     def _expand(self, args, where, stack, here):
         """args: (argument, line number or None) of one level; `where` its flagfile (None: the
@@ -107,7 +111,7 @@ class Flagfiles:
         args = iter(args)
         for arg, line in args:
             at = "the command line" if where is None else f"{where}:{line}"
-            if arg == "--flagfile" or arg.startswith("--flagfile="):
+            if arg.lstrip("-") == "flagfile" or arg.lstrip("-").startswith("flagfile="):
                 name = arg.split("=", 1)[1] if "=" in arg else next(args, (None,))[0]
                 if not name:
                     raise ValueError(f"{at}: --flagfile needs a file name")
@@ -116,13 +120,12 @@ class Flagfiles:
                     raise ValueError(f"--flagfile={name} ({at}) includes itself: {' -> '.join(stack + [path])}")
                 text = read_text(path, f"--flagfile={name}")
                 expanded = self._expand(self._lines(text, name), name, stack + [path], os.path.dirname(path))
-                sets = {self._flag(a) for a, _ in expanded}
+                sets = {self._flag(a) for a, _ in expanded} - {None}
                 if sets & given:
                     raise ValueError(f"{', '.join('--' + f for f in sorted(sets & given))} given before "
                                      f"--flagfile={name}, which sets it again (the later value wins): put "
                                      f"--flagfile={name} first" + ("" if where is None else f" ({at})"))
-                out += expanded
-                given |= sets
+                out += expanded  # (its flags are no `given`: a later flagfile may override them, as typed ones do)
                 continue
             flag = self._flag(arg)
             if flag:
@@ -135,12 +138,12 @@ class Flagfiles:
         return out
 
     def _find(self, name: str, here: str, at: str) -> str:
-        dirs = dict.fromkeys([here, user_dir(), self.search])  # (in order, each once)
+        dirs = dict.fromkeys([here, user_dir(), self.search] if not os.path.isabs(name) else [""])  # (each once)
         for d in dirs:
             if os.path.exists(os.path.join(d, name)):
                 return os.path.abspath(os.path.join(d, name))
-        looked = " or ".join(dirs)
-        raise ValueError(f"--flagfile={name}: not found in {looked}" + ("" if at == "the command line" else f" ({at})"))
+        looked = f" in {' or '.join(dirs)}" if not os.path.isabs(name) else ""
+        raise ValueError(f"--flagfile={name}: not found{looked}" + ("" if at == "the command line" else f" ({at})"))
 
     @staticmethod
     def _lines(text: str, name: str):

@@ -121,7 +121,7 @@ class FlagError(ValueError):
     pass
 
 
-# Flag name -> the --flagfile that set it (filled by train.resolve_flagfiles), so that an error
+# Flag name -> the --flagfile that set it (filled from cli.Flagfiles by train.py), so that an error
 # about a value the user did not type says where it came from.
 SOURCES: dict[str, str] = {}
 
