@@ -153,12 +153,12 @@ def test_the_bundled_bases_tokenize_as_transformers_does(base):
     assert ours.encode("What is 9 plus 14?") == theirs.encode("What is 9 plus 14?", add_special_tokens=False)
 
 
-# Qwen3's way: an empty reasoning block on the assistant turns after the last user message only, so
-# a conversation's earlier renderings are no prefixes of its later ones.
+# Qwen3's way: an empty reasoning block on the last message only, when it is an assistant turn after
+# the last user message, so a conversation's earlier renderings are no prefixes of its later ones.
 THINKING_TEMPLATE = (
     "{%- set ns = namespace(last=-1) -%}{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
     "{% endif %}{% endfor -%}{%- for m in messages -%}<|{{ m.role }}|>\n{% if m.role == 'assistant' and loop.index0 > "
-    "ns.last %}<think>\n\n</think>\n\n{% endif %}{{ m.content }}<|end|>\n{% endfor %}"
+    "ns.last and loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m.content }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
@@ -186,3 +186,9 @@ def test_a_template_that_rewrites_earlier_turns_trains_each_turn_as_the_model_wr
         in notes[0]
     (single,) = data.read_records(_write(tmp_path, {"messages": chat["messages"][:2]}), tok, notes=notes)
     assert single.input_ids == first.input_ids and len(notes) == 1, "one turn: one example, as before"
+    # Two assistant turns in a row: the second's prompt holds the first as the whole conversation renders it.
+    twice = {"messages": chat["messages"][:2] + [{"role": "assistant", "content": "Moo again."}]}
+    _, last = data.read_records(_write(tmp_path, twice), tok)
+    assert tok.decode(last.input_ids) == ("<|user|>\nWhat does a cow say?<|end|>\n<|assistant|>\nMoo.<|end|>\n"
+                                          "<|assistant|>\n<think>\n\n</think>\n\nMoo again.<|end|>\n")
+    assert target(last) == "<think>\n\n</think>\n\nMoo again.<|end|>\n"

@@ -107,9 +107,16 @@ class Tokenizer:
         for i, message in enumerate(messages):
             if message.get("role") == "assistant":
                 ids, mask = [], []
-                prompt = self.render(messages[:i], add_generation_prompt=True)
+                history = self.render(messages[:i])
+                prompt, text = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
+                if not text.startswith(prompt) and prompt.startswith(history) and prompt != history:
+                    # The template rewrote the history itself (Qwen3's keeps an empty reasoning block on
+                    # the last assistant turn only, so on one before this turn): the prompt is the text
+                    # up to this turn's generation prompt, the last one in it.
+                    at = text.rfind(prompt[len(history):])
+                    prompt = text[: at + len(prompt) - len(history)] if at >= 0 else prompt
                 self._append(prompt, "", ids, mask, False)
-                self._append(self.render(messages[: i + 1]), prompt, ids, mask, True)
+                self._append(text, prompt, ids, mask, True)
                 out.append((ids, mask))
         return out
 
