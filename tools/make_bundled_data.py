@@ -109,6 +109,7 @@ def main(root: str) -> None:
         trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIAL, show_progress=False,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(corpus, trainer)
+        vocab = tok.get_vocab_size() if not qwen else vocab  # (the GLM-5 config's: its own tokenizer's)
         tdir = os.path.join(root, name)
         os.makedirs(tdir, exist_ok=True)
         tok.save(os.path.join(tdir, "tokenizer.json"))
@@ -116,11 +117,11 @@ def main(root: str) -> None:
             json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|end|>", "bos_token": None,
                        "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast",
                        "model_max_length": 4096}, f, indent=2)
-    config = dict(GLM5_BASE, vocab_size=tok.get_vocab_size())
+    config = dict(GLM5_BASE, vocab_size=vocab)
     with open(os.path.join(root, "glm5_config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     print(f"{len(text_lines)} text records, 1200 + 100 chats ({held_out} of {len(qa)} questions held out for "
-          f"eval), vocab {tok.get_vocab_size()} in {root}")
+          f"eval), vocab {vocab} in {root}")
 
 
 if __name__ == "__main__":

@@ -308,7 +308,8 @@ def main() -> int:
     def report(m: Mutation, ok: bool, line: str, start: float) -> None:
         if line.startswith("did not build"):  # a mutation's own typo, no gap in the tests: said as such
             unbuilt.append(m.name)
-            verdict = "DID NOT BUILD: " + line.removeprefix("did not build: ").strip().splitlines()[-1][:200]
+            said = line.removeprefix("did not build: ").strip().splitlines() or ["(the build printed nothing)"]
+            verdict = "DID NOT BUILD: " + next((x for x in said if "error" in x), said[-1])[:200]
         elif ok:
             survivors.append(m.name)
             verdict = "SURVIVED"

@@ -81,6 +81,11 @@ def _modules(model: CausalLM) -> list[str]:
             for s in model.family.layer_specs(model.cfg, i) if _adaptable(model, s)]
 
 
+def _in_a_layer(modules: list[str]) -> list[str]:
+    """The modules' names within a layer (without model.layers.{i}.), each once."""
+    return sorted({m.split(".", 3)[3] for m in modules})
+
+
 def expand_targets(model: CausalLM, names) -> tuple[str, ...]:
     """--lora_target_modules as targets: 'attention' becomes those of the family's attention
     projections that this model has (a Qwen3.5 model may have no linear-attention layer);
@@ -88,7 +93,7 @@ def expand_targets(model: CausalLM, names) -> tuple[str, ...]:
     the DSA indexer and the routed experts' own tensors, which --lora_experts adapts, are no target)."""
     modules = _modules(model)
     attention = [a for a in model.family.attention_targets if any(_matches(m, [a]) for m in modules)]
-    every = sorted({m.split(".", 3)[3] for m in modules})  # without model.layers.{i}.
+    every = _in_a_layer(modules)
     return tuple(t for name in names for t in {"attention": attention, "all-linear": every}.get(name, [name]))
 
 
@@ -107,7 +112,7 @@ def adapter_shapes(model: CausalLM, lcfg: LoraConfig,
                 out[layer_prefix(i) + name] = (shape, in_f)
     if unmatched or not out:
         what = f"{', '.join(unmatched)} matches no module" if unmatched else "nothing to adapt"
-        candidates = sorted({m.split(".", 3)[3] for m in modules})  # without model.layers.{i}.
+        candidates = _in_a_layer(modules)
         raise ValueError(f"{source}={','.join(lcfg.target_modules)}: {what} of {model.cfg.model_type}; modules: "
                          f"{', '.join(candidates)}")
     return out

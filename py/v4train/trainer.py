@@ -285,8 +285,8 @@ class Trainer:
         notes = []
         self.train_set = data.fit_to_length(data.read_records(c.data, self.tokenizer, vocab, notes), max_len,
                                             c.overlong, self.limit)
-        self.eval_records = data.read_records(c.eval_data, self.tokenizer, vocab) if c.eval_data else None
-        for note in notes:
+        self.eval_records = data.read_records(c.eval_data, self.tokenizer, vocab, notes) if c.eval_data else None
+        for note in notes if int(os.environ.get("RANK", "0")) == 0 else ():  # (once, not by every rank)
             say(note)
         if self.eval_records is not None and not sum(r.num_targets for r in self.eval_records):
             raise data.DataError(f"--eval_data={c.eval_data}: no target tokens (every label is -100 or every record "
@@ -337,6 +337,11 @@ class Trainer:
             # (--lora_experts, the default, on a model without routed experts: none to adapt)
             self.lcfg = lora.LoraConfig(c.lora_r, c.lora_alpha, c.lora_dropout, targets,
                                         c.lora_experts and lora.has_experts(model))
+            mlp = [t for t in targets if t.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")]
+            if mlp and lora.has_experts(model) and self.world.main:
+                say(f"--lora_target_modules: {', '.join(mlp)} of an MoE model train and reload in v4train, but peft "
+                    "0.21 does not load such adapters (it reads those names as the fused experts'; README, Known "
+                    "limits)")
             self.adapters = lora.add_adapters(model, self.lcfg, c.dtype, c.device, c.seed)
             self.trainable = self.adapters
         else:
