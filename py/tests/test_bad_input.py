@@ -408,7 +408,8 @@ def test_flagfiles_nest_from_their_own_folder_and_bad_lines_name_the_file_and_li
         f"{tmp_path / 'search'} (bad.flags:2)"
     assert refused("", "--flagfile") == "the command line: --flagfile needs a file name"
     # One flagfile after another overrides it, as a typed flag after one does (a review found it refused).
-    (tmp_path / "conf" / "over.flags").write_text("--max_steps=7\n-lr=5e-3\n")
+    (tmp_path / "conf" / "over.flags").write_text("--max_steps=7\n-lr=5e-3\n--output_dir=runs/exp \\#2  # kept\n")
     after = Flagfiles(["train", "--flagfile=conf/run.flags", "-flagfile=conf/over.flags"], str(tmp_path / "search"))
-    assert after.argv[-2:] == ["--max_steps=7", "-lr=5e-3"] and after.sources["lr"] == "conf/over.flags"
+    assert after.argv[-3:] == ["--max_steps=7", "-lr=5e-3", "--output_dir=runs/exp #2"]
+    assert after.sources["lr"] == "conf/over.flags"
     assert refused("-max_steps=1\n--flagfile=conf/base.flags\n").startswith("--max_steps given before")

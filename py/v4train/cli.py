@@ -84,11 +84,11 @@ class Flagfiles:
     named inside a flagfile, in that flagfile's directory first, so a flagfile can start from
     another (`--flagfile=glm5.flags` then its own overrides). In a flagfile, blank lines and lines
     starting with # or // are comments, and so is the rest of a line after whitespace and #
-    (absl would read it into the value: `--output_dir=runs/x  # mine` a folder named so). Within
-    one level (the command line or one flagfile), a flag set on its own line before a --flagfile
-    that sets it again is refused: the later value would win, silently (one flagfile after another
-    overrides it, as a typed flag after a flagfile does). Errors are ValueErrors of one line
-    naming the flagfile (and its line)."""
+    (absl would read it into the value: `--output_dir=runs/x  # mine` a folder named so); a value
+    that holds one writes it \\#. Within one level (the command line or one flagfile), a flag set on
+    its own line before a --flagfile that sets it again is refused: the later value would win,
+    silently (one flagfile after another overrides it, as a typed flag after a flagfile does).
+    Errors are ValueErrors of one line naming the flagfile (and its line)."""
 
     def __init__(self, argv: list[str], search: str, names_flag=lambda name: True):
         self.search, self.names_flag, self.sources = search, names_flag, {}
@@ -149,7 +149,7 @@ class Flagfiles:
     def _lines(text: str, name: str):
         """(argument, line number) for each flag line of a flagfile."""
         for n, line in enumerate(text.splitlines(), 1):
-            line = re.sub(r"\s+#.*$", "", line).strip()
+            line = re.sub(r"\s+#.*$", "", line.replace(r"\#", "\0")).replace("\0", "#").strip()  # (\# is a #)
             if not line or line.startswith(("#", "//")):
                 continue
             if not line.startswith("-"):
