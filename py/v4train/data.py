@@ -42,10 +42,11 @@ def _ints(x) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def _parse(obj, tokenizer) -> tuple[list[tuple[list[int], list[int]]], bool]:
+def _parse(obj, tokenizer) -> tuple[list[tuple[list[int], list[int]]], str | None]:
     """([(input_ids, labels)] of one record, or of each assistant turn of a conversation whose
-    template rewrites earlier turns (Tokenizer.encode_turns), whether per turn); raises ValueError
-    with what is wrong."""
+    template rewrites earlier turns (Tokenizer.encode_turns); what the run should note of it:
+    "per_turn", "unterminated" (no eos_token to end it) or None); raises ValueError with what is
+    wrong."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     if "input_ids" in obj:
@@ -54,7 +55,7 @@ def _parse(obj, tokenizer) -> tuple[list[tuple[list[int], list[int]]], bool]:
             raise ValueError("input_ids must be a non-empty list of integers")
         if not (_ints(labels) and len(labels) == len(ids)):
             raise ValueError(f"labels must be a list of integers as long as input_ids ({len(ids)})")
-        return [(ids, labels)], False
+        return [(ids, labels)], None
     form = next((k for k in ("messages", "prompt", "text") if k in obj), None)
     if form is None:
         raise ValueError(f"expected one of messages, prompt/completion, text, input_ids; got keys {sorted(obj)}")
@@ -69,19 +70,20 @@ def _parse(obj, tokenizer) -> tuple[list[tuple[list[int], list[int]]], bool]:
         if not any(m["role"] == "assistant" for m in msgs):
             raise ValueError("messages has no assistant message (nothing to learn)")
         try:
-            encoded, per_turn = [tokenizer.encode_chat(msgs)], False
+            encoded, note = [tokenizer.encode_chat(msgs)], None
         except NotPrefixes:
-            encoded, per_turn = tokenizer.encode_turns(msgs), True
-        return [(ids, [t if m else IGNORE for t, m in zip(ids, mask)]) for ids, mask in encoded], per_turn
+            encoded, note = tokenizer.encode_turns(msgs), "per_turn"
+        return [(ids, [t if m else IGNORE for t, m in zip(ids, mask)]) for ids, mask in encoded], note
+    note = None if eos else "unterminated"
     if form == "prompt":
         if not (isinstance(obj.get("prompt"), str) and isinstance(obj.get("completion"), str)):
             raise ValueError("prompt and completion must both be strings")
         p, c = tokenizer.encode(obj["prompt"]), tokenizer.encode(obj["completion"]) + eos
-        return [(p + c, [IGNORE] * len(p) + c)], False
+        return [(p + c, [IGNORE] * len(p) + c)], note
     if not isinstance(obj["text"], str) or not obj["text"]:
         raise ValueError("text must be a non-empty string")
     ids = tokenizer.encode(obj["text"]) + eos
-    return [(ids, list(ids))], False
+    return [(ids, list(ids))], note
 
 
 class _NeedsTokenizer(ValueError):
@@ -120,7 +122,7 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes
                  ) -> list[Record]:
     """The records of a JSONL file (the forms of the module's docstring); every malformed line is
     listed in one DataError. `notes` gets what the run should say (a tokenizer with no eos_token)."""
-    records, problems, untokenized, unterminated, split = [], [], {}, [], []
+    records, problems, untokenized, noted = [], [], {}, {"per_turn": [], "unterminated": []}
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -137,7 +139,7 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes
                     continue
                 obj = json.loads(line)
                 _no_lone_surrogates(obj)
-                parsed, per_turn = _parse(obj, tokenizer)
+                parsed, note = _parse(obj, tokenizer)
                 for ids, labels in parsed if vocab_size is not None else ():
                     if not all(0 <= t < vocab_size for t in ids):
                         if isinstance(obj, dict) and "input_ids" not in obj:  # the tokenizer's ids, not the record's
@@ -160,11 +162,8 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes
                 problems.append(f"{where}: {e}")
                 continue
             records += [Record(ids, labels, where) for ids, labels in parsed]
-            if per_turn:
-                split.append(n)
-            if tokenizer is not None and not tokenizer.eos_token and isinstance(obj, dict) and \
-                    ("prompt" in obj or "text" in obj) and "input_ids" not in obj:
-                unterminated.append(n)
+            if note:
+                noted[note].append(n)
     for form, lines in untokenized.items():
         problems.insert(0, f"{path}: {len(lines)} '{form}' record(s), the first at line {lines[0]}, need a tokenizer: give "
                            "--tokenizer_dir (a folder with tokenizer.json), or pre-tokenized 'input_ids' records")
@@ -176,6 +175,7 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes
         raise DataError(f"{path}: {count} malformed records:\n  " + "\n  ".join(problems[:20]) + more)
     if not records:
         raise DataError(f"{path}: no records")
+    split, unterminated = noted["per_turn"], noted["unterminated"]
     if split and notes is not None:
         notes.append(f"{path}: {len(split)} conversation(s), the first at line {split[0]}, each trained as one example "
                      f"per assistant turn: the chat template of {tokenizer.directory} renders earlier turns otherwise "

@@ -447,7 +447,8 @@ def _hf_config_for_save(model: CausalLM) -> dict:
         counts[t.dtype] += t.numel()
     main = max(counts, key=counts.get, default=None)
     if main in (torch.float32, torch.bfloat16, torch.float16):
-        name = str(main).removeprefix("torch.")
-        d.update({key: name for key in ("dtype", "torch_dtype") if key in d or key == "dtype"})
+        d["dtype"] = str(main).removeprefix("torch.")
+        if "torch_dtype" in d:  # (transformers 4's name, in configs it wrote)
+            d["torch_dtype"] = d["dtype"]
     config_from_dict(d, "config to save")  # must read back
     return d

@@ -26,6 +26,11 @@ LOCK = ".lock"
 RUN_OUTPUTS = re.compile(r"^(checkpoint-\d+|metrics\.jsonl|loss\.png|base_model|profile-step\d+\.json)$")
 
 
+def _owner(fd: int) -> str:
+    """The pid a lock file holds."""
+    return os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+
+
 def writer(output_dir: str) -> str | None:
     """The pid of a live run that holds output_dir's lock (written in it), else None."""
     try:
@@ -36,7 +41,7 @@ def writer(output_dir: str) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
     except BlockingIOError:
-        return os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        return _owner(fd)
     finally:
         os.close(fd)
 
@@ -97,7 +102,7 @@ class Claim:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                    owner = _owner(fd)
                     os.close(fd)
                     raise ValueError(f"--output_dir={d}: another run (pid {owner}) is writing it; wait for it to "
                                      "end, or choose another --output_dir") from None

@@ -107,9 +107,9 @@ class Tokenizer:
         for i, message in enumerate(messages):
             if message.get("role") == "assistant":
                 ids, mask = [], []
-                history = self.render(messages[:i])
                 prompt, text = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
-                if not text.startswith(prompt) and prompt.startswith(history) and prompt != history:
+                history = self.render(messages[:i]) if not text.startswith(prompt) else prompt
+                if prompt.startswith(history) and prompt != history:
                     # The template rewrote the history itself (Qwen3's keeps an empty reasoning block on
                     # the last assistant turn only, so on one before this turn): the prompt is the text
                     # up to this turn's generation prompt, the last one in it.

@@ -282,12 +282,10 @@ class Trainer:
         max_len = min(c.seq_len, max_positions or c.seq_len)
         self.limit = f"--seq_len={c.seq_len}" if max_len == c.seq_len else \
             f"the model's max_position_embeddings={max_positions}, below --seq_len={c.seq_len}"
-        notes = []
-        self.train_set = data.fit_to_length(data.read_records(c.data, self.tokenizer, vocab, notes), max_len,
+        self.notes = []  # what the run says at its start (rank 0), of the data here
+        self.train_set = data.fit_to_length(data.read_records(c.data, self.tokenizer, vocab, self.notes), max_len,
                                             c.overlong, self.limit)
-        self.eval_records = data.read_records(c.eval_data, self.tokenizer, vocab, notes) if c.eval_data else None
-        for note in notes if int(os.environ.get("RANK", "0")) == 0 else ():  # (once, not by every rank)
-            say(note)
+        self.eval_records = data.read_records(c.eval_data, self.tokenizer, vocab, self.notes) if c.eval_data else None
         if self.eval_records is not None and not sum(r.num_targets for r in self.eval_records):
             raise data.DataError(f"--eval_data={c.eval_data}: no target tokens (every label is -100 or every record "
                                  "has one token), so no eval loss: give records with assistant or completion tokens")
@@ -334,11 +332,10 @@ class Trainer:
         self.adapters, self.lcfg = None, None
         if c.finetune == "lora":
             targets = lora.expand_targets(model, list(c.lora_target_modules))
-            # (--lora_experts, the default, on a model without routed experts: none to adapt)
-            self.lcfg = lora.LoraConfig(c.lora_r, c.lora_alpha, c.lora_dropout, targets,
-                                        c.lora_experts and lora.has_experts(model))
+            moe = lora.has_experts(model)  # (--lora_experts, the default, on a model without any: none to adapt)
+            self.lcfg = lora.LoraConfig(c.lora_r, c.lora_alpha, c.lora_dropout, targets, c.lora_experts and moe)
             mlp = [t for t in targets if t.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj")]
-            if mlp and lora.has_experts(model) and self.world.main:
+            if mlp and moe and self.world.main:
                 say(f"--lora_target_modules: {', '.join(mlp)} of an MoE model train and reload in v4train, but peft "
                     "0.21 does not load such adapters (it reads those names as the fused experts'; README, Known "
                     "limits)")
@@ -447,7 +444,7 @@ class Trainer:
             claim = run_dir.Claim(c.output_dir, c.resume_from, c.overwrite_output_dir) if self.world.main else \
                 contextlib.nullcontext()
             with claim:
-                for note in getattr(claim, "notes", []) + [cli.slow_dtype_note(c.device, c.dtype)]:
+                for note in getattr(claim, "notes", []) + self.notes + [cli.slow_dtype_note(c.device, c.dtype)]:
                     if note and self.world.main:
                         say(note)
                 self.world.barrier()
