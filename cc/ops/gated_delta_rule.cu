@@ -19,7 +19,8 @@
 // product) where it does not (the recurrence's, state_grads', and q S in output and local_grads);
 // intra_grads runs as two kernels on planes (intra_dpl, intra_grads_planes) that read q, k and d_o as
 // their raw bfloat16 rows; so do wy_grads' K K^T and the output's and local_grads' Q K^T (one exact
-// product, the norms applied after it).
+// product, the norms applied after it). A product through one of the chunk's triangular matrices (Ai,
+// P, dPL) skips its zero triangle (Tri).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -88,23 +89,64 @@ __device__ __forceinline__ float at(const float* p, int ld, int r, int c) {
   return kT ? p[c * ld + r] : p[r * ld + c];
 }
 
+// Zero triangles of a chunk's [64, 64] matrices that a product skips (flags, or-ed; Tri::kNone: none).
+// Ai = (I + A)^-1 is unit lower triangular, P = (Q K^T) * L and dPL lower with their diagonals, each
+// with its other triangle stored as exact zeros, so a product has the same values without the terms
+// they make (where the other operand is finite):
+//   kLowerA: A's (r, k) is zero for r < k < 64 (A = P, dPL): a row tile's k loop stops after its rows;
+//   kUpperA: A's (r, k) is zero for k < r < 64 (A = Ai^T, P^T, dPL^T): a row tile's starts at its rows;
+//   kUpperB: B's (k, n) is zero for k > n (B = Ai^T): a column group's stops after its columns;
+//   kLowerC: the epilogue keeps C's lower triangle alone (it writes a constant above the diagonal): a
+//     tile wholly above it hands the epilogue zeros and multiplies nothing.
+// With any of them the warps take their tiles back and forth (a warp's second counted from the end),
+// so that a triangle's long and short row tiles pair up; with kLowerC alone a row tile's column
+// groups are rotated by its row, so that each of the four schedulers (warp % 4) has a share of the
+// tiles below the diagonal (the block's warps one tile each: 3, 2, 3, 2 of a 4 x 4's 10, not 4, 3, 2, 1).
+namespace Tri {
+enum : int { kNone = 0, kLowerA = 1, kUpperA = 2, kUpperB = 4, kLowerC = 8 };
+}
+
+// The row tile and column group of a tile (Tri).
+template <int kTri>
+__device__ __forceinline__ int2 tile_at(int tile, int ngroups) {
+  const int row = tile / ngroups, col = tile % ngroups;
+  return {row, kTri == Tri::kLowerC ? (col + ngroups - row % ngroups) % ngroups : col};
+}
+
+// Whether the product of a tile (rows from m0, columns n0 to n1) skips its k-step [k0, k1).
+template <int kTri>
+__device__ __forceinline__ bool skip_step(int m0, int n0, int n1, int k0, int k1) {
+  return ((kTri & Tri::kLowerA) && k0 >= m0 + 16 && k1 <= kRows) || ((kTri & Tri::kUpperA) && k1 <= m0 && m0 < kRows) ||
+         ((kTri & Tri::kUpperB) && k0 >= n1) || ((kTri & Tri::kLowerC) && n0 >= m0 + 16);
+}
+
+// A warp's tile after `tile` (the block's warps take `warps` tiles a round): in turn, or back and
+// forth (in odd rounds counted from the round's end).
+template <int kTri>
+__device__ __forceinline__ int next_tile(int tile, int warp, int warps) {
+  if constexpr (kTri == Tri::kNone) return tile + warps;
+  return tile / warps % 2 == 0 ? tile + 2 * (warps - warp) - 1 : tile + 2 * warp + 1;
+}
+
 // C = A B over the block (of Threads), A [M, K] and B [K, N] in shared memory: each warp takes tiles of
 // 16 x 8 NT of C in turn and hands every element of C to epi(row, col, value), once. Reads A's rows
 // up to round16(M) and both operands' K up to a multiple of 8, B's columns up to a multiple of 8:
-// callers keep those paddings zero.
-template <int NT, bool kTA, bool kTB, Mode kMode, int Threads = kThreads, typename Epi>
+// callers keep those paddings zero. kTri: the zero triangles it skips (Tri).
+template <int NT, bool kTA, bool kTB, Mode kMode, int kTri = Tri::kNone, int Threads = kThreads, typename Epi>
 __device__ __forceinline__ void block_gemm(const float* A, int lda, const float* B, int ldb, int M, int N, int K,
                                            Epi&& epi) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int mtiles = (M + 15) / 16, ngroups = (N + 8 * NT - 1) / (8 * NT);
-  for (int tile = warp; tile < mtiles * ngroups; tile += Threads / 32) {
-    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
+  for (int tile = warp; tile < mtiles * ngroups; tile = next_tile<kTri>(tile, warp, Threads / 32)) {
+    const int2 place = tile_at<kTri>(tile, ngroups);
+    const int m0 = place.x * 16, n0 = place.y * 8 * NT;
     float acc[NT][4] = {}, small[NT][4] = {};  // small: the cross terms (Mode)
     if constexpr (kMode == Mode::kTf32x3) {
       // Unrolled where K is a constant (FixedDims): the fragments' shared-memory offsets fold into
       // the loads (the op 2.5% faster at 8,192 tokens on the H200, 2026-12-02, stop 31).
 #pragma unroll
       for (int k0 = 0; k0 < K; k0 += 8) {
+        if (skip_step<kTri>(m0, n0, n0 + 8 * NT, k0, k0 + 8)) continue;
         uint32_t ah[4], al[4];
         split(at<kTA>(A, lda, m0 + g, k0 + t), ah[0], al[0]);
         split(at<kTA>(A, lda, m0 + g + 8, k0 + t), ah[1], al[1]);
@@ -124,6 +166,7 @@ __device__ __forceinline__ void block_gemm(const float* A, int lda, const float*
       }
     } else {
       for (int k = 0; k < K; ++k) {
+        if (skip_step<kTri>(m0, n0, n0 + 8 * NT, k, k + 1)) continue;
         const float a0 = at<kTA>(A, lda, m0 + g, k), a1 = at<kTA>(A, lda, m0 + g + 8, k);
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
@@ -565,19 +608,22 @@ constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 
 // once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
 // zero, not read), two products for three; kAExact likewise for A; both, one product. From k = kOnceFrom
 // on, and in C's rows from kOnceFromRow on (multiples of 16), both operands are taken rounded to
-// bfloat16 (their hi planes): one product.
-template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, int kOnceFrom = (1 << 30),
-          int kOnceFromRow = (1 << 30), typename Epi>
+// bfloat16 (their hi planes): one product. kTri: the zero triangles it skips (Tri).
+constexpr int kNever = 1 << 30;  // plane_gemm's kOnceFrom, kOnceFromRow: no product rounded once
+template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, int kOnceFrom = kNever,
+          int kOnceFromRow = kNever, int kTri = Tri::kNone, typename Epi>
 __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
                                            int b_lo, int M, int N, int K, Epi&& epi) {
   static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int ngroups = N / (8 * NT);
-  for (int tile = warp; tile < M / 16 * ngroups; tile += kWarps) {
-    const int m0 = tile / ngroups * 16, n0 = tile % ngroups * 8 * NT;
+  for (int tile = warp; tile < M / 16 * ngroups; tile = next_tile<kTri>(tile, warp, kWarps)) {
+    const int2 place = tile_at<kTri>(tile, ngroups);
+    const int m0 = place.x * 16, n0 = place.y * 8 * NT;
     float acc[NT][4] = {}, cross[NT][4] = {};
 #pragma unroll 4
     for (int k0 = 0; k0 < K; k0 += 16) {
+      if (skip_step<kTri>(m0, n0, n0 + 8 * NT, k0, k0 + 16)) continue;
       const bool once = k0 >= kOnceFrom || m0 >= kOnceFromRow;
       uint32_t ah[4], al[4] = {};
       if constexpr (kTA) {
@@ -761,11 +807,9 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
     else p.k_tilde[(base + i) * d.dk + c] = x;
   }
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
-  block_gemm<2, false, true, kMode, kPrepareThreads>(K, m.ldr, K, m.ldr, kRows, kRows, d.dk,
-                                                     [&](int r, int c, float v) {
-                                                       m.A[r * kPitch64 + c] =
-                                                           c < r ? s.beta[r] * (v * decay(s, r, c)) : 0.0f;
-                                                     });
+  block_gemm<2, false, true, kMode, Tri::kLowerC, kPrepareThreads>(
+      K, m.ldr, K, m.ldr, kRows, kRows, d.dk,
+      [&](int r, int c, float v) { m.A[r * kPitch64 + c] = c < r ? s.beta[r] * (v * decay(s, r, c)) : 0.0f; });
   __syncthreads();
   load_rows<T, kPrepareThreads>(m.R, m.ldr, static_cast<const T*>(p.v), p.hv, h, d.dv, d.pv, s.beta, s, p.T);
   for (int idx = tid; idx < kRows * d.pk; idx += kPrepareThreads) {
@@ -1017,9 +1061,10 @@ __device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const 
   load_normalised(QP + kRows, ldqp, nullptr, static_cast<const T*>(p.q), p.hk, kh, d.dk, d.pk, p.scale, s, p.T);
   load_normalised(keys, ldk, nullptr, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
   __syncthreads();
-  block_gemm<2, false, true, kMode>(QP + kRows, ldqp, keys, ldk, kRows, kRows, d.dk, [&](int r, int c, float v) {
-    QP[r * ldqp + c] = c <= r ? v * decay(s, r, c) : 0.0f;
-  });
+  block_gemm<2, false, true, kMode, Tri::kLowerC>(QP + kRows, ldqp, keys, ldk, kRows, kRows, d.dk,
+                                                  [&](int r, int c, float v) {
+                                                    QP[r * ldqp + c] = c <= r ? v * decay(s, r, c) : 0.0f;
+                                                  });
   __syncthreads();
   for (int idx = threadIdx.x; idx < kRows * d.pk; idx += kThreads) {
     const int i = idx / d.pk, c = idx % d.pk;
@@ -1047,11 +1092,10 @@ __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows,
   __syncthreads();
   row_rnorms(rn + kRows, k, kPlaneRow);
   __syncthreads();
-  plane_gemm<2, false, true, true, true>(q, kPlaneRow, 0, k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
-                                         [&](int r, int c, float v) {
-                                           QP[r * ldqp + c] =
-                                               c <= r ? v * rn[r] * p.scale * rn[kRows + c] * decay(s, r, c) : 0.0f;
-                                         });
+  plane_gemm<2, false, true, true, true, kNever, kNever, Tri::kLowerC>(
+      q, kPlaneRow, 0, k, kPlaneRow, 0, kRows, kRows, DimsT::dk, [&](int r, int c, float v) {
+        QP[r * ldqp + c] = c <= r ? v * rn[r] * p.scale * rn[kRows + c] * decay(s, r, c) : 0.0f;
+      });
   for (int idx = threadIdx.x; idx < kRows * d.pk; idx += kThreads) {  // E Q, beside the product's columns
     const int i = idx / d.pk, c = idx % d.pk;
     QP[i * ldqp + kRows + c] *= s.E[i];
@@ -1091,10 +1135,12 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
     load_block(m.X + kRows * kColPitch, kColPitch, p.h + head * d.dk * d.dv + c0, d.dv, d.dk, n, d.pk, kCols);
     wait_copies();
     __syncthreads();
-    block_gemm<1, false, false, kMode>(m.QP, m.ldqp, m.X, kColPitch, kRows, n, kRows + d.pk, [&](int r, int c, float v) {
-      const int64_t tok = s.slot[r];
-      if (tok < p.T) o[(tok * p.hv + h) * d.dv + c0 + c] = from_float<T>(v);
-    });
+    block_gemm<1, false, false, kMode, Tri::kLowerA>(m.QP, m.ldqp, m.X, kColPitch, kRows, n, kRows + d.pk,
+                                                     [&](int r, int c, float v) {
+                                                       const int64_t tok = s.slot[r];
+                                                       if (tok < p.T) o[(tok * p.hv + h) * d.dv + c0 + c] =
+                                                                          from_float<T>(v);
+                                                     });
     __syncthreads();
   }
 }
@@ -1178,10 +1224,11 @@ __global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
   build_qp<T, kMode, DimsT>(m.QP, m.ldqp, m.X, s, p, d, h);
   load_rows(m.X, m.ldo, static_cast<const T*>(p.d_o), p.hv, h, d.dv, d.pv, nullptr, s, p.T);
   __syncthreads();
-  block_gemm<4, true, false, kMode>(m.QP, m.ldqp, m.X, m.ldo, kRows + d.dk, d.dv, kRows, [&](int r, int c, float v) {
-    if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
-    else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
-  });
+  block_gemm<4, true, false, kMode, Tri::kUpperA>(m.QP, m.ldqp, m.X, m.ldo, kRows + d.dk, d.dv, kRows,
+                                                   [&](int r, int c, float v) {
+                                                     if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
+                                                     else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
+                                                   });
 }
 
 // local_grads_kernel with its product on planes (kPlanes): [P | E Q] split in place once it is
@@ -1208,8 +1255,9 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
     if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
     else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
   };
-  plane_gemm<4, true, false, true, false, 1 << 30, kRows>(qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow,
-                                                          kRows * kPlaneRow, kRows + d.dk, d.dv, kRows, out);
+  plane_gemm<4, true, false, true, false, kNever, kRows, Tri::kUpperA>(qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow,
+                                                                       kRows * kPlaneRow, kRows + d.dk, d.dv, kRows,
+                                                                       out);
 }
 
 struct StateSmem {
@@ -1351,11 +1399,12 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
   });
   __syncthreads();
   // dPL = (d_o v_new^T) * L; Z = dPL * (Q K^T), G's gradient through L: dG_i = sum_j Z_ij - Z_ji.
-  block_gemm<2, false, true, kMode>(m.D, m.ldd, m.V, m.ldd, kRows, kRows, d.dv, [&](int r, int c, float v) {
-    const float dpl = c <= r ? v * decay(s, r, c) : 0.0f;
-    m.dPL[r * kPitch64 + c] = dpl;
-    m.Z[r * kPitch64 + c] *= dpl;
-  });
+  block_gemm<2, false, true, kMode, Tri::kLowerC>(m.D, m.ldd, m.V, m.ldd, kRows, kRows, d.dv,
+                                                  [&](int r, int c, float v) {
+                                                    const float dpl = c <= r ? v * decay(s, r, c) : 0.0f;
+                                                    m.dPL[r * kPitch64 + c] = dpl;
+                                                    m.Z[r * kPitch64 + c] *= dpl;
+                                                  });
   __syncthreads();
   load_block(m.D, m.ldd, p.dq_state + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   load_block(m.V, m.ldd, p.dk_tilde + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
@@ -1377,12 +1426,12 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
     }
   }
   __syncthreads();
-  block_gemm<2, false, false, kMode>(m.dPL, kPitch64, m.K, m.ldq, kRows, d.dk, kRows, [&](int r, int c, float v) {
-    m.D[r * m.ldd + c] += v;
-  });
-  block_gemm<2, true, false, kMode>(m.dPL, kPitch64, m.Q, m.ldq, kRows, d.dk, kRows, [&](int r, int c, float v) {
-    m.V[r * m.ldd + c] = v + s.Kt[r] * m.V[r * m.ldd + c];
-  });
+  block_gemm<2, false, false, kMode, Tri::kLowerA>(m.dPL, kPitch64, m.K, m.ldq, kRows, d.dk, kRows,
+                                                   [&](int r, int c, float v) { m.D[r * m.ldd + c] += v; });
+  block_gemm<2, true, false, kMode, Tri::kUpperA>(m.dPL, kPitch64, m.Q, m.ldq, kRows, d.dk, kRows,
+                                                  [&](int r, int c, float v) {
+                                                    m.V[r * m.ldd + c] = v + s.Kt[r] * m.V[r * m.ldd + c];
+                                                  });
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
     for (int c = lane; c < d.dk; c += 32) p.dk_part[(rows + i) * d.dk + c] = m.V[i * m.ldd + c];
@@ -1444,12 +1493,12 @@ __global__ void __launch_bounds__(kThreads, 2) intra_dpl_kernel(Args p) {  // tw
   row_rnorms(m.rq, m.q, kPlaneRow);
   row_rnorms(m.rk, m.k, kPlaneRow);
   // dPL = (d_o v_new^T) * L: d_o exact, v_new^T stored as v_new's rows.
-  plane_gemm<2, false, true, false, true>(m.d_o, kPlaneRow, 0, m.v, kPlaneRow, kRows * kPlaneRow, kRows, kRows,
-                                          DimsT::dv, [&](int r, int c, float v) {
-                                            const float dpl = c <= r ? v * decay(s, r, c) : 0.0f;
-                                            m.Z[r * kPitch64 + c] = dpl;
-                                            p.dpl[(rows + r) * kRows + c] = dpl;
-                                          });
+  plane_gemm<2, false, true, false, true, kNever, kNever, Tri::kLowerC>(
+      m.d_o, kPlaneRow, 0, m.v, kPlaneRow, kRows * kPlaneRow, kRows, kRows, DimsT::dv, [&](int r, int c, float v) {
+        const float dpl = c <= r ? v * decay(s, r, c) : 0.0f;
+        m.Z[r * kPitch64 + c] = dpl;
+        p.dpl[(rows + r) * kRows + c] = dpl;
+      });
   __syncthreads();
   // Z = dPL * (Q K^T): q and k exact, one product, the norms and the scale after it.
   plane_gemm<2, false, true, true, true>(m.q, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
@@ -1530,13 +1579,14 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
     }
   }
   __syncthreads();
-  plane_gemm<4, false, false, true>(m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, d.dk, kRows,
-                                    [&](int r, int c, float v) { m.D[r * m.ldd + c] += v; });
-  plane_gemm<4, true, false, true>(m.pq, kPlane64, kLo64, m.q, kPlaneRow, 0, kRows, d.dk, kRows,
-                                   [&](int r, int c, float v) {
-                                     const int64_t at = (rows + r) * d.dk + c;
-                                     p.dk_part[at] = v + s.Kt[r] * p.dk_tilde[at];
-                                   });
+  plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA>(
+      m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, d.dk, kRows,
+      [&](int r, int c, float v) { m.D[r * m.ldd + c] += v; });
+  plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(
+      m.pq, kPlane64, kLo64, m.q, kPlaneRow, 0, kRows, d.dk, kRows, [&](int r, int c, float v) {
+        const int64_t at = (rows + r) * d.dk + c;
+        p.dk_part[at] = v + s.Kt[r] * p.dk_tilde[at];
+      });
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
     const int64_t tok = s.slot[i];
@@ -1612,10 +1662,11 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
     m.A[r * kPitch64 + c] = s.beta[r] * kkl;
   };
   if constexpr (kPlanes<kMode, DimsT>) {
-    plane_gemm<2, false, true, true, true>(k_rows, kPlaneRow, 0, k_rows, kPlaneRow, 0, kRows, kRows, DimsT::dk,
-                                           [&](int r, int c, float val) { gram(r, c, val * m.rk[r] * m.rk[c]); });
+    plane_gemm<2, false, true, true, true, kNever, kNever, Tri::kLowerC>(
+        k_rows, kPlaneRow, 0, k_rows, kPlaneRow, 0, kRows, kRows, DimsT::dk,
+        [&](int r, int c, float val) { gram(r, c, val * m.rk[r] * m.rk[c]); });
   } else {
-    block_gemm<2, false, true, kMode>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, d.dk, gram);
+    block_gemm<2, false, true, kMode, Tri::kLowerC>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, d.dk, gram);
   }
   for (int idx = tid; idx < kRows * d.pk; idx += kThreads) {
     const int i = idx / d.pk, c = idx % d.pk;
@@ -1629,17 +1680,16 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   });
   __syncthreads();
   // dR = Ai^T [dv_new | dw] into X.
-  block_gemm<4, true, false, kMode>(m.Ai, kPitch64, m.R, m.ldx, kRows, d.pv + d.pk, kRows,
-                                    [&](int r, int c, float val) { m.X[r * m.ldx + c] = val; });
+  block_gemm<4, true, false, kMode, Tri::kUpperA>(m.Ai, kPitch64, m.R, m.ldx, kRows, d.pv + d.pk, kRows,
+                                                  [&](int r, int c, float val) { m.X[r * m.ldx + c] = val; });
   __syncthreads();
   // dM = -(Ai^T Y) Ai^T, strictly lower, into A (Ai^T Y through R, which is read).
-  block_gemm<2, true, false, kMode>(m.Ai, kPitch64, m.A, kPitch64, kRows, kRows, kRows, [&](int r, int c, float val) {
-    m.R[r * kPitch64 + c] = val;
-  });
+  block_gemm<2, true, false, kMode, Tri::kUpperA>(m.Ai, kPitch64, m.A, kPitch64, kRows, kRows, kRows,
+                                                  [&](int r, int c, float val) { m.R[r * kPitch64 + c] = val; });
   __syncthreads();
-  block_gemm<2, false, true, kMode>(m.R, kPitch64, m.Ai, kPitch64, kRows, kRows, kRows, [&](int r, int c, float val) {
-    m.A[r * kPitch64 + c] = c < r ? -val : 0.0f;
-  });
+  block_gemm<2, false, true, kMode, Tri::kUpperB | Tri::kLowerC>(
+      m.R, kPitch64, m.Ai, kPitch64, kRows, kRows, kRows,
+      [&](int r, int c, float val) { m.A[r * kPitch64 + c] = c < r ? -val : 0.0f; });
   __syncthreads();
   load_rows(m.R, m.ldx, v, p.hv, h, d.dv, d.pv, nullptr, s, p.T);
   load_block(m.R + d.pv, m.ldx, p.dk_part + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
