@@ -225,7 +225,8 @@ MUTATIONS = (
              "taken from the row (of i) instead of the column (of j)", "cc/ops/gated_delta_rule.cu",
              "p.scale * rn[kRows + c]", "p.scale * rn[kRows + r]", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_triangle_skips_diagonal", "the products through a zero triangle (Ai^T, P^T, dPL^T) skip the "
-             "k-steps of the diagonal block too (kUpperA: k < r + 16 taken for zero)", "cc/ops/gated_delta_rule.cu",
+             "k-steps of a row tile's diagonal block too (kUpperA: k below m0 + 16 taken for zero)",
+             "cc/ops/gated_delta_rule.cu",
              "((kTri & Tri::kUpperA) && k1 <= m0 && m0 < kRows)",
              "((kTri & Tri::kUpperA) && k1 <= m0 + 16 && m0 < kRows)", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_h_rows", "the output's h (rounded to bf16) loaded over v_new's rows (offset 0, "

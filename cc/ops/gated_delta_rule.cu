@@ -19,8 +19,8 @@
 // product) where it does not (the recurrence's, state_grads', and q S in output and local_grads);
 // intra_grads runs as two kernels on planes (intra_dpl, intra_grads_planes) that read q, k and d_o as
 // their raw bfloat16 rows; so do wy_grads' K K^T and the output's and local_grads' Q K^T (one exact
-// product, the norms applied after it). A product through one of the chunk's triangular matrices (Ai,
-// P, dPL) skips its zero triangle (Tri).
+// product, the norms applied after it). Products by a triangular matrix (Ai, P, dPL) skip its stored
+// zeros, and those whose result is kept on one side of the diagonal skip the other side (Tri).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -93,15 +93,17 @@ __device__ __forceinline__ float at(const float* p, int ld, int r, int c) {
 // Ai = (I + A)^-1 is unit lower triangular, P = (Q K^T) * L and dPL lower with their diagonals, each
 // with its other triangle stored as exact zeros, so a product has the same values without the terms
 // they make (where the other operand is finite):
-//   kLowerA: A's (r, k) is zero for r < k < 64 (A = P, dPL): a row tile's k loop stops after its rows;
+//   kLowerA: A's (r, k) is zero for r < k < 64 (A = P, dPL): a row tile's k loop skips from its rows'
+//     end to 64;
 //   kUpperA: A's (r, k) is zero for k < r < 64 (A = Ai^T, P^T, dPL^T): a row tile's starts at its rows;
 //   kUpperB: B's (k, n) is zero for k > n (B = Ai^T): a column group's stops after its columns;
 //   kLowerC: the epilogue keeps C's lower triangle alone (it writes a constant above the diagonal): a
 //     tile wholly above it hands the epilogue zeros and multiplies nothing.
-// With any of them the warps take their tiles back and forth (a warp's second counted from the end),
-// so that a triangle's long and short row tiles pair up; with kLowerC alone a row tile's column
+// With any of them the warps take their tiles back and forth (in odd rounds counted from the round's
+// end), so that a triangle's long and short row tiles pair up; with kLowerC alone a row tile's column
 // groups are rotated by its row, so that each of the four schedulers (warp % 4) has a share of the
-// tiles below the diagonal (the block's warps one tile each: 3, 2, 3, 2 of a 4 x 4's 10, not 4, 3, 2, 1).
+// tiles below the diagonal (16 warps of one tile each: 3, 2, 3, 2 of a 4 x 4's 10, not 4, 3, 2, 1;
+// dM's kUpperB | kLowerC is balanced without it).
 namespace Tri {
 enum : int { kNone = 0, kLowerA = 1, kUpperA = 2, kUpperB = 4, kLowerC = 8 };
 }
@@ -129,9 +131,10 @@ __device__ __forceinline__ int next_tile(int tile, int warp, int warps) {
 }
 
 // C = A B over the block (of Threads), A [M, K] and B [K, N] in shared memory: each warp takes tiles of
-// 16 x 8 NT of C in turn and hands every element of C to epi(row, col, value), once. Reads A's rows
-// up to round16(M) and both operands' K up to a multiple of 8, B's columns up to a multiple of 8:
-// callers keep those paddings zero. kTri: the zero triangles it skips (Tri).
+// 16 x 8 NT of C (in turn, or as kTri deals them) and hands every element of C to epi(row, col,
+// value), once. Reads A's rows up to round16(M) and both operands' K up to a multiple of 8, B's
+// columns up to a multiple of 8: callers keep those paddings zero. kTri: the zero triangles it skips
+// (Tri).
 template <int NT, bool kTA, bool kTB, Mode kMode, int kTri = Tri::kNone, int Threads = kThreads, typename Epi>
 __device__ __forceinline__ void block_gemm(const float* A, int lda, const float* B, int ldb, int M, int N, int K,
                                            Epi&& epi) {
@@ -602,14 +605,15 @@ __device__ __forceinline__ void mma_bf16x3(float (&acc)[4], float (&cross)[4], c
 constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
 constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 bytes apart in the banks
 
+constexpr int kNever = 1 << 30;  // plane_gemm's kOnceFrom, kOnceFromRow: no product rounded once
+
 // C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
 // [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
-// takes 16 x 8 NT tiles of C in turn (NT even) and hands every element of C to epi(row, col, value)
+// takes 16 x 8 NT tiles of C (as block_gemm deals them; NT even) and hands every element of C to epi(row, col, value)
 // once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
 // zero, not read), two products for three; kAExact likewise for A; both, one product. From k = kOnceFrom
 // on, and in C's rows from kOnceFromRow on (multiples of 16), both operands are taken rounded to
 // bfloat16 (their hi planes): one product. kTri: the zero triangles it skips (Tri).
-constexpr int kNever = 1 << 30;  // plane_gemm's kOnceFrom, kOnceFromRow: no product rounded once
 template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, int kOnceFrom = kNever,
           int kOnceFromRow = kNever, int kTri = Tri::kNone, typename Epi>
 __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
