@@ -224,6 +224,10 @@ MUTATIONS = (
     Mutation("delta_rule_qp_raw_rk_by_row", "[P | E Q]'s Q K^T from the raw rows (output and local_grads): k's norm "
              "taken from the row (of i) instead of the column (of j)", "cc/ops/gated_delta_rule.cu",
              "p.scale * rn[kRows + c]", "p.scale * rn[kRows + r]", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_wy_dk_rk_by_row", "wy_grads on planes: k's gradient through K K^T with (C + C^T) "
+             "scaled by the row's key norm (r_k of i) instead of the column's (of j)", "cc/ops/gated_delta_rule.cu",
+             "pack2<__nv_bfloat16>(ai[0] * m.rk[c], ai[1] * m.rk[c + 1]);",
+             "pack2<__nv_bfloat16>(ai[0] * m.rk[r], ai[1] * m.rk[r]);", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_triangle_skips_diagonal", "the products through a zero triangle (Ai^T, P^T, dPL^T) skip the "
              "k-steps of a row tile's diagonal block too (kUpperA: k below m0 + 16 taken for zero)",
              "cc/ops/gated_delta_rule.cu",
