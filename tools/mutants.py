@@ -226,8 +226,8 @@ MUTATIONS = (
              "p.scale * rn[kRows + c]", "p.scale * rn[kRows + r]", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_h_rows", "the output's h (rounded to bf16) loaded over v_new's rows (offset 0, "
              "not 64)",
-             "cc/ops/gated_delta_rule.cu", "load_split<kCols>(x + kRows * kPlanePitch, p.h + head",
-             "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),
+             "cc/ops/gated_delta_rule.cu", "copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, h_rows,",
+             "copy_rows<kCols>(x, kPlanePitch, h_rows,", DELTA_RULE_CUDA, cuda=True),
 )
 
 

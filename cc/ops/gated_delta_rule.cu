@@ -173,7 +173,7 @@ struct Info {
 };
 
 // What every kernel reads: the inputs, the sizes, and the chunk-layout tensors ([chunks, Hv, 64 or
-// Dk, Dv or Dk], float32) that pass between the kernels.
+// Dk, Dv or Dk], float32; h and d_state bfloat16 for the plane kernels) that pass between the kernels.
 struct Args {
   const void *q, *k, *v, *d_o;
   const double* g;
@@ -908,7 +908,8 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 // K~ as prepare rounded them; rows 16-byte aligned, 16 bytes apart in the banks: ldmatrix without
 // conflicts), base and add as before; S and x rounded once to bfloat16 for the products ([pk, 40] and
 // [64, 40]), one bf16 product each (fla's precision). The state itself stays in float32, in the
-// registers of the warps whose second-product tiles hold it, and so do x and the state written out.
+// registers of the warps whose second-product tiles hold it, and so does x written out; the state
+// written out (h, or the backward's d_state) is rounded to bfloat16, as its readers take it.
 constexpr int kPlanePitch = kCols + 8;
 struct PlanesSmem {
   __nv_bfloat16 *a, *b, *S, *X;
@@ -1118,8 +1119,8 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 }
 
 // output_kernel with its products on planes (kPlanes): [P | E Q] split in place once built (at a
-// pitch of 200: ldmatrix rows 16-byte aligned), each column block of v_new split and of h rounded to
-// bfloat16 as it loads (P v_new on planes, E Q h one bf16 product).
+// pitch of 200: ldmatrix rows 16-byte aligned), each column block of v_new split and of h (bfloat16
+// as the recurrence stored it) copied as it loads (P v_new on planes, E Q h one bf16 product).
 struct OutputPlanesSmem {
   Info* info;
   float *QP, *X, *rn;  // QP [64, 200]; X: q's and k's raw rows [2][64, kPlaneRow] bfloat16, then
@@ -1152,8 +1153,8 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   auto* o = static_cast<__nv_bfloat16*>(p.o);
   for (int c0 = 0; c0 < d.dv; c0 += kCols) {
     load_split<kCols>(x, p.v_new + head * kRows * d.dv + c0, nullptr, nullptr, kRows, kLo, kPlanePitch, d.dv);
-    copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, static_cast<const __nv_bfloat16*>(p.h) + head * d.dk * d.dv + c0,
-                     d.dv, d.dk);
+    const auto* h_rows = static_cast<const __nv_bfloat16*>(p.h) + head * d.dk * d.dv + c0;
+    copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, h_rows, d.dv, d.dk);
     wait_copies();
     __syncthreads();
     // P v_new on planes, E Q h on bfloat16 operands (k from 64 on: the site q S, one product)
