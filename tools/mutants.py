@@ -191,8 +191,9 @@ MUTATIONS = (
     Mutation("delta_rule_planes_chunk_decay_one_percent_off", "backward only: the bf16 kernels' chunk decay "
              "gradient (state_grads' dot of h and d_state) 1% large: g's gradient some 0.6% off, inside judge's bf16 "
              "bound, caught along its path by judge_path", "cc/ops/gated_delta_rule.cu",
-             "every tile is in)\n  if (threadIdx.x == 0) p.dgamma[head] = dot;",
-             "every tile is in)\n  if (threadIdx.x == 0) p.dgamma[head] = 1.01f * dot;", DELTA_RULE_CUDA, cuda=True),
+             "  dot = block_sum(dot, m.scratch);\n  if (threadIdx.x == 0) p.dgamma[head] = dot;",
+             "  dot = block_sum(dot, m.scratch);\n  if (threadIdx.x == 0) p.dgamma[head] = 1.01f * dot;",
+             DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_beta_gradient_through_a", "backward only: beta's gradient through A = beta (K K^T * L) "
              "dropped (beta's alone wrong)", "cc/ops/gated_delta_rule.cu",
              "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;", "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk;",
@@ -235,8 +236,8 @@ MUTATIONS = (
              "((kTri & Tri::kUpperA) && k1 <= m0 + 16 && m0 < kRows)", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_h_rows", "the output's h (rounded to bf16) loaded over v_new's rows (offset 0, "
              "not 64)",
-             "cc/ops/gated_delta_rule.cu", "load_split<kCols>(x + kRows * kPlanePitch, p.h + head",
-             "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),
+             "cc/ops/gated_delta_rule.cu", "copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, h_rows,",
+             "copy_rows<kCols>(x, kPlanePitch, h_rows,", DELTA_RULE_CUDA, cuda=True),
 )
 
 

@@ -219,7 +219,7 @@ struct Info {
 };
 
 // What every kernel reads: the inputs, the sizes, and the chunk-layout tensors ([chunks, Hv, 64 or
-// Dk, Dv or Dk], float32) that pass between the kernels.
+// Dk, Dv or Dk], float32; h and d_state bfloat16 for the plane kernels) that pass between the kernels.
 struct Args {
   const void *q, *k, *v, *d_o;
   const double* g;
@@ -229,10 +229,12 @@ struct Args {
   int hk, hv, dk, dv;
   float scale;  // Dk^-0.5
   float *u, *w, *k_tilde, *gamma;            // prepare
-  const float *h, *v_new;                    // the forward's states and corrected values
+  const void* h;                             // the forward's states (float32; bfloat16 for kPlanes)
+  const float* v_new;                        // and corrected values
   void* o;                                   // output
   float *dv_local, *dh_local;                // local_grads
-  const float *d_state, *dv_new;             // the reverse recurrence's
+  const void* d_state;                       // the reverse recurrence's (as h)
+  const float* dv_new;
   float *dq_state, *dw, *dk_tilde, *dgamma;  // state_grads
   float *dq, *dk_part;                       // intra_grads (dq per value head, token layout)
   double* dg_part;
@@ -740,6 +742,18 @@ __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, 
   }
 }
 
+// rows x kWidth bfloat16 values at src (row stride `stride`) into dst (pitch ld), 16 bytes a copy
+// (cp.async: complete after wait_copies()); rows 16-byte aligned at both ends.
+template <int kWidth>
+__device__ __forceinline__ void copy_rows(__nv_bfloat16* dst, int ld, const __nv_bfloat16* src, int64_t stride,
+                                          int rows) {
+  constexpr int kPieces = kWidth / 8;
+  for (int idx = threadIdx.x; idx < rows * kPieces; idx += kThreads) {
+    const int r = idx / kPieces, c = idx % kPieces * 8;
+    copy16(dst + r * ld + c, src + r * stride + c);
+  }
+}
+
 // rnorm[i] = rsqrt(|x_i|^2 + 1e-6) of the 64 rows of 128 bfloat16 values at x (pitch ld), a warp a
 // row at a time: the sums in load_normalised's order, so the same values.
 __device__ __forceinline__ void row_rnorms(float* rnorm, const __nv_bfloat16* x, int ld) {
@@ -845,7 +859,8 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 // chunk's tiles (a, b, base, add) loading (cp.async) while this one computes.
 struct RecurrenceArgs {
   const float *base, *a, *b, *add, *decay;
-  float *state_out, *x_out;
+  void* state_out;  // float32; bfloat16 for recurrence_planes_kernel
+  float* x_out;
   const int64_t *chunks_of, *offset;
   float sign_a, sign_b;
   int heads, dk, dv;
@@ -920,7 +935,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
   // The state and x go out four floats a store after their products, from shared memory, and the
   // first product's epilogue only writes shared memory (the step's critical path: over_chunks).
   over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
-    store_block(p.state_out + head * d.dk * d.dv + col0, d.dv, m.S, kColPitch, d.dk, ncols);
+    store_block(static_cast<float*>(p.state_out) + head * d.dk * d.dv + col0, d.dv, m.S, kColPitch, d.dk, ncols);
     const float *a = m.a + stage * kRows * m.lda, *b = m.b + stage * kRows * m.ldb;
     const float *base = m.base + stage * kRows * kCols, *add = m.add + stage * d.pk * kCols;
     block_gemm<1, false, false, kMode>(a, m.lda, m.S, kColPitch, kRows, ncols, d.dk, [&](int r, int c, float v) {
@@ -941,7 +956,8 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 // K~ as prepare rounded them; rows 16-byte aligned, 16 bytes apart in the banks: ldmatrix without
 // conflicts), base and add as before; S and x rounded once to bfloat16 for the products ([pk, 40] and
 // [64, 40]), one bf16 product each (fla's precision). The state itself stays in float32, in the
-// registers of the warps whose second-product tiles hold it, and so do x and the state written out.
+// registers of the warps whose second-product tiles hold it, and so does x written out; the state
+// written out (h, or the backward's d_state) is rounded to bfloat16, as its readers take it.
 constexpr int kPlanePitch = kCols + 8;
 struct PlanesSmem {
   __nv_bfloat16 *a, *b, *S, *X;
@@ -992,13 +1008,15 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   };
   // (over_chunks' barrier also makes the last step's bfloat16 S visible.)
   over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
-    float* h_out = p.state_out + head * d.dk * d.dv + col0;
+    // The state out rounded to bfloat16 as the products take it (and dgamma's dot reads it).
+    __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(p.state_out) + head * d.dk * d.dv + col0;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = s0 + g + 8 * half, c = sc + 8 * j + 2 * t;
-        *reinterpret_cast<float2*>(h_out + r * d.dv + c) = make_float2(state[j][2 * half], state[j][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(h_out + r * d.dv + c) =
+            pack2<__nv_bfloat16>(state[j][2 * half], state[j][2 * half + 1]);
       }
     }
     // x = base + sign_a a S: A = a [64, pk] (ldmatrix), B = S [pk, 32] (ldmatrix.trans).
@@ -1136,7 +1154,8 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
   for (int c0 = 0; c0 < d.dv; c0 += kCols) {
     const int n = min(kCols, d.dv - c0);
     load_block(m.X, kColPitch, p.v_new + head * kRows * d.dv + c0, d.dv, kRows, n, kRows, kCols);
-    load_block(m.X + kRows * kColPitch, kColPitch, p.h + head * d.dk * d.dv + c0, d.dv, d.dk, n, d.pk, kCols);
+    load_block(m.X + kRows * kColPitch, kColPitch, static_cast<const float*>(p.h) + head * d.dk * d.dv + c0, d.dv,
+               d.dk, n, d.pk, kCols);
     wait_copies();
     __syncthreads();
     block_gemm<1, false, false, kMode, Tri::kLowerA>(m.QP, m.ldqp, m.X, kColPitch, kRows, n, kRows + d.pk,
@@ -1150,8 +1169,8 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 }
 
 // output_kernel with its products on planes (kPlanes): [P | E Q] split in place once built (at a
-// pitch of 200: ldmatrix rows 16-byte aligned), each column block of v_new split and of h rounded to
-// bfloat16 as it loads (P v_new on planes, E Q h one bf16 product).
+// pitch of 200: ldmatrix rows 16-byte aligned), each column block of v_new split and of h (bfloat16
+// as the recurrence stored it) copied as it loads (P v_new on planes, E Q h one bf16 product).
 struct OutputPlanesSmem {
   Info* info;
   float *QP, *X, *rn;  // QP [64, 200]; X: q's and k's raw rows [2][64, kPlaneRow] bfloat16, then
@@ -1184,8 +1203,9 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   auto* o = static_cast<__nv_bfloat16*>(p.o);
   for (int c0 = 0; c0 < d.dv; c0 += kCols) {
     load_split<kCols>(x, p.v_new + head * kRows * d.dv + c0, nullptr, nullptr, kRows, kLo, kPlanePitch, d.dv);
-    load_split<kCols>(x + kRows * kPlanePitch, p.h + head * d.dk * d.dv + c0, nullptr, nullptr, d.dk, -1, kPlanePitch,
-                      d.dv);
+    const auto* h_rows = static_cast<const __nv_bfloat16*>(p.h) + head * d.dk * d.dv + c0;
+    copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, h_rows, d.dv, d.dk);
+    wait_copies();
     __syncthreads();
     // P v_new on planes, E Q h on bfloat16 operands (k from 64 on: the site q S, one product)
     plane_gemm<2, false, false, false, false, kRows>(qp, m.ldqp, kRows * m.ldqp, x, kPlanePitch, kLo, kRows, kCols,
@@ -1290,8 +1310,8 @@ __global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
   const int64_t head = b.head;
   const int h = b.h;
   load_block(m.Y + kRows * m.ld, m.ld, p.dv_new + head * kRows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
-  load_block(m.H, m.ld, p.h + head * d.dk * d.dv, d.dv, d.dk, d.dv, d.pk, d.pv);
-  load_block(m.D, m.ld, p.d_state + head * d.dk * d.dv, d.dv, d.dk, d.dv, d.pk, d.pv);
+  load_block(m.H, m.ld, static_cast<const float*>(p.h) + head * d.dk * d.dv, d.dv, d.dk, d.dv, d.pk, d.pv);
+  load_block(m.D, m.ld, static_cast<const float*>(p.d_state) + head * d.dk * d.dv, d.dv, d.dk, d.dv, d.pk, d.pv);
   load_rows(m.Y, m.ld, static_cast<const T*>(p.d_o), p.hv, h, d.dv, d.pv, nullptr, s, p.T);
   wait_copies();
   __syncthreads();
@@ -1342,9 +1362,18 @@ __global__ void __launch_bounds__(kThreads, 2) state_grads_planes_kernel(Args p)
   const int64_t head = b.head;
   load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
   load_split(m.Y + kRows * kPlaneRow, p.dv_new + head * kRows * d.dv, nullptr, nullptr, kRows, -1);
-  float dot = load_split(m.H, p.h + head * d.dk * d.dv, m.D, p.d_state + head * d.dk * d.dv, d.dk, -1);
+  copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + head * d.dk * d.dv, d.dv, d.dk);
+  copy_rows<128>(m.D, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + head * d.dk * d.dv, d.dv, d.dk);
   wait_copies();
-  dot = block_sum(dot, m.scratch);  // (synchronises: every tile is in)
+  __syncthreads();
+  float dot = 0.0f;  // dgamma = <h, d_state>, of their bfloat16 values in float32
+  for (int idx = threadIdx.x; idx < d.dk * d.dv / 2; idx += kThreads) {
+    const int at = idx / (d.dv / 2) * kPlaneRow + idx % (d.dv / 2) * 2;
+    const float2 x = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(m.H + at));
+    const float2 y = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(m.D + at));
+    dot += x.x * y.x + x.y * y.y;
+  }
+  dot = block_sum(dot, m.scratch);
   if (threadIdx.x == 0) p.dgamma[head] = dot;
   const auto first = [&](int r, int c, float v) {
     if (r < kRows) p.dq_state[(head * kRows + r) * d.dk + c] = s.E[r] * v;
@@ -1870,7 +1899,7 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d) {
   TORCH_CHECK(plan.documents < 65536, "v4_gated_delta_rule: more than 65,535 documents in one call");
   RecurrenceArgs a{r.base.data_ptr<float>(), r.a.data_ptr<float>(), r.b.data_ptr<float>(),
                    r.add.defined() ? r.add.data_ptr<float>() : nullptr, r.decay.data_ptr<float>(),
-                   r.state_out.data_ptr<float>(), r.x_out.data_ptr<float>(), plan.chunks_of.data_ptr<int64_t>(),
+                   r.state_out.data_ptr(), r.x_out.data_ptr<float>(), plan.chunks_of.data_ptr<int64_t>(),
                    plan.offset_device.data_ptr<int64_t>(), static_cast<float>(r.sign_a), static_cast<float>(r.sign_b),
                    static_cast<int>(r.base.size(1)), d.dk, d.dv, r.reverse};
   const dim3 grid((d.dv + kCols - 1) / kCols, r.base.size(1), plan.documents);
@@ -1886,6 +1915,8 @@ void fused(Fused& f, bool backward) {
   const int hk = f.q.size(1), hv = f.v.size(1);
   const Dims d(f.q.size(2), f.v.size(2));
   const auto f32 = f.q.options().dtype(at::kFloat);
+  // The states across chunks (h, d_state): bfloat16 for the plane kernels, which take them rounded.
+  const auto states = kPlanes<kMode, DimsT> ? f.q.options().dtype(at::kBFloat16) : f32;
   const auto rows = [&](int64_t width) { return at::empty({chunks, hv, kRows, width}, f32); };
   Args a{};
   a.q = f.q.data_ptr();
@@ -1919,20 +1950,20 @@ void fused(Fused& f, bool backward) {
   }
   if (!backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
-    r.state_out = at::empty({chunks, hv, d.dk, d.dv}, f32);
+    r.state_out = at::empty({chunks, hv, d.dk, d.dv}, states);
     r.x_out = rows(d.dv);
     recurrence<kMode, DimsT>(r, f.plan, d);
     f.h = r.state_out;
     f.v_new = r.x_out;
     f.o = at::empty_like(f.v);
-    a.h = f.h.data_ptr<float>();
+    a.h = f.h.data_ptr();
     a.v_new = f.v_new.data_ptr<float>();
     a.o = f.o.data_ptr();
     if constexpr (kPlanes<kMode, DimsT>) launch<OutputPlanesSmem>(output_planes_kernel<DimsT>, grid, d, a);
     else launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
     return;
   }
-  a.h = f.h.data_ptr<float>();
+  a.h = f.h.data_ptr();
   a.v_new = f.v_new.data_ptr<float>();
   a.d_o = f.d_o.data_ptr();
   Recurrence r{rows(d.dv), k_tilde, w, at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0, true};
@@ -1941,12 +1972,12 @@ void fused(Fused& f, bool backward) {
   if constexpr (kPlanes<kMode, DimsT>) launch<LocalSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
   else launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
   prepare_stream.join();
-  r.state_out = at::empty_like(r.add);
+  r.state_out = at::empty_like(r.add, states);
   r.x_out = rows(d.dv);
   recurrence<kMode, DimsT>(r, f.plan, d);
   r.base.reset();
   r.add.reset();
-  a.d_state = r.state_out.data_ptr<float>();
+  a.d_state = r.state_out.data_ptr();
   a.dv_new = r.x_out.data_ptr<float>();
   at::Tensor dq_state = rows(d.dk), dk_tilde = rows(d.dk), dgamma = at::empty({chunks, hv}, f32);
   a.dq_state = dq_state.data_ptr<float>();
