@@ -218,9 +218,9 @@ MUTATIONS = (
     Mutation("delta_rule_intra_planes_rk_by_row", "intra_grads on planes: dPL's planes for q's gradient scaled by "
              "the row's key norm (r_k of i) instead of the column's (of j)", "cc/ops/gated_delta_rule.cu",
              "x0 * m.rk[c], x1 * m.rk[c + 1]);", "x0 * m.rk[r], x1 * m.rk[r]);", DELTA_RULE_CUDA, cuda=True),
-    Mutation("delta_rule_wy_raw_rk_by_row", "wy_grads on planes: K K^T from k's raw rows with both norms taken "
-             "from the row (r_k of i, twice)", "cc/ops/gated_delta_rule.cu",
-             "gram(r, c, val * m.rk[r] * m.rk[c]);", "gram(r, c, val * m.rk[r] * m.rk[r]);", DELTA_RULE_CUDA,
+    Mutation("delta_rule_wy_prepared_ai_transposed", "backward only: prepare's recomputation hands wy_grads Ai^T "
+             "for Ai (each column written as a row)", "cc/ops/gated_delta_rule.cu",
+             "p.ai[(base + i) * kRows + tid] = e[i];", "p.ai[(base + tid) * kRows + i] = e[i];", DELTA_RULE_CUDA,
              cuda=True),
     Mutation("delta_rule_qp_raw_rk_by_row", "[P | E Q]'s Q K^T from the raw rows (output and local_grads): k's norm "
              "taken from the row (of i) instead of the column (of j)", "cc/ops/gated_delta_rule.cu",

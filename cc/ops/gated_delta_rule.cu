@@ -229,6 +229,7 @@ struct Args {
   int hk, hv, dk, dv;
   float scale;  // Dk^-0.5
   float *u, *w, *k_tilde, *gamma;            // prepare
+  float *ai, *kkl;                           // and in the backward, Ai and L * K K^T for wy_grads
   const void* h;                             // the forward's states (float32; bfloat16 for kPlanes)
   const float* v_new;                        // and corrected values
   void* o;                                   // output
@@ -342,12 +343,6 @@ __device__ __forceinline__ void copy16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::); }
-// Every copy but the last group's (those issued since the last commit_copies()): the tiles a product
-// needs first in, while later ones still load.
-__device__ __forceinline__ void wait_copies_but_last() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 1;\n" ::);
-}
-
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // dst [prows, pcols] (pitch ld) = src [rows, cols] (float32, row stride `stride`), zero outside it:
@@ -507,55 +502,6 @@ __device__ __forceinline__ void forward_substitution(float (&x)[kRows], const fl
 #pragma unroll
     for (int j = i / 4 * 4; j < i; ++j) acc[j % 4] = fmaf(-A[i * ld + j], x[j], acc[j % 4]);
     x[i] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  }
-}
-
-// Ai = (I + A)^-1 for a strictly lower triangular A [64, 64] (pitch kPitch64) in shared memory, by
-// blocks (as fla's solve_tril): the four 16 x 16 diagonal blocks by forward substitution, a thread a
-// column; then twice, for pairs of diagonal blocks of size s = 16, 32, the block below them,
-// [[L0, 0], [C, L1]]^-1 = [[L0^-1, 0], [-L1^-1 C L0^-1, L1^-1]]. A's upper triangle is scratch (it
-// holds C L0^-1); its lower triangle stays. Every thread calls it; it synchronises before and after.
-// (The first version, a column's 64-step substitution a thread, one of them from local memory:
-// wy_grads 2.87 ms at 8,192 tokens against 1.85 with this.)
-__device__ void invert_unit_lower(float* Ai, float* A) {
-  constexpr int ld = kPitch64, kDiag = 16;
-  const int tid = threadIdx.x;
-  __syncthreads();
-  if (tid < kRows) {
-    const int b = tid / kDiag * kDiag, c = tid % kDiag;
-    float x[kDiag];
-#pragma unroll
-    for (int r = 0; r < kDiag; ++r) {
-      float acc = r == c ? 1.0f : 0.0f;
-#pragma unroll
-      for (int j = 0; j < r; ++j) acc = fmaf(-A[(b + r) * ld + b + j], x[j], acc);
-      x[r] = acc;
-    }
-#pragma unroll
-    for (int r = 0; r < kDiag; ++r) Ai[(b + r) * ld + b + c] = x[r];
-  }
-  for (int e = tid; e < kRows * kRows; e += kThreads) {  // zero above the diagonal blocks
-    const int r = e / kRows, c = e % kRows;
-    if (c / kDiag > r / kDiag) Ai[r * ld + c] = 0.0f;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int s = kDiag; s < kRows; s *= 2) {
-    const int n = kRows / 2 * s;  // the elements of the blocks below pairs: (64 / 2s) pairs of s x s
-    for (int e = tid; e < n; e += kThreads) {  // A[lo + i][hi + j] = (C L0^-1)_ij
-      const int lo = e / (s * s) * 2 * s, hi = lo + s, i = e / s % s, j = e % s;
-      float acc = 0.0f;
-      for (int k = 0; k < s; ++k) acc = fmaf(A[(hi + i) * ld + lo + k], Ai[(lo + k) * ld + lo + j], acc);
-      A[(lo + i) * ld + hi + j] = acc;
-    }
-    __syncthreads();
-    for (int e = tid; e < n; e += kThreads) {  // Ai[hi + i][lo + j] = -(L1^-1 C L0^-1)_ij
-      const int lo = e / (s * s) * 2 * s, hi = lo + s, i = e / s % s, j = e % s;
-      float acc = 0.0f;
-      for (int k = 0; k < s; ++k) acc = fmaf(Ai[(hi + i) * ld + hi + k], A[(lo + k) * ld + hi + j], acc);
-      Ai[(hi + i) * ld + lo + j] = -acc;
-    }
-    __syncthreads();
   }
 }
 
@@ -804,7 +750,7 @@ struct PrepareSmem {
 };
 
 // U, W (= (I + A)^-1 [beta V | beta E K]), Kt = exp(G_63 - G) K and gamma for one chunk and head
-// (U not when p.u is null: the backward's recomputation).
+// (U not when p.u is null: the backward's recomputation, which writes Ai and L * K K^T for wy_grads).
 template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -827,7 +773,11 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
   block_gemm<2, false, true, kMode, Tri::kLowerC, kPrepareThreads>(
       K, m.ldr, K, m.ldr, kRows, kRows, d.dk,
-      [&](int r, int c, float v) { m.A[r * kPitch64 + c] = c < r ? s.beta[r] * (v * decay(s, r, c)) : 0.0f; });
+      [&](int r, int c, float v) {
+        const float kkl = c < r ? v * decay(s, r, c) : 0.0f;
+        m.A[r * kPitch64 + c] = s.beta[r] * kkl;
+        if (p.kkl != nullptr) p.kkl[(base + r) * kRows + c] = kkl;
+      });
   __syncthreads();
   load_rows<T, kPrepareThreads>(m.R, m.ldr, static_cast<const T*>(p.v), p.hv, h, d.dv, d.pv, s.beta, s, p.T);
   for (int idx = tid; idx < kRows * d.pk; idx += kPrepareThreads) {
@@ -835,6 +785,16 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
     K[i * m.ldr + c] *= s.beta[i] * s.E[i];
   }
   __syncthreads();
+  // The backward's recomputation: Ai = (I + A)^-1 for wy_grads, a column a thread by the same forward
+  // substitution (threads that the value columns leave idle there, where dv >= 64).
+  if (p.ai != nullptr && tid < kRows) {
+    float e[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) e[i] = i == tid ? 1.0f : 0.0f;
+    forward_substitution(e, m.A, kPitch64);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) p.ai[(base + i) * kRows + tid] = e[i];
+  }
   // One column of X a thread: forward substitution in registers, written out row by row.
   const bool value = tid < d.dv;
   if (tid >= d.dv + d.dk || (value && p.u == nullptr)) return;
@@ -1660,10 +1620,11 @@ struct WySmem {
 };
 
 // The UT transform's backward, with Ai = (I + A)^-1 and the forward's X = Ai R: dR = Ai^T [dv_new |
-// dw]; dM = -dR X^T = -Ai^T ([dv_new | dw] R^T) Ai^T (strictly lower), so X is never formed; then
+// dw]; dM = -dR X^T = -Ai^T ([dv_new | dw] R^T) Ai^T (strictly lower), so X is never formed (Ai and
+// L * K K^T from prepare's recomputation, which has the threads idle for them); then
 // v's, beta's, k's (with k_part, through the norm) and g's gradients (with dg_part, summed from each
 // slot to the chunk's end). R holds [dv_new | dw], then Ai^T Y, then [V | k_part], then [V | k's
-// gradient]; X holds R = [beta V | beta E K], then dR. A holds A, then Y, then dM.
+// gradient]; X holds R = [beta V | beta E K], then dR. A holds Y, then dM.
 template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1675,38 +1636,20 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* v = static_cast<const T*>(p.v);
   T* dv = static_cast<T*>(p.dv_out);
-  // kPlanes: k's raw rows in Ai's bytes until the inverse writes it, for K K^T = diag(r_k) (k k^T)
-  // diag(r_k) as one exact product (as build_qp_planes' Q K^T), loaded first.
-  auto* k_rows = reinterpret_cast<__nv_bfloat16*>(m.Ai);
-  if constexpr (kPlanes<kMode, DimsT>) {
-    static_assert(2 * kPitch64 == kPlaneRow && DimsT::dk == 128, "k's raw rows (of 128) take Ai's bytes");
-    load_rows_split(k_rows, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
-    commit_copies();
-  }
+  // Ai and L * K K^T as prepare's recomputation wrote them.
+  load_block(m.Ai, kPitch64, p.ai + rows * kRows, kRows, kRows, kRows, kRows, kRows);
+  load_block(m.KKL, kPitch64, p.kkl + rows * kRows, kRows, kRows, kRows, kRows, kRows);
   load_block(m.R, m.ldx, p.dv_new + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
   load_block(m.R + d.pv, m.ldx, p.dw + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   load_normalised(m.K, m.ldk, m.rk, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
   load_rows(m.X, m.ldx, v, p.hv, h, d.dv, d.pv, s.beta, s, p.T);
-  if constexpr (kPlanes<kMode, DimsT>) wait_copies_but_last();
   __syncthreads();
-  const auto gram = [&](int r, int c, float val) {
-    const float kkl = c < r ? val * decay(s, r, c) : 0.0f;
-    m.KKL[r * kPitch64 + c] = kkl;
-    m.A[r * kPitch64 + c] = s.beta[r] * kkl;
-  };
-  if constexpr (kPlanes<kMode, DimsT>) {
-    plane_gemm<2, false, true, true, true, kNever, kNever, Tri::kLowerC>(
-        k_rows, kPlaneRow, 0, k_rows, kPlaneRow, 0, kRows, kRows, DimsT::dk,
-        [&](int r, int c, float val) { gram(r, c, val * m.rk[r] * m.rk[c]); });
-  } else {
-    block_gemm<2, false, true, kMode, Tri::kLowerC>(m.K, m.ldk, m.K, m.ldk, kRows, kRows, d.dk, gram);
-  }
   for (int idx = tid; idx < kRows * d.pk; idx += kThreads) {
     const int i = idx / d.pk, c = idx % d.pk;
     m.X[i * m.ldx + d.pv + c] = s.beta[i] * s.E[i] * m.K[i * m.ldk + c];
   }
   wait_copies();
-  invert_unit_lower(m.Ai, m.A);
+  __syncthreads();
   // Y = [dv_new | dw] R^T into A.
   block_gemm<2, false, true, kMode>(m.R, m.ldx, m.X, m.ldx, kRows, kRows, d.pv + d.pk, [&](int r, int c, float val) {
     m.A[r * kPitch64 + c] = val;
@@ -1939,6 +1882,10 @@ void fused(Fused& f, bool backward) {
   a.w = w.data_ptr<float>();
   a.k_tilde = k_tilde.data_ptr<float>();
   a.gamma = gamma.data_ptr<float>();
+  // The backward's Ai and L * K K^T, from prepare to wy_grads (as many bytes as W at Qwen3.5's widths).
+  at::Tensor ai = backward ? rows(kRows) : at::Tensor(), kkl = backward ? rows(kRows) : at::Tensor();
+  a.ai = backward ? ai.data_ptr<float>() : nullptr;
+  a.kkl = backward ? kkl.data_ptr<float>() : nullptr;
   // In the backward pass prepare's recomputation and local_grads need nothing of each other: prepare
   // runs on a side stream beside local_grads, so that their blocks share the multiprocessors (each
   // kernel alone waits on latency at one or two blocks a multiprocessor). The main stream waits for

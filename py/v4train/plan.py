@@ -747,7 +747,8 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     # throughout. It peaks in the reverse recurrence (dv_local, dh_local, d_state, dv_new) or at
     # its end: wy_grads' inputs and outputs, then the key heads' sums of dq and dk (sum, then cast).
     incoming = Term("the rule's output gradient [T, value heads, dv], and z's waiting", 2 * T * nv * dv * b)
-    wk = Term("delta rule backward: W (then dW), K~ [.., dk] and the chunks' decays (fp32)", 2 * rows(dk) + gamma)
+    wk = Term("delta rule backward: W (then dW), K~ [.., dk], prepare's Ai and L * K K^T for wy_grads [.., 64] and "
+              "the chunks' decays (fp32)", 2 * rows(dk) + 2 * rows(GDR_CHUNK) + gamma)
     cast = b if b < FP32 else 0  # .to() of an fp32 sum to fp32 is the sum itself
     backward = [
         Moment("delta rule's reverse recurrence", tuple(held + [incoming, wk, Term(
