@@ -1706,7 +1706,8 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   // bf16 product (that site's backward, which the CPU judge allows in plain bf16).
   auto* k_again = reinterpret_cast<__nv_bfloat16*>(m.A);
   if constexpr (kPlanes<kMode, DimsT>) {
-    load_rows_split(k_again, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);  // (rows of 128)
+    static_assert(2 * kPitch64 == kPlaneRow && DimsT::dk == 128, "k's raw rows (of 128) take A's bytes");
+    load_rows_split(k_again, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
   }
   if (const double z = antisymmetric_row_sum(m.KKL); tid % kRowThreads == 0) {
     m.dG[tid / kRowThreads] += z + p.dg_part[rows + tid / kRowThreads];
