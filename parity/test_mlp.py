@@ -154,3 +154,44 @@ def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass(device):
     (grad_theirs,) = torch.autograd.grad(theirs, x, torch.ones_like(theirs))
     assert_close(ours, theirs, "output")
     assert_close(grad_ours, grad_theirs, "gradient of x")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_fp8_routed_experts_take_the_grouped_kernel_and_equal_the_dequantised_run():
+    """On CUDA the routed experts' FP8 products run in cc/common/fp8_grouped.cu both ways, the
+    weight dequantised tile by tile inside the GEMM: here with more than 128 rows for an expert (a
+    second row tile, partial), an expert that gets no row, sums over three scale blocks (hidden 384),
+    and outputs one and a half column tiles wide (the down map's forward, the gate_up map's
+    backward). The output and x's gradient equal the run on the weights dequantised on load
+    (cuBLAS's grouped GEMM) at the bf16 tolerance: the same products up to the order of their sums.
+    The profile shows that the kernel ran, both ways, for both maps (a kernel that declined would
+    leave the dequantised path to pass alone)."""
+    gen = torch.Generator().manual_seed(3)
+    E, H, inter, tokens, top_k = 6, 384, 256, 300, 3
+    fp8, dense = _quantised({"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}, gen, "cuda")
+    shared = MlpWeights(**{n: Linear((torch.randn(s, generator=gen) * 0.05).to("cuda", torch.bfloat16)) for n, s in
+                           {"gate_proj": (64, H), "up_proj": (64, H), "down_proj": (H, 64)}.items()})
+    gate = (torch.randn(E, H, generator=gen) * H**-0.5).cuda()  # scores of unit spread: no ties at 1
+    bias = torch.zeros(E, device="cuda")
+    bias[E - 1] = -1e4  # the last expert is never chosen
+    x0 = torch.randn(tokens, H, generator=gen).to("cuda", torch.bfloat16)
+    dout = torch.randn(tokens, H, generator=gen).to("cuda", torch.bfloat16)
+
+    def run(experts):
+        x = x0.clone().requires_grad_()
+        out, routing = OPS["v4_glm5_moe"].cpp()(x, Glm5MoeWeights(gate, bias, ExpertsWeights(**experts), shared),
+                                                 top_k, 1, 1, True, 1.0)
+        (grad,) = torch.autograd.grad(out, x, dout)
+        return out, grad, routing
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ours = run(fp8)
+        torch.cuda.synchronize()
+    launches = [e.name for e in prof.events() if "fp8_grouped_kernel" in e.name]
+    assert sum("<false>" in n for n in launches) == 2 and sum("<true>" in n for n in launches) == 2, launches
+    counts = torch.bincount(ours[2].flatten(), minlength=E)
+    assert counts[E - 1] == 0 and counts.max() > 128, counts
+    theirs = run(dense)
+    assert torch.equal(ours[2], theirs[2])
+    assert_close(ours[0], theirs[0], "output")
+    assert_close(ours[1], theirs[1], "gradient of x")

@@ -39,12 +39,15 @@ class Mutation:
     replace: str
     tests: tuple[str, ...]  # pytest arguments: files and an --op, or node ids
     cuda: bool = False  # a CUDA kernel's bug: built with nvcc, judged on the GPU (--cuda)
+    module: str = ""  # the module to build for a shared kernel file (cc/common/*.cu, in every module)
 
 
 # The GLM-5 sparse attention's device kernels: each alone against its float64 truth, and the layer.
 SPARSE_CUDA = ("parity/test_mla_dsa_attention.py", "-k", "cuda and (alone or widths)")
 # The delta rule's kernels: the op's CUDA cases, Qwen3.5's widths over document and chunk boundaries among them.
 DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--op=v4_gated_delta_rule", "-k", "cuda")
+# The routed experts' FP8 kernel (cc/common/fp8_grouped.cu, in every module; v4_glm5_moe's test).
+FP8_GROUPED_CUDA = ("parity/test_mlp.py", "-k", "grouped_kernel")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -228,6 +231,20 @@ MUTATIONS = (
              "not 64)",
              "cc/ops/gated_delta_rule.cu", "load_split<kCols>(x + kRows * kPlanePitch, p.h + head",
              "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),
+    Mutation("fp8_grouped_scale_rows_halved", "the experts' FP8 kernel takes each weight's scale from the row block "
+             "of half its row (block 0 for rows 0-255)", "cc/common/fp8_grouped.cu",
+             "__ldg(scale + (wr / kScaleBlock) * scale_cols", "__ldg(scale + (wr / kScaleBlock / 2) * scale_cols",
+             FP8_GROUPED_CUDA, cuda=True, module="v4_glm5_moe"),
+    Mutation("fp8_grouped_last_row_dropped", "the experts' FP8 kernel reads each expert's last row of x as zeros",
+             "cc/common/fp8_grouped.cu", "a.x, row < tile.end);", "a.x, row < tile.end - 1);", FP8_GROUPED_CUDA, cuda=True,
+             module="v4_glm5_moe"),
+    Mutation("fp8_grouped_backward_read_k_major", "backward only: the experts' FP8 kernel reads the weight's tile "
+             "K-major where it lies MN-major (W^T's tile for W's)", "cc/common/fp8_grouped.cu",
+             "wgmma::mma<__nv_bfloat16, kBN, 0, 1>(acc", "wgmma::mma<__nv_bfloat16, kBN, 0, 0>(acc", FP8_GROUPED_CUDA,
+             cuda=True, module="v4_glm5_moe"),
+    Mutation("fp8_grouped_last_step_dropped", "the experts' FP8 kernel leaves the last 64 of each sum out",
+             "cc/common/fp8_grouped.cu", "steps = K / kBK;", "steps = K / kBK - 1;", FP8_GROUPED_CUDA, cuda=True,
+             module="v4_glm5_moe"),
 )
 
 
@@ -281,9 +298,10 @@ def built_copy(m: Mutation | None, root: str, modules: str) -> str:
     return root
 
 
-def module_of(path: str) -> str:
-    """The module a kernel source is built into (cc/models/glm5/mla_dsa_attention.cu: v4_mla_dsa_attention)."""
-    return "v4_" + os.path.splitext(os.path.basename(path))[0]
+def module_of(m: Mutation) -> str:
+    """The module built for a mutation of a kernel source: the module the file is built into
+    (cc/models/glm5/mla_dsa_attention.cu: v4_mla_dsa_attention), or m.module for a shared one."""
+    return m.module or "v4_" + os.path.splitext(os.path.basename(m.path))[0]
 
 
 def main() -> int:
@@ -327,7 +345,7 @@ def main() -> int:
 
     if args.cuda:  # each in its own copy, built side by side, judged one at a time on the GPU
         start = time.time()
-        modules = ",".join(sorted({module_of(m.path) for m in chosen}))
+        modules = ",".join(sorted({module_of(m) for m in chosen}))
         with tempfile.TemporaryDirectory(prefix="v4train-mutants-") as tmp, \
                 concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
             copies = [pool.submit(built_copy, m, os.path.join(tmp, str(i)), modules) for i, m in enumerate([None, *chosen])]

@@ -7,17 +7,43 @@
 // kernels' bodies with V4_HAS_WGMMA and launch them on compute capability 9.0 alone.
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define V4_HAS_WGMMA 1
 #endif
 
 namespace v4::wgmma {
+
+// The largest dynamic shared memory a block may ask for on `device`.
+inline int max_smem(int device) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return value;
+}
+
+// Compute capability 9.0, where the wgmma kernels' sm_90a build runs, with `smem` bytes for a block.
+inline bool capable(int device, size_t smem) {
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0 && smem <= size_t(max_smem(device));
+}
+
+// kernel<<<grid, threads, smem, stream>>>(args...), its dynamic shared memory allowed up to smem.
+template <typename... P, typename... A>
+void launch(void (*kernel)(P...), dim3 grid, int threads, size_t smem, cudaStream_t stream, A&&... args) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<grid, threads, smem, stream>>>(std::forward<A>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 // The descriptor of a tile at shared address `addr`, no swizzle.
 __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t k_stride_bytes, uint32_t mn_stride_bytes) {
@@ -48,6 +74,15 @@ __device__ __forceinline__ int sw128_k_step(int kk) {
   return kk / 4 * (Rows * 128) + kk % 4 * 32;
 }
 __device__ __forceinline__ uint32_t saddr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared without passing through registers (cp.async), or 16 zero bytes where
+// !valid; in flight until a wait (or an mbarrier's bar_arrive_copies) says they landed.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 // The first byte of dynamic shared memory `p` on which swizzled tiles may start (kernels ask for
 // 1,024 bytes more than they carve).
 __device__ __forceinline__ unsigned char* sw128_aligned(unsigned char* p) { return p + (1024 - saddr(p) % 1024) % 1024; }

@@ -1,0 +1,294 @@
+// The routed experts' grouped product on FP8 weights (issue 16): each row of x, grouped by
+// expert, times its expert's float8_e4m3fn weight [E, out, in] with 128 x 128 block scales, the
+// weight dequantised tile by tile in shared memory inside the GEMM. Dequantising whole experts
+// first (fp8.cu's pass, a bf16 copy written and read back) was 9.3 ms of the GLM-5 proxy's 200 ms
+// FP8 step, most of it the experts (docs/benchmarks.md). One kernel both ways: y = x W_e^T (the
+// forward) and dx = dy W_e (the backward, the same tile read transposed by the product's
+// descriptor). Warpgroups 0 and 1 multiply (wgmma, bf16 operands, fp32 accumulators; 64 rows
+// each); warpgroup 2 copies x's tiles (cp.async) and turns the weight's bytes into bf16 in a ring
+// of kStages stages, each value float(w) * scale in fp32 rounded once, as fp8.cu does: the
+// products are dequantise-then-grouped-GEMM's up to the order of their sums.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "cc/common/backend.h"
+#include "cc/common/lora.h"
+#include "cc/common/wgmma.cuh"
+
+namespace v4::cuda {
+namespace {
+
+constexpr int kBM = 128;         // rows of x a block: 64 a multiplying warpgroup
+constexpr int kBN = 256;         // output columns a block
+constexpr int kBK = 64;          // the sum's step: one 128-byte swizzled row of bf16
+constexpr int kStages = 4;       // the ring: the copies run up to this many steps ahead
+constexpr int kScaleBlock = 128;  // the checkpoints' scale block: 128 x 128 weights
+constexpr int kThreads = 384;
+constexpr int kXTile = kBM * kBK * 2, kWTile = kBN * kBK * 2, kStageBytes = kXTile + kWTile;
+constexpr int kPieces = kBN * kBK / 16 / 128;  // 16-byte FP8 loads a copying thread a step
+constexpr size_t kSmem = size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + 1024;
+
+struct Args {
+  const __nv_bfloat16* x;  // [rows, K], rows grouped by expert
+  int64_t ldx;
+  const uint8_t* w;        // [E, out, in] row-major
+  const float* scale;      // [E, out / 128, in / 128]
+  const int* offsets;      // [E]: the end of each expert's rows
+  __nv_bfloat16* y;        // [rows, N]
+  int E, out, in;
+};
+
+// The row tiles: each expert's rows in tiles of 128, ceil(rows_e / 128) tiles an expert, counted
+// expert after expert. Every warp finds its tiles itself (32 experts a round, a scan over its lanes).
+struct Tile {
+  int expert, first, end;  // the expert (-1: none) and the tile's rows [first, min(first + 128, end))
+};
+
+// Tile `tile`'s expert and rows; with tile < 0, Tile{-1, the number of tiles, 0}.
+__device__ Tile find_tile(const Args& a, int tile) {
+  const int lane = threadIdx.x % 32;
+  int before = 0;  // the tiles of the rounds before
+  for (int e0 = 0; e0 < a.E; e0 += 32) {
+    const int e = e0 + lane;
+    const int start = e < a.E && e > 0 ? a.offsets[e - 1] : 0, end = e < a.E ? a.offsets[e] : 0;
+    const int tiles = e < a.E ? (end - start + kBM - 1) / kBM : 0;
+    int upto = tiles;
+    for (int o = 1; o < 32; o *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, upto, o);
+      if (lane >= o) upto += v;
+    }
+    const int mine = before + upto - tiles;
+    const unsigned who = __ballot_sync(0xffffffffu, tile >= mine && tile < mine + tiles);
+    if (who != 0) {
+      const int src = __ffs(int(who)) - 1;
+      return Tile{__shfl_sync(0xffffffffu, e, src), __shfl_sync(0xffffffffu, start + (tile - mine) * kBM, src),
+                  __shfl_sync(0xffffffffu, end, src)};
+    }
+    before += __shfl_sync(0xffffffffu, upto, 31);
+  }
+  return Tile{-1, before, 0};
+}
+
+// 16 FP8 weights (one 16-byte piece) times their scale in fp32, each rounded once to bf16 (fp8.cu's
+// dequantisation, value for value; e4m3 -> half is exact): weights 0-7 in lo, 8-15 in hi.
+__device__ __forceinline__ void dequantize16(const uint4& v, float s, uint4& lo, uint4& hi) {
+  const uint32_t in[4] = {v.x, v.y, v.z, v.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(in[j] >> (16 * h)), __NV_E4M3);
+      const float2 f = __half22float2(__half2(raw));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
+      out[2 * j + h] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+  }
+  lo = make_uint4(out[0], out[1], out[2], out[3]);
+  hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// A copying thread's weights of one step: kPieces 16-byte pieces, each with its scale.
+struct Pieces {
+  uint4 v[kPieces];
+  float s[kPieces];
+};
+
+// Piece q (of kBN * kBK / 16) of a step's weight tile: its row r and first column c within the
+// tile as the FP8 bytes lie. Forward: the weight's rows n0.. (kBN of them, the output columns) by
+// its columns k0.. (kBK, the sum), 4 pieces a row; stored K-major, row r at 128 bytes. Transposed:
+// the weight's rows k0.. (the sum) by its columns n0.. (the output), 16 pieces a row; stored
+// MN-major, blocks of 64 output columns 8 KB apart.
+template <bool Transposed>
+__device__ __forceinline__ void piece(int q, int& r, int& c) {
+  r = Transposed ? q / 16 : q / 4;
+  c = (Transposed ? q % 16 : q % 4) * 16;
+}
+template <bool Transposed>
+__device__ __forceinline__ int piece_offset(int r, int c) {
+  return Transposed ? wgmma::sw128_offset<kBK>(r, c) : wgmma::sw128_offset<kBN>(r, c);
+}
+
+// A persistent block (as many as the multiprocessors): tiles blockIdx.x, + gridDim.x, .. of the
+// (row tile, column tile) grid, column tiles fastest, so that the blocks at work at once share a
+// few row tiles of x and one expert's weight through L2. The copies run on into the next tile
+// while the products write the last one out.
+template <bool Transposed>
+__global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) {
+#if defined(V4_HAS_WGMMA)
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = wgmma::sw128_aligned(smem_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);  // a stage's copies are in
+  uint64_t* empty = full + kStages;                                            // its products are done
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      wgmma::bar_init(full + s, 256);  // 128 threads' copies landed + their 128 arrivals
+      wgmma::bar_init(empty + s, 256);
+    }
+    wgmma::bar_init_fence();
+  }
+  __syncthreads();
+  const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out, steps = K / kBK;
+  const int col_tiles = (N + kBN - 1) / kBN, tiles = find_tile(a, -1).first * col_tiles;
+  // (read through a shuffle: one value a warp, so the warpgroups' products are not serialised).
+  // Every warpgroup keeps the 168 registers of the launch: the products' 128 accumulators fit
+  // there, and the copies hold two steps of weights and their hoisted addresses (at 152 they spill).
+  const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+
+  if (wg == 2) {  // ---- the copies and the dequantisation
+    const int p = threadIdx.x % 128, scale_cols = a.in / kScaleBlock;
+    int it = 0;  // steps so far, over every tile: the ring's position and phase
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const Tile tile = find_tile(a, t / col_tiles);
+      const int n0 = t % col_tiles * kBN;
+      const uint8_t* w = a.w + int64_t(tile.expert) * a.out * a.in;
+      const float* scale = a.scale + int64_t(tile.expert) * (a.out / kScaleBlock) * scale_cols;
+      const auto fetch = [&](Pieces& f, int step) {
+        const int k0 = step * kBK;
+#pragma unroll
+        for (int i = 0; i < kPieces; ++i) {
+          int r, c;
+          piece<Transposed>(p + 128 * i, r, c);
+          const int wr = Transposed ? k0 + r : n0 + r, wc = Transposed ? n0 + c : k0 + c;  // the weight's row, column
+          const bool ok = (Transposed ? n0 + c : n0 + r) < N;  // zeros past the last output column
+          f.v[i] = ok ? __ldg(reinterpret_cast<const uint4*>(w + int64_t(wr) * a.in + wc)) : make_uint4(0, 0, 0, 0);
+          f.s[i] = ok ? __ldg(scale + (wr / kScaleBlock) * scale_cols + wc / kScaleBlock) : 0.0f;
+        }
+      };
+      const auto put = [&](const Pieces& f, int step) {
+        const int slot = it % kStages, k0 = step * kBK;
+        wgmma::bar_wait(empty + slot, ((it / kStages) & 1) ^ 1);
+        ++it;
+        unsigned char* x_tile = smem + slot * kStageBytes;
+        // x's rows first + p / 8 + 16 i (zeros past the expert's last), their 16-byte chunk p % 8.
+#pragma unroll
+        for (int i = 0; i < kBM * 8 / 128; ++i) {
+          const int r = p / 8 + 16 * i, row = tile.first + r;
+          wgmma::cp_async16(x_tile + wgmma::sw128_offset<kBM>(r, 8 * (p % 8)),
+                            row < tile.end ? a.x + int64_t(row) * a.ldx + k0 + 8 * (p % 8) : a.x, row < tile.end);
+        }
+        wgmma::bar_arrive_copies(full + slot);
+        unsigned char* w_tile = x_tile + kXTile;
+#pragma unroll
+        for (int i = 0; i < kPieces; ++i) {
+          int r, c;
+          piece<Transposed>(p + 128 * i, r, c);
+          uint4 lo, hi;
+          dequantize16(f.v[i], f.s[i], lo, hi);
+          *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed>(r, c)) = lo;
+          *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed>(r, c + 8)) = hi;
+        }
+        wgmma::fence_shared();  // the stores, seen by the products' reads
+        wgmma::bar_arrive(full + slot);
+      };
+      // Two steps' loads in registers: the next step's are in flight while this one's are converted.
+      Pieces f0, f1;
+      fetch(f0, 0);
+      for (int step = 0; step < steps; step += 2) {
+        if (step + 1 < steps) fetch(f1, step + 1);
+        put(f0, step);
+        if (step + 1 < steps) {
+          if (step + 2 < steps) fetch(f0, step + 2);
+          put(f1, step + 1);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- the products: warpgroup wg, x's rows 64 wg.. of the tile, all kBN columns
+  const uint32_t base = wgmma::saddr(smem);
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tile = find_tile(a, t / col_tiles);
+    const int n0 = t % col_tiles * kBN;
+    float acc[kBN / 2];
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
+    for (int step = 0; step < steps; ++step, ++it) {
+      const int slot = it % kStages;
+      wgmma::bar_wait(full + slot, (it / kStages) & 1);
+      wgmma::fence_shared();
+      const uint32_t x_tile = base + slot * kStageBytes + wg * (kXTile / 2), w_tile = base + slot * kStageBytes + kXTile;
+      wgmma::fence_operand(acc);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t x_desc = wgmma::desc128(x_tile + wgmma::sw128_k_step<kBM>(kk), 16, 1024);
+        if constexpr (Transposed)
+          wgmma::mma<__nv_bfloat16, kBN, 0, 1>(acc, x_desc, wgmma::desc128(w_tile + kk * 2048, kBK * 128, 1024));
+        else
+          wgmma::mma<__nv_bfloat16, kBN, 0, 0>(acc, x_desc,
+                                               wgmma::desc128(w_tile + wgmma::sw128_k_step<kBN>(kk), 16, 1024));
+      }
+      wgmma::commit();
+      wgmma::wait<1>();  // the step before is done with its stage
+      wgmma::fence_operand(acc);
+      if (step > 0) wgmma::bar_arrive(empty + (it - 1) % kStages);
+    }
+    wgmma::wait<0>();
+    wgmma::fence_operand(acc);
+    wgmma::bar_arrive(empty + (it - 1) % kStages);
+    // Thread (warp, lane) holds rows 16 warp + lane / 4 (+8), columns 8 j + 2 (lane % 4) (+1).
+    const int row = tile.first + 64 * wg + 16 * warp + lane / 4;
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) {
+      const int col = n0 + 8 * j + 2 * (lane % 4);
+      if (col >= N) continue;
+      if (row < tile.end)
+        *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row) * N + col) =
+            __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+      if (row + 8 < tile.end)
+        *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row + 8) * N + col) =
+            __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+  }
+#endif
+}
+
+bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                         const at::Tensor& offsets, bool transposed, at::Tensor& out) {
+  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.dim() != 2 || weight.dim() != 3) return false;
+  if (weight.scalar_type() != at::kFloat8_e4m3fn || weight.device() != x.device()) return false;
+  const int64_t E = weight.size(0), w_out = weight.size(1), w_in = weight.size(2), rows = x.size(0);
+  const int64_t K = transposed ? w_out : w_in, N = transposed ? w_in : w_out;
+  // Whole scale blocks: the sum's steps never straddle a partial one.
+  if (rows == 0 || E == 0 || w_out % kScaleBlock != 0 || w_in % kScaleBlock != 0 || x.size(1) != K) return false;
+  // int indices: rows, widths, and the (row tile, column tile) pairs, at most rows / 128 + E row tiles.
+  const int64_t tiles = ((rows + kBM - 1) / kBM + E) * ((N + kBN - 1) / kBN);
+  if (rows + kBM > INT_MAX || w_out > INT_MAX || w_in > INT_MAX || tiles > INT_MAX) return false;
+  if (offsets.scalar_type() != at::kInt || offsets.numel() != E || offsets.device() != x.device()) return false;
+  if (scale.dim() != 3 || scale.size(0) != E || scale.size(1) != w_out / kScaleBlock ||
+      scale.size(2) != w_in / kScaleBlock)
+    return false;
+  if (!wgmma::capable(x.get_device(), kSmem)) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
+  const at::Tensor xs = dense16(x);
+  out = at::empty({rows, N}, x.options());
+  const Args a{reinterpret_cast<const __nv_bfloat16*>(xs.const_data_ptr()), xs.stride(0),
+               static_cast<const uint8_t*>(w.const_data_ptr()), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
+               reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(w_out), int(w_in)};
+  // One block a multiprocessor, or one a tile where there are fewer.
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
+  const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (transposed) wgmma::launch(fp8_grouped_kernel<true>, grid, kThreads, kSmem, stream, a);
+  else wgmma::launch(fp8_grouped_kernel<false>, grid, kThreads, kSmem, stream, a);
+  return true;
+}
+
+const Backend<Fp8GroupedProduct>::Register registered(c10::DeviceType::CUDA, &fp8_grouped_product);
+
+}  // namespace
+}  // namespace v4::cuda
