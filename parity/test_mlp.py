@@ -102,11 +102,19 @@ def _saved_bytes(call) -> int:
     return sum(total)
 
 
-def _quantised(shapes: dict, gen, device="cpu") -> tuple[dict, dict]:
-    """({name: FP8 Linear}, {name: the same weights dequantised, bf16 Linear})."""
+def _quantised(shapes: dict, gen, device="cpu", blocks_apart=False) -> tuple[dict, dict]:
+    """({name: FP8 Linear}, {name: the same weights dequantised, bf16 Linear}); blocks_apart: each
+    128 x 128 block (of each expert) times its own power of two, 1/8 to 8, so that a scale taken
+    from the wrong block is far off (N(0, 1) blocks' scales differ by a few percent)."""
     fp8, dense = {}, {}
     for name, shape in shapes.items():
-        q, scale = quantize_fp8(torch.randn(shape, generator=gen) * 0.05)
+        w = torch.randn(shape, generator=gen) * 0.05
+        if blocks_apart:
+            idx = [torch.arange(n) // (1 if d < len(shape) - 2 else 128) for d, n in enumerate(shape)]
+            place = sum(k * i.view([-1 if d == j else 1 for j in range(len(shape))]) for d, (k, i) in
+                        enumerate(zip((1, 3, 5), idx)))
+            w = w * 2.0 ** (place % 7 - 3)
+        q, scale = quantize_fp8(w)
         fp8[name] = Linear(q.to(device), scale.to(device))
         dense[name] = Linear(dequantize_fp8(q, scale, torch.bfloat16).to(device))
     return fp8, dense
@@ -159,21 +167,23 @@ def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_fp8_routed_experts_take_the_grouped_kernel_and_equal_the_dequantised_run():
     """On CUDA the routed experts' FP8 products run in cc/common/fp8_grouped.cu both ways, the
-    weight dequantised tile by tile inside the GEMM: here with more than 128 rows for an expert (a
-    second row tile, partial), an expert that gets no row, sums over three scale blocks (hidden 384),
-    and outputs one and a half column tiles wide (the down map's forward, the gate_up map's
-    backward). The output and x's gradient equal the run on the weights dequantised on load
+    weight dequantised tile by tile inside the GEMM: here with experts of many row tiles, the last
+    partial, an expert in the middle that gets no row, sums over three scale blocks (hidden 384)
+    whose scales lie far apart, outputs one and a half column tiles wide (the down map's forward,
+    the gate_up map's backward), and more tiles than multiprocessors (each persistent block takes
+    several in turn). The output and x's gradient equal the run on the weights dequantised on load
     (cuBLAS's grouped GEMM) at the bf16 tolerance: the same products up to the order of their sums.
     The profile shows that the kernel ran, both ways, for both maps (a kernel that declined would
     leave the dequantised path to pass alone)."""
     gen = torch.Generator().manual_seed(3)
-    E, H, inter, tokens, top_k = 6, 384, 256, 300, 3
-    fp8, dense = _quantised({"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}, gen, "cuda")
+    E, H, inter, tokens, top_k, none = 6, 384, 256, 8000, 3, 2
+    fp8, dense = _quantised({"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}, gen, "cuda",
+                            blocks_apart=True)
     shared = MlpWeights(**{n: Linear((torch.randn(s, generator=gen) * 0.05).to("cuda", torch.bfloat16)) for n, s in
                            {"gate_proj": (64, H), "up_proj": (64, H), "down_proj": (H, 64)}.items()})
     gate = (torch.randn(E, H, generator=gen) * H**-0.5).cuda()  # scores of unit spread: no ties at 1
     bias = torch.zeros(E, device="cuda")
-    bias[E - 1] = -1e4  # the last expert is never chosen
+    bias[none] = -1e4  # never chosen
     x0 = torch.randn(tokens, H, generator=gen).to("cuda", torch.bfloat16)
     dout = torch.randn(tokens, H, generator=gen).to("cuda", torch.bfloat16)
 
@@ -189,8 +199,10 @@ def test_fp8_routed_experts_take_the_grouped_kernel_and_equal_the_dequantised_ru
         torch.cuda.synchronize()
     launches = [e.name for e in prof.events() if "fp8_grouped_kernel" in e.name]
     assert sum("<false>" in n for n in launches) == 2 and sum("<true>" in n for n in launches) == 2, launches
-    counts = torch.bincount(ours[2].flatten(), minlength=E)
-    assert counts[E - 1] == 0 and counts.max() > 128, counts
+    counts = torch.bincount(ours[2].flatten(), minlength=E).cpu()
+    row_tiles = int(((counts + 127) // 128).sum())
+    assert counts[none] == 0 and (counts % 128 != 0).any(), counts
+    assert row_tiles >= torch.cuda.get_device_properties(0).multi_processor_count, row_tiles  # 2 column tiles each
     theirs = run(dense)
     assert torch.equal(ours[2], theirs[2])
     assert_close(ours[0], theirs[0], "output")

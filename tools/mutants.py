@@ -231,10 +231,9 @@ MUTATIONS = (
              "not 64)",
              "cc/ops/gated_delta_rule.cu", "load_split<kCols>(x + kRows * kPlanePitch, p.h + head",
              "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),
-    Mutation("fp8_grouped_scale_rows_halved", "the experts' FP8 kernel takes each weight's scale from the row block "
-             "of half its row (block 0 for rows 0-255)", "cc/common/fp8_grouped.cu",
-             "__ldg(scale + (wr / kScaleBlock) * scale_cols", "__ldg(scale + (wr / kScaleBlock / 2) * scale_cols",
-             FP8_GROUPED_CUDA, cuda=True, module="v4_glm5_moe"),
+    Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
+             "first half's block", "cc/common/fp8_grouped.cu", "const int n = (n0 + 128 * h) / kScaleBlock;",
+             "const int n = n0 / kScaleBlock;", FP8_GROUPED_CUDA, cuda=True, module="v4_glm5_moe"),
     Mutation("fp8_grouped_last_row_dropped", "the experts' FP8 kernel reads each expert's last row of x as zeros",
              "cc/common/fp8_grouped.cu", "a.x, row < tile.end);", "a.x, row < tile.end - 1);", FP8_GROUPED_CUDA, cuda=True,
              module="v4_glm5_moe"),

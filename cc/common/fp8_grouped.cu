@@ -7,7 +7,9 @@
 // descriptor). Warpgroups 0 and 1 multiply (wgmma, bf16 operands, fp32 accumulators; 64 rows
 // each); warpgroup 2 copies x's tiles (cp.async) and turns the weight's bytes into bf16 in a ring
 // of kStages stages, each value float(w) * scale in fp32 rounded once, as fp8.cu does: the
-// products are dequantise-then-grouped-GEMM's up to the order of their sums.
+// products are dequantise-then-grouped-GEMM's up to the order of their sums. (A second copying
+// warpgroup would leave 128 registers a thread at the launch, too few for the products' m64n256
+// instruction: ptxas refuses it below 154.)
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -31,7 +33,7 @@ constexpr int kBN = 256;         // output columns a block
 constexpr int kBK = 64;          // the sum's step: one 128-byte swizzled row of bf16
 constexpr int kStages = 4;       // the ring: the copies run up to this many steps ahead
 constexpr int kScaleBlock = 128;  // the checkpoints' scale block: 128 x 128 weights
-constexpr int kThreads = 384;
+constexpr int kThreads = 384;  // warpgroups 0, 1: the products; 2: the copies
 constexpr int kXTile = kBM * kBK * 2, kWTile = kBN * kBK * 2, kStageBytes = kXTile + kWTile;
 constexpr int kPieces = kBN * kBK / 16 / 128;  // 16-byte FP8 loads a copying thread a step
 constexpr size_t kSmem = size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + 1024;
@@ -52,8 +54,9 @@ struct Tile {
   int expert, first, end;  // the expert (-1: none) and the tile's rows [first, min(first + 128, end))
 };
 
-// Tile `tile`'s expert and rows; with tile < 0, Tile{-1, the number of tiles, 0}.
-__device__ Tile find_tile(const Args& a, int tile) {
+// Tile `tile`'s expert and rows; with tile < 0, Tile{-1, the number of tiles, 0}. (The helpers are
+// unused in the build for compute capabilities without wgmma.)
+[[maybe_unused]] __device__ Tile find_tile(const Args& a, int tile) {
   const int lane = threadIdx.x % 32;
   int before = 0;  // the tiles of the rounds before
   for (int e0 = 0; e0 < a.E; e0 += 32) {
@@ -79,7 +82,7 @@ __device__ Tile find_tile(const Args& a, int tile) {
 
 // 16 FP8 weights (one 16-byte piece) times their scale in fp32, each rounded once to bf16 (fp8.cu's
 // dequantisation, value for value; e4m3 -> half is exact): weights 0-7 in lo, 8-15 in hi.
-__device__ __forceinline__ void dequantize16(const uint4& v, float s, uint4& lo, uint4& hi) {
+[[maybe_unused]] __device__ __forceinline__ void dequantize16(const uint4& v, float s, uint4& lo, uint4& hi) {
   const uint32_t in[4] = {v.x, v.y, v.z, v.w};
   uint32_t out[8];
 #pragma unroll
@@ -96,21 +99,24 @@ __device__ __forceinline__ void dequantize16(const uint4& v, float s, uint4& lo,
   hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// A copying thread's weights of one step: kPieces 16-byte pieces, each with its scale.
+// A copying thread's weights of one step: kPieces 16-byte pieces, and the scales of the tile's two
+// halves (pieces 0-3 lie in its output columns 0-127, pieces 4-7 in 128-255: one scale block each).
 struct Pieces {
   uint4 v[kPieces];
-  float s[kPieces];
+  float s[2];
 };
 
 // Piece q (of kBN * kBK / 16) of a step's weight tile: its row r and first column c within the
-// tile as the FP8 bytes lie. Forward: the weight's rows n0.. (kBN of them, the output columns) by
-// its columns k0.. (kBK, the sum), 4 pieces a row; stored K-major, row r at 128 bytes. Transposed:
-// the weight's rows k0.. (the sum) by its columns n0.. (the output), 16 pieces a row; stored
-// MN-major, blocks of 64 output columns 8 KB apart.
+// tile as the FP8 bytes lie, 4 pieces (64 bytes) a row, a warp's 32 on 8 rows. Forward: the
+// weight's rows n0.. (kBN of them, the output columns) by its columns k0.. (kBK, the sum); stored
+// K-major, row r at 128 bytes. Transposed: the weight's rows k0.. (the sum) by its columns n0..
+// (the output), pieces 256 j.. on columns 64 j..; stored MN-major, blocks of 64 output columns 8 KB
+// apart. Either way pieces 512 h.. lie in the tile's 128 output columns 128 h.. (one scale block),
+// and 8 threads' stores meet no bank twice.
 template <bool Transposed>
 __device__ __forceinline__ void piece(int q, int& r, int& c) {
-  r = Transposed ? q / 16 : q / 4;
-  c = (Transposed ? q % 16 : q % 4) * 16;
+  r = Transposed ? q / 4 % kBK : q / 4;
+  c = (q % 4 + (Transposed ? 4 * (q / 256) : 0)) * 16;
 }
 template <bool Transposed>
 __device__ __forceinline__ int piece_offset(int r, int c) {
@@ -140,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) 
   const int col_tiles = (N + kBN - 1) / kBN, tiles = find_tile(a, -1).first * col_tiles;
   // (read through a shuffle: one value a warp, so the warpgroups' products are not serialised).
   // Every warpgroup keeps the 168 registers of the launch: the products' 128 accumulators fit
-  // there, and the copies hold two steps of weights and their hoisted addresses (at 152 they spill).
+  // there, and the copies hold two steps of weights and their hoisted addresses.
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
 
   if (wg == 2) {  // ---- the copies and the dequantisation
@@ -149,18 +155,25 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) 
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       const Tile tile = find_tile(a, t / col_tiles);
       const int n0 = t % col_tiles * kBN;
+      const bool second = n0 + 128 < N;  // the tile's second half exists (else its pieces are zeros)
       const uint8_t* w = a.w + int64_t(tile.expert) * a.out * a.in;
       const float* scale = a.scale + int64_t(tile.expert) * (a.out / kScaleBlock) * scale_cols;
       const auto fetch = [&](Pieces& f, int step) {
         const int k0 = step * kBK;
 #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n = (n0 + 128 * h) / kScaleBlock;
+          f.s[h] = h == 0 || second ? __ldg(scale + (Transposed ? k0 / kScaleBlock * scale_cols + n
+                                                                 : n * scale_cols + k0 / kScaleBlock))
+                                    : 0.0f;
+        }
+#pragma unroll
         for (int i = 0; i < kPieces; ++i) {
           int r, c;
           piece<Transposed>(p + 128 * i, r, c);
           const int wr = Transposed ? k0 + r : n0 + r, wc = Transposed ? n0 + c : k0 + c;  // the weight's row, column
-          const bool ok = (Transposed ? n0 + c : n0 + r) < N;  // zeros past the last output column
-          f.v[i] = ok ? __ldg(reinterpret_cast<const uint4*>(w + int64_t(wr) * a.in + wc)) : make_uint4(0, 0, 0, 0);
-          f.s[i] = ok ? __ldg(scale + (wr / kScaleBlock) * scale_cols + wc / kScaleBlock) : 0.0f;
+          f.v[i] = i < kPieces / 2 || second ? __ldg(reinterpret_cast<const uint4*>(w + int64_t(wr) * a.in + wc))
+                                             : make_uint4(0, 0, 0, 0);
         }
       };
       const auto put = [&](const Pieces& f, int step) {
@@ -182,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) 
           int r, c;
           piece<Transposed>(p + 128 * i, r, c);
           uint4 lo, hi;
-          dequantize16(f.v[i], f.s[i], lo, hi);
+          dequantize16(f.v[i], f.s[i / (kPieces / 2)], lo, hi);
           *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed>(r, c)) = lo;
           *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed>(r, c + 8)) = hi;
         }
@@ -252,6 +265,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) 
             __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
     }
   }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
 #endif
 }
 
@@ -267,6 +282,7 @@ bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at
   const int64_t tiles = ((rows + kBM - 1) / kBM + E) * ((N + kBN - 1) / kBN);
   if (rows + kBM > INT_MAX || w_out > INT_MAX || w_in > INT_MAX || tiles > INT_MAX) return false;
   if (offsets.scalar_type() != at::kInt || offsets.numel() != E || offsets.device() != x.device()) return false;
+  if (scale.device() != x.device()) return false;
   if (scale.dim() != 3 || scale.size(0) != E || scale.size(1) != w_out / kScaleBlock ||
       scale.size(2) != w_in / kScaleBlock)
     return false;
