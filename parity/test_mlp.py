@@ -165,16 +165,19 @@ def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_fp8_routed_experts_take_the_grouped_kernel_and_equal_the_dequantised_run():
+@pytest.mark.parametrize("tile", ["128x256", "256x128"])
+def test_fp8_routed_experts_take_the_grouped_kernel_and_equal_the_dequantised_run(tile, monkeypatch):
     """On CUDA the routed experts' FP8 products run in cc/common/fp8_grouped.cu both ways, the
     weight dequantised tile by tile inside the GEMM: here with experts of many row tiles, the last
     partial, an expert in the middle that gets no row, sums over three scale blocks (hidden 384)
-    whose scales lie far apart, outputs one and a half column tiles wide (the down map's forward,
-    the gate_up map's backward), and more tiles than multiprocessors (each persistent block takes
-    several in turn). The output and x's gradient equal the run on the weights dequantised on load
-    (cuBLAS's grouped GEMM) at the bf16 tolerance: the same products up to the order of their sums.
-    The profile shows that the kernel ran, both ways, for both maps (a kernel that declined would
-    leave the dequantised path to pass alone)."""
+    whose scales lie far apart, outputs of 384 columns (the down map's forward, the gate_up map's
+    backward: one and a half of the wide tile's 256), and more tiles than multiprocessors (each
+    persistent block takes several in turn). The output and x's gradient equal the run on the
+    weights dequantised on load (cuBLAS's grouped GEMM) at the bf16 tolerance: the same products up
+    to the order of their sums. The profile shows that the kernel ran, both ways, for both maps (a
+    kernel that declined would leave the dequantised path to pass alone). Both tile shapes (rows x
+    columns a block)."""
+    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
     gen = torch.Generator().manual_seed(3)
     E, H, inter, tokens, top_k, none = 6, 384, 256, 8000, 3, 2
     fp8, dense = _quantised({"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}, gen, "cuda",
@@ -200,9 +203,10 @@ def test_fp8_routed_experts_take_the_grouped_kernel_and_equal_the_dequantised_ru
     launches = [e.name for e in prof.events() if "fp8_grouped_kernel" in e.name]
     assert sum("<false>" in n for n in launches) == 2 and sum("<true>" in n for n in launches) == 2, launches
     counts = torch.bincount(ours[2].flatten(), minlength=E).cpu()
-    row_tiles = int(((counts + 127) // 128).sum())
-    assert counts[none] == 0 and (counts % 128 != 0).any(), counts
-    assert row_tiles >= torch.cuda.get_device_properties(0).multi_processor_count, row_tiles  # 2 column tiles each
+    rows, cols = (int(n) for n in tile.split("x"))
+    assert counts[none] == 0 and (counts % rows != 0).any(), counts
+    tiles = int(((counts + rows - 1) // rows).sum()) * -(-inter // cols)  # the fewest of the four launches (N = 256)
+    assert tiles > torch.cuda.get_device_properties(0).multi_processor_count, tiles
     theirs = run(dense)
     assert torch.equal(ours[2], theirs[2])
     assert_close(ours[0], theirs[0], "output")

@@ -4,8 +4,8 @@
 // first (fp8.cu's pass, a bf16 copy written and read back) was 9.3 ms of the GLM-5 proxy's 200 ms
 // FP8 step, most of it the experts (docs/benchmarks.md). One kernel both ways: y = x W_e^T (the
 // forward) and dx = dy W_e (the backward, the same tile read transposed by the product's
-// descriptor). Warpgroups 0 and 1 multiply (wgmma, bf16 operands, fp32 accumulators; 64 rows
-// each); warpgroup 2 copies x's tiles (cp.async) and turns the weight's bytes into bf16 in a ring
+// descriptor). Warpgroups 0 and 1 multiply (wgmma, bf16 operands, fp32 accumulators; half the
+// tile's rows each); warpgroup 2 copies x's tiles (cp.async) and turns the weight's bytes into bf16 in a ring
 // of kStages stages, each value float(w) * scale in fp32 rounded once, as fp8.cu does: the
 // products are dequantise-then-grouped-GEMM's up to the order of their sums. (A second copying
 // warpgroup would leave 128 registers a thread at the launch, too few for the products' m64n256
@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "cc/common/backend.h"
 #include "cc/common/lora.h"
@@ -28,15 +30,26 @@
 namespace v4::cuda {
 namespace {
 
-constexpr int kBM = 128;         // rows of x a block: 64 a multiplying warpgroup
-constexpr int kBN = 256;         // output columns a block
-constexpr int kBK = 64;          // the sum's step: one 128-byte swizzled row of bf16
-constexpr int kStages = 4;       // the ring: the copies run up to this many steps ahead
+constexpr int kBK = 64;           // the sum's step: one 128-byte swizzled row of bf16
+constexpr int kStages = 4;        // the ring: the copies run up to this many steps ahead
 constexpr int kScaleBlock = 128;  // the checkpoints' scale block: 128 x 128 weights
-constexpr int kThreads = 384;  // warpgroups 0, 1: the products; 2: the copies
-constexpr int kXTile = kBM * kBK * 2, kWTile = kBN * kBK * 2, kStageBytes = kXTile + kWTile;
-constexpr int kPieces = kBN * kBK / 16 / 128;  // 16-byte FP8 loads a copying thread a step
-constexpr size_t kSmem = size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + 1024;
+constexpr int kThreads = 384;     // warpgroups 0, 1: the products; 2: the copies
+
+// A block's tile: BM rows of x (BM / 2 a multiplying warpgroup, in products of 64 rows) by BN
+// output columns. 128 x 256 or 256 x 128: 128 accumulators a thread either way; the second
+// converts half the weights a step for the same products (the copies' conversions are most of
+// their instructions), and its products read the weight tile twice (a sixth more shared-memory
+// traffic a step).
+template <int BM_, int BN_>
+struct Shape {
+  static constexpr int BM = BM_, BN = BN_, kSub = BM / 128;  // products of 64 rows a warpgroup
+  static constexpr int kXTile = BM * kBK * 2, kWTile = BN * kBK * 2, kStageBytes = kXTile + kWTile;
+  static constexpr int kPieces = BN * kBK / 16 / 128;  // 16-byte FP8 loads a copying thread a step
+  static constexpr int kHalves = BN / kScaleBlock;      // scale blocks across the tile's columns
+  static constexpr size_t kSmem = size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + 1024;
+};
+using Wide = Shape<128, 256>;
+using Tall = Shape<256, 128>;
 
 struct Args {
   const __nv_bfloat16* x;  // [rows, K], rows grouped by expert
@@ -48,21 +61,21 @@ struct Args {
   int E, out, in;
 };
 
-// The row tiles: each expert's rows in tiles of 128, ceil(rows_e / 128) tiles an expert, counted
+// The row tiles: each expert's rows in tiles of BM, ceil(rows_e / BM) tiles an expert, counted
 // expert after expert. Every warp finds its tiles itself (32 experts a round, a scan over its lanes).
 struct Tile {
-  int expert, first, end;  // the expert (-1: none) and the tile's rows [first, min(first + 128, end))
+  int expert, first, end;  // the expert (-1: none) and the tile's rows [first, min(first + BM, end))
 };
 
-// Tile `tile`'s expert and rows; with tile < 0, Tile{-1, the number of tiles, 0}. (The helpers are
-// unused in the build for compute capabilities without wgmma.)
-[[maybe_unused]] __device__ Tile find_tile(const Args& a, int tile) {
+// Tile `tile`'s expert and rows; with tile < 0, Tile{-1, the number of tiles, 0}.
+template <int BM>
+__device__ Tile find_tile(const Args& a, int tile) {
   const int lane = threadIdx.x % 32;
   int before = 0;  // the tiles of the rounds before
   for (int e0 = 0; e0 < a.E; e0 += 32) {
     const int e = e0 + lane;
     const int start = e < a.E && e > 0 ? a.offsets[e - 1] : 0, end = e < a.E ? a.offsets[e] : 0;
-    const int tiles = e < a.E ? (end - start + kBM - 1) / kBM : 0;
+    const int tiles = e < a.E ? (end - start + BM - 1) / BM : 0;
     int upto = tiles;
     for (int o = 1; o < 32; o *= 2) {
       const int v = __shfl_up_sync(0xffffffffu, upto, o);
@@ -72,7 +85,7 @@ struct Tile {
     const unsigned who = __ballot_sync(0xffffffffu, tile >= mine && tile < mine + tiles);
     if (who != 0) {
       const int src = __ffs(int(who)) - 1;
-      return Tile{__shfl_sync(0xffffffffu, e, src), __shfl_sync(0xffffffffu, start + (tile - mine) * kBM, src),
+      return Tile{__shfl_sync(0xffffffffu, e, src), __shfl_sync(0xffffffffu, start + (tile - mine) * BM, src),
                   __shfl_sync(0xffffffffu, end, src)};
     }
     before += __shfl_sync(0xffffffffu, upto, 31);
@@ -99,16 +112,17 @@ struct Tile {
   hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// A copying thread's weights of one step: kPieces 16-byte pieces, and the scales of the tile's two
-// halves (pieces 0-3 lie in its output columns 0-127, pieces 4-7 in 128-255: one scale block each).
+// A copying thread's weights of one step: kPieces 16-byte pieces, and the scales of the tile's
+// halves (its 128 output columns 128 h..: one scale block each; pieces 4 h.. lie there).
+template <class S>
 struct Pieces {
-  uint4 v[kPieces];
-  float s[2];
+  uint4 v[S::kPieces];
+  float s[S::kHalves];
 };
 
-// Piece q (of kBN * kBK / 16) of a step's weight tile: its row r and first column c within the
+// Piece q (of BN * kBK / 16) of a step's weight tile: its row r and first column c within the
 // tile as the FP8 bytes lie, 4 pieces (64 bytes) a row, a warp's 32 on 8 rows. Forward: the
-// weight's rows n0.. (kBN of them, the output columns) by its columns k0.. (kBK, the sum); stored
+// weight's rows n0.. (BN of them, the output columns) by its columns k0.. (kBK, the sum); stored
 // K-major, row r at 128 bytes. Transposed: the weight's rows k0.. (the sum) by its columns n0..
 // (the output), pieces 256 j.. on columns 64 j..; stored MN-major, blocks of 64 output columns 8 KB
 // apart. Either way pieces 512 h.. lie in the tile's 128 output columns 128 h.. (one scale block),
@@ -118,22 +132,23 @@ __device__ __forceinline__ void piece(int q, int& r, int& c) {
   r = Transposed ? q / 4 % kBK : q / 4;
   c = (q % 4 + (Transposed ? 4 * (q / 256) : 0)) * 16;
 }
-template <bool Transposed>
+template <bool Transposed, int BN>
 __device__ __forceinline__ int piece_offset(int r, int c) {
-  return Transposed ? wgmma::sw128_offset<kBK>(r, c) : wgmma::sw128_offset<kBN>(r, c);
+  return Transposed ? wgmma::sw128_offset<kBK>(r, c) : wgmma::sw128_offset<BN>(r, c);
 }
 
 // A persistent block (as many as the multiprocessors): tiles blockIdx.x, + gridDim.x, .. of the
 // (row tile, column tile) grid, column tiles fastest, so that the blocks at work at once share a
 // few row tiles of x and one expert's weight through L2. The copies run on into the next tile
 // while the products write the last one out.
-template <bool Transposed>
+template <bool Transposed, class S>
 __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) {
 #if defined(V4_HAS_WGMMA)
+  constexpr int BM = S::BM, BN = S::BN;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = wgmma::sw128_aligned(smem_raw);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);  // a stage's copies are in
-  uint64_t* empty = full + kStages;                                            // its products are done
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * S::kStageBytes);  // a stage's copies are in
+  uint64_t* empty = full + kStages;                                               // its products are done
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       wgmma::bar_init(full + s, 256);  // 128 threads' copies landed + their 128 arrivals
@@ -143,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) 
   }
   __syncthreads();
   const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out, steps = K / kBK;
-  const int col_tiles = (N + kBN - 1) / kBN, tiles = find_tile(a, -1).first * col_tiles;
+  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<BM>(a, -1).first * col_tiles;
   // (read through a shuffle: one value a warp, so the warpgroups' products are not serialised).
   // Every warpgroup keeps the 168 registers of the launch: the products' 128 accumulators fit
   // there, and the copies hold two steps of weights and their hoisted addresses.
@@ -153,57 +168,56 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) 
     const int p = threadIdx.x % 128, scale_cols = a.in / kScaleBlock;
     int it = 0;  // steps so far, over every tile: the ring's position and phase
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const Tile tile = find_tile(a, t / col_tiles);
-      const int n0 = t % col_tiles * kBN;
-      const bool second = n0 + 128 < N;  // the tile's second half exists (else its pieces are zeros)
+      const Tile tile = find_tile<BM>(a, t / col_tiles);
+      const int n0 = t % col_tiles * BN, halves = min(S::kHalves, (N - n0) / kScaleBlock);  // the rest: zeros
       const uint8_t* w = a.w + int64_t(tile.expert) * a.out * a.in;
       const float* scale = a.scale + int64_t(tile.expert) * (a.out / kScaleBlock) * scale_cols;
-      const auto fetch = [&](Pieces& f, int step) {
+      const auto fetch = [&](Pieces<S>& f, int step) {
         const int k0 = step * kBK;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int n = (n0 + 128 * h) / kScaleBlock;
-          f.s[h] = h == 0 || second ? __ldg(scale + (Transposed ? k0 / kScaleBlock * scale_cols + n
-                                                                 : n * scale_cols + k0 / kScaleBlock))
-                                    : 0.0f;
+        for (int h = 0; h < S::kHalves; ++h) {
+          const int n = n0 / kScaleBlock + h;
+          f.s[h] = h < halves ? __ldg(scale + (Transposed ? k0 / kScaleBlock * scale_cols + n
+                                                           : n * scale_cols + k0 / kScaleBlock))
+                              : 0.0f;
         }
 #pragma unroll
-        for (int i = 0; i < kPieces; ++i) {
+        for (int i = 0; i < S::kPieces; ++i) {
           int r, c;
           piece<Transposed>(p + 128 * i, r, c);
           const int wr = Transposed ? k0 + r : n0 + r, wc = Transposed ? n0 + c : k0 + c;  // the weight's row, column
-          f.v[i] = i < kPieces / 2 || second ? __ldg(reinterpret_cast<const uint4*>(w + int64_t(wr) * a.in + wc))
-                                             : make_uint4(0, 0, 0, 0);
+          f.v[i] = i / 4 < halves ? __ldg(reinterpret_cast<const uint4*>(w + int64_t(wr) * a.in + wc))
+                                  : make_uint4(0, 0, 0, 0);
         }
       };
-      const auto put = [&](const Pieces& f, int step) {
+      const auto put = [&](const Pieces<S>& f, int step) {
         const int slot = it % kStages, k0 = step * kBK;
         wgmma::bar_wait(empty + slot, ((it / kStages) & 1) ^ 1);
         ++it;
-        unsigned char* x_tile = smem + slot * kStageBytes;
+        unsigned char* x_tile = smem + slot * S::kStageBytes;
         // x's rows first + p / 8 + 16 i (zeros past the expert's last), their 16-byte chunk p % 8.
 #pragma unroll
-        for (int i = 0; i < kBM * 8 / 128; ++i) {
+        for (int i = 0; i < BM * 8 / 128; ++i) {
           const int r = p / 8 + 16 * i, row = tile.first + r;
-          wgmma::cp_async16(x_tile + wgmma::sw128_offset<kBM>(r, 8 * (p % 8)),
+          wgmma::cp_async16(x_tile + wgmma::sw128_offset<BM>(r, 8 * (p % 8)),
                             row < tile.end ? a.x + int64_t(row) * a.ldx + k0 + 8 * (p % 8) : a.x, row < tile.end);
         }
         wgmma::bar_arrive_copies(full + slot);
-        unsigned char* w_tile = x_tile + kXTile;
+        unsigned char* w_tile = x_tile + S::kXTile;
 #pragma unroll
-        for (int i = 0; i < kPieces; ++i) {
+        for (int i = 0; i < S::kPieces; ++i) {
           int r, c;
           piece<Transposed>(p + 128 * i, r, c);
           uint4 lo, hi;
-          dequantize16(f.v[i], f.s[i / (kPieces / 2)], lo, hi);
-          *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed>(r, c)) = lo;
-          *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed>(r, c + 8)) = hi;
+          dequantize16(f.v[i], f.s[i / 4], lo, hi);
+          *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed, BN>(r, c)) = lo;
+          *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed, BN>(r, c + 8)) = hi;
         }
         wgmma::fence_shared();  // the stores, seen by the products' reads
         wgmma::bar_arrive(full + slot);
       };
       // Two steps' loads in registers: the next step's are in flight while this one's are converted.
-      Pieces f0, f1;
+      Pieces<S> f0, f1;
       fetch(f0, 0);
       for (int step = 0; step < steps; step += 2) {
         if (step + 1 < steps) fetch(f1, step + 1);
@@ -217,57 +231,97 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) 
     return;
   }
 
-  // ---- the products: warpgroup wg, x's rows 64 wg.. of the tile, all kBN columns
+  // ---- the products: warpgroup wg, x's rows BM / 2 wg.. of the tile (kSub products of 64), all
+  // BN columns
   const uint32_t base = wgmma::saddr(smem);
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile tile = find_tile(a, t / col_tiles);
-    const int n0 = t % col_tiles * kBN;
-    float acc[kBN / 2];
+    const Tile tile = find_tile<BM>(a, t / col_tiles);
+    const int n0 = t % col_tiles * BN;
+    float acc[S::kSub][BN / 2];
 #pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
+    for (int u = 0; u < S::kSub; ++u)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[u][i] = 0.0f;
     for (int step = 0; step < steps; ++step, ++it) {
       const int slot = it % kStages;
       wgmma::bar_wait(full + slot, (it / kStages) & 1);
       wgmma::fence_shared();
-      const uint32_t x_tile = base + slot * kStageBytes + wg * (kXTile / 2), w_tile = base + slot * kStageBytes + kXTile;
-      wgmma::fence_operand(acc);
+      const uint32_t x_tile = base + slot * S::kStageBytes + wg * (S::kXTile / 2),
+                     w_tile = base + slot * S::kStageBytes + S::kXTile;
+#pragma unroll
+      for (int u = 0; u < S::kSub; ++u) wgmma::fence_operand(acc[u]);
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
-        const uint64_t x_desc = wgmma::desc128(x_tile + wgmma::sw128_k_step<kBM>(kk), 16, 1024);
-        if constexpr (Transposed)
-          wgmma::mma<__nv_bfloat16, kBN, 0, 1>(acc, x_desc, wgmma::desc128(w_tile + kk * 2048, kBK * 128, 1024));
-        else
-          wgmma::mma<__nv_bfloat16, kBN, 0, 0>(acc, x_desc,
-                                               wgmma::desc128(w_tile + wgmma::sw128_k_step<kBN>(kk), 16, 1024));
+        const uint64_t w_desc = Transposed ? wgmma::desc128(w_tile + kk * 2048, kBK * 128, 1024)
+                                           : wgmma::desc128(w_tile + wgmma::sw128_k_step<BN>(kk), 16, 1024);
+#pragma unroll
+        for (int u = 0; u < S::kSub; ++u)  // rows 64 u.. of this warpgroup's, 8 KB apart
+          wgmma::mma<__nv_bfloat16, BN, 0, Transposed ? 1 : 0>(
+              acc[u], wgmma::desc128(x_tile + u * 8192 + wgmma::sw128_k_step<BM>(kk), 16, 1024), w_desc);
       }
       wgmma::commit();
       wgmma::wait<1>();  // the step before is done with its stage
-      wgmma::fence_operand(acc);
+#pragma unroll
+      for (int u = 0; u < S::kSub; ++u) wgmma::fence_operand(acc[u]);
       if (step > 0) wgmma::bar_arrive(empty + (it - 1) % kStages);
     }
     wgmma::wait<0>();
-    wgmma::fence_operand(acc);
-    wgmma::bar_arrive(empty + (it - 1) % kStages);
-    // Thread (warp, lane) holds rows 16 warp + lane / 4 (+8), columns 8 j + 2 (lane % 4) (+1).
-    const int row = tile.first + 64 * wg + 16 * warp + lane / 4;
 #pragma unroll
-    for (int j = 0; j < kBN / 8; ++j) {
-      const int col = n0 + 8 * j + 2 * (lane % 4);
-      if (col >= N) continue;
-      if (row < tile.end)
-        *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row) * N + col) =
-            __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-      if (row + 8 < tile.end)
-        *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row + 8) * N + col) =
-            __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+    for (int u = 0; u < S::kSub; ++u) wgmma::fence_operand(acc[u]);
+    wgmma::bar_arrive(empty + (it - 1) % kStages);
+    // Thread (warp, lane) holds rows 16 warp + lane / 4 (+8) of each product, columns 8 j + 2 (lane % 4) (+1).
+#pragma unroll
+    for (int u = 0; u < S::kSub; ++u) {
+      const int row = tile.first + BM / 2 * wg + 64 * u + 16 * warp + lane / 4;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = n0 + 8 * j + 2 * (lane % 4);
+        if (col >= N) continue;
+        if (row < tile.end)
+          *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row) * N + col) =
+              __floats2bfloat162_rn(acc[u][4 * j], acc[u][4 * j + 1]);
+        if (row + 8 < tile.end)
+          *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row + 8) * N + col) =
+              __floats2bfloat162_rn(acc[u][4 * j + 2], acc[u][4 * j + 3]);
+      }
     }
   }
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
 #endif
+}
+
+// The tile: 128 x 256 (Wide) unless V4TRAIN_FP8_GROUPED_TILE=256x128 (Tall), read at each call, so
+// that one process can time both (tools/benchmark.py's FP8 case of v4_glm5_moe) until the GPU says
+// which to keep.
+bool tall() {
+  const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
+  return v != nullptr && std::string_view(v) == "256x128";
+}
+
+template <class S>
+void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
+            bool transposed, at::Tensor& out) {
+  // Pieces 4 h.. lie in scale block h of the tile's columns; warpgroups of 64-row products.
+  static_assert(S::kPieces == 4 * S::kHalves && S::kSub * 128 == S::BM, "fp8_grouped: a tile the copies do not cut");
+  const int64_t E = weight.size(0), rows = x.size(0), N = out.size(1);
+  const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
+  const at::Tensor xs = dense16(x);
+  const Args a{reinterpret_cast<const __nv_bfloat16*>(xs.const_data_ptr()), xs.stride(0),
+               static_cast<const uint8_t*>(w.const_data_ptr()), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
+               reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(weight.size(1)),
+               int(weight.size(2))};
+  // One block a multiprocessor, or one a tile where there are fewer (at most rows / BM + E row tiles).
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
+  const int64_t tiles = ((rows + S::BM - 1) / S::BM + E) * ((N + S::BN - 1) / S::BN);
+  const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (transposed) wgmma::launch(fp8_grouped_kernel<true, S>, grid, kThreads, S::kSmem, stream, a);
+  else wgmma::launch(fp8_grouped_kernel<false, S>, grid, kThreads, S::kSmem, stream, a);
 }
 
 bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -279,28 +333,18 @@ bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at
   // Whole scale blocks: the sum's steps never straddle a partial one.
   if (rows == 0 || E == 0 || w_out % kScaleBlock != 0 || w_in % kScaleBlock != 0 || x.size(1) != K) return false;
   // int indices: rows, widths, and the (row tile, column tile) pairs, at most rows / 128 + E row tiles.
-  const int64_t tiles = ((rows + kBM - 1) / kBM + E) * ((N + kBN - 1) / kBN);
-  if (rows + kBM > INT_MAX || w_out > INT_MAX || w_in > INT_MAX || tiles > INT_MAX) return false;
+  if (rows + 256 > INT_MAX || w_out > INT_MAX || w_in > INT_MAX || ((rows + 127) / 128 + E) * (N / 128) > INT_MAX)
+    return false;
   if (offsets.scalar_type() != at::kInt || offsets.numel() != E || offsets.device() != x.device()) return false;
-  if (scale.device() != x.device()) return false;
-  if (scale.dim() != 3 || scale.size(0) != E || scale.size(1) != w_out / kScaleBlock ||
+  if (scale.device() != x.device() || scale.dim() != 3 || scale.size(0) != E || scale.size(1) != w_out / kScaleBlock ||
       scale.size(2) != w_in / kScaleBlock)
     return false;
-  if (!wgmma::capable(x.get_device(), kSmem)) return false;
+  const bool use_tall = tall();
+  if (!wgmma::capable(x.get_device(), use_tall ? Tall::kSmem : Wide::kSmem)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
-  const at::Tensor xs = dense16(x);
   out = at::empty({rows, N}, x.options());
-  const Args a{reinterpret_cast<const __nv_bfloat16*>(xs.const_data_ptr()), xs.stride(0),
-               static_cast<const uint8_t*>(w.const_data_ptr()), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
-               reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(w_out), int(w_in)};
-  // One block a multiprocessor, or one a tile where there are fewer.
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
-  const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (transposed) wgmma::launch(fp8_grouped_kernel<true>, grid, kThreads, kSmem, stream, a);
-  else wgmma::launch(fp8_grouped_kernel<false>, grid, kThreads, kSmem, stream, a);
+  if (use_tall) launch<Tall>(x, weight, scale, offsets, transposed, out);
+  else launch<Wide>(x, weight, scale, offsets, transposed, out);
   return true;
 }
 
