@@ -5,6 +5,8 @@ bound), and the dequantisation itself against values worked by hand; neither an 
 FP8 routed experts (through v4_glm5_moe's grouped GEMM) keep a dense copy of the weight for the
 backward pass."""
 
+import re
+
 import pytest
 import torch
 
@@ -200,10 +202,11 @@ def test_fp8_routed_experts_take_the_grouped_kernel_and_equal_the_dequantised_ru
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         ours = run(fp8)
         torch.cuda.synchronize()
-    launches = [e.name for e in prof.events() if "fp8_grouped_kernel" in e.name]
-    assert sum("<false>" in n for n in launches) == 2 and sum("<true>" in n for n in launches) == 2, launches
-    counts = torch.bincount(ours[2].flatten(), minlength=E).cpu()
+    launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]  # <forward or transposed, its tile>
+    assert sum("<false" in n for n in launches) == 2 and sum("<true" in n for n in launches) == 2, launches
     rows, cols = (int(n) for n in tile.split("x"))
+    assert all(re.search(rf"Shape<{rows},\s*{cols}>", n) for n in launches), launches  # the tile asked for
+    counts = torch.bincount(ours[2].flatten(), minlength=E).cpu()
     assert counts[none] == 0 and (counts % rows != 0).any(), counts
     tiles = int(((counts + rows - 1) // rows).sum()) * -(-inter // cols)  # the fewest of the four launches (N = 256)
     assert tiles > torch.cuda.get_device_properties(0).multi_processor_count, tiles
