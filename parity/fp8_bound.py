@@ -160,7 +160,7 @@ def assert_within(actual: torch.Tensor, bound: Bounded, name: str) -> float:
         worst = int(torch.where(bad, ratio.nan_to_num(nan=float("inf")), torch.zeros_like(ratio)).argmax())
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
         raise AssertionError(
-            f"{name}: {int(bad.sum())} of {err.numel()} elements outside the FP8 path (a) bound; worst at {idx}: "
+            f"{name}: {int(bad.sum())} of {err.numel()} elements outside its bound; worst at {idx}: "
             f"actual={actual.reshape(-1)[worst].item():.9g} truth={bound.value.reshape(-1)[worst].item():.9g} "
             f"|error|={err.reshape(-1)[worst].item():.3g} bound={bound.err.reshape(-1)[worst].item():.3g}")
     return float(ratio.max())

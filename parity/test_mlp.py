@@ -13,7 +13,7 @@ import torch
 from parity.fp8_bound import (Bounded, add, assert_within, bf16_matmul, fp32_reductions, fp8_linear, mul, silu,
                                silu_backward)
 from v4train.models.glm5.moe import Glm5MoeWeights
-from v4train.ops import OPS
+from v4train.ops import OPS, REFERENCE
 from v4train.reference.lora import Linear, dequantize_fp8, quantize_fp8
 from v4train.reference.mlp import MlpWeights
 from v4train.reference.moe import ExpertsWeights
@@ -106,8 +106,9 @@ def _saved_bytes(call) -> int:
 
 def _quantised(shapes: dict, gen, device="cpu", blocks_apart=False) -> tuple[dict, dict]:
     """({name: FP8 Linear}, {name: the same weights dequantised, bf16 Linear}); blocks_apart: each
-    128 x 128 block (of each expert) times its own power of two, 1/8 to 8, so that a scale taken
-    from the wrong block is far off (N(0, 1) blocks' scales differ by a few percent)."""
+    128 x 128 block (of each expert) times a power of two, 1/8 to 8, other than its neighbours'
+    along each axis, so that a scale taken from the next block is far off (N(0, 1) blocks' scales
+    differ by a few percent)."""
     fp8, dense = {}, {}
     for name, shape in shapes.items():
         w = torch.randn(shape, generator=gen) * 0.05
@@ -167,50 +168,46 @@ def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-@pytest.mark.parametrize("tile", ["128x256", "256x128"])
-def test_fp8_routed_experts_take_the_grouped_kernel_and_equal_the_dequantised_run(tile, monkeypatch):
-    """On CUDA the routed experts' FP8 products run in cc/common/fp8_grouped.cu both ways, the
-    weight dequantised tile by tile inside the GEMM: here with experts of many row tiles, the last
-    partial, an expert in the middle that gets no row, sums over three scale blocks (hidden 384)
-    whose scales lie far apart, outputs of 384 columns (the down map's forward, the gate_up map's
-    backward: one and a half of the wide tile's 256), and more tiles than multiprocessors (each
-    persistent block takes several in turn). The output and x's gradient equal the run on the
-    weights dequantised on load (cuBLAS's grouped GEMM) at the bf16 tolerance: the same products up
-    to the order of their sums. The profile shows that the kernel ran, both ways, for both maps (a
-    kernel that declined would leave the dequantised path to pass alone). Both tile shapes (rows x
-    columns a block)."""
-    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
+def test_fp8_routed_experts_on_cuda_take_the_grouped_kernel_and_equal_the_dequantised_run():
+    """On CUDA v4_glm5_moe's routed experts multiply their FP8 weights in cc/common/fp8_grouped.cu
+    both ways (parity/test_fp8_linear.py holds that kernel alone to its bound): the profile shows
+    it for both maps, forward and backward. The output and x's gradient equal the run on the weights
+    dequantised on load (cuBLAS's grouped GEMM) as the parity judge has it, against the float64
+    truth on the same routing: the two sum in other orders, and the MoE's cancellations turn a few
+    elements' last-bit differences into more than the bf16 tolerance (compare.assert_close's truth
+    rule). Hidden 384 (three scale blocks along the sum), blocks of scales far apart, an expert in
+    the middle with no row."""
     gen = torch.Generator().manual_seed(3)
-    E, H, inter, tokens, top_k, none = 6, 384, 256, 8000, 3, 2
+    E, H, inter, tokens, top_k, none = 6, 384, 256, 2000, 3, 2
     fp8, dense = _quantised({"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}, gen, "cuda",
                             blocks_apart=True)
-    shared = MlpWeights(**{n: Linear((torch.randn(s, generator=gen) * 0.05).to("cuda", torch.bfloat16)) for n, s in
-                           {"gate_proj": (64, H), "up_proj": (64, H), "down_proj": (H, 64)}.items()})
-    gate = (torch.randn(E, H, generator=gen) * H**-0.5).cuda()  # scores of unit spread: no ties at 1
-    bias = torch.zeros(E, device="cuda")
+    shared = {n: torch.randn(s, generator=gen) * 0.05 for n, s in
+              {"gate_proj": (64, H), "up_proj": (64, H), "down_proj": (H, 64)}.items()}
+    gate = torch.randn(E, H, generator=gen) * H**-0.5  # scores of unit spread: no ties at 1
+    bias = torch.zeros(E)
     bias[none] = -1e4  # never chosen
-    x0 = torch.randn(tokens, H, generator=gen).to("cuda", torch.bfloat16)
-    dout = torch.randn(tokens, H, generator=gen).to("cuda", torch.bfloat16)
+    x0 = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+    dout = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
 
-    def run(experts):
-        x = x0.clone().requires_grad_()
-        out, routing = OPS["v4_glm5_moe"].cpp()(x, Glm5MoeWeights(gate, bias, ExpertsWeights(**experts), shared),
-                                                 top_k, 1, 1, True, 1.0)
-        (grad,) = torch.autograd.grad(out, x, dout)
-        return out, grad, routing
+    def run(fn, experts, dtype, device, routing=None):
+        x = x0.to(device, dtype).requires_grad_()
+        weights = Glm5MoeWeights(gate.to(device, torch.float32 if dtype == torch.bfloat16 else dtype), bias.to(device),
+                                 ExpertsWeights(**experts),
+                                 MlpWeights(**{n: Linear(w.to(device, dtype)) for n, w in shared.items()}))
+        out, idx = fn(x, weights, top_k, 1, 1, True, 1.0, 0.0, 0.0, routing)
+        (grad,) = torch.autograd.grad(out, x, dout.to(device, dtype))
+        return out, grad, idx
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        ours = run(fp8)
+        ours = run(OPS["v4_glm5_moe"].cpp(), fp8, torch.bfloat16, "cuda")
         torch.cuda.synchronize()
-    launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]  # <forward or transposed, its tile>
-    assert sum("<false" in n for n in launches) == 2 and sum("<true" in n for n in launches) == 2, launches
-    rows, cols = (int(n) for n in tile.split("x"))
-    assert all(re.search(rf"Shape<{rows},\s*{cols}>", n) for n in launches), launches  # the tile asked for
-    counts = torch.bincount(ours[2].flatten(), minlength=E).cpu()
-    assert counts[none] == 0 and (counts % rows != 0).any(), counts
-    tiles = int(((counts + rows - 1) // rows).sum()) * -(-inter // cols)  # the fewest of the four launches (N = 256)
-    assert tiles > torch.cuda.get_device_properties(0).multi_processor_count, tiles
-    theirs = run(dense)
+    launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]
+    assert sorted(re.search(r"fp8_grouped_kernel<(true|false)", n).group(1) for n in launches) == \
+        ["false", "false", "true", "true"], launches
+    assert torch.bincount(ours[2].flatten(), minlength=E)[none] == 0
+    theirs = run(OPS["v4_glm5_moe"].cpp(), dense, torch.bfloat16, "cuda")
+    exact = {n: Linear(dequantize_fp8(w.weight, w.weight_scale_inv, torch.float64).cpu()) for n, w in fp8.items()}
+    truth = run(REFERENCE["v4_glm5_moe"], exact, torch.float64, "cpu", routing=ours[2].cpu())
     assert torch.equal(ours[2], theirs[2])
-    assert_close(ours[0], theirs[0], "output")
-    assert_close(ours[1], theirs[1], "gradient of x")
+    assert_close(ours[0], theirs[0], "output", truth=truth[0])
+    assert_close(ours[1], theirs[1], "gradient of x", truth=truth[1])

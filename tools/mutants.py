@@ -46,8 +46,8 @@ class Mutation:
 SPARSE_CUDA = ("parity/test_mla_dsa_attention.py", "-k", "cuda and (alone or widths)")
 # The delta rule's kernels: the op's CUDA cases, Qwen3.5's widths over document and chunk boundaries among them.
 DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--op=v4_gated_delta_rule", "-k", "cuda")
-# The routed experts' FP8 kernel (cc/common/fp8_grouped.cu, in every module; v4_glm5_moe's test).
-FP8_GROUPED_CUDA = ("parity/test_mlp.py", "-k", "grouped_kernel")
+# The routed experts' FP8 kernel (cc/common/fp8_grouped.cu, in every module) alone, both tiles.
+FP8_GROUPED_CUDA = ("parity/test_fp8_linear.py", "-k", "experts_fp8_kernel")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -233,18 +233,21 @@ MUTATIONS = (
              "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
              "first half's block", "cc/common/fp8_grouped.cu", "const int n = n0 / kScaleBlock + h;",
-             "const int n = n0 / kScaleBlock;", FP8_GROUPED_CUDA, cuda=True, module="v4_glm5_moe"),
+             "const int n = n0 / kScaleBlock;", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_last_row_dropped", "the experts' FP8 kernel reads each expert's last row of x as zeros",
              "cc/common/fp8_grouped.cu", "a.x, row < tile.end);", "a.x, row < tile.end - 1);", FP8_GROUPED_CUDA,
-             cuda=True, module="v4_glm5_moe"),
+             cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_backward_read_k_major", "backward only: the experts' FP8 kernel reads the weight's tile "
              "K-major where it lies MN-major (W^T's tile for W's)", "cc/common/fp8_grouped.cu",
              "wgmma::mma<__nv_bfloat16, BN, 0, Transposed ? 1 : 0>(",
              "wgmma::mma<__nv_bfloat16, BN, 0, 0>(", FP8_GROUPED_CUDA,
-             cuda=True, module="v4_glm5_moe"),
+             cuda=True, module="v4_linear_test"),
+    Mutation("fp8_grouped_tall_rows_once", "the experts' FP8 kernel, 256-row tile: each warpgroup's second "
+             "product reads its first's 64 rows of x", "cc/common/fp8_grouped.cu", "wgmma::desc128(x_tile + u * 8192 +",
+             "wgmma::desc128(x_tile +", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_last_step_dropped", "the experts' FP8 kernel leaves the last 64 of each sum out",
              "cc/common/fp8_grouped.cu", "steps = K / kBK;", "steps = K / kBK - 1;", FP8_GROUPED_CUDA, cuda=True,
-             module="v4_glm5_moe"),
+             module="v4_linear_test"),
 )
 
 

@@ -38,8 +38,8 @@ constexpr int kThreads = 384;     // warpgroups 0, 1: the products; 2: the copie
 // A block's tile: BM rows of x (BM / 2 a multiplying warpgroup, in products of 64 rows) by BN
 // output columns. 128 x 256 or 256 x 128: 128 accumulators a thread either way; the second
 // converts half the weights a step for the same products (the copies' conversions are most of
-// their instructions), and its products read the weight tile twice (a sixth more shared-memory
-// traffic a step).
+// their instructions), and its products read the weight tile twice (a fifth more shared-memory
+// reads a step).
 template <int BM_, int BN_>
 struct Shape {
   static constexpr int BM = BM_, BN = BN_, kSub = BM / 128;  // products of 64 rows a warpgroup

@@ -52,7 +52,8 @@ struct Fp8Linear {
 };
 
 // The device kernel of the routed experts' product on FP8 weights (cc/common/fp8_grouped.cu on
-// CUDA): each row of x (bf16, grouped by expert; offsets [E] int32, the end of each expert's rows)
+// CUDA): each row of x (bf16, grouped by expert; offsets [E] int32, the end of each expert's rows,
+// the last one x's row count, as dispatch() makes them)
 // times its expert's weight [E, out, in] with its 128 x 128 scales: x W_e^T, or x W_e where
 // `transposed` (the backward); the weight dequantised tile by tile inside the GEMM to the values
 // dense_weight gives, so the product is dequantise-then-grouped-GEMM's up to the order of its sums.
