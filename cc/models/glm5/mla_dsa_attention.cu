@@ -1315,8 +1315,9 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Te
               "indexer_scores: bfloat16 or float16 expected, got ", q.scalar_type());
   with_type(q, [&](auto type) {
     using T = decltype(type);
-    wgmma::launch(indexer_scores_kernel<T>, grid, kThreads, smem, stream, reinterpret_cast<const T*>(q.const_data_ptr()),
-                  q.stride(0), reinterpret_cast<const T*>(k.const_data_ptr()), k.stride(0), wc.const_data_ptr<float>(),
+    wgmma::launch(indexer_scores_kernel<T>, grid, kThreads, smem, stream,
+                  reinterpret_cast<const T*>(q.const_data_ptr()), q.stride(0),
+                  reinterpret_cast<const T*>(k.const_data_ptr()), k.stride(0), wc.const_data_ptr<float>(),
                   out.mutable_data_ptr<float>(), B, Nk, n, d, first, float(scale), vec);
   });
   return out;

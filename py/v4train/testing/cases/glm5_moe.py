@@ -72,7 +72,8 @@ def _bench_fp8(device, dtype):
     for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
         w[name], w[scale_name(name)] = quantize_fp8(w[name].detach())
     x = torch.randn(4096, 6144, device=device, dtype=dtype, requires_grad=True)
-    return "the same, routed experts FP8 (frozen)", (x, bind(Glm5MoeWeights, w, "mlp."), 8, 1, 1, True, 2.5, 0.0, 0.0, None)
+    return "the same, routed experts FP8 (frozen)", (x, bind(Glm5MoeWeights, w, "mlp."), 8, 1, 1, True, 2.5, 0.0, 0.0,
+                                                     None)
 
 
 def _weights(E=4, H=8, I=6, **replaced):
