@@ -94,7 +94,8 @@ __device__ Tile find_tile(const Args& a, int tile) {
 }
 
 // 16 FP8 weights (one 16-byte piece) times their scale in fp32, each rounded once to bf16 (fp8.cu's
-// dequantisation, value for value; e4m3 -> half is exact): weights 0-7 in lo, 8-15 in hi.
+// dequantisation, value for value; e4m3 -> half is exact): weights 0-7 in lo, 8-15 in hi. (Unused
+// where the kernels compile empty, for devices without wgmma.)
 [[maybe_unused]] __device__ __forceinline__ void dequantize16(const uint4& v, float s, uint4& lo, uint4& hi) {
   const uint32_t in[4] = {v.x, v.y, v.z, v.w};
   uint32_t out[8];
