@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import v4_linear_test
-from parity.fp8_bound import BLOCK, Bounded, assert_within, bf16_matmul, fp8_linear
+from parity.fp8_bound import BLOCK, Bounded, assert_within, bf16_matmul, blocks_of_sizes, fp8_linear
 from v4train.reference.lora import FP8_MAX, Linear, dequantize_fp8, quantize_fp8
 
 # ("cuda" in the names: the CPU suite on a GPU machine deselects them with -k "not cuda", as parity does.)
@@ -46,21 +46,12 @@ def activations(m: int, k: int, gen: torch.Generator, signed: bool) -> torch.Ten
     return (x if signed else x.abs()).to(torch.bfloat16)
 
 
-def weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 weight [n, k] and its 128 x 128 scales, quantised as the checkpoints are, its blocks
-    of different sizes."""
-    w = torch.randn(n, k, generator=gen) * 0.05
-    w *= (2.0 ** torch.randint(-3, 4, (n // BLOCK, k // BLOCK), generator=gen)).repeat_interleave(
-        BLOCK, 0).repeat_interleave(BLOCK, 1)
-    return quantize_fp8(w)
-
-
 @CUDA
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "nonnegative"])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_the_fp8_path_on_cuda_is_within_its_bound_of_the_truth(m, k, n, signed):
     gen = torch.Generator().manual_seed(m * 7 + k * 3 + n + signed)
-    q, scale = weight(n, k, gen)
+    q, scale = blocks_of_sizes((n, k), gen)
     x = activations(m, k, gen, signed).cuda()
     q, scale = q.cuda(), scale.cuda()
     y = v4_linear_test.linear(x, Linear(q, scale))
@@ -76,7 +67,7 @@ def test_the_fp8_path_on_cuda_keeps_the_leading_dimensions_and_its_adapter():
     """x [2, 5, K] (a view, not contiguous in its rows) with a LoRA adapter: the adapter's term on
     top of path (a), within the same bound plus the adapter's bf16 rounding."""
     gen = torch.Generator().manual_seed(3)
-    q, scale = weight(256, 384, gen)
+    q, scale = blocks_of_sizes((256, 384), gen)
     base = activations(10, 768, gen, True).cuda()
     x = base[:, :384].reshape(2, 5, 384)  # rows 768 apart
     a = (torch.randn(4, 384, generator=gen) * 0.05).to(torch.bfloat16).cuda()
@@ -131,7 +122,7 @@ def test_the_bound_fails_a_wrong_fp8_path(mutation, signed):
     gen = torch.Generator().manual_seed(11)
     m, k, n = 256, 512, 256
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    q, scale = (t.to(device) for t in weight(n, k, gen))
+    q, scale = (t.to(device) for t in blocks_of_sizes((n, k), gen))
     x = activations(m, k, gen, signed).to(device)
     bound = fp8_linear(Bounded.exact(x), q, scale)
     assert_within(_emulated(x, q, scale, "none"), bound, "the right emulation")
@@ -143,11 +134,6 @@ def test_the_bound_fails_a_wrong_fp8_path(mutation, signed):
 # shape), weights [5, 512, 384] (outputs of 512 and, backward, 384 columns: one and a half of the
 # wide tile's 256).
 COUNTS, OUT, IN = [3000, 0, 1, 129, 9000], 512, 384
-
-
-def _experts(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    qs, scales = zip(*(weight(OUT, IN, gen) for _ in COUNTS))
-    return torch.stack(qs), torch.stack(scales)
 
 
 def _grouped_bound(x: torch.Tensor, w: torch.Tensor) -> Bounded:
@@ -177,7 +163,7 @@ def test_the_bf16_product_bound_fails_a_wrong_experts_kernel(mutation):
     """The right emulation of the experts' kernel keeps the bound; each wrong one breaks it (its
     CUDA mutations, tools/mutants.py, make the same mistakes in the kernel)."""
     gen = torch.Generator().manual_seed(13)
-    q, scale = _experts(gen)
+    q, scale = blocks_of_sizes((len(COUNTS), OUT, IN), gen)
     x = activations(sum(COUNTS), IN, gen, signed=True)
     bound = _grouped_bound(x, dequantize_fp8(q, scale, torch.float64).transpose(1, 2))
     assert_within(_grouped_emulated(x, q, scale, "none"), bound, "the right emulation")
@@ -197,7 +183,7 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
     pass alone)."""
     monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
     gen = torch.Generator().manual_seed(17)
-    q, scale = _experts(gen)
+    q, scale = blocks_of_sizes((len(COUNTS), OUT, IN), gen)
     x = activations(sum(COUNTS), IN, gen, signed=True).cuda().requires_grad_()
     dy = activations(sum(COUNTS), OUT, gen, signed=True).cuda()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

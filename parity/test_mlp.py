@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from parity.fp8_bound import (Bounded, add, assert_within, bf16_matmul, fp32_reductions, fp8_linear, mul, silu,
-                               silu_backward)
+from parity.fp8_bound import (Bounded, add, assert_within, bf16_matmul, blocks_of_sizes, fp32_reductions, fp8_linear, mul,
+                               silu, silu_backward)
 from v4train.models.glm5.moe import Glm5MoeWeights
 from v4train.ops import OPS, REFERENCE
 from v4train.reference.lora import Linear, dequantize_fp8, quantize_fp8
@@ -104,20 +104,15 @@ def _saved_bytes(call) -> int:
     return sum(total)
 
 
-def _quantised(shapes: dict, gen, device="cpu", blocks_apart=False) -> tuple[dict, dict]:
-    """({name: FP8 Linear}, {name: the same weights dequantised, bf16 Linear}); blocks_apart: each
-    128 x 128 block (of each expert) times a power of two, 1/8 to 8, other than its neighbours'
-    along each axis, so that a scale taken from the next block is far off (N(0, 1) blocks' scales
-    differ by a few percent)."""
+def _quantised(shapes: dict, gen, device="cpu", block_sizes=False) -> tuple[dict, dict]:
+    """({name: FP8 Linear}, {name: the same weights dequantised, bf16 Linear}); with block_sizes,
+    each 128 x 128 block of its own size (fp8_bound.blocks_of_sizes)."""
     fp8, dense = {}, {}
     for name, shape in shapes.items():
-        w = torch.randn(shape, generator=gen) * 0.05
-        if blocks_apart:
-            idx = [torch.arange(n) // (1 if d < len(shape) - 2 else 128) for d, n in enumerate(shape)]
-            place = sum(k * i.view([-1 if d == j else 1 for j in range(len(shape))]) for d, (k, i) in
-                        enumerate(zip((1, 3, 5), idx)))
-            w = w * 2.0 ** (place % 7 - 3)
-        q, scale = quantize_fp8(w)
+        if block_sizes:
+            q, scale = blocks_of_sizes(shape, gen)
+        else:
+            q, scale = quantize_fp8(torch.randn(shape, generator=gen) * 0.05)
         fp8[name] = Linear(q.to(device), scale.to(device))
         dense[name] = Linear(dequantize_fp8(q, scale, torch.bfloat16).to(device))
     return fp8, dense
@@ -175,12 +170,12 @@ def test_fp8_routed_experts_on_cuda_take_the_grouped_kernel_and_equal_the_dequan
     dequantised on load (cuBLAS's grouped GEMM) as the parity judge has it, against the float64
     truth on the same routing: the two sum in other orders, and the MoE's cancellations turn a few
     elements' last-bit differences into more than the bf16 tolerance (compare.assert_close's truth
-    rule). Hidden 384 (three scale blocks along the sum), blocks of scales far apart, an expert in
+    rule). Hidden 384 (three scale blocks along the sum), blocks of different sizes, an expert in
     the middle with no row."""
     gen = torch.Generator().manual_seed(3)
     E, H, inter, tokens, top_k, none = 6, 384, 256, 2000, 3, 2
     fp8, dense = _quantised({"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}, gen, "cuda",
-                            blocks_apart=True)
+                            block_sizes=True)
     shared = {n: torch.randn(s, generator=gen) * 0.05 for n, s in
               {"gate_proj": (64, H), "up_proj": (64, H), "down_proj": (H, 64)}.items()}
     gate = torch.randn(E, H, generator=gen) * H**-0.5  # scores of unit spread: no ties at 1
