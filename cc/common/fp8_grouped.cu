@@ -5,11 +5,12 @@
 // FP8 step, most of it the experts (docs/benchmarks.md). One kernel both ways: y = x W_e^T (the
 // forward) and dx = dy W_e (the backward, the same tile read transposed by the product's
 // descriptor). Warpgroups 0 and 1 multiply (wgmma, bf16 operands, fp32 accumulators; half the
-// tile's rows each); warpgroup 2 copies x's tiles (cp.async) and turns the weight's bytes into bf16 in a ring
-// of kStages stages, each value float(w) * scale in fp32 rounded once, as fp8.cu does: the
-// products are dequantise-then-grouped-GEMM's up to the order of their sums. (A second copying
-// warpgroup would leave 128 registers a thread at the launch, too few for the products' m64n256
-// instruction: ptxas refuses it below 154.)
+// tile's rows each); in warpgroup 2 one thread has x's tiles copied by TMA and all turn the weight's
+// bytes into bf16, in a ring of kStages stages, each value float(w) * scale in fp32 rounded once, as
+// fp8.cu does: the products are dequantise-then-grouped-GEMM's up to the order of their sums. The
+// copying warps bound the kernel (ncu, 2026-12-05: the products waited on them three quarters of the
+// time while x's copies and the addresses were over half their instructions); so x goes by TMA and
+// every address a step is its first plus a constant.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -51,9 +52,8 @@ struct Shape {
 using Wide = Shape<128, 256>;
 using Tall = Shape<256, 128>;
 
+// x [rows, K], rows grouped by expert, comes as a TMA map (wgmma::tensor_map_sw128: boxes of BM x 64).
 struct Args {
-  const __nv_bfloat16* x;  // [rows, K], rows grouped by expert
-  int64_t ldx;
   const uint8_t* w;        // [E, out, in] row-major
   const float* scale;      // [E, out / 128, in / 128]
   const int* offsets;      // [E]: the end of each expert's rows
@@ -149,13 +149,24 @@ template <bool Transposed, int BN>
 __device__ __forceinline__ int piece_offset(int r, int c) {
   return Transposed ? wgmma::sw128_offset<kBK>(r, c) : wgmma::sw128_offset<BN>(r, c);
 }
+// Piece i's distance from piece 0 (of a copying thread p < 128): forward, 32 i rows on; transposed,
+// 32 (i % 2) rows and 64 (i / 2) columns on. In the weight's bytes (rows `in` apart), and in the
+// tile's swizzled bytes (neither moves a row's place in its group of 8 or a chunk's in its 64 columns).
+template <bool Transposed>
+__device__ __forceinline__ int64_t piece_step(int i, int in) {
+  return Transposed ? int64_t(32 * (i % 2)) * in + 64 * (i / 2) : int64_t(32 * i) * in;
+}
+template <bool Transposed>
+__device__ __forceinline__ constexpr int piece_smem(int i) {
+  return Transposed ? 32 * 128 * (i % 2) + kBK * 128 * (i / 2) : 32 * 128 * i;
+}
 
 // A persistent block (as many as the multiprocessors): tiles blockIdx.x, + gridDim.x, .. of the
 // (row tile, column tile) grid, column tiles fastest, so that the blocks at work at once share a
 // few row tiles of x and one expert's weight through L2. The copies run on into the next tile
 // while the products write the last one out.
 template <bool Transposed, class S>
-__global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_constant__ CUtensorMap x_map, const Args a) {
 #if defined(V4_HAS_WGMMA)
   constexpr int BM = S::BM, BN = S::BN;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -164,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) 
   uint64_t* empty = full + kStages;                                               // its products are done
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      wgmma::bar_init(full + s, 256);  // 128 threads' copies landed + their 128 arrivals
+      wgmma::bar_init(full + s, 129);  // the copying threads' 128 arrivals + x's TMA (its bytes landed)
       wgmma::bar_init(empty + s, 256);
     }
     wgmma::bar_init_fence();
@@ -178,53 +189,49 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const Args a) 
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
 
   if (wg == 2) {  // ---- the copies and the dequantisation
+    // Thread p's piece i of a step lies piece_step(i) bytes on in the weight from its piece 0, and
+    // piece_smem(i) bytes on in the stage's weight tile (both the same every step and tile).
     const int p = threadIdx.x % 128, scale_cols = a.in / kScaleBlock;
+    int r0, c0;
+    piece<Transposed>(p, r0, c0);
+    const int lo0 = piece_offset<Transposed, BN>(r0, c0), hi0 = piece_offset<Transposed, BN>(r0, c0 + 8);
+    const int64_t w_step = Transposed ? int64_t(kBK) * a.in : kBK;  // a step's move in the weight
+    const int s_step = Transposed ? scale_cols : 1, s_half = Transposed ? 1 : scale_cols;  // in the scales
     int it = 0;  // steps so far, over every tile: the ring's position and phase
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       const Tile tile = find_tile<BM>(a, t / col_tiles);
-      const int n0 = t % col_tiles * BN, halves = min(S::kHalves, (N - n0) / kScaleBlock);  // the rest: zeros
-      const uint8_t* w = a.w + int64_t(tile.expert) * a.out * a.in;
-      const float* scale = a.scale + int64_t(tile.expert) * (a.out / kScaleBlock) * scale_cols;
+      // The tile's scale blocks past the weight's last column (halves..) are not read: their columns'
+      // products are never written out.
+      const int n0 = t % col_tiles * BN, halves = min(S::kHalves, (N - n0) / kScaleBlock);
+      const int64_t expert = int64_t(tile.expert) * a.out * a.in;
+      const uint8_t* w = a.w + expert + (Transposed ? int64_t(r0) * a.in + n0 + c0 : int64_t(n0 + r0) * a.in + c0);
+      const float* scale = a.scale + expert / (kScaleBlock * kScaleBlock) + n0 / kScaleBlock * s_half;
       const auto fetch = [&](Pieces<S>& f, int step) {
-        const int k0 = step * kBK;
+        const uint8_t* ws = w + step * w_step;
+        const float* ss = scale + step * kBK / kScaleBlock * s_step;
 #pragma unroll
-        for (int h = 0; h < S::kHalves; ++h) {
-          const int n = n0 / kScaleBlock + h;
-          f.s[h] = h < halves ? __ldg(scale + (Transposed ? k0 / kScaleBlock * scale_cols + n
-                                                           : n * scale_cols + k0 / kScaleBlock))
-                              : 0.0f;
-        }
+        for (int h = 0; h < S::kHalves; ++h)
+          if (h < halves) f.s[h] = __ldg(ss + h * s_half);
 #pragma unroll
-        for (int i = 0; i < S::kPieces; ++i) {
-          int r, c;
-          piece<Transposed>(p + 128 * i, r, c);
-          const int wr = Transposed ? k0 + r : n0 + r, wc = Transposed ? n0 + c : k0 + c;  // the weight's row, column
-          f.v[i] = i / 4 < halves ? __ldg(reinterpret_cast<const uint4*>(w + int64_t(wr) * a.in + wc))
-                                  : make_uint4(0, 0, 0, 0);
-        }
+        for (int i = 0; i < S::kPieces; ++i)
+          if (i / 4 < halves) f.v[i] = __ldg(reinterpret_cast<const uint4*>(ws + piece_step<Transposed>(i, a.in)));
       };
       const auto put = [&](const Pieces<S>& f, int step) {
-        const int slot = it % kStages, k0 = step * kBK;
+        const int slot = it % kStages;
         wgmma::bar_wait(empty + slot, ((it / kStages) & 1) ^ 1);
         ++it;
         unsigned char* x_tile = smem + slot * S::kStageBytes;
-        // x's rows first + p / 8 + 16 i (zeros past the expert's last), their 16-byte chunk p % 8.
-#pragma unroll
-        for (int i = 0; i < BM * 8 / 128; ++i) {
-          const int r = p / 8 + 16 * i, row = tile.first + r;
-          wgmma::cp_async16(x_tile + wgmma::sw128_offset<BM>(r, 8 * (p % 8)),
-                            row < tile.end ? a.x + int64_t(row) * a.ldx + k0 + 8 * (p % 8) : a.x, row < tile.end);
+        if (p == 0) {  // x's rows first.. (past the expert's last: the next one's, or zeros), by TMA
+          wgmma::bar_arrive_expect(full + slot, S::kXTile);
+          wgmma::tma_load_2d(x_tile, &x_map, step * kBK, tile.first, full + slot);
         }
-        wgmma::bar_arrive_copies(full + slot);
         unsigned char* w_tile = x_tile + S::kXTile;
 #pragma unroll
         for (int i = 0; i < S::kPieces; ++i) {
-          int r, c;
-          piece<Transposed>(p + 128 * i, r, c);
           uint4 lo, hi;
           dequantize16(f.v[i], f.s[i / 4], lo, hi);
-          *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed, BN>(r, c)) = lo;
-          *reinterpret_cast<uint4*>(w_tile + piece_offset<Transposed, BN>(r, c + 8)) = hi;
+          *reinterpret_cast<uint4*>(w_tile + lo0 + piece_smem<Transposed>(i)) = lo;
+          *reinterpret_cast<uint4*>(w_tile + hi0 + piece_smem<Transposed>(i)) = hi;
         }
         wgmma::fence_shared();  // the stores, seen by the products' reads
         wgmma::bar_arrive(full + slot);
@@ -323,8 +330,8 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
   const int64_t E = weight.size(0), rows = x.size(0), N = out.size(1);
   const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
   const at::Tensor xs = dense16(x);
-  const Args a{reinterpret_cast<const __nv_bfloat16*>(xs.const_data_ptr()), xs.stride(0),
-               static_cast<const uint8_t*>(w.const_data_ptr()), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
+  const CUtensorMap x_map = wgmma::tensor_map_sw128(xs.const_data_ptr(), rows, xs.size(1), xs.stride(0), S::BM);
+  const Args a{static_cast<const uint8_t*>(w.const_data_ptr()), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
                reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(weight.size(1)),
                int(weight.size(2))};
   // One block a multiprocessor, or one a tile where there are fewer (at most rows / BM + E row tiles).
@@ -333,8 +340,8 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
   const int64_t tiles = ((rows + S::BM - 1) / S::BM + E) * ((N + S::BN - 1) / S::BN);
   const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (transposed) wgmma::launch(fp8_grouped_kernel<true, S>, grid, kThreads, S::kSmem, stream, a);
-  else wgmma::launch(fp8_grouped_kernel<false, S>, grid, kThreads, S::kSmem, stream, a);
+  if (transposed) wgmma::launch(fp8_grouped_kernel<true, S>, grid, kThreads, S::kSmem, stream, x_map, a);
+  else wgmma::launch(fp8_grouped_kernel<false, S>, grid, kThreads, S::kSmem, stream, x_map, a);
 }
 
 bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -35,6 +36,29 @@ inline bool capable(int device, size_t smem) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   return major == 9 && minor == 0 && smem <= size_t(max_smem(device));
+}
+
+// The tensor-memory-accelerator map (TMA, PTX ISA 9.7.9.25) of a row-major bf16 matrix [rows, cols]
+// (row stride ld elements, 16-byte aligned) whose loads (tma_load_2d) copy boxes of box_rows rows x 64
+// columns, 128 bytes a row, into sw128_offset's layout; rows past the end land as zeros. The driver's
+// encoder is found through the runtime, so nothing links libcuda.
+inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(fn != nullptr && found == cudaDriverEntryPointSuccess, "the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(ld) * 2};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, unit[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") on a [", rows, ", ", cols,
+              "] bf16 matrix of row stride ", ld, " in boxes of ", box_rows, " x 64");
+  return map;
 }
 
 // kernel<<<grid, threads, smem, stream>>>(args...), its dynamic shared memory allowed up to smem.
@@ -243,6 +267,19 @@ __device__ __forceinline__ void bar_arrive(uint64_t* bar) {
 // The barrier counts one arrival when all of this thread's earlier cp.async copies have landed.
 __device__ __forceinline__ void bar_arrive_copies(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(saddr(bar)) : "memory");
+}
+// One arrival that also tells the barrier to wait for `bytes` more bytes of asynchronous copies (TMA).
+__device__ __forceinline__ void bar_arrive_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(saddr(bar)), "r"(bytes) : "memory");
+}
+// The box of `map` at (col, row) copied to shared `dst` (1,024-byte aligned for the swizzle); its
+// bytes counted off `bar` as they land.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int col, int row, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          saddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(saddr(bar))
+      : "memory");
 }
 // Waits until the barrier's phase of parity `parity` has completed (the phases alternate 0, 1, 0..;
 // a fresh barrier counts the phase before its first, of parity 1, as complete).
