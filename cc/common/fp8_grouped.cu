@@ -314,12 +314,15 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
 #endif
 }
 
-// The tile: 128 x 256 (Wide) unless V4TRAIN_FP8_GROUPED_TILE=256x128 (Tall), read at each call, so
-// that one process can time both (tools/benchmark.py's FP8 case of v4_glm5_moe) until the GPU says
-// which to keep.
-bool tall() {
+// The tile: 128 x 256 (Wide) unless V4TRAIN_FP8_GROUPED_TILE=256x128 (Tall); "off" leaves the
+// experts to the dequantise-then-grouped-GEMM path. Read at each call, so that one process can time
+// all three (tools/benchmark.py's FP8 case of v4_glm5_moe, the FP8 proxy) until the GPU says which to
+// keep.
+enum class Choice { kWide, kTall, kOff };
+Choice tile_choice() {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
-  return v != nullptr && std::string_view(v) == "256x128";
+  const std::string_view s = v == nullptr ? "" : v;
+  return s == "256x128" ? Choice::kTall : s == "off" ? Choice::kOff : Choice::kWide;
 }
 
 template <class S>
@@ -359,8 +362,9 @@ bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at
   if (scale.device() != x.device() || scale.dim() != 3 || scale.size(0) != E || scale.size(1) != w_out / kScaleBlock ||
       scale.size(2) != w_in / kScaleBlock)
     return false;
-  const bool use_tall = tall();
-  if (!wgmma::capable(x.get_device(), use_tall ? Tall::kSmem : Wide::kSmem)) return false;
+  const Choice choice = tile_choice();
+  const bool use_tall = choice == Choice::kTall;
+  if (choice == Choice::kOff || !wgmma::capable(x.get_device(), use_tall ? Tall::kSmem : Wide::kSmem)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
   out = at::empty({rows, N}, x.options());
   if (use_tall) launch<Tall>(x, weight, scale, offsets, transposed, out);
