@@ -194,8 +194,9 @@ MUTATIONS = (
     Mutation("delta_rule_planes_chunk_decay_one_percent_off", "backward only: the bf16 kernels' chunk decay "
              "gradient (state_grads' dot of h and d_state) 1% large: g's gradient some 0.6% off, inside judge's bf16 "
              "bound, caught along its path by judge_path", "cc/ops/gated_delta_rule.cu",
-             "every tile is in)\n  if (threadIdx.x == 0) p.dgamma[head] = dot;",
-             "every tile is in)\n  if (threadIdx.x == 0) p.dgamma[head] = 1.01f * dot;", DELTA_RULE_CUDA, cuda=True),
+             "  dot = block_sum(dot, m.scratch);\n  if (threadIdx.x == 0) p.dgamma[head] = dot;",
+             "  dot = block_sum(dot, m.scratch);\n  if (threadIdx.x == 0) p.dgamma[head] = 1.01f * dot;",
+             DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_beta_gradient_through_a", "backward only: beta's gradient through A = beta (K K^T * L) "
              "dropped (beta's alone wrong)", "cc/ops/gated_delta_rule.cu",
              "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;", "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk;",
@@ -220,23 +221,32 @@ MUTATIONS = (
     Mutation("delta_rule_intra_planes_rk_by_row", "intra_grads on planes: dPL's planes for q's gradient scaled by "
              "the row's key norm (r_k of i) instead of the column's (of j)", "cc/ops/gated_delta_rule.cu",
              "x0 * m.rk[c], x1 * m.rk[c + 1]);", "x0 * m.rk[r], x1 * m.rk[r]);", DELTA_RULE_CUDA, cuda=True),
-    Mutation("delta_rule_wy_raw_rk_by_row", "wy_grads on planes: K K^T from k's raw rows with both norms taken "
-             "from the row (r_k of i, twice)", "cc/ops/gated_delta_rule.cu",
-             "gram(r, c, val * m.rk[r] * m.rk[c]);", "gram(r, c, val * m.rk[r] * m.rk[r]);", DELTA_RULE_CUDA,
+    Mutation("delta_rule_wy_prepared_ai_transposed", "backward only: prepare's recomputation hands wy_grads Ai^T "
+             "for Ai (each column written as a row)", "cc/ops/gated_delta_rule.cu",
+             "p.ai[(base + i) * kRows + tid] = e[i];", "p.ai[(base + tid) * kRows + i] = e[i];", DELTA_RULE_CUDA,
              cuda=True),
     Mutation("delta_rule_qp_raw_rk_by_row", "[P | E Q]'s Q K^T from the raw rows (output and local_grads): k's norm "
              "taken from the row (of i) instead of the column (of j)", "cc/ops/gated_delta_rule.cu",
              "p.scale * rn[kRows + c]", "p.scale * rn[kRows + r]", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_wy_dk_rk_by_row", "wy_grads on planes: k's gradient through K K^T with (C + C^T) "
+             "scaled by the row's key norm (r_k of i) instead of the column's (of j)", "cc/ops/gated_delta_rule.cu",
+             "pack2<__nv_bfloat16>(ai[0] * m.rk[c], ai[1] * m.rk[c + 1]);",
+             "pack2<__nv_bfloat16>(ai[0] * m.rk[r], ai[1] * m.rk[r]);", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_triangle_skips_diagonal", "the products through a zero triangle (Ai^T, P^T, dPL^T) skip the "
+             "k-steps of a row tile's diagonal block too (kUpperA: k below m0 + 16 taken for zero)",
+             "cc/ops/gated_delta_rule.cu",
+             "((kTri & Tri::kUpperA) && k1 <= m0 && m0 < kRows)",
+             "((kTri & Tri::kUpperA) && k1 <= m0 + 16 && m0 < kRows)", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_h_rows", "the output's h (rounded to bf16) loaded over v_new's rows (offset 0, "
              "not 64)",
-             "cc/ops/gated_delta_rule.cu", "load_split<kCols>(x + kRows * kPlanePitch, p.h + head",
-             "load_split<kCols>(x, p.h + head", DELTA_RULE_CUDA, cuda=True),
+             "cc/ops/gated_delta_rule.cu", "copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, h_rows,",
+             "copy_rows<kCols>(x, kPlanePitch, h_rows,", DELTA_RULE_CUDA, cuda=True),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
-             "first half's block", "cc/common/fp8_grouped.cu", "const int n = n0 / kScaleBlock + h;",
-             "const int n = n0 / kScaleBlock;", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
-    Mutation("fp8_grouped_last_row_dropped", "the experts' FP8 kernel reads each expert's last row of x as zeros",
-             "cc/common/fp8_grouped.cu", "a.x, row < tile.end);", "a.x, row < tile.end - 1);", FP8_GROUPED_CUDA,
-             cuda=True, module="v4_linear_test"),
+             "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
+             "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_grouped_x_rows_shifted", "the experts' FP8 kernel has x's tile copied one row late (TMA at row "
+             "first + 1)", "cc/common/fp8_grouped.cu", "step * kBK, tile.first, full + slot);",
+             "step * kBK, tile.first + 1, full + slot);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_backward_read_k_major", "backward only: the experts' FP8 kernel reads the weight's tile "
              "K-major where it lies MN-major (W^T's tile for W's)", "cc/common/fp8_grouped.cu",
              "wgmma::mma<__nv_bfloat16, BN, 0, Transposed ? 1 : 0>(",

@@ -54,8 +54,8 @@ struct Plan {
 //   state_out[c] = S;  x_out[c] = base[c] + sign_a * a[c] S;  S = decay[c] S + add[c] + sign_b * b[c]^T x_out[c]
 // base, x_out [C, H, 64, Dv]; a, b [C, H, 64, Dk]; add (or undefined), state_out [C, H, Dk, Dv];
 // decay [C, H]; all of the compute dtype, contiguous (the CUDA fused path's bfloat16 kernels at
-// widths 128 hold a and b as bfloat16 values in the first half of each float32 [64, Dk] tile:
-// gated_delta_rule.cu, kPlanes). The forward pass is (base u, a w, -1;
+// widths 128 hold a and b as bfloat16 values in the first half of each float32 [64, Dk] tile, and
+// write state_out in bfloat16: gated_delta_rule.cu, kPlanes). The forward pass is (base u, a w, -1;
 // b k_out, +1): the states at each chunk's start and the corrected values v_new. The backward
 // is the same recurrence in reverse on the gradients (base dv_new, a k_out, +1; add dh, b w, -1).
 struct Recurrence {
@@ -72,8 +72,9 @@ struct Recurrence {
 // Dk, Dv <= kFusedMaxDim), g float64 and beta float32 [T, Hv]; `slots` int64 [chunks * 64] on the
 // device, the token of each chunk slot (T for the padding of a document's last chunk), chunks in
 // the Plan's order. The forward pass sets o [T, Hv, Dv] and keeps h (the state at each chunk's
-// start, [chunks, Hv, Dk, Dv] float32) and v_new ([chunks, Hv, 64, Dv] float32) for the backward,
-// which takes d_o and sets dq, dk, dv (the inputs' dtype), dg (float64) and dbeta (float32).
+// start, [chunks, Hv, Dk, Dv] float32; bfloat16 from the CUDA plane kernels) and v_new ([chunks,
+// Hv, 64, Dv] float32) for the backward, which takes d_o and sets dq, dk, dv (the inputs' dtype),
+// dg (float64) and dbeta (float32).
 constexpr int64_t kFusedMaxDim = 128;
 
 struct Fused {

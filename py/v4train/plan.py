@@ -715,7 +715,9 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     """The delta rule's fused path (gated_delta_rule.cc's FusedRule, gated_delta_rule.cu's host
     function fused()): adds what the autograd node keeps to the block's `s`; returns the moments of
     its forward pass, of a checkpointed first pass and of its backward. The kernels' work tensors
-    are fp32 (float64 for dg) whatever the model's dtype."""
+    are fp32 (float64 for dg) whatever the model's dtype, but for the states across chunks (h,
+    d_state), which its plane kernels (bf16 at widths 128: gated_delta_rule.cu's kPlanes) keep in
+    bf16."""
     cfg, T, b = c.cfg, c.tokens, c.b
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -725,7 +727,8 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     def rows(d: int) -> int:  # fused()'s rows(d): [chunks, value heads, 64, d] fp32
         return P * nv * d * FP32
 
-    state = chunks * nv * dk * dv * FP32  # [chunks, value heads, dk, dv] fp32
+    planes = b == 2 and dk == dv == 128  # FixedDims<128, 128> (the fused path takes fp32 or bf16: 2 bytes is bf16)
+    state = chunks * nv * dk * dv * (b if planes else FP32)  # [chunks, value heads, dk, dv]
     gamma = chunks * nv * FP32  # the chunks' decays [chunks, value heads] fp32 (and their gradient)
     # FusedRule saves its inputs as the kernels read them: q, k, v copied by contiguous() (the
     # block's are views of the conv's output), g as it is (float64: beta_g), beta cast to fp32 (in
@@ -736,7 +739,7 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
           T * (2 * nk * dk + nv * dv) * b)
     s.add("gdr_beta", "beta in fp32 [T, value heads]", T * nv * FP32, b != FP32)
     s.add("gdr_slots", "the token of each chunk slot [P] (int64)", P * INT64)
-    s.add("gdr_state", "h: the state at each chunk's start [chunks, value heads, dk, dv] (fp32)", state)
+    s.add("gdr_state", "h: the state at each chunk's start [chunks, value heads, dk, dv] (fp32; bf16 on planes)", state)
     s.add("gdr_v_new", "v_new [chunks, value heads, 64, dv] (fp32)", rows(dv))
     held, rule = list(s), s.since("gdr")
     # The forward pass: the block's locals alive around the call, fused()'s U, W, K~ and decays
@@ -754,12 +757,13 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     # throughout. It peaks in the reverse recurrence (dv_local, dh_local, d_state, dv_new) or at
     # its end: wy_grads' inputs and outputs, then the key heads' sums of dq and dk (sum, then cast).
     incoming = Term("the rule's output gradient [T, value heads, dv], and z's waiting", 2 * T * nv * dv * b)
-    wk = Term("delta rule backward: W (then dW), K~ [.., dk] and the chunks' decays (fp32)", 2 * rows(dk) + gamma)
+    wk = Term("delta rule backward: W (then dW), K~ [.., dk], prepare's Ai and L * K K^T for wy_grads [.., 64] and "
+              "the chunks' decays (fp32)", 2 * rows(dk) + 2 * rows(GDR_CHUNK) + gamma)
     cast = b if b < FP32 else 0  # .to() of an fp32 sum to fp32 is the sum itself
     backward = [
         Moment("delta rule's reverse recurrence", tuple(held + [incoming, wk, Term(
-            "reverse recurrence: dv_local, dv_new [.., 64, dv]; dh_local, d_state [chunks, value heads, dk, dv] (fp32)",
-            2 * rows(dv) + 2 * state)])),
+            "reverse recurrence: dv_local, dv_new [.., 64, dv]; dh_local (fp32), d_state (as h) [chunks, value heads, "
+            "dk, dv]", 2 * rows(dv) + chunks * nv * dk * dv * FP32 + state)])),
         Moment("delta rule's UT-transform gradients", tuple(held + [incoming, wk, Term(
             "state and intra gradients: dv_new [.., dv], dq_state, dk_tilde, dk_part [.., dk] (fp32), dgamma, "
             "dg_part [chunks, value heads, 64] (float64)", rows(dv) + 3 * rows(dk) + gamma + P * nv * INT64), Term(
