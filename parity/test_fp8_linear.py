@@ -131,9 +131,9 @@ def test_the_bound_fails_a_wrong_fp8_path(mutation, signed):
 
 
 # The experts' kernel: rows of 5 experts (tiles partial, none, one row, several tiles of each
-# shape), weights [5, 512, 384] (outputs of 512 and, backward, 384 columns: one and a half of the
-# wide tile's 256).
-COUNTS, OUT, IN = [3000, 0, 1, 129, 9000], 512, 384
+# shape), weights [5, 640, 384] (outputs of 640 and, backward, 384 columns: two and a half and one
+# and a half of the wide tile's 256, so each way ends on a tile whose second scale block is past N).
+COUNTS, OUT, IN = [3000, 0, 1, 129, 9000], 640, 384
 
 
 def _grouped_bound(x: torch.Tensor, w: torch.Tensor) -> Bounded:
@@ -148,7 +148,7 @@ def _grouped_emulated(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mut
     x = x.clone()
     if mutation == "one_scale_a_tile":  # output columns 128-255 of each 256 scaled by 0-127's block
         scale = scale.clone()
-        scale[:, 1::2] = scale[:, 0::2]
+        scale[:, 1::2] = scale[:, 0 : scale.shape[1] - 1 : 2]
     ends = torch.tensor(COUNTS).cumsum(0)
     if mutation == "last_row_dropped":
         x[[int(end) - 1 for end, n in zip(ends, COUNTS) if n > 0]] = 0

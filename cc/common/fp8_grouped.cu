@@ -198,6 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
     const int64_t w_step = Transposed ? int64_t(kBK) * a.in : kBK;  // a step's move in the weight
     const int s_step = Transposed ? scale_cols : 1, s_half = Transposed ? 1 : scale_cols;  // in the scales
     int it = 0;  // steps so far, over every tile: the ring's position and phase
+    Pieces<S> f0{}, f1{};  // set once: the pieces a tile leaves unread feed only its columns past N
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       const Tile tile = find_tile<BM>(a, t / col_tiles);
       // The tile's scale blocks past the weight's last column (halves..) are not read: their columns'
@@ -237,7 +238,6 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
         wgmma::bar_arrive(full + slot);
       };
       // Two steps' loads in registers: the next step's are in flight while this one's are converted.
-      Pieces<S> f0, f1;
       fetch(f0, 0);
       for (int step = 0; step < steps; step += 2) {
         if (step + 1 < steps) fetch(f1, step + 1);
@@ -333,7 +333,7 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
   const int64_t E = weight.size(0), rows = x.size(0), N = out.size(1);
   const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
   const at::Tensor xs = dense16(x);
-  const CUtensorMap x_map = wgmma::tensor_map_sw128(xs.const_data_ptr(), rows, xs.size(1), xs.stride(0), S::BM);
+  const CUtensorMap x_map = wgmma::tensor_map_sw128(xs.const_data_ptr(), rows, xs.size(1), xs.size(1), S::BM);
   const Args a{static_cast<const uint8_t*>(w.const_data_ptr()), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
                reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(weight.size(1)),
                int(weight.size(2))};
