@@ -4,8 +4,6 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <cstdlib>
-#include <string_view>
 #include <vector>
 
 #include "cc/common/backend.h"
@@ -78,25 +76,6 @@ at::Tensor fp8_grouped(const at::Tensor& x, const at::Tensor& weight, const at::
   return grouped_linear(x, transposed ? w.transpose(1, 2) : w, d);
 }
 
-// A dense map by the grouped kernel as one expert (x's rows all its rows): x W^T, or x W where
-// `transposed`. Only where V4TRAIN_FP8_DENSE=kernel, read at each call: a measurement switch, so
-// that one build times it against dequantise-then-cuBLAS (the GPU decides which stays).
-bool dense_by_grouped(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, bool transposed,
-                      at::Tensor& y) {
-  const char* v = std::getenv("V4TRAIN_FP8_DENSE");
-  if (v == nullptr || std::string_view(v) != "kernel") return false;
-  const auto kernel = Backend<Fp8GroupedProduct>::find(x.device().type());
-  if (!kernel) return false;
-  const at::Tensor rows = x.reshape({-1, x.size(-1)});
-  const at::Tensor offsets = at::full({1}, rows.size(0), x.options().dtype(at::kInt));
-  at::Tensor out;
-  if (!kernel(rows, weight.unsqueeze(0), scale.unsqueeze(0), offsets, transposed, out)) return false;
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = out.size(1);
-  y = out.view(sizes);
-  return true;
-}
-
 // x times an FP8 weight: x W^T, or with a dispatch each row of x times its expert's weight
 // [E, out, in]. The dense forward runs on FP8 tensor cores where the device has Fp8Linear and it
 // takes the inputs; else the weight is dequantised just in time. The dense backward dequantises
@@ -120,15 +99,12 @@ struct Fp8Product : public torch::autograd::Function<Fp8Product> {
       at::Tensor y;
       if (kernel(x, weight, scale, y)) return y;
     }
-    if (at::Tensor y; dense_by_grouped(x, weight, scale, false, y)) return y;
     return at::linear(x, dequantize(weight, scale, x.scalar_type()));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     if (!ctx->saved_data.count("counts")) {
-      if (at::Tensor dx; dense_by_grouped(grads[0], saved[0], saved[1], true, dx))
-        return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
       return {at::matmul(grads[0], dequantize(saved[0], saved[1], grads[0].scalar_type())), at::Tensor(), at::Tensor(),
               at::Tensor()};
     }
