@@ -43,7 +43,7 @@ import dataclasses
 
 import torch
 
-from v4train.reference.lora import FP8_MAX, dequantize_fp8
+from v4train.reference.lora import FP8_MAX, dequantize_fp8, quantize_fp8
 
 BLOCK = 128
 UQ = 2.0**-4 + 2.0**-23  # e4m3 rounding of a normal value, after fl(x / s)
@@ -73,6 +73,17 @@ def block_scales(x: torch.Tensor) -> torch.Tensor:
     amax = x.double().abs().view(m, k // BLOCK, BLOCK).amax(-1)
     s = torch.where(amax > 0, (amax / FP8_MAX * (1 + 2.0**-23)).clamp(min=FLT_MIN), torch.ones_like(amax))
     return s.repeat_interleave(BLOCK, -1)
+
+
+def blocks_of_sizes(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight [..., n, k] (whole 128 x 128 blocks) and its scales, quantised as the checkpoints
+    are, each block N(0, 0.05^2) times its own power of two, 1/8 to 8: test data on which a scale of
+    the wrong block is far off (N(0, 1) blocks' scales differ by a few percent)."""
+    *lead, n, k = shape
+    w = torch.randn(*shape, generator=gen) * 0.05
+    w *= (2.0 ** torch.randint(-3, 4, (*lead, n // BLOCK, k // BLOCK), generator=gen)).repeat_interleave(
+        BLOCK, -2).repeat_interleave(BLOCK, -1)
+    return quantize_fp8(w)
 
 
 @dataclasses.dataclass
@@ -160,7 +171,7 @@ def assert_within(actual: torch.Tensor, bound: Bounded, name: str) -> float:
         worst = int(torch.where(bad, ratio.nan_to_num(nan=float("inf")), torch.zeros_like(ratio)).argmax())
         idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
         raise AssertionError(
-            f"{name}: {int(bad.sum())} of {err.numel()} elements outside the FP8 path (a) bound; worst at {idx}: "
+            f"{name}: {int(bad.sum())} of {err.numel()} elements outside its bound; worst at {idx}: "
             f"actual={actual.reshape(-1)[worst].item():.9g} truth={bound.value.reshape(-1)[worst].item():.9g} "
             f"|error|={err.reshape(-1)[worst].item():.3g} bound={bound.err.reshape(-1)[worst].item():.3g}")
     return float(ratio.max())

@@ -4,13 +4,19 @@ linear, so it is held to the elementwise bound of parity/fp8_bound.py against th
 x W^T (W the exact FP8 value times its scale), derived from the activation's rounding and never
 from what the kernel gives. The bound must also catch wrong implementations: emulations with a
 scale dropped, the activation scales laid out transposed, or the activation quantised with its
-blocks down the columns fail it (on any device: no kernel needed)."""
+blocks down the columns fail it (on any device: no kernel needed).
+
+And the routed experts' FP8 kernel on CUDA (cc/common/fp8_grouped.cu), both ways: a bf16 product
+of the weight dequantised as the loader does, held element by element to that product's bound
+(fp8_bound.bf16_matmul), which emulations of wrong kernels fail."""
+
+import re
 
 import pytest
 import torch
 
 import v4_linear_test
-from parity.fp8_bound import BLOCK, Bounded, assert_within, fp8_linear
+from parity.fp8_bound import BLOCK, Bounded, assert_within, bf16_matmul, blocks_of_sizes, fp8_linear
 from v4train.reference.lora import FP8_MAX, Linear, dequantize_fp8, quantize_fp8
 
 # ("cuda" in the names: the CPU suite on a GPU machine deselects them with -k "not cuda", as parity does.)
@@ -40,21 +46,12 @@ def activations(m: int, k: int, gen: torch.Generator, signed: bool) -> torch.Ten
     return (x if signed else x.abs()).to(torch.bfloat16)
 
 
-def weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 weight [n, k] and its 128 x 128 scales, quantised as the checkpoints are, its blocks
-    of different sizes."""
-    w = torch.randn(n, k, generator=gen) * 0.05
-    w *= (2.0 ** torch.randint(-3, 4, (n // BLOCK, k // BLOCK), generator=gen)).repeat_interleave(
-        BLOCK, 0).repeat_interleave(BLOCK, 1)
-    return quantize_fp8(w)
-
-
 @CUDA
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "nonnegative"])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_the_fp8_path_on_cuda_is_within_its_bound_of_the_truth(m, k, n, signed):
     gen = torch.Generator().manual_seed(m * 7 + k * 3 + n + signed)
-    q, scale = weight(n, k, gen)
+    q, scale = blocks_of_sizes((n, k), gen)
     x = activations(m, k, gen, signed).cuda()
     q, scale = q.cuda(), scale.cuda()
     y = v4_linear_test.linear(x, Linear(q, scale))
@@ -70,7 +67,7 @@ def test_the_fp8_path_on_cuda_keeps_the_leading_dimensions_and_its_adapter():
     """x [2, 5, K] (a view, not contiguous in its rows) with a LoRA adapter: the adapter's term on
     top of path (a), within the same bound plus the adapter's bf16 rounding."""
     gen = torch.Generator().manual_seed(3)
-    q, scale = weight(256, 384, gen)
+    q, scale = blocks_of_sizes((256, 384), gen)
     base = activations(10, 768, gen, True).cuda()
     x = base[:, :384].reshape(2, 5, 384)  # rows 768 apart
     a = (torch.randn(4, 384, generator=gen) * 0.05).to(torch.bfloat16).cuda()
@@ -125,9 +122,86 @@ def test_the_bound_fails_a_wrong_fp8_path(mutation, signed):
     gen = torch.Generator().manual_seed(11)
     m, k, n = 256, 512, 256
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    q, scale = (t.to(device) for t in weight(n, k, gen))
+    q, scale = (t.to(device) for t in blocks_of_sizes((n, k), gen))
     x = activations(m, k, gen, signed).to(device)
     bound = fp8_linear(Bounded.exact(x), q, scale)
     assert_within(_emulated(x, q, scale, "none"), bound, "the right emulation")
-    with pytest.raises(AssertionError, match="outside the FP8 path"):
+    with pytest.raises(AssertionError, match="outside its bound"):
         assert_within(_emulated(x, q, scale, mutation), bound, mutation)
+
+
+# The experts' kernel: rows of 5 experts (tiles partial, none, one row, several tiles of each
+# shape), weights [5, 640, 384] (outputs of 640 and, backward, 384 columns: two and a half and one
+# and a half of the wide tile's 256, so each way ends on a tile whose second scale block is past N).
+COUNTS, OUT, IN = [3000, 0, 1, 129, 9000], 640, 384
+
+
+def _grouped_bound(x: torch.Tensor, w: torch.Tensor) -> Bounded:
+    """Each expert's rows of x times w[e] (float64, exact) as a bf16 product: fp8_bound.bf16_matmul."""
+    parts = [bf16_matmul(Bounded.exact(xe), we) for xe, we in zip(x.double().cpu().split(COUNTS), w)]
+    return Bounded(torch.cat([b.value for b in parts]), torch.cat([b.err for b in parts]))
+
+
+def _grouped_emulated(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, mutation: str) -> torch.Tensor:
+    """The kernel's arithmetic, forward (x W_e^T), on any device: the weight dequantised to bf16 as the
+    loader does, fp32 sums, the result rounded to bf16; or one of a wrong kernel's mistakes."""
+    x = x.clone()
+    if mutation == "one_scale_a_tile":  # output columns 128-255 of each 256 scaled by 0-127's block
+        scale = scale.clone()
+        scale[:, 1::2] = scale[:, 0 : scale.shape[1] - 1 : 2]
+    ends = torch.tensor(COUNTS).cumsum(0)
+    if mutation == "last_row_dropped":
+        x[[int(end) - 1 for end, n in zip(ends, COUNTS) if n > 0]] = 0
+    if mutation == "last_step_dropped":
+        x[:, -64:] = 0
+    w = dequantize_fp8(q, scale, torch.bfloat16).float()
+    return torch.cat([xe.float() @ we.T for xe, we in zip(x.split(COUNTS), w)]).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("mutation", ["one_scale_a_tile", "last_row_dropped", "last_step_dropped"])
+def test_the_bf16_product_bound_fails_a_wrong_experts_kernel(mutation):
+    """The right emulation of the experts' kernel keeps the bound; each wrong one breaks it (its
+    CUDA mutations, tools/mutants.py, make the same mistakes in the kernel)."""
+    gen = torch.Generator().manual_seed(13)
+    q, scale = blocks_of_sizes((len(COUNTS), OUT, IN), gen)
+    x = activations(sum(COUNTS), IN, gen, signed=True)
+    bound = _grouped_bound(x, dequantize_fp8(q, scale, torch.float64).transpose(1, 2))
+    assert_within(_grouped_emulated(x, q, scale, "none"), bound, "the right emulation")
+    with pytest.raises(AssertionError, match="outside its bound"):
+        assert_within(_grouped_emulated(x, q, scale, mutation), bound, mutation)
+
+
+@CUDA
+@pytest.mark.parametrize("tile", ["128x256", "256x128", None], ids=["128x256", "256x128", "chosen"])
+def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, monkeypatch):
+    """cc/common/fp8_grouped.cu through v4::fp8_product with a dispatch, as the routed experts call
+    it: y = x W_e^T for each expert's rows and, through autograd, x's gradient dy W_e. Both are bf16
+    products of the weight dequantised as the loader does (fp32 sums, one rounding of the result),
+    so each element must lie within such a product's bound of the float64 truth. More tiles than
+    multiprocessors, so that each persistent block takes several. The profile shows the kernel ran
+    both ways with the tile asked for (a kernel that declined would leave the dequantised path to
+    pass alone). Unasked, the kernel takes 256 x 128 where the experts average 256 rows or more
+    (here 2,426)."""
+    if tile is None:
+        monkeypatch.delenv("V4TRAIN_FP8_GROUPED_TILE", raising=False)
+        tile = "256x128"
+    else:
+        monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
+    gen = torch.Generator().manual_seed(17)
+    q, scale = blocks_of_sizes((len(COUNTS), OUT, IN), gen)
+    x = activations(sum(COUNTS), IN, gen, signed=True).cuda().requires_grad_()
+    dy = activations(sum(COUNTS), OUT, gen, signed=True).cuda()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = v4_linear_test.grouped(x, Linear(q.cuda(), scale.cuda()), torch.tensor(COUNTS).cuda())
+        (dx,) = torch.autograd.grad(y, x, dy)
+        torch.cuda.synchronize()
+    rows, cols = (int(n) for n in tile.split("x"))
+    launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]  # <backward?, its tile>
+    assert sorted(re.search(r"fp8_grouped_kernel<(true|false)", n).group(1) for n in launches) == ["false", "true"]
+    assert all(re.search(rf"Shape<{rows},\s*{cols}>", n) for n in launches), launches
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert sum(-(-n // rows) for n in COUNTS) * -(-IN // cols) > sms  # the launch of the fewest tiles
+    w = dequantize_fp8(q, scale, torch.float64)
+    ratios = (assert_within(y.cpu(), _grouped_bound(x.detach(), w.transpose(1, 2)), "y"),  # (bounds on the CPU)
+              assert_within(dx.cpu(), _grouped_bound(dy, w), "x's gradient"))
+    print(f"experts' FP8 kernel, tile {tile}: max |error| / bound = {ratios[0]:.3f} (y), {ratios[1]:.3f} (dx)")

@@ -5,13 +5,15 @@ bound), and the dequantisation itself against values worked by hand; neither an 
 FP8 routed experts (through v4_glm5_moe's grouped GEMM) keep a dense copy of the weight for the
 backward pass."""
 
+import re
+
 import pytest
 import torch
 
-from parity.fp8_bound import (Bounded, add, assert_within, bf16_matmul, fp32_reductions, fp8_linear, mul, silu,
-                               silu_backward)
+from parity.fp8_bound import (Bounded, add, assert_within, bf16_matmul, blocks_of_sizes, fp32_reductions, fp8_linear, mul,
+                               silu, silu_backward)
 from v4train.models.glm5.moe import Glm5MoeWeights
-from v4train.ops import OPS
+from v4train.ops import OPS, REFERENCE
 from v4train.reference.lora import Linear, dequantize_fp8, quantize_fp8
 from v4train.reference.mlp import MlpWeights
 from v4train.reference.moe import ExpertsWeights
@@ -102,11 +104,15 @@ def _saved_bytes(call) -> int:
     return sum(total)
 
 
-def _quantised(shapes: dict, gen, device="cpu") -> tuple[dict, dict]:
-    """({name: FP8 Linear}, {name: the same weights dequantised, bf16 Linear})."""
+def _quantised(shapes: dict, gen, device="cpu", block_sizes=False) -> tuple[dict, dict]:
+    """({name: FP8 Linear}, {name: the same weights dequantised, bf16 Linear}); with block_sizes,
+    each 128 x 128 block of its own size (fp8_bound.blocks_of_sizes)."""
     fp8, dense = {}, {}
     for name, shape in shapes.items():
-        q, scale = quantize_fp8(torch.randn(shape, generator=gen) * 0.05)
+        if block_sizes:
+            q, scale = blocks_of_sizes(shape, gen)
+        else:
+            q, scale = quantize_fp8(torch.randn(shape, generator=gen) * 0.05)
         fp8[name] = Linear(q.to(device), scale.to(device))
         dense[name] = Linear(dequantize_fp8(q, scale, torch.bfloat16).to(device))
     return fp8, dense
@@ -154,3 +160,49 @@ def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass(device):
     (grad_theirs,) = torch.autograd.grad(theirs, x, torch.ones_like(theirs))
     assert_close(ours, theirs, "output")
     assert_close(grad_ours, grad_theirs, "gradient of x")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_fp8_routed_experts_on_cuda_take_the_grouped_kernel_and_equal_the_dequantised_run():
+    """On CUDA v4_glm5_moe's routed experts multiply their FP8 weights in cc/common/fp8_grouped.cu
+    both ways (parity/test_fp8_linear.py holds that kernel alone to its bound): the profile shows
+    it for both maps, forward and backward. The output and x's gradient equal the run on the weights
+    dequantised on load (cuBLAS's grouped GEMM) as the parity judge has it, against the float64
+    truth on the same routing: the two sum in other orders, and the MoE's cancellations turn a few
+    elements' last-bit differences into more than the bf16 tolerance (compare.assert_close's truth
+    rule). Hidden 384 (three scale blocks along the sum), blocks of different sizes, an expert in
+    the middle with no row."""
+    gen = torch.Generator().manual_seed(3)
+    E, H, inter, tokens, top_k, none = 6, 384, 256, 2000, 3, 2
+    fp8, dense = _quantised({"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}, gen, "cuda",
+                            block_sizes=True)
+    shared = {n: torch.randn(s, generator=gen) * 0.05 for n, s in
+              {"gate_proj": (64, H), "up_proj": (64, H), "down_proj": (H, 64)}.items()}
+    gate = torch.randn(E, H, generator=gen) * H**-0.5  # scores of unit spread: no ties at 1
+    bias = torch.zeros(E)
+    bias[none] = -1e4  # never chosen
+    x0 = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+    dout = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+
+    def run(fn, experts, dtype, device, routing=None):
+        x = x0.to(device, dtype).requires_grad_()
+        weights = Glm5MoeWeights(gate.to(device, torch.float32 if dtype == torch.bfloat16 else dtype), bias.to(device),
+                                 ExpertsWeights(**experts),
+                                 MlpWeights(**{n: Linear(w.to(device, dtype)) for n, w in shared.items()}))
+        out, idx = fn(x, weights, top_k, 1, 1, True, 1.0, 0.0, 0.0, routing)
+        (grad,) = torch.autograd.grad(out, x, dout.to(device, dtype))
+        return out, grad, idx
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ours = run(OPS["v4_glm5_moe"].cpp(), fp8, torch.bfloat16, "cuda")
+        torch.cuda.synchronize()
+    launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]
+    assert sorted(re.search(r"fp8_grouped_kernel<(true|false)", n).group(1) for n in launches) == \
+        ["false", "false", "true", "true"], launches
+    assert torch.bincount(ours[2].flatten(), minlength=E)[none] == 0
+    theirs = run(OPS["v4_glm5_moe"].cpp(), dense, torch.bfloat16, "cuda")
+    exact = {n: Linear(dequantize_fp8(w.weight, w.weight_scale_inv, torch.float64).cpu()) for n, w in fp8.items()}
+    truth = run(REFERENCE["v4_glm5_moe"], exact, torch.float64, "cpu", routing=ours[2].cpu())
+    assert torch.equal(ours[2], theirs[2])
+    assert_close(ours[0], theirs[0], "output", truth=truth[0])
+    assert_close(ours[1], theirs[1], "gradient of x", truth=truth[1])

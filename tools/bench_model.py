@@ -263,11 +263,12 @@ def fp8_main(args, hf, cfg, table) -> list[dict]:
             print(f"at {tokens} tokens: FP8 step {f['tokens_per_s'] / b['tokens_per_s']:.3f}x bf16's tokens/s; loss after "
                   f"{args.train_steps} steps differs by {abs(f['last_loss'] - b['last_loss']) / b['last_loss']:.2e} "
                   "(relative)")
-        if args.profile:
-            models["fp8"].checkpointing = ckpt
-            print(f"FP8 model at {tokens} tokens, forward ms per op (one step):",
-                  {k: round(v, 2) for k, v in per_op_times(models["fp8"], batch).items()})
-            print(profile(models["fp8"], batch))
+        if args.profile:  # both: the kernels of the FP8 model against those of its bf16 twin
+            for kind, model in models.items():
+                model.checkpointing = ckpt
+                print(f"{kind} model at {tokens} tokens, forward ms per op (one step):",
+                      {k: round(v, 2) for k, v in per_op_times(model, batch).items()})
+                print(profile(model, batch))
     return rows
 
 

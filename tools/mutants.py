@@ -39,12 +39,15 @@ class Mutation:
     replace: str
     tests: tuple[str, ...]  # pytest arguments: files and an --op, or node ids
     cuda: bool = False  # a CUDA kernel's bug: built with nvcc, judged on the GPU (--cuda)
+    module: str = ""  # the module to build for a shared kernel file (cc/common/*.cu, in every module)
 
 
 # The GLM-5 sparse attention's device kernels: each alone against its float64 truth, and the layer.
 SPARSE_CUDA = ("parity/test_mla_dsa_attention.py", "-k", "cuda and (alone or widths)")
 # The delta rule's kernels: the op's CUDA cases, Qwen3.5's widths over document and chunk boundaries among them.
 DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--op=v4_gated_delta_rule", "-k", "cuda")
+# The routed experts' FP8 kernel (cc/common/fp8_grouped.cu, in every module) alone, both tiles.
+FP8_GROUPED_CUDA = ("parity/test_fp8_linear.py", "-k", "experts_fp8_kernel")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -238,6 +241,23 @@ MUTATIONS = (
              "not 64)",
              "cc/ops/gated_delta_rule.cu", "copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, h_rows,",
              "copy_rows<kCols>(x, kPlanePitch, h_rows,", DELTA_RULE_CUDA, cuda=True),
+    Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
+             "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
+             "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_grouped_x_rows_shifted", "the experts' FP8 kernel has x's tile copied one row late (TMA at row "
+             "first + 1)", "cc/common/fp8_grouped.cu", "step * kBK, tile.first, full + slot);",
+             "step * kBK, tile.first + 1, full + slot);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_grouped_backward_read_k_major", "backward only: the experts' FP8 kernel reads the weight's tile "
+             "K-major where it lies MN-major (W^T's tile for W's)", "cc/common/fp8_grouped.cu",
+             "wgmma::mma<__nv_bfloat16, BN, 0, Transposed ? 1 : 0>(",
+             "wgmma::mma<__nv_bfloat16, BN, 0, 0>(", FP8_GROUPED_CUDA,
+             cuda=True, module="v4_linear_test"),
+    Mutation("fp8_grouped_tall_rows_once", "the experts' FP8 kernel, 256-row tile: each warpgroup's second "
+             "product reads its first's 64 rows of x", "cc/common/fp8_grouped.cu", "wgmma::desc128(x_tile + u * 8192 +",
+             "wgmma::desc128(x_tile +", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_grouped_last_step_dropped", "the experts' FP8 kernel leaves the last 64 of each sum out",
+             "cc/common/fp8_grouped.cu", "steps = K / kBK;", "steps = K / kBK - 1;", FP8_GROUPED_CUDA, cuda=True,
+             module="v4_linear_test"),
 )
 
 
@@ -291,9 +311,10 @@ def built_copy(m: Mutation | None, root: str, modules: str) -> str:
     return root
 
 
-def module_of(path: str) -> str:
-    """The module a kernel source is built into (cc/models/glm5/mla_dsa_attention.cu: v4_mla_dsa_attention)."""
-    return "v4_" + os.path.splitext(os.path.basename(path))[0]
+def module_of(m: Mutation) -> str:
+    """The module built for a mutation of a kernel source: the module the file is built into
+    (cc/models/glm5/mla_dsa_attention.cu: v4_mla_dsa_attention), or m.module for a shared one."""
+    return m.module or "v4_" + os.path.splitext(os.path.basename(m.path))[0]
 
 
 def main() -> int:
@@ -337,7 +358,7 @@ def main() -> int:
 
     if args.cuda:  # each in its own copy, built side by side, judged one at a time on the GPU
         start = time.time()
-        modules = ",".join(sorted({module_of(m.path) for m in chosen}))
+        modules = ",".join(sorted({module_of(m) for m in chosen}))
         with tempfile.TemporaryDirectory(prefix="v4train-mutants-") as tmp, \
                 concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
             copies = [pool.submit(built_copy, m, os.path.join(tmp, str(i)), modules) for i, m in enumerate([None, *chosen])]

@@ -64,37 +64,54 @@ void check_fp8(const Linear& w, const char* op, const char* name) {
                     "requires a gradient; an FP8 base is frozen (train LoRA adapters on it, or dequantise it on load)");
 }
 
+// The rows of x grouped as d says times each expert's FP8 weight: W_e^T, or W_e where
+// `transposed`. By the device's Fp8GroupedProduct where it takes them, else dequantised.
+at::Tensor fp8_grouped(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const Dispatch& d,
+                       bool transposed) {
+  if (const auto kernel = Backend<Fp8GroupedProduct>::find(x.device().type())) {
+    at::Tensor y;
+    if (kernel(x, weight, scale, d.offsets, transposed, y)) return y;
+  }
+  const at::Tensor w = dequantize(weight, scale, x.scalar_type());
+  return grouped_linear(x, transposed ? w.transpose(1, 2) : w, d);
+}
+
 // x times an FP8 weight: x W^T, or with a dispatch each row of x times its expert's weight
 // [E, out, in]. The dense forward runs on FP8 tensor cores where the device has Fp8Linear and it
-// takes the inputs; else the weight is dequantised just in time. The backward dequantises (cuBLAS's
-// FP8 GEMM takes only a row-major A times a column-major B, and dy W needs W's transpose in FP8): it
-// keeps the FP8 weight and its scales, not the dense copy that autograd of the product would keep
-// (more memory than the weights dequantised on load).
+// takes the inputs; else the weight is dequantised just in time. The dense backward dequantises
+// (cuBLAS's FP8 GEMM takes only a row-major A times a column-major B, and dy W needs W's transpose
+// in FP8); the grouped product takes fp8_grouped both ways: an expert sees few rows (4,096 tokens
+// x 8 of 256 experts: 128), so its dequantisation (3 bytes a weight) costs more than its product
+// (256 flops a weight), where a dense map's product over 4,096 rows costs over ten times its
+// dequantisation and cuBLAS on the dequantised weight stays. It keeps the FP8 weight and its scales,
+// not the dense copy that autograd of the product would keep (more memory than the weights
+// dequantised on load).
 struct Fp8Product : public torch::autograd::Function<Fp8Product> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& scale, const Dispatch* grouped) {
     ctx->save_for_backward({weight, scale});
-    if (!grouped) {
-      if (const auto kernel = Backend<Fp8Linear>::find(x.device().type())) {
-        at::Tensor y;
-        if (kernel(x, weight, scale, y)) return y;
-      }
+    if (grouped) {
+      ctx->saved_data["counts"] = grouped->counts;
+      ctx->saved_data["offsets"] = grouped->offsets;
+      return fp8_grouped(x, weight, scale, *grouped, false);
     }
-    const at::Tensor w = dequantize(weight, scale, x.scalar_type());
-    if (!grouped) return at::linear(x, w);
-    ctx->saved_data["counts"] = grouped->counts;
-    ctx->saved_data["offsets"] = grouped->offsets;
-    return grouped_linear(x, w, *grouped);
+    if (const auto kernel = Backend<Fp8Linear>::find(x.device().type())) {
+      at::Tensor y;
+      if (kernel(x, weight, scale, y)) return y;
+    }
+    return at::linear(x, dequantize(weight, scale, x.scalar_type()));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor w = dequantize(saved[0], saved[1], grads[0].scalar_type());
-    if (!ctx->saved_data.count("counts")) return {at::matmul(grads[0], w), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (!ctx->saved_data.count("counts")) {
+      return {at::matmul(grads[0], dequantize(saved[0], saved[1], grads[0].scalar_type())), at::Tensor(), at::Tensor(),
+              at::Tensor()};
+    }
     Dispatch d;
     d.counts = ctx->saved_data["counts"].toTensor();
     d.offsets = ctx->saved_data["offsets"].toTensor();
-    return {grouped_linear(grads[0], w.transpose(1, 2), d), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {fp8_grouped(grads[0], saved[0], saved[1], d, true), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 

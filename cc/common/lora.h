@@ -51,11 +51,23 @@ struct Fp8Linear {
   using Fn = bool (*)(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out);
 };
 
+// The device kernel of the routed experts' product on FP8 weights (cc/common/fp8_grouped.cu on
+// CUDA): each row of x (bf16, grouped by expert; offsets [E] int32, the end of each expert's rows,
+// the last one x's row count, as dispatch() makes them)
+// times its expert's weight [E, out, in] with its 128 x 128 scales: x W_e^T, or x W_e where
+// `transposed` (the backward); the weight dequantised tile by tile inside the GEMM to the values
+// dense_weight gives, so the product is dequantise-then-grouped-GEMM's up to the order of its sums.
+// False where it declines (not sm_90, not bf16, a weight of partial blocks, no rows).
+struct Fp8GroupedProduct {
+  using Fn = bool (*)(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
+                      bool transposed, at::Tensor& out);
+};
+
 // x times w's FP8 weight (its scales checked), dequantised as dense_weight does, just in time in
 // the forward and again in the backward: x W^T, or with `grouped` each row of x (grouped by
 // expert) times its expert's weight [E, out, in]. On CUDA the dense forward takes Fp8Linear where
-// it applies; the backward and the grouped product (no blockwise grouped FP8 GEMM on sm90 in
-// torch) dequantise. No gradient to the weight (a frozen base).
+// it applies, the grouped product Fp8GroupedProduct both ways; the dense backward dequantises. No
+// gradient to the weight (a frozen base).
 at::Tensor fp8_product(const at::Tensor& x, const Linear& w, const Dispatch* grouped, const char* op, const char* name);
 
 }  // namespace v4

@@ -7,17 +7,73 @@
 // kernels' bodies with V4_HAS_WGMMA and launch them on compute capability 9.0 alone.
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define V4_HAS_WGMMA 1
 #endif
 
 namespace v4::wgmma {
+
+// The largest dynamic shared memory a block may ask for on `device`.
+inline int max_smem(int device) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return value;
+}
+
+// Compute capability 9.0, where the wgmma kernels' sm_90a build runs, with `smem` bytes for a block.
+inline bool capable(int device, size_t smem) {
+  int major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0 && smem <= size_t(max_smem(device));
+}
+
+// The tensor-memory-accelerator map (TMA, PTX ISA 9.7.9.25) of a row-major bf16 matrix [rows, cols]
+// (row stride ld elements, 16-byte aligned) whose loads (tma_load_2d) copy boxes of box_rows rows x 64
+// columns, 128 bytes a row, into sw128_offset's layout; rows past the end land as zeros. The driver's
+// encoder is found through the runtime, so nothing links libcuda.
+inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(fn != nullptr && found == cudaDriverEntryPointSuccess, "the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  // The driver's encoder needs a context current on this thread, which autograd's backward thread
+  // may not have yet (the first product there failed with 201, invalid context): since CUDA 12
+  // cudaSetDevice makes the device's primary context current.
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaSetDevice(device));
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(ld) * 2};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, unit[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") on a [", rows, ", ", cols,
+              "] bf16 matrix of row stride ", ld, " in boxes of ", box_rows, " x 64");
+  return map;
+}
+
+// kernel<<<grid, threads, smem, stream>>>(args...), its dynamic shared memory allowed up to smem.
+template <typename... P, typename... A>
+void launch(void (*kernel)(P...), dim3 grid, int threads, size_t smem, cudaStream_t stream, A&&... args) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<grid, threads, smem, stream>>>(std::forward<A>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 // The descriptor of a tile at shared address `addr`, no swizzle.
 __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t k_stride_bytes, uint32_t mn_stride_bytes) {
@@ -48,6 +104,15 @@ __device__ __forceinline__ int sw128_k_step(int kk) {
   return kk / 4 * (Rows * 128) + kk % 4 * 32;
 }
 __device__ __forceinline__ uint32_t saddr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared without passing through registers (cp.async), or 16 zero bytes where
+// !valid; in flight until a wait (or an mbarrier's bar_arrive_copies) says they landed.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 // The first byte of dynamic shared memory `p` on which swizzled tiles may start (kernels ask for
 // 1,024 bytes more than they carve).
 __device__ __forceinline__ unsigned char* sw128_aligned(unsigned char* p) { return p + (1024 - saddr(p) % 1024) % 1024; }
@@ -208,6 +273,19 @@ __device__ __forceinline__ void bar_arrive(uint64_t* bar) {
 // The barrier counts one arrival when all of this thread's earlier cp.async copies have landed.
 __device__ __forceinline__ void bar_arrive_copies(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(saddr(bar)) : "memory");
+}
+// One arrival that also tells the barrier to wait for `bytes` more bytes of asynchronous copies (TMA).
+__device__ __forceinline__ void bar_arrive_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(saddr(bar)), "r"(bytes) : "memory");
+}
+// The box of `map` at (col, row) copied to shared `dst` (1,024-byte aligned for the swizzle); its
+// bytes counted off `bar` as they land.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int col, int row, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          saddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(saddr(bar))
+      : "memory");
 }
 // Waits until the barrier's phase of parity `parity` has completed (the phases alternate 0, 1, 0..;
 // a fresh barrier counts the phase before its first, of parity 1, as complete).

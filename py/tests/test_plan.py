@@ -90,9 +90,9 @@ def test_fp8_dequantize_and_no_quantization_config_keep_the_model_dtype():
     assert plan.plan(setup).weight_bytes == dequantized.weight_bytes
 
 
-# The peaks measured on one H200 (torch 2.11.0+cu130), GiB above the weights, copied from
-# docs/benchmarks.md: (proxy, --finetune, tokens, checkpointing, FP8, measured GiB, the section,
-# the delta rule's path). bf16 throughout; "full": every weight trains but what the family freezes
+# The peaks measured on one H200 (the seventeenth session's on an H100; torch 2.11.0+cu130), GiB
+# above the weights, copied from docs/benchmarks.md: (proxy, --finetune, tokens, checkpointing, FP8,
+# measured GiB, the section, the delta rule's path). bf16 throughout; "full": every weight trains but what the family freezes
 # (the bench's mode); "lora": r=16 on attention and experts, every other weight frozen. The path
 # (Qwen3.5; GLM-5 has no delta rule), the code's era: "all" for runs with every CUDA kernel of
 # today (the experts' SwiGLU and the combine too: 2026-12-03 on), "loss" for runs with the LM
@@ -108,6 +108,7 @@ COMBINE = "The combine as one autograd node, measured (2026-12-02, stop 28)"
 BLOCKS = "A checkpointed layer's MoE in blocks of tokens (2026-12-02, stop 28)"
 KERNELS = "The Gated DeltaNet block's conv and gated norm as CUDA kernels (2026-12-02, stop 31)"
 MOE_KERNELS = "RMSNorm, the experts' SwiGLU and the MoE combine as CUDA kernels (2026-12-03)"
+FP8_EXPERTS = "The delta rule's branches merged; the experts' FP8 kernel's first run (2026-12-05, seventeenth session)"
 MEASURED = [
     ("glm5", "full", 4096, False, False, 14.5, COMBINE, None),
     ("glm5", "full", 16384, True, False, 20.3, BLOCKS, None),
@@ -128,12 +129,15 @@ MEASURED = [
     ("glm5", "full", 4096, False, False, 12.8, KERNELS, "loss"),
     ("qwen3_5", "full", 4096, False, False, 6.1, MOE_KERNELS, "all"),
     ("glm5", "full", 4096, False, False, 12.8, MOE_KERNELS, "all"),
+    ("glm5", "lora", 4096, False, True, 8.8, FP8_EXPERTS, "all"),
+    ("glm5", "lora", 4096, False, False, 8.8, FP8_EXPERTS, "all"),
+    ("full_layer", "lora", 4096, False, True, 3.4, FP8_EXPERTS, "all"),
 ]
 TOLERANCE = 0.10
 # The CUDA kernels that each era's code lacked (it ran their ATen paths): the planner leaves them out.
 MOE = ("fused_swiglu", "fused_combine")  # the experts' SwiGLU and combine kernels (2026-12-03)
 LACKED = {"rule": ("fused_conv", "fused_norm", "fused_loss") + MOE, "block": ("fused_loss",) + MOE,
-          None: ("fused_loss",) + MOE, "loss": MOE}
+          None: ("fused_loss", "fused_fp8_experts") + MOE, "loss": MOE}
 # The delta rule's two paths measured on the same code otherwise (the combine before it became
 # one node, stop 27, which both had alike): what the fused path saves is their difference.
 SAVING = [

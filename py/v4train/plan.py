@@ -380,10 +380,12 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
     s.mark("combined")
     s.add("combined", "the experts' outputs in routed order [T k, H] and each row's token (the combine's backward)",
           rows * (H * b + INT64))
-    # FP8: this rank's experts dequantised at once for the product, in the forward pass and again
-    # in the backward (Fp8Product keeps the FP8 weight, not the copy).
-    deq_gu = Term("gate_up's FP8 weights dequantised [E / ep, 2I, H]", local * 2 * I * H * b if c.is_fp8(i, gu) else 0)
-    deq_dn = Term("down's FP8 weights dequantised [E / ep, H, I]", local * H * I * b if c.is_fp8(i, dn) else 0)
+    # FP8 off the experts' kernel: this rank's experts dequantised at once for the product, in the
+    # forward pass and again in the backward (Fp8Product keeps the FP8 weight, not the copy).
+    deq = not fused_fp8_experts(c.setup)
+    deq_gu = Term("gate_up's FP8 weights dequantised [E / ep, 2I, H]", local * 2 * I * H * b if deq and c.is_fp8(i, gu)
+                  else 0)
+    deq_dn = Term("down's FP8 weights dequantised [E / ep, H, I]", local * H * I * b if deq and c.is_fp8(i, dn) else 0)
     g_gu = local * 2 * I * H * b if c.trains(gu) else 0
     g_dn = local * H * I * b if c.trains(dn) else 0
     gathered = Term("the routed rows [T k, H]", rows * H * b)
@@ -641,6 +643,14 @@ def fused_swiglu(setup: Setup, inter: int) -> bool:
     """Whether the experts' SwiGLU runs its CUDA kernels (experts.cc swiglu): CUDA, bf16 or fp32,
     the intermediate width a multiple of 8. They keep gate_up alone; ATen also kept silu(gate)."""
     return device_kernels(setup) and inter % 8 == 0
+
+
+def fused_fp8_experts(setup: Setup) -> bool:
+    """Whether the routed experts' products on FP8 weights run their CUDA kernel (fp8_grouped.cu,
+    both ways): CUDA (a Hopper GPU), bf16 activations; the packed experts are FP8 only in whole
+    128 x 128 scale blocks (is_fp8). It dequantises a tile at a time in shared memory; otherwise each
+    product dequantises this rank's experts whole first."""
+    return setup.device == "cuda" and setup.dtype_bytes == 2
 
 
 def fused_combine(setup: Setup, hidden: int, k: int) -> bool:

@@ -134,13 +134,9 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 constexpr int kHeads = 64, kKeys = 32, kWarps = 8, kSparseThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
-// 16 bytes global -> shared, or 16 zero bytes where !valid.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(wgmma::saddr(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+using wgmma::cp_async16;  // the gathers copy with cp.async (wgmma.cuh)
+using wgmma::cp_async_commit;
+using wgmma::cp_async_wait;
 
 // A row's max and sum over the 4 lanes of a quad (those holding one row of an mma fragment).
 __device__ __forceinline__ float quad_max(float x) {
@@ -1127,23 +1123,9 @@ size_t backward_smem(const SparseShape& s, size_t elem) {
          2 * kHeads * sizeof(float) + 3 * kKeys * sizeof(int);
 }
 
-int max_smem(const at::Tensor& t) {
-  int value = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, t.get_device()));
-  return value;
-}
-
-// Compute capability 9.0, where the wgmma kernels' sm_90a build runs, with `smem` bytes for a block.
-bool wgmma_capable(const at::Tensor& q, size_t smem) {
-  int major = 0, minor = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-  return major == 9 && minor == 0 && smem <= size_t(max_smem(q));
-}
-
 // The wgmma sparse kernels: GLM-5's widths.
 bool wgmma_applies(const at::Tensor& q, const SparseShape& s, size_t smem) {
-  return s.D == kWgD && s.C == kWgC && wgmma_capable(q, smem);
+  return s.D == kWgD && s.C == kWgC && wgmma::capable(q.get_device(), smem);
 }
 
 // The template instance for n tiles of 8 columns per warp (the fewest that hold them).
@@ -1162,14 +1144,6 @@ void with_type(const at::Tensor& t, F&& f) {
   else f(__half{});
 }
 
-// kernel<<<grid, threads, smem, stream>>>(args...), its dynamic shared memory allowed up to smem.
-template <typename... P, typename... A>
-void launch_kernel(void (*kernel)(P...), dim3 grid, int threads, size_t smem, cudaStream_t stream, A&&... args) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<grid, threads, smem, stream>>>(std::forward<A>(args)...);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 }  // namespace
 
 bool sparse_latent_supported(const at::Tensor& q, const at::Tensor& kv, int64_t C) {
@@ -1180,7 +1154,7 @@ bool sparse_latent_supported(const at::Tensor& q, const at::Tensor& kv, int64_t 
   const int64_t D = q.size(2);
   if (major < 9 || D % 8 != 0 || C % 8 != 0 || C > D || (D + 31) / 32 > 36 || kv.size(1) != D) return false;
   const SparseShape s{0, 0, int(D), int(C), 0, int((D + 31) / 32 * 32), int((C + 31) / 32 * 32)};
-  return backward_smem(s, q.element_size()) <= size_t(max_smem(q));
+  return backward_smem(s, q.element_size()) <= size_t(wgmma::max_smem(q.get_device()));
 }
 
 std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in, const at::Tensor& kv_in,
@@ -1202,7 +1176,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in,
   if (wgmma_applies(q, s, wgmma_forward_smem())) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
-      launch_kernel(sparse_forward_wgmma_kernel<T>, grid, kFwdThreads, wgmma_forward_smem(), stream,
+      wgmma::launch(sparse_forward_wgmma_kernel<T>, grid, kFwdThreads, wgmma_forward_smem(), stream,
                     reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
                     idx.const_data_ptr<int64_t>(), reinterpret_cast<T*>(o.mutable_data_ptr()),
                     lse.mutable_data_ptr<float>(), s.nh, s.K, float(scale));
@@ -1213,7 +1187,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_forward(const at::Tensor& q_in,
   with_type(q, [&](auto type) {
     using T = decltype(type);
     with_tiles(s.cp / 16, [&](auto nt) {
-      launch_kernel(sparse_forward_kernel<T, decltype(nt)::value>, grid, kSparseThreads, smem, stream,
+      wgmma::launch(sparse_forward_kernel<T, decltype(nt)::value>, grid, kSparseThreads, smem, stream,
                     reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
                     idx.const_data_ptr<int64_t>(), reinterpret_cast<T*>(o.mutable_data_ptr()),
                     lse.mutable_data_ptr<float>(), s, float(scale));
@@ -1274,7 +1248,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
   const int64_t rows = int64_t(s.Lq) * s.nh;
   with_type(q, [&](auto type) {
     using T = decltype(type);
-    launch_kernel(sparse_delta_kernel<T>, dim3((rows + 7) / 8), 256, 0, stream,
+    wgmma::launch(sparse_delta_kernel<T>, dim3((rows + 7) / 8), 256, 0, stream,
                   reinterpret_cast<const T*>(dout.const_data_ptr()), longlong2{dout.stride(0), dout.stride(1)},
                   reinterpret_cast<const T*>(oc.const_data_ptr()), delta.mutable_data_ptr<float>(), s.nh, int(C), rows);
   });
@@ -1283,7 +1257,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
   if (wgmma_applies(q, s, wgmma_backward_smem())) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
-      launch_kernel(sparse_backward_wgmma_kernel<T>, grid, kWgThreads, wgmma_backward_smem(), stream,
+      wgmma::launch(sparse_backward_wgmma_kernel<T>, grid, kWgThreads, wgmma_backward_smem(), stream,
                     reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
                     idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()),
                     longlong2{dout.stride(0), dout.stride(1)}, lse_c.const_data_ptr<float>(),
@@ -1296,7 +1270,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_latent_backward(const at::Tensor& q_in
   with_type(q, [&](auto type) {
     using T = decltype(type);
     with_tiles(s.dp / 16, [&](auto nq) {
-      launch_kernel(sparse_backward_kernel<T, decltype(nq)::value>, grid, kSparseThreads, smem, stream,
+      wgmma::launch(sparse_backward_kernel<T, decltype(nq)::value>, grid, kSparseThreads, smem, stream,
                     reinterpret_cast<const T*>(q.const_data_ptr()), reinterpret_cast<const T*>(kv.const_data_ptr()),
                     idx.const_data_ptr<int64_t>(), reinterpret_cast<const T*>(dout.const_data_ptr()),
                     longlong2{dout.stride(0), dout.stride(1)}, lse_c.const_data_ptr<float>(),
@@ -1324,10 +1298,10 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Te
   const bool vec = d % 8 == 0 && q.stride(0) % 8 == 0 && k.stride(0) % 8 == 0 && aligned16(q.const_data_ptr()) &&
                    aligned16(k.const_data_ptr());
   if ((q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) && d == kIdxD && vec &&
-      n > 0 && wgmma_capable(q, indexer_wgmma_smem(n))) {
+      n > 0 && wgmma::capable(q.get_device(), indexer_wgmma_smem(n))) {
     with_type(q, [&](auto type) {
       using T = decltype(type);
-      launch_kernel(indexer_scores_wgmma_kernel<T>, dim3((Nk + kIdxKeys - 1) / kIdxKeys, (B + kIdxRows - 1) / kIdxRows),
+      wgmma::launch(indexer_scores_wgmma_kernel<T>, dim3((Nk + kIdxKeys - 1) / kIdxKeys, (B + kIdxRows - 1) / kIdxRows),
                     kWgThreads, indexer_wgmma_smem(n), stream, reinterpret_cast<const T*>(q.const_data_ptr()),
                     q.stride(0), reinterpret_cast<const T*>(k.const_data_ptr()), k.stride(0),
                     wc.const_data_ptr<float>(), out.mutable_data_ptr<float>(), B, Nk, n, first, float(scale));
@@ -1341,8 +1315,9 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& k, const at::Te
               "indexer_scores: bfloat16 or float16 expected, got ", q.scalar_type());
   with_type(q, [&](auto type) {
     using T = decltype(type);
-    launch_kernel(indexer_scores_kernel<T>, grid, kThreads, smem, stream, reinterpret_cast<const T*>(q.const_data_ptr()),
-                  q.stride(0), reinterpret_cast<const T*>(k.const_data_ptr()), k.stride(0), wc.const_data_ptr<float>(),
+    wgmma::launch(indexer_scores_kernel<T>, grid, kThreads, smem, stream,
+                  reinterpret_cast<const T*>(q.const_data_ptr()), q.stride(0),
+                  reinterpret_cast<const T*>(k.const_data_ptr()), k.stride(0), wc.const_data_ptr<float>(),
                   out.mutable_data_ptr<float>(), B, Nk, n, d, first, float(scale), vec);
   });
   return out;

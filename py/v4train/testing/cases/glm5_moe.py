@@ -6,7 +6,7 @@ from v4train.ops import OPS
 from v4train.testing.case import ErrorCase, OpCase
 from v4train.testing.samples import Sample, kernel_width, layout, make_leaf, seed, size, view_as_layout, weight_leaves
 from v4train.models.glm5.moe import Glm5MoeWeights
-from v4train.reference.lora import bind
+from v4train.reference.lora import bind, quantize_fp8, scale_name
 
 
 def samples(draw, dtype: torch.dtype, device) -> Sample:
@@ -64,6 +64,18 @@ def _bench(device, dtype):
                                                                             True, 2.5, 0.0, 0.0, None)
 
 
+def _bench_fp8(device, dtype):
+    """The same with the routed experts' weights in FP8 as the released checkpoints store them
+    (128 x 128 blocks): on CUDA, cc/common/fp8_grouped.cu's kernel both ways. An FP8 base is frozen,
+    so its backward has no weight gradient for them (the case above has): compare the forwards."""
+    w = glm5_moe_weights(device, dtype)
+    for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        w[name], w[scale_name(name)] = quantize_fp8(w[name].detach())
+    x = torch.randn(4096, 6144, device=device, dtype=dtype, requires_grad=True)
+    return "the same, routed experts FP8 (frozen)", (x, bind(Glm5MoeWeights, w, "mlp."), 8, 1, 1, True, 2.5, 0.0, 0.0,
+                                                     None)
+
+
 def _weights(E=4, H=8, I=6, **replaced):
     """Glm5MoeWeights of zeros, with the tensors named in `replaced` replaced."""
     w = {"gate.weight": torch.zeros(E, H), "gate.e_score_correction_bias": torch.zeros(E),
@@ -78,7 +90,7 @@ def _call(x=lambda: torch.zeros(5, 8), w=_weights, top_k=2, n_group=1, topk_grou
 
 
 CASE = OpCase(
-    OPS["v4_glm5_moe"], samples=samples, benchmarks=(_bench,),
+    OPS["v4_glm5_moe"], samples=samples, benchmarks=(_bench, _bench_fp8),
     errors=(
         ErrorCase("top_k above the experts", _call(top_k=5), "top_k=5 must lie in [1, 4]"),
         ErrorCase("groups that do not divide the experts", _call(n_group=3), "n_group=3, topk_group=1 do not fit 4 experts"),

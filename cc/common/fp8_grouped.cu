@@ -1,0 +1,383 @@
+// The routed experts' grouped product on FP8 weights (issue 16): each row of x, grouped by
+// expert, times its expert's float8_e4m3fn weight [E, out, in] with 128 x 128 block scales, the
+// weight dequantised tile by tile in shared memory inside the GEMM. Dequantising whole experts
+// first (fp8.cu's pass, a bf16 copy written and read back) was 9.3 ms of the GLM-5 proxy's 200 ms
+// FP8 step, most of it the experts (docs/benchmarks.md). One kernel both ways: y = x W_e^T (the
+// forward) and dx = dy W_e (the backward, the same tile read transposed by the product's
+// descriptor). Warpgroups 0 and 1 multiply (wgmma, bf16 operands, fp32 accumulators; half the
+// tile's rows each); in warpgroup 2 one thread has x's tiles copied by TMA and all turn the weight's
+// bytes into bf16, in a ring of kStages stages, each value float(w) * scale in fp32 rounded once, as
+// fp8.cu does: the products are dequantise-then-grouped-GEMM's up to the order of their sums. The
+// copying warps bound the kernel (ncu, 2026-12-05: the products waited on them three quarters of the
+// time while x's copies and the addresses were over half their instructions); so x goes by TMA and
+// every address a step is its first plus a constant.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <string_view>
+
+#include "cc/common/backend.h"
+#include "cc/common/lora.h"
+#include "cc/common/wgmma.cuh"
+
+namespace v4::cuda {
+namespace {
+
+constexpr int kBK = 64;           // the sum's step: one 128-byte swizzled row of bf16
+constexpr int kStages = 4;        // the ring: the copies run up to this many steps ahead
+constexpr int kScaleBlock = 128;  // the checkpoints' scale block: 128 x 128 weights
+constexpr int kThreads = 384;     // warpgroups 0, 1: the products; 2: the copies
+
+// A block's tile: BM rows of x (BM / 2 a multiplying warpgroup, in products of 64 rows) by BN
+// output columns. 128 x 256 or 256 x 128: 128 accumulators a thread either way; the second
+// converts half the weights a step for the same products (the copies' conversions are most of
+// their instructions), and its products read the weight tile twice (a fifth more shared-memory
+// reads a step).
+template <int BM_, int BN_>
+struct Shape {
+  static constexpr int BM = BM_, BN = BN_, kSub = BM / 128;  // products of 64 rows a warpgroup
+  static constexpr int kXTile = BM * kBK * 2, kWTile = BN * kBK * 2, kStageBytes = kXTile + kWTile;
+  static constexpr int kPieces = BN * kBK / 16 / 128;  // 16-byte FP8 loads a copying thread a step
+  static constexpr int kHalves = BN / kScaleBlock;      // scale blocks across the tile's columns
+  static constexpr size_t kSmem = size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + 1024;
+};
+using Wide = Shape<128, 256>;
+using Tall = Shape<256, 128>;
+
+// x [rows, K], rows grouped by expert, comes as a TMA map (wgmma::tensor_map_sw128: boxes of BM x 64).
+struct Args {
+  const uint8_t* w;        // [E, out, in] row-major
+  const float* scale;      // [E, out / 128, in / 128]
+  const int* offsets;      // [E]: the end of each expert's rows
+  __nv_bfloat16* y;        // [rows, N]
+  int E, out, in;
+};
+
+// The row tiles: each expert's rows in tiles of BM, ceil(rows_e / BM) tiles an expert, counted
+// expert after expert. Every warp finds its tiles itself (32 experts a round, a scan over its lanes).
+struct Tile {
+  int expert, first, end;  // the expert (-1: none) and the tile's rows [first, min(first + BM, end))
+};
+
+// Tile `tile`'s expert and rows; with tile < 0, Tile{-1, the number of tiles, 0}.
+template <int BM>
+__device__ Tile find_tile(const Args& a, int tile) {
+  const int lane = threadIdx.x % 32;
+  int before = 0;  // the tiles of the rounds before
+  for (int e0 = 0; e0 < a.E; e0 += 32) {
+    const int e = e0 + lane;
+    const int start = e < a.E && e > 0 ? a.offsets[e - 1] : 0, end = e < a.E ? a.offsets[e] : 0;
+    const int tiles = e < a.E ? (end - start + BM - 1) / BM : 0;
+    int upto = tiles;
+    for (int o = 1; o < 32; o *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, upto, o);
+      if (lane >= o) upto += v;
+    }
+    const int mine = before + upto - tiles;
+    const unsigned who = __ballot_sync(0xffffffffu, tile >= mine && tile < mine + tiles);
+    if (who != 0) {
+      const int src = __ffs(int(who)) - 1;
+      return Tile{__shfl_sync(0xffffffffu, e, src), __shfl_sync(0xffffffffu, start + (tile - mine) * BM, src),
+                  __shfl_sync(0xffffffffu, end, src)};
+    }
+    before += __shfl_sync(0xffffffffu, upto, 31);
+  }
+  return Tile{-1, before, 0};
+}
+
+// Four e4m3 weights (a 32-bit word, weight 0 in its low byte) as two f16 pairs, exactly: the
+// register's halves read in place (a shift of the word for its high half was 4 of 52 instructions
+// a piece).
+__device__ __forceinline__ void e4m3x4_to_half2x2(uint32_t in, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(in));
+}
+
+// 16 FP8 weights (one 16-byte piece) times their scale in fp32, each rounded once to bf16 (fp8.cu's
+// dequantisation, value for value; e4m3 -> half -> float is exact): weights 0-7 in lo, 8-15 in hi.
+// The fp32 product cannot go: rounding q s once to bf16 differs from rounding its fp32 value in
+// about 7 of a million pairs (a helper's exhaustive check), so no packed bf16 product. (Unused
+// where the kernels compile empty, for devices without wgmma.)
+[[maybe_unused]] __device__ __forceinline__ void dequantize16(const uint4& v, float s, uint4& lo, uint4& hi) {
+  const uint32_t in[4] = {v.x, v.y, v.z, v.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t pair[2];
+    e4m3x4_to_half2x2(in[j], pair[0], pair[1]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pair[h]));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
+      out[2 * j + h] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+  }
+  lo = make_uint4(out[0], out[1], out[2], out[3]);
+  hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// A copying thread's weights of one step: kPieces 16-byte pieces, and the scales of the tile's
+// halves (its 128 output columns 128 h..: one scale block each; pieces 4 h.. lie there).
+template <class S>
+struct Pieces {
+  uint4 v[S::kPieces];
+  float s[S::kHalves];
+};
+
+// Piece q (of BN * kBK / 16) of a step's weight tile: its row r and first column c within the
+// tile as the FP8 bytes lie, 4 pieces (64 bytes) a row, a warp's 32 on 8 rows. Forward: the
+// weight's rows n0.. (BN of them, the output columns) by its columns k0.. (kBK, the sum); stored
+// K-major, row r at 128 bytes. Transposed: the weight's rows k0.. (the sum) by its columns n0..
+// (the output), pieces 256 j.. on columns 64 j..; stored MN-major, blocks of 64 output columns 8 KB
+// apart. Either way pieces 512 h.. lie in the tile's 128 output columns 128 h.. (one scale block),
+// and 8 threads' stores meet no bank twice.
+template <bool Transposed>
+__device__ __forceinline__ void piece(int q, int& r, int& c) {
+  r = Transposed ? q / 4 % kBK : q / 4;
+  c = (q % 4 + (Transposed ? 4 * (q / 256) : 0)) * 16;
+}
+template <bool Transposed, int BN>
+__device__ __forceinline__ int piece_offset(int r, int c) {
+  return Transposed ? wgmma::sw128_offset<kBK>(r, c) : wgmma::sw128_offset<BN>(r, c);
+}
+// Piece i's distance from piece 0 (of a copying thread p < 128): forward, 32 i rows on; transposed,
+// 32 (i % 2) rows and 64 (i / 2) columns on. In the weight's bytes (rows `in` apart), and in the
+// tile's swizzled bytes (neither moves a row's place in its group of 8 or a chunk's in its 64 columns).
+template <bool Transposed>
+__device__ __forceinline__ int64_t piece_step(int i, int in) {
+  return Transposed ? int64_t(32 * (i % 2)) * in + 64 * (i / 2) : int64_t(32 * i) * in;
+}
+template <bool Transposed>
+__device__ __forceinline__ constexpr int piece_smem(int i) {
+  return Transposed ? 32 * 128 * (i % 2) + kBK * 128 * (i / 2) : 32 * 128 * i;
+}
+
+// A persistent block (as many as the multiprocessors): tiles blockIdx.x, + gridDim.x, .. of the
+// (row tile, column tile) grid, column tiles fastest, so that the blocks at work at once share a
+// few row tiles of x and one expert's weight through L2. The copies run on into the next tile
+// while the products write the last one out.
+template <bool Transposed, class S>
+__global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_constant__ CUtensorMap x_map, const Args a) {
+#if defined(V4_HAS_WGMMA)
+  constexpr int BM = S::BM, BN = S::BN;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = wgmma::sw128_aligned(smem_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * S::kStageBytes);  // a stage's copies are in
+  uint64_t* empty = full + kStages;                                               // its products are done
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      wgmma::bar_init(full + s, 129);  // the copying threads' 128 arrivals + x's TMA (its bytes landed)
+      wgmma::bar_init(empty + s, 256);
+    }
+    wgmma::bar_init_fence();
+  }
+  __syncthreads();
+  const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out, steps = K / kBK;
+  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<BM>(a, -1).first * col_tiles;
+  // (read through a shuffle: one value a warp, so the warpgroups' products are not serialised).
+  // Every warpgroup keeps the 168 registers of the launch: the products' 128 accumulators fit
+  // there, and the copies hold two steps of weights and their hoisted addresses.
+  const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+
+  if (wg == 2) {  // ---- the copies and the dequantisation
+    // Thread p's piece i of a step lies piece_step(i) bytes on in the weight from its piece 0, and
+    // piece_smem(i) bytes on in the stage's weight tile (both the same every step and tile).
+    const int p = threadIdx.x % 128, scale_cols = a.in / kScaleBlock;
+    int r0, c0;
+    piece<Transposed>(p, r0, c0);
+    const int lo0 = piece_offset<Transposed, BN>(r0, c0), hi0 = piece_offset<Transposed, BN>(r0, c0 + 8);
+    const int64_t w_step = Transposed ? int64_t(kBK) * a.in : kBK;  // a step's move in the weight
+    const int s_step = Transposed ? scale_cols : 1, s_half = Transposed ? 1 : scale_cols;  // in the scales
+    int it = 0;  // steps so far, over every tile: the ring's position and phase
+    Pieces<S> f0{}, f1{};  // set once: the pieces a tile leaves unread feed only its columns past N
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const Tile tile = find_tile<BM>(a, t / col_tiles);
+      // The tile's scale blocks past the weight's last column (halves..) are not read: their columns'
+      // products are never written out.
+      const int n0 = t % col_tiles * BN, halves = min(S::kHalves, (N - n0) / kScaleBlock);
+      const int64_t expert = int64_t(tile.expert) * a.out * a.in;
+      const uint8_t* w = a.w + expert + (Transposed ? int64_t(r0) * a.in + n0 + c0 : int64_t(n0 + r0) * a.in + c0);
+      const float* scale = a.scale + expert / (kScaleBlock * kScaleBlock) + n0 / kScaleBlock * s_half;
+      const auto fetch = [&](Pieces<S>& f, int step) {
+        const uint8_t* ws = w + step * w_step;
+        const float* ss = scale + step * kBK / kScaleBlock * s_step;
+#pragma unroll
+        for (int h = 0; h < S::kHalves; ++h)
+          if (h < halves) f.s[h] = __ldg(ss + h * s_half);
+#pragma unroll
+        for (int i = 0; i < S::kPieces; ++i)
+          if (i / 4 < halves) f.v[i] = __ldg(reinterpret_cast<const uint4*>(ws + piece_step<Transposed>(i, a.in)));
+      };
+      const auto put = [&](const Pieces<S>& f, int step) {
+        const int slot = it % kStages;
+        wgmma::bar_wait(empty + slot, ((it / kStages) & 1) ^ 1);
+        ++it;
+        unsigned char* x_tile = smem + slot * S::kStageBytes;
+        if (p == 0) {  // x's rows first.. (past the expert's last: the next one's, or zeros), by TMA
+          wgmma::bar_arrive_expect(full + slot, S::kXTile);
+          wgmma::tma_load_2d(x_tile, &x_map, step * kBK, tile.first, full + slot);
+        }
+        unsigned char* w_tile = x_tile + S::kXTile;
+#pragma unroll
+        for (int i = 0; i < S::kPieces; ++i) {
+          uint4 lo, hi;
+          dequantize16(f.v[i], f.s[i / 4], lo, hi);
+          *reinterpret_cast<uint4*>(w_tile + lo0 + piece_smem<Transposed>(i)) = lo;
+          *reinterpret_cast<uint4*>(w_tile + hi0 + piece_smem<Transposed>(i)) = hi;
+        }
+        wgmma::fence_shared();  // the stores, seen by the products' reads
+        wgmma::bar_arrive(full + slot);
+      };
+      // Two steps' loads in registers: the next step's are in flight while this one's are converted.
+      fetch(f0, 0);
+      for (int step = 0; step < steps; step += 2) {
+        if (step + 1 < steps) fetch(f1, step + 1);
+        put(f0, step);
+        if (step + 1 < steps) {
+          if (step + 2 < steps) fetch(f0, step + 2);
+          put(f1, step + 1);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- the products: warpgroup wg, x's rows BM / 2 wg.. of the tile (kSub products of 64), all
+  // BN columns
+  const uint32_t base = wgmma::saddr(smem);
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tile = find_tile<BM>(a, t / col_tiles);
+    const int n0 = t % col_tiles * BN;
+    float acc[S::kSub][BN / 2];
+#pragma unroll
+    for (int u = 0; u < S::kSub; ++u)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[u][i] = 0.0f;
+    for (int step = 0; step < steps; ++step, ++it) {
+      const int slot = it % kStages;
+      wgmma::bar_wait(full + slot, (it / kStages) & 1);
+      wgmma::fence_shared();
+      const uint32_t x_tile = base + slot * S::kStageBytes + wg * (S::kXTile / 2),
+                     w_tile = base + slot * S::kStageBytes + S::kXTile;
+#pragma unroll
+      for (int u = 0; u < S::kSub; ++u) wgmma::fence_operand(acc[u]);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t w_desc = Transposed ? wgmma::desc128(w_tile + kk * 2048, kBK * 128, 1024)
+                                           : wgmma::desc128(w_tile + wgmma::sw128_k_step<BN>(kk), 16, 1024);
+#pragma unroll
+        for (int u = 0; u < S::kSub; ++u)  // rows 64 u.. of this warpgroup's, 8 KB apart
+          wgmma::mma<__nv_bfloat16, BN, 0, Transposed ? 1 : 0>(
+              acc[u], wgmma::desc128(x_tile + u * 8192 + wgmma::sw128_k_step<BM>(kk), 16, 1024), w_desc);
+      }
+      wgmma::commit();
+      wgmma::wait<1>();  // the step before is done with its stage
+#pragma unroll
+      for (int u = 0; u < S::kSub; ++u) wgmma::fence_operand(acc[u]);
+      if (step > 0) wgmma::bar_arrive(empty + (it - 1) % kStages);
+    }
+    wgmma::wait<0>();
+#pragma unroll
+    for (int u = 0; u < S::kSub; ++u) wgmma::fence_operand(acc[u]);
+    wgmma::bar_arrive(empty + (it - 1) % kStages);
+    // Thread (warp, lane) holds rows 16 warp + lane / 4 (+8) of each product, columns 8 j + 2 (lane % 4) (+1).
+#pragma unroll
+    for (int u = 0; u < S::kSub; ++u) {
+      const int row = tile.first + BM / 2 * wg + 64 * u + 16 * warp + lane / 4;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = n0 + 8 * j + 2 * (lane % 4);
+        if (col >= N) continue;
+        if (row < tile.end)
+          *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row) * N + col) =
+              __floats2bfloat162_rn(acc[u][4 * j], acc[u][4 * j + 1]);
+        if (row + 8 < tile.end)
+          *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row + 8) * N + col) =
+              __floats2bfloat162_rn(acc[u][4 * j + 2], acc[u][4 * j + 3]);
+      }
+    }
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
+// The tile: 256 x 128 (Tall) where the experts average 256 rows or more, else 128 x 256 (Wide), so
+// that a tile's rows past its expert's end (multiplied, not stored) stay under half of it. On the
+// H100 at 1,024 rows an expert (tools/benchmark.py's FP8 case of v4_glm5_moe) Tall's two forward
+// launches took 4.61 ms against Wide's 5.15 and the dequantising path's 7.0; Wide at 128 rows an
+// expert (GLM-5's 256 experts at 4,096 tokens on one GPU) is chosen by that count, not timed.
+// V4TRAIN_FP8_GROUPED_TILE=128x256|256x128|off overrides it, read at each call so that one process
+// can time each ("off" leaves the experts to the dequantise-then-grouped-GEMM path).
+enum class Choice { kWide, kTall, kOff };
+Choice tile_choice(int64_t rows, int64_t experts) {
+  const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
+  const std::string_view s = v == nullptr ? "" : v;
+  if (s == "off") return Choice::kOff;
+  if (s == "256x128" || s == "128x256") return s == "256x128" ? Choice::kTall : Choice::kWide;
+  return rows >= 256 * experts ? Choice::kTall : Choice::kWide;
+}
+
+template <class S>
+void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
+            bool transposed, at::Tensor& out) {
+  // Pieces 4 h.. lie in scale block h of the tile's columns; warpgroups of 64-row products.
+  static_assert(S::kPieces == 4 * S::kHalves && S::kSub * 128 == S::BM, "fp8_grouped: a tile the copies do not cut");
+  const int64_t E = weight.size(0), rows = x.size(0), N = out.size(1);
+  const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
+  const at::Tensor xs = dense16(x);
+  const CUtensorMap x_map = wgmma::tensor_map_sw128(xs.const_data_ptr(), rows, xs.size(1), xs.size(1), S::BM);
+  const Args a{static_cast<const uint8_t*>(w.const_data_ptr()), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
+               reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(weight.size(1)),
+               int(weight.size(2))};
+  // One block a multiprocessor, or one a tile where there are fewer (at most rows / BM + E row tiles).
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
+  const int64_t tiles = ((rows + S::BM - 1) / S::BM + E) * ((N + S::BN - 1) / S::BN);
+  const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (transposed) wgmma::launch(fp8_grouped_kernel<true, S>, grid, kThreads, S::kSmem, stream, x_map, a);
+  else wgmma::launch(fp8_grouped_kernel<false, S>, grid, kThreads, S::kSmem, stream, x_map, a);
+}
+
+bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                         const at::Tensor& offsets, bool transposed, at::Tensor& out) {
+  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.dim() != 2 || weight.dim() != 3) return false;
+  if (weight.scalar_type() != at::kFloat8_e4m3fn || weight.device() != x.device()) return false;
+  const int64_t E = weight.size(0), w_out = weight.size(1), w_in = weight.size(2), rows = x.size(0);
+  const int64_t K = transposed ? w_out : w_in, N = transposed ? w_in : w_out;
+  // Whole scale blocks: the sum's steps never straddle a partial one.
+  if (rows == 0 || E == 0 || w_out % kScaleBlock != 0 || w_in % kScaleBlock != 0 || x.size(1) != K) return false;
+  // int indices: rows, widths, and the (row tile, column tile) pairs, at most rows / 128 + E row tiles.
+  if (rows + 256 > INT_MAX || w_out > INT_MAX || w_in > INT_MAX || ((rows + 127) / 128 + E) * (N / 128) > INT_MAX)
+    return false;
+  if (offsets.scalar_type() != at::kInt || offsets.numel() != E || offsets.device() != x.device()) return false;
+  if (scale.device() != x.device() || scale.dim() != 3 || scale.size(0) != E || scale.size(1) != w_out / kScaleBlock ||
+      scale.size(2) != w_in / kScaleBlock)
+    return false;
+  const Choice choice = tile_choice(rows, E);
+  const bool use_tall = choice == Choice::kTall;
+  if (choice == Choice::kOff || !wgmma::capable(x.get_device(), use_tall ? Tall::kSmem : Wide::kSmem)) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  out = at::empty({rows, N}, x.options());
+  if (use_tall) launch<Tall>(x, weight, scale, offsets, transposed, out);
+  else launch<Wide>(x, weight, scale, offsets, transposed, out);
+  return true;
+}
+
+const Backend<Fp8GroupedProduct>::Register registered(c10::DeviceType::CUDA, &fp8_grouped_product);
+
+}  // namespace
+}  // namespace v4::cuda
