@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "py"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_model import build, fp8_pair  # noqa: E402
+from bench_model import build, fp8_pair, train_adapters  # noqa: E402
 from v4train import ops  # noqa: E402
 from v4train.model import Packed  # noqa: E402
 from v4train.models.glm5 import attention as glm5_attention  # noqa: E402
@@ -136,14 +136,7 @@ def main() -> None:
             for p, p0 in zip(trained, start):
                 p.copy_(p0)
         emulate(variant)
-        opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
-        losses = []
-        for _ in range(args.steps):
-            loss = model.loss(batch, batch.num_targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+        losses = train_adapters(model, batch, args.steps, args.lr)
         with torch.no_grad():
             last = model.loss(batch, batch.num_targets).item()  # the trained adapters' loss
         base = last if variant == "none" else base
