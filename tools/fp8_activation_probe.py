@@ -69,6 +69,9 @@ class E4m3Product(torch.autograd.Function):
         return (e4m3_rows(dy) if ctx.backward_too else dy) @ weight, None, None
 
 
+VARIANTS = ("none", "experts_fwd", "experts_fwd_bwd", "dense_fwd")
+
+
 def emulate(variant: str):
     """Patch the reference's products for `variant` (see the module's docstring); 'none' restores them."""
     for module in (glm5_attention, ref_mlp, ref_lora):
@@ -113,8 +116,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4, help="bench_model --fp8's")
     parser.add_argument("--lora_rank", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", help="the model's (float32: bf16's products are slow on a CPU)")
-    parser.add_argument("--variants", default="none,experts_fwd,experts_fwd_bwd,dense_fwd")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: {', '.join(sorted(unknown))} unknown; expected some of {', '.join(VARIANTS)}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(os.cpu_count() or 1)
     dtype = getattr(torch, args.dtype)
