@@ -158,12 +158,15 @@ def test_the_fp8_probe_rounds_activations_to_e4m3_in_blocks_of_128():
 def test_the_fp8_probe_puts_the_reference_back():
     import fp8_activation_probe as probe
     from v4train.models.glm5 import attention
-    from v4train.reference import lora, moe
+    from v4train.reference import lora, mlp, moe
 
-    before = attention.linear, lora.linear, moe._grouped
-    probe.emulate("dense_fwd")
-    assert attention.linear is not before[0]
-    probe.emulate("experts_fwd_bwd")
-    assert moe._grouped is not before[2] and attention.linear is before[0]
-    probe.emulate("none")
-    assert (attention.linear, lora.linear, moe._grouped) == before
+    before = attention.linear, mlp.linear, lora.linear, moe._grouped
+    try:
+        probe.emulate("dense_fwd")
+        assert attention.linear is not before[0] and mlp.linear is not before[1] and moe._grouped is before[3]
+        probe.emulate("experts_fwd_bwd")
+        assert moe._grouped is not before[3] and attention.linear is before[0]
+        probe.emulate("none")
+        assert (attention.linear, mlp.linear, lora.linear, moe._grouped) == before
+    finally:
+        probe.emulate("none")

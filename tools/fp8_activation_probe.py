@@ -11,8 +11,10 @@ and, where asked, the backward's dy likewise before dy W. Variants:
 - none: the dequantised products (the FP8 model's loss equals the bf16 twin's: the check);
 - experts_fwd, experts_fwd_bwd: the routed experts' products alone (DeepGEMM's design: the only
   products that an experts kernel of FP8 x FP8 would change);
-- dense_fwd: every FP8 dense map's forward (what V4TRAIN_FP8_TENSOR_CORES=1 does on CUDA: 6.4e-2 on
-  the GLM-5 proxy on the H200, docs/benchmarks.md), the calibration against the GPU's measurement.
+- dense_fwd: the forward of every FP8 dense map of whole 128 x 128 blocks through the layers' `linear`
+  (what V4TRAIN_FP8_TENSOR_CORES=1 does on CUDA: 6.4e-2 on the GLM-5 proxy on the H200,
+  docs/benchmarks.md), a rough calibration against the GPU's measurement: CUDA also rounds the
+  indexer's wq_b and wk, whose reference products (F.linear on dense_weight) the probe leaves alone.
 Prints, per variant, the loss after --steps and its relative distance from none's (the target: 1%).
 """
 
@@ -78,8 +80,8 @@ def emulate(variant: str):
         module.linear = _linear[0]
     ref_moe._grouped = _grouped[0]
     if variant == "dense_fwd":
-        def linear(x, w, lora):
-            if w.weight_scale_inv is None:
+        def linear(x, w, lora):  # (whole 128 x 128 blocks only, as cc/common/fp8.cu's fp8_linear)
+            if w.weight_scale_inv is None or w.weight.shape[-1] % BLOCK or w.weight.shape[-2] % BLOCK:
                 return _linear[0](x, w, lora)
             y = E4m3Product.apply(x, ref_lora.dense_weight(w, x.dtype), False)
             return y + ref_lora._update(x, lora, w.lora_A, w.lora_B) if w.lora_A is not None else y
@@ -136,6 +138,14 @@ def main() -> None:
           f"LoRA r={args.lora_rank}, {args.steps} AdamW steps at lr {args.lr}")
     print("| variant | loss at step 1 | loss after the steps | relative to none |")
     print("|---|---|---|---|")
+    try:
+        run_variants(args, model, batch, trained, start)
+    finally:
+        emulate("none")
+
+
+def run_variants(args, model, batch, trained, start) -> None:
+    """Each variant's training from the same adapters, printed as a row."""
     base = None
     for variant in args.variants.split(","):
         with torch.no_grad():
@@ -148,7 +158,6 @@ def main() -> None:
         base = last if variant == "none" else base
         rel = f"{abs(last - base) / base:.2e}" if base is not None else "-"
         print(f"| {variant} | {losses[0]:.5f} | {last:.5f} | {rel} |", flush=True)
-    emulate("none")
 
 
 if __name__ == "__main__":
