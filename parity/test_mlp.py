@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from parity.fp8_bound import (Bounded, add, assert_within, bf16_matmul, blocks_of_sizes, fp32_reductions, fp8_linear, mul,
-                               silu, silu_backward)
+from parity.fp8_bound import (Bounded, add, assert_within, bf16_matmul, blocks_of_sizes, fp32_reductions, fp8_linear,
+                               mul, silu, silu_backward)
 from v4train.models.glm5.moe import Glm5MoeWeights
 from v4train.ops import OPS, REFERENCE
 from v4train.reference.lora import Linear, dequantize_fp8, quantize_fp8

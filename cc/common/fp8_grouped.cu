@@ -166,7 +166,8 @@ __device__ __forceinline__ constexpr int piece_smem(int i) {
 // few row tiles of x and one expert's weight through L2. The copies run on into the next tile
 // while the products write the last one out.
 template <bool Transposed, class S>
-__global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_constant__ CUtensorMap x_map, const Args a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_grouped_kernel(const __grid_constant__ CUtensorMap x_map, const Args a) {
 #if defined(V4_HAS_WGMMA)
   constexpr int BM = S::BM, BN = S::BN;
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -92,8 +92,8 @@ def test_fp8_dequantize_and_no_quantization_config_keep_the_model_dtype():
 
 # The peaks measured on one H200 (the seventeenth session's on an H100; torch 2.11.0+cu130), GiB
 # above the weights, copied from docs/benchmarks.md: (proxy, --finetune, tokens, checkpointing, FP8,
-# measured GiB, the section, the delta rule's path). bf16 throughout; "full": every weight trains but what the family freezes
-# (the bench's mode); "lora": r=16 on attention and experts, every other weight frozen. The path
+# measured GiB, the section, the delta rule's path). bf16 throughout; "full": every weight trains
+# but what the family freezes (the bench's mode); "lora": r=16 on attention and experts, every other weight frozen. The path
 # (Qwen3.5; GLM-5 has no delta rule), the code's era: "all" for runs with every CUDA kernel of
 # today (the experts' SwiGLU and the combine too: 2026-12-03 on), "loss" for runs with the LM
 # head's loss kernel but those on ATen (stop 31), "block" for runs with the Gated DeltaNet
