@@ -172,7 +172,7 @@ def test_the_bf16_product_bound_fails_a_wrong_experts_kernel(mutation):
 
 
 @CUDA
-@pytest.mark.parametrize("tile", ["128x256", "256x128"])
+@pytest.mark.parametrize("tile", ["128x256", "256x128", None], ids=["128x256", "256x128", "chosen"])
 def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, monkeypatch):
     """cc/common/fp8_grouped.cu through v4::fp8_product with a dispatch, as the routed experts call
     it: y = x W_e^T for each expert's rows and, through autograd, x's gradient dy W_e. Both are bf16
@@ -180,8 +180,13 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
     so each element must lie within such a product's bound of the float64 truth. More tiles than
     multiprocessors, so that each persistent block takes several. The profile shows the kernel ran
     both ways with the tile asked for (a kernel that declined would leave the dequantised path to
-    pass alone)."""
-    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
+    pass alone). Unasked, the kernel takes 256 x 128 where the experts average 256 rows or more
+    (here 2,426)."""
+    if tile is None:
+        monkeypatch.delenv("V4TRAIN_FP8_GROUPED_TILE", raising=False)
+        tile = "256x128"
+    else:
+        monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
     gen = torch.Generator().manual_seed(17)
     q, scale = blocks_of_sizes((len(COUNTS), OUT, IN), gen)
     x = activations(sum(COUNTS), IN, gen, signed=True).cuda().requires_grad_()

@@ -328,15 +328,20 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_kernel(const __grid_c
 #endif
 }
 
-// The tile: 128 x 256 (Wide) unless V4TRAIN_FP8_GROUPED_TILE=256x128 (Tall); "off" leaves the
-// experts to the dequantise-then-grouped-GEMM path. Read at each call, so that one process can time
-// all three (tools/benchmark.py's FP8 case of v4_glm5_moe, the FP8 proxy) until the GPU says which to
-// keep.
+// The tile: 256 x 128 (Tall) where the experts average 256 rows or more, else 128 x 256 (Wide), so
+// that a tile's rows past its expert's end (multiplied, not stored) stay under half of it. On the
+// H100 at 1,024 rows an expert (tools/benchmark.py's FP8 case of v4_glm5_moe) Tall's two forward
+// launches took 4.61 ms against Wide's 5.15 and the dequantising path's 7.0; Wide at 128 rows an
+// expert (GLM-5's 256 experts at 4,096 tokens on one GPU) is chosen by that count, not timed.
+// V4TRAIN_FP8_GROUPED_TILE=128x256|256x128|off overrides it, read at each call so that one process
+// can time each ("off" leaves the experts to the dequantise-then-grouped-GEMM path).
 enum class Choice { kWide, kTall, kOff };
-Choice tile_choice() {
+Choice tile_choice(int64_t rows, int64_t experts) {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
   const std::string_view s = v == nullptr ? "" : v;
-  return s == "256x128" ? Choice::kTall : s == "off" ? Choice::kOff : Choice::kWide;
+  if (s == "off") return Choice::kOff;
+  if (s == "256x128" || s == "128x256") return s == "256x128" ? Choice::kTall : Choice::kWide;
+  return rows >= 256 * experts ? Choice::kTall : Choice::kWide;
 }
 
 template <class S>
@@ -376,7 +381,7 @@ bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at
   if (scale.device() != x.device() || scale.dim() != 3 || scale.size(0) != E || scale.size(1) != w_out / kScaleBlock ||
       scale.size(2) != w_in / kScaleBlock)
     return false;
-  const Choice choice = tile_choice();
+  const Choice choice = tile_choice(rows, E);
   const bool use_tall = choice == Choice::kTall;
   if (choice == Choice::kOff || !wgmma::capable(x.get_device(), use_tall ? Tall::kSmem : Wide::kSmem)) return false;
   const c10::cuda::CUDAGuard guard(x.device());

@@ -50,6 +50,12 @@ inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols
     TORCH_CHECK(fn != nullptr && found == cudaDriverEntryPointSuccess, "the CUDA driver has no cuTensorMapEncodeTiled");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
+  // The driver's encoder needs a context current on this thread, which autograd's backward thread
+  // may not have yet (the first product there failed with 201, invalid context): since CUDA 12
+  // cudaSetDevice makes the device's primary context current.
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaSetDevice(device));
   CUtensorMap map;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(ld) * 2};
   const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, unit[2] = {1, 1};

@@ -624,49 +624,34 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
   }
 }
 
-// Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src0 (row stride `stride`, rows
-// 16-byte aligned) into dst0, and of src1 into dst1 where given, four floats a thread at a time,
-// four loads of each in flight; returns this thread's share of <src0, src1> (float32 products),
-// where src1 is given. lo_off < 0: the values rounded to bfloat16, the hi plane alone (four values
-// a store: ld a multiple of 4).
+// Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src (row stride `stride`, rows
+// 16-byte aligned) into dst, four floats a thread at a time, four loads in flight. lo_off < 0: the
+// values rounded to bfloat16, the hi plane alone (four values a store: ld a multiple of 4).
 template <int kWidth = 128>
-__device__ __forceinline__ float load_split(__nv_bfloat16* dst0, const float* src0, __nv_bfloat16* dst1,
-                                            const float* src1, int rows, int lo_off, int ld = kPlaneRow,
-                                            int64_t stride = kWidth) {
+__device__ __forceinline__ void load_split(__nv_bfloat16* dst, const float* src, int rows, int lo_off,
+                                           int ld = kPlaneRow, int64_t stride = kWidth) {
   constexpr int kQuads = kWidth / 4;
-  float dot = 0.0f;
-  const auto put = [&](__nv_bfloat16* dst, int idx, float4 v) {
-    __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
-    if (lo_off < 0) {
-      *reinterpret_cast<uint2*>(at) = make_uint2(pack2<__nv_bfloat16>(v.x, v.y), pack2<__nv_bfloat16>(v.z, v.w));
-      return;
-    }
-    store_split2(at, lo_off, v.x, v.y);
-    store_split2(at + 2, lo_off, v.z, v.w);
-  };
   for (int i0 = threadIdx.x; i0 < rows * kQuads; i0 += 4 * kThreads) {
-    float4 a[4], b[4];
+    float4 a[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int idx = i0 + u * kThreads;
-      if (idx < rows * kQuads) {
-        const int64_t at = idx / kQuads * stride + idx % kQuads * 4;
-        a[u] = *reinterpret_cast<const float4*>(src0 + at);
-        if (src1 != nullptr) b[u] = *reinterpret_cast<const float4*>(src1 + at);
-      }
+      if (idx < rows * kQuads) a[u] = *reinterpret_cast<const float4*>(src + idx / kQuads * stride + idx % kQuads * 4);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int idx = i0 + u * kThreads;
       if (idx >= rows * kQuads) continue;
-      put(dst0, idx, a[u]);
-      if (src1 != nullptr) {
-        put(dst1, idx, b[u]);
-        dot += a[u].x * b[u].x + a[u].y * b[u].y + a[u].z * b[u].z + a[u].w * b[u].w;
+      __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
+      if (lo_off < 0) {
+        *reinterpret_cast<uint2*>(at) =
+            make_uint2(pack2<__nv_bfloat16>(a[u].x, a[u].y), pack2<__nv_bfloat16>(a[u].z, a[u].w));
+      } else {
+        store_split2(at, lo_off, a[u].x, a[u].y);
+        store_split2(at + 2, lo_off, a[u].z, a[u].w);
       }
     }
   }
-  return dot;
 }
 
 // The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
@@ -1162,7 +1147,7 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   constexpr int kLo = (kRows + DimsT::pk) * kPlanePitch;
   auto* o = static_cast<__nv_bfloat16*>(p.o);
   for (int c0 = 0; c0 < d.dv; c0 += kCols) {
-    load_split<kCols>(x, p.v_new + head * kRows * d.dv + c0, nullptr, nullptr, kRows, kLo, kPlanePitch, d.dv);
+    load_split<kCols>(x, p.v_new + head * kRows * d.dv + c0, kRows, kLo, kPlanePitch, d.dv);
     const auto* h_rows = static_cast<const __nv_bfloat16*>(p.h) + head * d.dk * d.dv + c0;
     copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, h_rows, d.dv, d.dk);
     wait_copies();
@@ -1321,7 +1306,7 @@ __global__ void __launch_bounds__(kThreads, 2) state_grads_planes_kernel(Args p)
   Info& s = b.s;
   const int64_t head = b.head;
   load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
-  load_split(m.Y + kRows * kPlaneRow, p.dv_new + head * kRows * d.dv, nullptr, nullptr, kRows, -1);
+  load_split(m.Y + kRows * kPlaneRow, p.dv_new + head * kRows * d.dv, kRows, -1);
   copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + head * d.dk * d.dv, d.dv, d.dk);
   copy_rows<128>(m.D, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + head * d.dk * d.dv, d.dv, d.dk);
   wait_copies();
@@ -1341,7 +1326,7 @@ __global__ void __launch_bounds__(kThreads, 2) state_grads_planes_kernel(Args p)
   };
   plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.H, kPlaneRow, 0, 2 * kRows, d.dk, d.dv, first);
   __syncthreads();  // Y is free
-  load_split(m.Y, p.v_new + head * kRows * d.dv, nullptr, nullptr, kRows, -1);
+  load_split(m.Y, p.v_new + head * kRows * d.dv, kRows, -1);
   __syncthreads();
   plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.D, kPlaneRow, 0, kRows, d.dk, d.dv,
                                          [&](int r, int c, float v) {
@@ -1480,7 +1465,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_dpl_kernel(Args p) {  // tw
   load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
   load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
   load_rows_split(m.d_o, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
-  load_split(m.v, p.v_new + rows * DimsT::dv, nullptr, nullptr, kRows, kRows * kPlaneRow);
+  load_split(m.v, p.v_new + rows * DimsT::dv, kRows, kRows * kPlaneRow);
   wait_copies();
   __syncthreads();
   row_rnorms(m.rq, m.q, kPlaneRow);
