@@ -235,18 +235,10 @@ def fp8_main(args, hf, cfg, table) -> list[dict]:
                 seconds, peak = timed_steps(backward_step(model, batch), args.warmup, args.steps)
                 trained = [p for p in model.parameters() if p.requires_grad]
                 start = [p.detach().clone() for p in trained]
-                opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
-                losses = []
-                for _ in range(args.train_steps):
-                    loss = model.loss(batch, batch.num_targets)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    losses.append(loss.item())
+                losses = train_adapters(model, batch, args.train_steps, args.lr)
                 with torch.no_grad():  # the adapters as they were, for the next length
                     for p, p0 in zip(trained, start):
                         p.copy_(p0)
-                del opt
                 row.update(step_s=seconds, tokens_per_s=tokens / seconds, peak_gib=peak / GIB, first_loss=losses[0],
                            last_loss=losses[-1])
                 print(f"| {kind} | {tokens} | {ckpt} | {seconds:.3f} | {tokens / seconds:,.0f} | {peak / GIB:.1f} | "
@@ -270,6 +262,20 @@ def fp8_main(args, hf, cfg, table) -> list[dict]:
                       {k: round(v, 2) for k, v in per_op_times(model, batch).items()})
                 print(profile(model, batch))
     return rows
+
+
+def train_adapters(model: CausalLM, batch: Packed, steps: int, lr: float) -> list[float]:
+    """`steps` AdamW steps (no weight decay) of model's trainable parameters on batch: the loss
+    before each."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        loss = model.loss(batch, batch.num_targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
 
 
 def active_params(cfg) -> int:

@@ -128,3 +128,45 @@ def test_peak_breakdown_names_what_is_alive_at_the_peak():
     assert [(r["where"], r["block_bytes"], r["count"], r["bytes"]) for r in rows] == [
         ("(autograd backward)", 300, 1, 300), ("model.py:7 loss", 100, 1, 100), ("model.py:7 loss", 50, 1, 50)]
     assert rows[0]["bytes_per_token"] == 30
+
+
+def test_the_fp8_probe_rounds_activations_to_e4m3_in_blocks_of_128():
+    """tools/fp8_activation_probe.py's rounding, against values worked by hand: e4m3 keeps 3
+    fraction bits (1.0625, halfway from 1 to 1.125, goes to the even 1; 3.3 to 3.25), each block
+    of 128 scaled by its amax / 448; an all-zero block stays zeros. The backward rounds dy only
+    where asked."""
+    import fp8_activation_probe as probe
+
+    x = torch.zeros(2, 256)
+    x[0, 0], x[0, 1], x[0, 2] = 448.0, 1.0625, 3.3  # block 0: scale 1
+    x[0, 128], x[0, 129] = 896.0, 3.3  # block 1: scale 2, 3.3 / 2 = 1.65 -> 1.625
+    y = probe.e4m3_rows(x)
+    assert y[0, :3].tolist() == [448.0, 1.0, 3.25]
+    assert y[0, 128:130].tolist() == [896.0, 3.25]
+    assert torch.count_nonzero(y[0, 3:128]) == 0 and torch.count_nonzero(y[1]) == 0
+    w = torch.eye(256)[:4]  # picks columns 0..3 of x; dy W puts dy in those columns
+    xg = x.clone().requires_grad_()
+    dy = torch.tensor([[448.0, 1.0625, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    out = probe.E4m3Product.apply(xg, w, True)
+    assert out[0].tolist() == [448.0, 1.0, 3.25, 0.0]
+    (g,) = torch.autograd.grad(out, xg, dy)
+    assert g[0, :2].tolist() == [448.0, 1.0]
+    (g,) = torch.autograd.grad(probe.E4m3Product.apply(xg, w, False), xg, dy)
+    assert g[0, :2].tolist() == [448.0, 1.0625]
+
+
+def test_the_fp8_probe_puts_the_reference_back():
+    import fp8_activation_probe as probe
+    from v4train.models.glm5 import attention
+    from v4train.reference import lora, mlp, moe
+
+    before = attention.linear, mlp.linear, lora.linear, moe._grouped
+    try:
+        probe.emulate("dense_fwd")
+        assert attention.linear is not before[0] and mlp.linear is not before[1] and moe._grouped is before[3]
+        probe.emulate("experts_fwd_bwd")
+        assert moe._grouped is not before[3] and attention.linear is before[0]
+        probe.emulate("none")
+        assert (attention.linear, mlp.linear, lora.linear, moe._grouped) == before
+    finally:
+        probe.emulate("none")

@@ -339,8 +339,10 @@ enum class Choice { kWide, kTall, kOff };
 Choice tile_choice(int64_t rows, int64_t experts) {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
   const std::string_view s = v == nullptr ? "" : v;
+  TORCH_CHECK(s.empty() || s == "off" || s == "256x128" || s == "128x256", "V4TRAIN_FP8_GROUPED_TILE=", s,
+              ": expected 128x256, 256x128 or off (unset: the kernel chooses)");
   if (s == "off") return Choice::kOff;
-  if (s == "256x128" || s == "128x256") return s == "256x128" ? Choice::kTall : Choice::kWide;
+  if (!s.empty()) return s == "256x128" ? Choice::kTall : Choice::kWide;
   return rows >= 256 * experts ? Choice::kTall : Choice::kWide;
 }
 
