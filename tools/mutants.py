@@ -255,6 +255,10 @@ MUTATIONS = (
     Mutation("fp8_grouped_tall_rows_once", "the experts' FP8 kernel, 256-row tile: each warpgroup's second "
              "product reads its first's 64 rows of x", "cc/common/fp8_grouped.cu", "wgmma::desc128(x_tile + u * 8192 +",
              "wgmma::desc128(x_tile +", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_grouped_epilogue_rows_unpadded", "the experts' FP8 kernel copies its staged rows out at 128 bytes a "
+             "row where they lie 144 apart", "cc/common/fp8_grouped.cu",
+             "stage + r * kEpiloguePitch + lane % 8 * 16", "stage + r * 128 + lane % 8 * 16", FP8_GROUPED_CUDA,
+             cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_last_step_dropped", "the experts' FP8 kernel leaves the last 64 of each sum out",
              "cc/common/fp8_grouped.cu", "steps = K / kBK;", "steps = K / kBK - 1;", FP8_GROUPED_CUDA, cuda=True,
              module="v4_linear_test"),

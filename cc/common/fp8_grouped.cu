@@ -34,6 +34,10 @@ namespace {
 constexpr int kBK = 64;           // the sum's step: one 128-byte swizzled row of bf16
 constexpr int kStages = 4;        // the ring: the copies run up to this many steps ahead
 constexpr int kScaleBlock = 128;  // the checkpoints' scale block: 128 x 128 weights
+// The epilogue: a multiplying warp writes its 16 rows x 64 columns of the result into shared memory
+// (144 bytes a row: the 8 rows of a fragment's store fall on 32 different banks), then each lane
+// copies 16 bytes of a row out, so a warp's stores to y are whole 128-byte rows, not 8 rows of 16 bytes.
+constexpr int kEpiloguePitch = 144, kEpilogueBytes = 8 * 16 * kEpiloguePitch;
 constexpr int kThreads = 384;     // warpgroups 0, 1: the products; 2: the copies
 
 // A block's tile: BM rows of x (BM / 2 a multiplying warpgroup, in products of 64 rows) by BN
@@ -47,7 +51,8 @@ struct Shape {
   static constexpr int kXTile = BM * kBK * 2, kWTile = BN * kBK * 2, kStageBytes = kXTile + kWTile;
   static constexpr int kPieces = BN * kBK / 16 / 128;  // 16-byte FP8 loads a copying thread a step
   static constexpr int kHalves = BN / kScaleBlock;      // scale blocks across the tile's columns
-  static constexpr size_t kSmem = size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + 1024;
+  // After the ring: its barriers (128 bytes), then each multiplying warp's staging rows (kEpilogue).
+  static constexpr size_t kSmem = size_t(kStages) * kStageBytes + 128 + kEpilogueBytes + 1024;
 };
 using Wide = Shape<128, 256>;
 using Tall = Shape<256, 128>;
@@ -294,19 +299,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int u = 0; u < S::kSub; ++u) wgmma::fence_operand(acc[u]);
     wgmma::bar_arrive(empty + (it - 1) % kStages);
     // Thread (warp, lane) holds rows 16 warp + lane / 4 (+8) of each product, columns 8 j + 2 (lane % 4) (+1).
+    unsigned char* stage = smem + kStages * S::kStageBytes + 128 + (4 * wg + warp) * 16 * kEpiloguePitch;
 #pragma unroll
     for (int u = 0; u < S::kSub; ++u) {
-      const int row = tile.first + BM / 2 * wg + 64 * u + 16 * warp + lane / 4;
+      const int row0 = tile.first + BM / 2 * wg + 64 * u + 16 * warp;  // the warp's 16 rows
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = n0 + 8 * j + 2 * (lane % 4);
-        if (col >= N) continue;
-        if (row < tile.end)
-          *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row) * N + col) =
-              __floats2bfloat162_rn(acc[u][4 * j], acc[u][4 * j + 1]);
-        if (row + 8 < tile.end)
-          *reinterpret_cast<__nv_bfloat162*>(a.y + int64_t(row + 8) * N + col) =
+      for (int c0 = 0; c0 < BN; c0 += 64) {
+        if (n0 + c0 >= N) continue;  // (the tile's last 128 columns past the output)
+#pragma unroll
+        for (int j = c0 / 8; j < c0 / 8 + 8; ++j) {
+          unsigned char* at = stage + (lane / 4) * kEpiloguePitch + (8 * j - c0 + 2 * (lane % 4)) * 2;
+          *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(acc[u][4 * j], acc[u][4 * j + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(at + 8 * kEpiloguePitch) =
               __floats2bfloat162_rn(acc[u][4 * j + 2], acc[u][4 * j + 3]);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // rows 4 i + lane / 8, their 16 bytes lane % 8
+          const int r = 4 * i + lane / 8, row = row0 + r;
+          const uint4 v = *reinterpret_cast<const uint4*>(stage + r * kEpiloguePitch + lane % 8 * 16);
+          if (row < tile.end) *reinterpret_cast<uint4*>(a.y + int64_t(row) * N + n0 + c0 + lane % 8 * 8) = v;
+        }
+        __syncwarp();
       }
     }
   }
