@@ -147,12 +147,16 @@ def test_the_fp8_probe_rounds_activations_to_e4m3_in_blocks_of_128():
     w = torch.eye(256)[:4]  # picks columns 0..3 of x; dy W puts dy in those columns
     xg = x.clone().requires_grad_()
     dy = torch.tensor([[448.0, 1.0625, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    out = probe.E4m3Product.apply(xg, w, True)
+    out = probe.E4m3Product.apply(xg, w, True, True)
     assert out[0].tolist() == [448.0, 1.0, 3.25, 0.0]
     (g,) = torch.autograd.grad(out, xg, dy)
     assert g[0, :2].tolist() == [448.0, 1.0]
-    (g,) = torch.autograd.grad(probe.E4m3Product.apply(xg, w, False), xg, dy)
+    (g,) = torch.autograd.grad(probe.E4m3Product.apply(xg, w, True, False), xg, dy)
     assert g[0, :2].tolist() == [448.0, 1.0625]
+    out = probe.E4m3Product.apply(xg, w, False, True)  # the backward alone rounded
+    assert out[0].tolist() == x[0, :4].tolist()  # x as it is
+    (g,) = torch.autograd.grad(out, xg, dy)
+    assert g[0, :2].tolist() == [448.0, 1.0]
 
 
 def test_the_fp8_probe_puts_the_reference_back():
@@ -166,6 +170,8 @@ def test_the_fp8_probe_puts_the_reference_back():
         assert attention.linear is not before[0] and mlp.linear is not before[1] and moe._grouped is before[3]
         probe.emulate("experts_fwd_bwd")
         assert moe._grouped is not before[3] and attention.linear is before[0]
+        probe.emulate("dense_bwd")
+        assert attention.linear is not before[0] and moe._grouped is before[3]
         probe.emulate("none")
         assert (attention.linear, mlp.linear, lora.linear, moe._grouped) == before
     finally:

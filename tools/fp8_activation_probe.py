@@ -14,7 +14,9 @@ and, where asked, the backward's dy likewise before dy W. Variants:
 - dense_fwd: the forward of every FP8 dense map of whole 128 x 128 blocks through the layers' `linear`
   (what V4TRAIN_FP8_TENSOR_CORES=1 does on CUDA: 6.4e-2 on the GLM-5 proxy on the H200,
   docs/benchmarks.md), a rough calibration against the GPU's measurement: CUDA also rounds the
-  indexer's wq_b and wk, whose reference products (F.linear on dense_weight) the probe leaves alone.
+  indexer's wq_b and wk, whose reference products (F.linear on dense_weight) the probe leaves alone;
+- dense_bwd: those maps' backward alone (dy rounded before dy W; the forward exact), what a dense
+  backward on FP8 tensor cores (the experts' transposing kernel as one expert) would change.
 Prints, per variant, the loss after --steps and its relative distance from none's (the target: 1%).
 """
 
@@ -56,22 +58,22 @@ def e4m3_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class E4m3Product(torch.autograd.Function):
-    """x W^T with x rounded by e4m3_rows; its gradient dy W, dy rounded so where `backward_too`.
-    W is a frozen base (no gradient)."""
+    """x W^T with x rounded by e4m3_rows where `forward`; its gradient dy W, dy rounded so where
+    `backward`. W is a frozen base (no gradient)."""
 
     @staticmethod
-    def forward(ctx, x, weight, backward_too: bool):
+    def forward(ctx, x, weight, forward: bool, backward: bool):
         ctx.save_for_backward(weight)
-        ctx.backward_too = backward_too
-        return F.linear(e4m3_rows(x), weight)
+        ctx.backward = backward
+        return F.linear(e4m3_rows(x) if forward else x, weight)
 
     @staticmethod
     def backward(ctx, dy):
         (weight,) = ctx.saved_tensors
-        return (e4m3_rows(dy) if ctx.backward_too else dy) @ weight, None, None
+        return (e4m3_rows(dy) if ctx.backward else dy) @ weight, None, None, None
 
 
-VARIANTS = ("none", "experts_fwd", "experts_fwd_bwd", "dense_fwd")
+VARIANTS = ("none", "experts_fwd", "experts_fwd_bwd", "dense_fwd", "dense_bwd")
 
 
 def emulate(variant: str):
@@ -79,11 +81,13 @@ def emulate(variant: str):
     for module in (glm5_attention, ref_mlp, ref_lora):
         module.linear = _linear[0]
     ref_moe._grouped = _grouped[0]
-    if variant == "dense_fwd":
+    if variant.startswith("dense"):
+        forward = variant == "dense_fwd"
+
         def linear(x, w, lora):  # (whole 128 x 128 blocks only, as cc/common/fp8.cu's fp8_linear)
             if w.weight_scale_inv is None or w.weight.shape[-1] % BLOCK or w.weight.shape[-2] % BLOCK:
                 return _linear[0](x, w, lora)
-            y = E4m3Product.apply(x, ref_lora.dense_weight(w, x.dtype), False)
+            y = E4m3Product.apply(x, ref_lora.dense_weight(w, x.dtype), forward, not forward)
             return y + ref_lora._update(x, lora, w.lora_A, w.lora_B) if w.lora_A is not None else y
         for module in (glm5_attention, ref_mlp, ref_lora):
             module.linear = linear
@@ -98,7 +102,7 @@ def emulate(variant: str):
             for e, n in enumerate(counts):
                 if n:
                     x = rows[start:start + n]
-                    y = E4m3Product.apply(x, weight[e], backward_too)
+                    y = E4m3Product.apply(x, weight[e], True, backward_too)
                     if w.lora_A is not None:
                         y = y + F.linear(F.linear(x, w.lora_A[e]), w.lora_B[e]) * lora.scaling
                     outs.append(y)
