@@ -8,7 +8,9 @@ blocks down the columns fail it (on any device: no kernel needed).
 
 And the routed experts' FP8 kernel on CUDA (cc/common/fp8_grouped.cu), both ways: a bf16 product
 of the weight dequantised as the loader does, held element by element to that product's bound
-(fp8_bound.bf16_matmul), which emulations of wrong kernels fail."""
+(fp8_bound.bf16_matmul), which emulations of wrong kernels fail; and its products on FP8 tensor
+cores (V4TRAIN_FP8_TENSOR_CORES=experts; a dense map's dy W with dense_backward), x quantised as
+path (a)'s, held to path (a)'s bound, which emulations of that kernel's wrong variants fail."""
 
 import re
 
@@ -25,8 +27,8 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 
 @pytest.fixture(autouse=True)
 def tensor_cores(monkeypatch):
-    """Path (a) is opt-in (cc/common/fp8.cu)."""
-    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "1")
+    """Path (a) is opt-in (lora.h's fp8_tensor_cores): the dense forward, unless a test asks for others."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "dense_forward")
 
 # (M, K, N): one row; K/128 = 1, 3 and 10 (not multiples of 4: the weight scales are padded for
 # cuBLAS), 16 and 48; up to GLM-5's width.
@@ -182,6 +184,7 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
     both ways with the tile asked for (a kernel that declined would leave the dequantised path to
     pass alone). Unasked, the kernel takes 256 x 128 where the experts average 256 rows or more
     (here 2,426)."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
     if tile is None:
         monkeypatch.delenv("V4TRAIN_FP8_GROUPED_TILE", raising=False)
         tile = "256x128"
@@ -205,3 +208,127 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
     ratios = (assert_within(y.cpu(), _grouped_bound(x.detach(), w.transpose(1, 2)), "y"),  # (bounds on the CPU)
               assert_within(dx.cpu(), _grouped_bound(dy, w), "x's gradient"))
     print(f"experts' FP8 kernel, tile {tile}: max |error| / bound = {ratios[0]:.3f} (y), {ratios[1]:.3f} (dx)")
+
+
+def _path_a_grouped_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, counts: list[int],
+                          transposed: bool = False) -> Bounded:
+    """Each expert's rows of x through path (a) (fp8_bound.fp8_linear) with its weight: x W_e^T, or
+    x W_e where `transposed` (the weight's transpose, its scales with it)."""
+    parts = []
+    for xe, qe, se in zip(x.detach().cpu().split(counts), q.cpu(), scale.cpu()):
+        if transposed:
+            qe, se = qe.t().contiguous(), se.t().contiguous()
+        parts.append(fp8_linear(Bounded.exact(xe), qe, se))
+    return Bounded(torch.cat([b.value for b in parts]), torch.cat([b.err for b in parts]))
+
+
+def _e4m3_emulated(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, counts: list[int], transposed: bool,
+                   mutation: str) -> torch.Tensor:
+    """The experts' kernel on FP8 tensor cores in float64 (no kernel): each expert's rows quantised per
+    row per 128 columns, each 128-column block's exact sum times the row's and the weight block's
+    scales, summed, rounded to bf16; or with one of a wrong kernel's mistakes (its CUDA mutations,
+    tools/mutants.py's fp8_e4m3_*)."""
+    outs = []
+    for xe, qe, se in zip(x.double().split(counts), q, scale):
+        qw, sw = qe.double(), se.double()  # [out, in], [out / 128, in / 128]
+        if transposed:
+            qw, sw = qw.t(), sw.t()  # [N, K] as the products read them
+        m, k = xe.shape
+        n, blocks = qw.shape[0], k // BLOCK
+        amax = xe.view(m, blocks, BLOCK).abs().amax(-1)
+        sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [m, blocks]
+        xq = (xe.view(m, blocks, BLOCK) / sx[..., None]).float().to(torch.float8_e4m3fn).double()
+        if mutation == "row_scale_upper_half":  # the fragment's rows 8-15 of each 16 take rows 0-7's scales
+            upper = torch.arange(m) % 16 >= 8
+            sx = sx.clone()
+            sx[upper] = sx[torch.arange(m)[upper] - 8]
+        if mutation == "transpose_unswizzled" and transposed:  # the tile's row n read with its chunks ^ n % 8
+            col = torch.arange(k)
+            chunk = (col % BLOCK // 16)[None, :] ^ (torch.arange(n) % 8)[:, None]
+            qw = qw.gather(1, (col // BLOCK * BLOCK + chunk * 16 + col % 16).expand(n, k))
+        sums = torch.stack([xq[:, b] @ qw[:, b * BLOCK:(b + 1) * BLOCK].t() for b in range(blocks)])  # [blocks, m, n]
+        if mutation == "sums_unpromoted":  # the tensor cores' sums carried from block to block
+            sums = sums.cumsum(0)
+        w_block = sw[:, :1].expand(-1, blocks) if mutation == "weight_scale_first_block" else sw  # [n / 128, blocks]
+        w_scale = w_block.repeat_interleave(BLOCK, 0).t()  # [blocks, n]
+        outs.append((sums * sx.t()[:, :, None] * w_scale[:, None, :]).sum(0))
+    return torch.cat(outs).to(torch.bfloat16)
+
+
+E4M3_MUTATIONS = [("weight_scale_first_block", False), ("row_scale_upper_half", False), ("sums_unpromoted", False),
+                  ("transpose_unswizzled", True)]
+
+
+@pytest.mark.parametrize("mutation,transposed", E4M3_MUTATIONS, ids=[m for m, _ in E4M3_MUTATIONS])
+def test_path_a_bound_fails_a_wrong_experts_fp8_tensor_core_kernel(mutation, transposed):
+    """The right emulation keeps path (a)'s bound both ways; each wrong one breaks it."""
+    gen = torch.Generator().manual_seed(19)
+    counts = [300, 0, 1, 129, 200]
+    q, scale = blocks_of_sizes((len(counts), OUT, IN), gen)
+    x = activations(sum(counts), OUT if transposed else IN, gen, signed=True)
+    bound = _path_a_grouped_bound(x, q, scale, counts, transposed)
+    assert_within(_e4m3_emulated(x, q, scale, counts, transposed, "none"), bound, "the right emulation")
+    with pytest.raises(AssertionError, match="outside its bound"):
+        assert_within(_e4m3_emulated(x, q, scale, counts, transposed, mutation), bound, mutation)
+
+
+def _kernel_launches(prof, name: str) -> list[str]:
+    """Which ways `name` ran (its template's first argument: true backward), sorted."""
+    return sorted(re.search(rf"{name}<(true|false)", e.name).group(1) for e in prof.events() if f"{name}<" in e.name)
+
+
+@CUDA
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "nonnegative"])
+@pytest.mark.parametrize("counts,out,inp", [(COUNTS, OUT, IN), ([1000, 3100], 2048, 256)],
+                         ids=["5 experts 640x384", "2 experts 2048x256"])
+def test_the_experts_kernel_on_cuda_fp8_tensor_cores_is_within_path_a_bound(counts, out, inp, signed, monkeypatch):
+    """V4TRAIN_FP8_TENSOR_CORES=experts: x (and, backward, dy) quantised per row per 128 columns and
+    the products on FP8 tensor cores, each 128-column block promoted with its scales: y and x's
+    gradient within path (a)'s bound of the float64 truth, expert by expert. The profile shows the
+    kernel ran both ways; more tiles than multiprocessors (each persistent block takes several)."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
+    gen = torch.Generator().manual_seed(23 + out + signed)
+    q, scale = blocks_of_sizes((len(counts), out, inp), gen)
+    x = activations(sum(counts), inp, gen, signed).cuda().requires_grad_()
+    dy = activations(sum(counts), out, gen, signed).cuda()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = v4_linear_test.grouped(x, Linear(q.cuda(), scale.cuda()), torch.tensor(counts).cuda())
+        (dx,) = torch.autograd.grad(y, x, dy)
+        torch.cuda.synchronize()
+    assert _kernel_launches(prof, "fp8_e4m3_kernel") == ["false", "true"]
+    assert y.shape == (sum(counts), out) and dx.shape == x.shape
+    ratios = (assert_within(y.cpu(), _path_a_grouped_bound(x, q, scale, counts), "y"),
+              assert_within(dx.cpu(), _path_a_grouped_bound(dy, q, scale, counts, transposed=True), "x's gradient"))
+    print(f"experts' FP8 kernel on FP8 tensor cores, {len(counts)} experts {out}x{inp}: max |error| / bound = "
+          f"{ratios[0]:.3f} (y), {ratios[1]:.3f} (dx)")
+
+
+@CUDA
+def test_a_dense_backward_on_cuda_fp8_tensor_cores_is_within_its_bound(monkeypatch):
+    """V4TRAIN_FP8_TENSOR_CORES=dense_backward: a dense FP8 map's dy W on the experts' kernel (W the
+    one expert), within path (a)'s bound; the forward stays the dequantised product, bit for bit.
+    x with leading dimensions [3, 700, K]."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "dense_backward")
+    gen = torch.Generator().manual_seed(29)
+    q, scale = blocks_of_sizes((640, 384), gen)
+    x = activations(2100, 384, gen, signed=True).cuda().view(3, 700, 384).requires_grad_()
+    dy = activations(2100, 640, gen, signed=True).cuda()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = v4_linear_test.linear(x, Linear(q.cuda(), scale.cuda()))
+        (dx,) = torch.autograd.grad(y, x, dy.view(3, 700, 640))
+        torch.cuda.synchronize()
+    assert _kernel_launches(prof, "fp8_e4m3_kernel") == ["true"]
+    assert torch.equal(y, torch.nn.functional.linear(x, dequantize_fp8(q, scale, torch.bfloat16).cuda()))
+    ratio = assert_within(dx.reshape(2100, 384).cpu(), _path_a_grouped_bound(dy, q[None], scale[None], [2100], True),
+                          "x's gradient")
+    print(f"dense backward on FP8 tensor cores: max |error| / bound = {ratio:.3f}")
+
+
+def test_an_unknown_fp8_tensor_core_product_is_refused_on_any_device(monkeypatch):
+    """A misspelt product in V4TRAIN_FP8_TENSOR_CORES is an error naming the variable and the word,
+    on the CPU too (where no FP8 tensor core would read it)."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts,dense_bwd")
+    gen = torch.Generator().manual_seed(31)
+    q, scale = blocks_of_sizes((128, 128), gen)
+    with pytest.raises(ValueError, match=r"V4TRAIN_FP8_TENSOR_CORES=experts,dense_bwd: unknown product 'dense_bwd'"):
+        v4_linear_test.linear(activations(4, 128, gen, signed=True), Linear(q, scale))

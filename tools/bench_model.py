@@ -28,7 +28,8 @@ Prints markdown rows and writes JSON to --out.
 blocks as the released FP8 checkpoints are (embeddings, norms, router and LM head not), LoRA of
 --lora_rank on attention and experts; the model kept in FP8 against the same model dequantised to
 bf16, on the same values and adapters: weight bytes, the LoRA step (forward + backward) and the
-loss after --train_steps AdamW steps of each on one batch.
+loss after --train_steps AdamW steps of each on one batch; with --fp8_tensor_cores the FP8 model
+once per V4TRAIN_FP8_TENSOR_CORES value given (e.g. `none experts experts,dense_backward`).
 
 --full_layer instead: one GLM-5 decoder layer at the released widths (GlmMoeDsaConfig's defaults:
 hidden 6144, 64 heads, 256 routed experts of 2048, top-8), its linear maps FP8 with random values,
@@ -225,12 +226,19 @@ def fp8_main(args, hf, cfg, table) -> list[dict]:
           f"loss at step 1 | loss after {args.train_steps} steps |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
+    # The FP8 model once per V4TRAIN_FP8_TENSOR_CORES value (lora.h: read at each product).
+    runs = [("bf16", None)] + [("fp8", v) for v in args.fp8_tensor_cores]
     for tokens in (int(t) for t in args.tokens.split(",")):
         batch = random_batch(cfg.vocab_size, tokens)
         ckpt = {"on": True, "off": False, "auto": tokens >= 16384}[args.checkpointing]
-        for kind, model in models.items():
+        for weights, switch in runs:
+            model = models[weights]
             model.checkpointing = ckpt
-            row = {"weights": kind, "tokens": tokens, "checkpointing": ckpt, "weight_bytes": sizes[kind][0]}
+            kind = weights
+            if switch is not None:
+                os.environ["V4TRAIN_FP8_TENSOR_CORES"] = switch
+                kind = f"fp8 ({switch})" if len(runs) > 2 else weights
+            row = {"weights": kind, "tokens": tokens, "checkpointing": ckpt, "weight_bytes": sizes[weights][0]}
             try:
                 seconds, peak = timed_steps(backward_step(model, batch), args.warmup, args.steps)
                 trained = [p for p in model.parameters() if p.requires_grad]
@@ -250,11 +258,12 @@ def fp8_main(args, hf, cfg, table) -> list[dict]:
             torch.cuda.empty_cache()
             rows.append(row)
         done = {r["weights"]: r for r in rows if r["tokens"] == tokens and "step_s" in r}
-        if len(done) == 2:
-            b, f = done["bf16"], done["fp8"]
-            print(f"at {tokens} tokens: FP8 step {f['tokens_per_s'] / b['tokens_per_s']:.3f}x bf16's tokens/s; loss after "
-                  f"{args.train_steps} steps differs by {abs(f['last_loss'] - b['last_loss']) / b['last_loss']:.2e} "
-                  "(relative)")
+        for kind, f in done.items():
+            if kind != "bf16" and "bf16" in done:
+                b = done["bf16"]
+                print(f"at {tokens} tokens: {kind} step {f['tokens_per_s'] / b['tokens_per_s']:.3f}x bf16's tokens/s; "
+                      f"loss after {args.train_steps} steps differs by "
+                      f"{abs(f['last_loss'] - b['last_loss']) / b['last_loss']:.2e} (relative)")
         if args.profile:  # both: the kernels of the FP8 model against those of its bf16 twin
             for kind, model in models.items():
                 model.checkpointing = ckpt
@@ -463,6 +472,9 @@ def main() -> int:
     parser.add_argument("--exact", action="store_true",
                         help="also the loss in float64 (transformers on the same weights) up to 8,192 tokens: which side rounds less")
     parser.add_argument("--fp8", action="store_true", help="the FP8 model against its dequantised bf16 twin, LoRA")
+    parser.add_argument("--fp8_tensor_cores", nargs="+", default=[os.environ.get("V4TRAIN_FP8_TENSOR_CORES", "none")],
+                        help="--fp8: time the FP8 model under each of these V4TRAIN_FP8_TENSOR_CORES values "
+                             "(e.g. none experts experts,dense_backward), side by side in one process")
     parser.add_argument("--full_layer", action="store_true", help="one GLM-5 decoder layer at full size, FP8, LoRA")
     parser.add_argument("--lora_rank", type=int, default=16)
     parser.add_argument("--train_steps", type=int, default=50, help="--fp8: AdamW steps of each model on one batch")

@@ -12,7 +12,7 @@ and, where asked, the backward's dy likewise before dy W. Variants:
 - experts_fwd, experts_fwd_bwd: the routed experts' products alone (DeepGEMM's design: the only
   products that an experts kernel of FP8 x FP8 would change);
 - dense_fwd: the forward of every FP8 dense map of whole 128 x 128 blocks through the layers' `linear`
-  (what V4TRAIN_FP8_TENSOR_CORES=1 does on CUDA: 6.4e-2 on the GLM-5 proxy on the H200,
+  (what V4TRAIN_FP8_TENSOR_CORES=dense_forward does on CUDA: 6.4e-2 on the GLM-5 proxy on the H200,
   docs/benchmarks.md), a rough calibration against the GPU's measurement: CUDA also rounds the
   indexer's wq_b and wk, whose reference products (F.linear on dense_weight) the probe leaves alone;
 - dense_bwd: those maps' backward alone (dy rounded before dy W; the forward exact), what a dense

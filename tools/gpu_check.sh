@@ -30,7 +30,11 @@
 #     default 1: 65,536 tokens), all in one process: the sections and each warp stall reason in ncu.log,
 #     each kernel's SASS split at its barriers by tools/ncu_phases.py in ncu_phases.log (the table itself
 #     in ncu_sass.csv.gz; the report in NCU_REPORT, default /tmp/v4train_ncu.ncu-rep; NCU_S seconds at
-#     most, default 480).
+#     most, default 480);
+#   the stage "fp8": issue 16's measurements under each V4TRAIN_FP8_TENSOR_CORES value of FP8_SWITCHES
+#     (default "none experts experts,dense_backward"): the MoE op's FP8 case (--cases 1 --profile), each
+#     FP8 proxy of MODELS against its bf16 twin in one process (TOKENS, default 4096), and GLM-5's
+#     decoder layer at full width (--full_layer); logs fp8_*.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
@@ -133,6 +137,27 @@ if has model; then
       --out "$out/bench_$model.json" >"$out/bench_$model.log" 2>&1 || status=1
     echo "$model:"; grep -E '^\|' "$out/bench_$model.log"; grep -E 'loss difference|loss in float64|FLOP share' "$out/bench_$model.log"
   done
+fi
+if has fp8; then
+  switches=${FP8_SWITCHES:-none experts experts,dense_backward}
+  : >"$out/fp8_moe.log"; : >"$out/fp8_layer.log"
+  for s in $switches; do
+    echo "== V4TRAIN_FP8_TENSOR_CORES=$s" >>"$out/fp8_moe.log"
+    V4TRAIN_FP8_TENSOR_CORES=$s python3 tools/benchmark.py --reps 20 --ops v4_glm5_moe --impl cpp --cases 1 --profile \
+      >>"$out/fp8_moe.log" 2>&1 || status=1
+  done
+  : >"$out/fp8_proxy.log"
+  for model in ${MODELS:-glm5 qwen3_5}; do
+    python3 tools/bench_model.py --model "$model" --fp8 --tokens "${TOKENS:-4096}" --fp8_tensor_cores $switches \
+      --out "$out/fp8_$model.json" >>"$out/fp8_proxy.log" 2>&1 || status=1
+  done
+  for s in $switches; do
+    echo "== V4TRAIN_FP8_TENSOR_CORES=$s" >>"$out/fp8_layer.log"
+    V4TRAIN_FP8_TENSOR_CORES=$s python3 tools/bench_model.py --full_layer --tokens 4096 >>"$out/fp8_layer.log" 2>&1 ||
+      status=1
+  done
+  echo "fp8:"; grep -E '^(==|\|)' "$out/fp8_moe.log"; grep -E '^\||^at |weight bytes' "$out/fp8_proxy.log"
+  grep -E '^(==|\|)' "$out/fp8_layer.log"
 fi
 if has ops; then
   python3 tools/benchmark.py --reps 20 --ops "${OPS:-}" --impl "${IMPL:-reference,cpp}" >"$out/benchmark.log" 2>&1 || status=1

@@ -48,6 +48,8 @@ SPARSE_CUDA = ("parity/test_mla_dsa_attention.py", "-k", "cuda and (alone or wid
 DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--op=v4_gated_delta_rule", "-k", "cuda")
 # The routed experts' FP8 kernel (cc/common/fp8_grouped.cu, in every module) alone, both tiles.
 FP8_GROUPED_CUDA = ("parity/test_fp8_linear.py", "-k", "experts_fp8_kernel")
+# Its products on FP8 tensor cores: the experts both ways and a dense map's backward.
+FP8_E4M3_CUDA = ("parity/test_fp8_linear.py", "-k", "fp8_tensor_cores")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -259,6 +261,20 @@ MUTATIONS = (
              "row where they lie 144 apart", "cc/common/fp8_grouped.cu",
              "stage + r * kEpiloguePitch + lane % 8 * 16", "stage + r * 128 + lane % 8 * 16", FP8_GROUPED_CUDA,
              cuda=True, module="v4_linear_test"),
+    Mutation("fp8_e4m3_weight_scale_first_block", "the experts' kernel on FP8 tensor cores promotes every block of "
+             "the sum with the weight's first block's scale", "cc/common/fp8_grouped.cu",
+             "const float sw = __ldg(ws + step * ws_step);", "const float sw = __ldg(ws);", FP8_E4M3_CUDA, cuda=True,
+             module="v4_linear_test"),
+    Mutation("fp8_e4m3_row_scale_upper_half", "the experts' kernel on FP8 tensor cores scales a fragment's rows 8-15 "
+             "by rows 0-7's scales", "cc/common/fp8_grouped.cu", "s1 = __ldg(sx1 + int64_t(step) * a.padded);",
+             "s1 = __ldg(sx0 + int64_t(step) * a.padded);", FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_e4m3_sums_unpromoted", "the experts' kernel on FP8 tensor cores carries the tensor cores' sum "
+             "from block to block (never restarted after a promotion)", "cc/common/fp8_grouped.cu", "kk > 0);",
+             "true);", FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_e4m3_transpose_unswizzled", "backward only: the transposed weight tile is stored without the "
+             "128-byte swizzle its product reads", "cc/common/fp8_grouped.cu",
+             "tile + n * 128 + ((kb / 4) ^ (n % 8)) * 16 + kb % 4 * 4", "tile + n * 128 + kb / 4 * 16 + kb % 4 * 4",
+             FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_last_step_dropped", "the experts' FP8 kernel leaves the last 64 of each sum out",
              "cc/common/fp8_grouped.cu", "steps = K / kBK;", "steps = K / kBK - 1;", FP8_GROUPED_CUDA, cuda=True,
              module="v4_linear_test"),

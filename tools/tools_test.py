@@ -43,6 +43,13 @@ def test_the_plane_kernels_fragment_addresses_give_their_products():
     assert mma_fragments_check.main() == 0
 
 
+def test_the_fp8_kernels_transposition_places_every_byte():
+    # The experts' FP8 kernel's backward tile transposition, emulated on the CPU (it fails stores
+    # without the swizzle).
+    import fp8_transpose_check
+    assert fp8_transpose_check.main() == 0
+
+
 def test_ncu_phases_splits_a_kernel_at_its_barriers():
     import ncu_phases
     head = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'

@@ -8,8 +8,13 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
 
 namespace v4 {
 
@@ -38,6 +43,19 @@ class Backend {
     return fns;
   }
 };
+
+// The words of the comma list in environment variable `name` (unset or empty: none): the kernels'
+// switches, read at each call so that one process can time each choice.
+inline std::vector<std::string> env_words(const char* name) {
+  std::vector<std::string> words;
+  const char* value = std::getenv(name);
+  for (std::string_view rest = value == nullptr ? "" : value; !rest.empty();) {
+    const size_t end = std::min(rest.find(','), rest.size());
+    words.emplace_back(rest.substr(0, end));
+    rest.remove_prefix(std::min(end + 1, rest.size()));
+  }
+  return words;
+}
 
 // t contiguous with its data 16-byte aligned (for kernels that read 16 bytes at a time): t itself
 // where it is, else a fresh copy (a new allocation starts aligned; a view may not).

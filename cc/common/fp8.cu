@@ -15,11 +15,10 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 #include <vector>
 
 #include "cc/common/backend.h"
+#include "cc/common/fp8.cuh"
 #include "cc/common/lora.h"
 
 namespace v4::cuda {
@@ -174,17 +173,31 @@ at::Tensor blockwise_fp8_mm(const at::Tensor& a, const at::Tensor& b, const at::
   return stack.at(0).toTensor();
 }
 
-// Opt-in (V4TRAIN_FP8_TENSOR_CORES=1, read at each call): measured on the proxies it gives about 1%
-// of a step while the activations' e4m3 rounding moves the loss after 50 LoRA steps by 4-6%
-// (docs/benchmarks.md), so dequantising stays the default until the backward and the routed
-// experts take FP8 GEMMs too.
-bool opted_in() {
-  const char* v = std::getenv("V4TRAIN_FP8_TENSOR_CORES");
-  return v != nullptr && std::string_view(v) == "1";
+}  // namespace
+
+void quantize_rows(const at::Tensor& x, at::Tensor& q, at::Tensor& scale) {
+  at::Tensor rows = x;
+  if (rows.stride(1) != 1 || rows.stride(0) % kLanes != 0 ||
+      reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % (kLanes * sizeof(__nv_bfloat16)) != 0)
+    rows = rows.contiguous();
+  const int64_t m = rows.size(0), k = rows.size(1);
+  const int64_t blocks = k / kBlock, padded = (m + kRowPad - 1) / kRowPad * kRowPad;
+  q = at::empty({padded, k}, x.options().dtype(at::kFloat8_e4m3fn));
+  scale = at::empty({blocks, padded}, x.options().dtype(at::kFloat));
+  const int64_t warps = padded * blocks;
+  const int grid = int(std::min<int64_t>((warps + kThreads / 32 - 1) / (kThreads / 32), int64_t(132) * 16));
+  quantize_rows_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(rows.const_data_ptr()), rows.stride(0), m, padded, blocks,
+      static_cast<uint8_t*>(q.mutable_data_ptr()), scale.mutable_data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+namespace {
+
+// Asked for by lora.cc where fp8_tensor_cores() names dense_forward: measured on the proxies it
+// gives about 1% of a step while the activations' e4m3 rounding moves the loss after 50 LoRA steps
+// by 4-6% (docs/benchmarks.md).
 bool fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out) {
-  if (!opted_in()) return false;
   if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.dim() < 1) return false;
   if (weight.dim() != 2 || weight.scalar_type() != at::kFloat8_e4m3fn || weight.device() != x.device()) return false;
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -194,19 +207,9 @@ bool fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   const int64_t m = x.numel() / k;
   if (m == 0 || !weight.is_contiguous() || reinterpret_cast<uintptr_t>(weight.const_data_ptr()) % 16 != 0) return false;
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor rows = x.reshape({m, k});
-  if (rows.stride(1) != 1 || rows.stride(0) % kLanes != 0 ||
-      reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % (kLanes * sizeof(__nv_bfloat16)) != 0)
-    rows = rows.contiguous();
-  const int64_t blocks = k / kBlock, padded = (m + kRowPad - 1) / kRowPad * kRowPad;
-  const at::Tensor q = at::empty({padded, k}, x.options().dtype(at::kFloat8_e4m3fn));
-  const at::Tensor scale_a = at::empty({blocks, padded}, x.options().dtype(at::kFloat));
-  const int64_t warps = padded * blocks;
-  const int grid = int(std::min<int64_t>((warps + kThreads / 32 - 1) / (kThreads / 32), int64_t(132) * 16));
-  quantize_rows_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __nv_bfloat16*>(rows.const_data_ptr()), rows.stride(0), m, padded, blocks,
-      static_cast<uint8_t*>(q.mutable_data_ptr()), scale_a.mutable_data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor q, scale_a;
+  quantize_rows(x.reshape({m, k}), q, scale_a);
+  const int64_t blocks = k / kBlock;
   // cuBLAS reads the weight's scales as [round_up(K/128, 4), N/128] column-major (torch checks it
   // since pytorch PR 166752; before, K/128 % 4 != 0 gave wrong answers): the checkpoint's
   // [N/128, K/128] row-major scales transposed, their rows padded to a multiple of 4 blocks where

@@ -25,6 +25,7 @@
 #include <string_view>
 
 #include "cc/common/backend.h"
+#include "cc/common/fp8.cuh"
 #include "cc/common/lora.h"
 #include "cc/common/wgmma.cuh"
 
@@ -72,15 +73,16 @@ struct Tile {
   int expert, first, end;  // the expert (-1: none) and the tile's rows [first, min(first + BM, end))
 };
 
-// Tile `tile`'s expert and rows; with tile < 0, Tile{-1, the number of tiles, 0}.
+// Tile `tile`'s expert and rows (of E experts whose rows end at offsets); with tile < 0, Tile{-1,
+// the number of tiles, 0}.
 template <int BM>
-__device__ Tile find_tile(const Args& a, int tile) {
+__device__ Tile find_tile(const int* offsets, int E, int tile) {
   const int lane = threadIdx.x % 32;
   int before = 0;  // the tiles of the rounds before
-  for (int e0 = 0; e0 < a.E; e0 += 32) {
+  for (int e0 = 0; e0 < E; e0 += 32) {
     const int e = e0 + lane;
-    const int start = e < a.E && e > 0 ? a.offsets[e - 1] : 0, end = e < a.E ? a.offsets[e] : 0;
-    const int tiles = e < a.E ? (end - start + BM - 1) / BM : 0;
+    const int start = e < E && e > 0 ? offsets[e - 1] : 0, end = e < E ? offsets[e] : 0;
+    const int tiles = e < E ? (end - start + BM - 1) / BM : 0;
     int upto = tiles;
     for (int o = 1; o < 32; o *= 2) {
       const int v = __shfl_up_sync(0xffffffffu, upto, o);
@@ -128,6 +130,34 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(uint32_t in, uint32_t& lo, uin
   }
   lo = make_uint4(out[0], out[1], out[2], out[3]);
   hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// A multiplying warp's 16 rows of a 64 x BN product (acc: the wgmma fragment, thread (warp, lane)
+// holding rows 16 warp + lane / 4 (+8), columns 8 j + 2 (lane % 4) (+1)) to y [., N] in bf16: rows
+// row0.. before `end`, columns n0.. before N, staged through `stage` (kEpilogue's 16 rows).
+template <int BN>
+__device__ __forceinline__ void write_rows(const float (&acc)[BN / 2], unsigned char* stage, int row0, int end,
+                                           __nv_bfloat16* y, int N, int n0) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c0 = 0; c0 < BN; c0 += 64) {
+    if (n0 + c0 >= N) continue;  // (a wide tile's last 128 columns past the output)
+#pragma unroll
+    for (int j = c0 / 8; j < c0 / 8 + 8; ++j) {
+      unsigned char* at = stage + (lane / 4) * kEpiloguePitch + (8 * j - c0 + 2 * (lane % 4)) * 2;
+      *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+      *reinterpret_cast<__nv_bfloat162*>(at + 8 * kEpiloguePitch) =
+          __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // rows 4 i + lane / 8, their 16 bytes lane % 8
+      const int r = 4 * i + lane / 8, row = row0 + r;
+      const uint4 v = *reinterpret_cast<const uint4*>(stage + r * kEpiloguePitch + lane % 8 * 16);
+      if (row < end) *reinterpret_cast<uint4*>(y + int64_t(row) * N + n0 + c0 + lane % 8 * 8) = v;
+    }
+    __syncwarp();
+  }
 }
 
 // A copying thread's weights of one step: kPieces 16-byte pieces, and the scales of the tile's
@@ -188,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out, steps = K / kBK;
-  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<BM>(a, -1).first * col_tiles;
+  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<BM>(a.offsets, a.E, -1).first * col_tiles;
   // (read through a shuffle: one value a warp, so the warpgroups' products are not serialised).
   // Every warpgroup keeps the 168 registers of the launch: the products' 128 accumulators fit
   // there, and the copies hold two steps of weights and their hoisted addresses.
@@ -206,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int it = 0;  // steps so far, over every tile: the ring's position and phase
     Pieces<S> f0{}, f1{};  // set once: the pieces a tile leaves unread feed only its columns past N
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const Tile tile = find_tile<BM>(a, t / col_tiles);
+      const Tile tile = find_tile<BM>(a.offsets, a.E, t / col_tiles);
       // The tile's scale blocks past the weight's last column (halves..) are not read: their columns'
       // products are never written out.
       const int n0 = t % col_tiles * BN, halves = min(S::kHalves, (N - n0) / kScaleBlock);
@@ -260,10 +290,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- the products: warpgroup wg, x's rows BM / 2 wg.. of the tile (kSub products of 64), all
   // BN columns
   const uint32_t base = wgmma::saddr(smem);
-  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x / 32) % 4;
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile tile = find_tile<BM>(a, t / col_tiles);
+    const Tile tile = find_tile<BM>(a.offsets, a.E, t / col_tiles);
     const int n0 = t % col_tiles * BN;
     float acc[S::kSub][BN / 2];
 #pragma unroll
@@ -298,35 +328,222 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int u = 0; u < S::kSub; ++u) wgmma::fence_operand(acc[u]);
     wgmma::bar_arrive(empty + (it - 1) % kStages);
-    // Thread (warp, lane) holds rows 16 warp + lane / 4 (+8) of each product, columns 8 j + 2 (lane % 4) (+1).
     unsigned char* stage = smem + kStages * S::kStageBytes + 128 + (4 * wg + warp) * 16 * kEpiloguePitch;
 #pragma unroll
-    for (int u = 0; u < S::kSub; ++u) {
-      const int row0 = tile.first + BM / 2 * wg + 64 * u + 16 * warp;  // the warp's 16 rows
-#pragma unroll
-      for (int c0 = 0; c0 < BN; c0 += 64) {
-        if (n0 + c0 >= N) continue;  // (the tile's last 128 columns past the output)
-#pragma unroll
-        for (int j = c0 / 8; j < c0 / 8 + 8; ++j) {
-          unsigned char* at = stage + (lane / 4) * kEpiloguePitch + (8 * j - c0 + 2 * (lane % 4)) * 2;
-          *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(acc[u][4 * j], acc[u][4 * j + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(at + 8 * kEpiloguePitch) =
-              __floats2bfloat162_rn(acc[u][4 * j + 2], acc[u][4 * j + 3]);
-        }
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // rows 4 i + lane / 8, their 16 bytes lane % 8
-          const int r = 4 * i + lane / 8, row = row0 + r;
-          const uint4 v = *reinterpret_cast<const uint4*>(stage + r * kEpiloguePitch + lane % 8 * 16);
-          if (row < tile.end) *reinterpret_cast<uint4*>(a.y + int64_t(row) * N + n0 + c0 + lane % 8 * 8) = v;
-        }
-        __syncwarp();
-      }
-    }
+    for (int u = 0; u < S::kSub; ++u)
+      write_rows<BN>(acc[u], stage, tile.first + BM / 2 * wg + 64 * u + 16 * warp, tile.end, a.y, N, n0);
   }
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
 #endif
+}
+
+// ---- The products on FP8 tensor cores (fp8_tensor_cores() names experts, lora.h): x quantised
+// per row per 128 columns (fp8.cuh's quantize_rows) times the FP8 weight as it lies, DeepGEMM's
+// design. Tiles of 128 x 128; a step of the sum is one 128-column scale block (128 bytes a row,
+// one swizzled row), its four e4m3 products (m64n128k32) summed on the tensor cores, then added to
+// fp32 accumulators times the row's and the weight block's scales (path (a)'s arithmetic, whose
+// bound parity/fp8_bound.py derives). 8-bit operands must be K-major. Forward, the weight's rows
+// (out: the product's columns) by in (the sum) are that already, and both tiles come by TMA.
+// Backward, the weight's tile of 128 rows of out (the sum) by 128 of in (the columns) comes as it
+// lies, and warpgroup 2 transposes it in shared memory (transpose_tile) a few steps behind the
+// copies it asks for, so that they run ahead of it.
+constexpr int kT = 128;                // the tile's rows, columns, and a step of the sum
+constexpr int kTileBytes = kT * kT;    // 16 KB: 128 rows of 128 FP8 values
+constexpr int kE4m3Stages = 4;
+
+template <bool Transposed>
+struct E4m3 {
+  // A stage: x's tile, the weight's tile as the products read it, and backward the tile as it lies.
+  static constexpr int kStageBytes = (Transposed ? 3 : 2) * kTileBytes;
+  // After the ring: its barriers (96 bytes), then each multiplying warp's staging rows (kEpilogue).
+  static constexpr size_t kSmem = size_t(kE4m3Stages) * kStageBytes + 128 + kEpilogueBytes + 1024;
+};
+
+// x and the weight come as TMA maps of bytes (wgmma::tensor_map_sw128: boxes of 128 x 128): x
+// quantised [padded, K], the weight [E out, in].
+struct E4m3Args {
+  const float* x_scale;  // [K / 128, padded]: quantize_rows' scales, x's row r in block b at b padded + r
+  const float* w_scale;  // [E, out / 128, in / 128]
+  const int* offsets;    // [E]: the end of each expert's rows
+  __nv_bfloat16* y;      // [rows, N]
+  int E, out, in, padded;
+};
+
+// The backward's weight tile turned K-major. `raw` holds the weight's rows k0.. (the sum) by its
+// columns n0.. (bytes: the output) as TMA copied them, with the 128-byte swizzle (row r's 16-byte
+// chunk c at chunk c ^ r % 8); `tile` gets row n, bytes k, in the same swizzle, as the products read
+// a K-major operand. Thread t moves eight blocks of 4 x 4 bytes, four 32-bit words in and four out
+// (byte permutes between them): block (kb, nb) is rows 4 kb.. of raw, columns 4 nb..; lane l takes
+// nb = l, kb = h(l) ^ (8 warp + i), so that the warps cover the 32 x 32 blocks once and a warp's 32
+// loads of a row, and its 32 stores, meet 32 different banks (tools/fp8_transpose_check.py).
+[[maybe_unused]] __device__ __forceinline__ void transpose_tile(const unsigned char* raw, unsigned char* tile, int t) {
+  const int warp = t / 32, nb = t % 32;
+  const int h = (nb >> 2 & 3) | (nb >> 1 & 1) << 2 | (nb >> 4 & 1) << 3;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int kb = h ^ (8 * warp + i);
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // byte b of w[j]: raw (4 kb + j, 4 nb + b)
+      const int r = 4 * kb + j;
+      w[j] = *reinterpret_cast<const uint32_t*>(raw + r * 128 + ((nb / 4) ^ (r % 8)) * 16 + nb % 4 * 4);
+    }
+    const uint32_t lo01 = __byte_perm(w[0], w[1], 0x5140), lo23 = __byte_perm(w[2], w[3], 0x5140);
+    const uint32_t hi01 = __byte_perm(w[0], w[1], 0x7362), hi23 = __byte_perm(w[2], w[3], 0x7362);
+    const uint32_t o[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                           __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {  // byte j of o[b]: raw (4 kb + j, 4 nb + b), at tile (4 nb + b, 4 kb + j)
+      const int n = 4 * nb + b;
+      *reinterpret_cast<uint32_t*>(tile + n * 128 + ((kb / 4) ^ (n % 8)) * 16 + kb % 4 * 4) = o[b];
+    }
+  }
+}
+
+// A persistent block as fp8_grouped_kernel's, the same order of tiles.
+template <bool Transposed>
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_e4m3_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                    const E4m3Args a) {
+#if defined(V4_HAS_WGMMA)
+  using S = E4m3<Transposed>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = wgmma::sw128_aligned(smem_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kE4m3Stages * S::kStageBytes);  // the stage's tiles are in
+  uint64_t* empty = full + kE4m3Stages;   // its products are done
+  uint64_t* copied = empty + kE4m3Stages;  // backward: the weight's tile as it lies has landed
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kE4m3Stages; ++s) {
+      wgmma::bar_init(full + s, Transposed ? 129 : 1);  // the copies (+ backward the 128 transposing threads)
+      wgmma::bar_init(empty + s, 256);
+      wgmma::bar_init(copied + s, 1);
+    }
+    wgmma::bar_init_fence();
+  }
+  __syncthreads();
+  const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out, steps = K / kT;
+  const int col_tiles = N / kT, tiles = find_tile<kT>(a.offsets, a.E, -1).first * col_tiles;
+  const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+
+  if (wg == 2) {  // ---- the copies (thread 0) and, backward, the transposition (all 128)
+    const int p = threadIdx.x % 128;
+    // Backward: step it - kLag's tile is transposed before step it's copies are asked for, with up to
+    // three steps' copies in flight (a model check of the barriers: deadlock-free up to a lag of 4
+    // with the ring of 4 stages; 3 keeps the most copies in flight where they are slow).
+    constexpr int kLag = 3;
+    const auto transpose = [&](int j) {  // step j's weight tile, once it landed
+      const int slot = j % kE4m3Stages;
+      wgmma::bar_wait(copied + slot, (j / kE4m3Stages) & 1);
+      unsigned char* stage = smem + slot * S::kStageBytes;
+      transpose_tile(stage + 2 * kTileBytes, stage + kTileBytes, p);
+      wgmma::fence_shared();  // the stores, seen by the products' reads
+      wgmma::bar_arrive(full + slot);
+    };
+    int it = 0;  // steps so far, over every tile: the ring's position and phase
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles);
+      const int n0 = t % col_tiles * kT;
+      for (int step = 0; step < steps; ++step, ++it) {
+        // (first: it needs only copies asked for before, so the thread issuing them never holds it up)
+        if (Transposed && it >= kLag) transpose(it - kLag);
+        if (p == 0) {
+          const int slot = it % kE4m3Stages;
+          wgmma::bar_wait(empty + slot, ((it / kE4m3Stages) & 1) ^ 1);
+          unsigned char* stage = smem + slot * S::kStageBytes;
+          // x's rows first.. (past the expert's last: the next one's, or zeros); the weight's tile:
+          // forward rows n0.. of the expert's out by columns step.. of in, backward rows step.. by n0..
+          const int w_row = tile.expert * a.out + (Transposed ? step * kT : n0), w_col = Transposed ? n0 : step * kT;
+          wgmma::bar_arrive_expect(full + slot, (Transposed ? 1 : 2) * kTileBytes);
+          wgmma::tma_load_2d(stage, &x_map, step * kT, tile.first, full + slot);
+          if (Transposed) {
+            wgmma::bar_arrive_expect(copied + slot, kTileBytes);
+            wgmma::tma_load_2d(stage + 2 * kTileBytes, &w_map, w_col, w_row, copied + slot);
+          } else {
+            wgmma::tma_load_2d(stage + kTileBytes, &w_map, w_col, w_row, full + slot);
+          }
+        }
+      }
+    }
+    if (Transposed)
+      for (int j = max(it - kLag, 0); j < it; ++j) transpose(j);
+    return;
+  }
+
+  // ---- the products: warpgroup wg, rows 64 wg.. of the tile, all 128 columns
+  const uint32_t base = wgmma::saddr(smem);
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int blocks_in = a.in / kT;
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles);
+    const int n0 = t % col_tiles * kT;
+    // This thread's rows of the fragment (its rows past x's padding read the last row's scales:
+    // they are not written out) and the weight's scales of the tile, a step apart by ws_step.
+    const int row = tile.first + 64 * wg + 16 * warp + lane / 4;
+    const float* sx0 = a.x_scale + min(row, a.padded - 1);
+    const float* sx1 = a.x_scale + min(row + 8, a.padded - 1);
+    const float* ws = a.w_scale + (int64_t(tile.expert) * (a.out / kT) + (Transposed ? 0 : n0 / kT)) * blocks_in +
+                      (Transposed ? n0 / kT : 0);
+    const int ws_step = Transposed ? blocks_in : 1;
+    float acc[64], part[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = part[i] = 0.0f;
+    for (int step = 0; step < steps; ++step, ++it) {
+      const int slot = it % kE4m3Stages;
+      // The scales, in flight while the products run.
+      const float sw = __ldg(ws + step * ws_step);
+      const float s0 = __ldg(sx0 + int64_t(step) * a.padded), s1 = __ldg(sx1 + int64_t(step) * a.padded);
+      wgmma::bar_wait(full + slot, (it / kE4m3Stages) & 1);
+      const uint32_t stage = base + slot * S::kStageBytes, x_tile = stage + wg * (kTileBytes / 2),
+                     w_tile = stage + kTileBytes;
+      wgmma::fence_operand(part);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kT / 32; ++kk)
+        wgmma::mma_e4m3(part, wgmma::desc128(x_tile + 32 * kk, 16, 1024), wgmma::desc128(w_tile + 32 * kk, 16, 1024),
+                        kk > 0);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operand(part);
+      wgmma::bar_arrive(empty + slot);
+      // The block's sums promoted: one fp32 rounding of the scales' product, one of each fused add.
+      const float r0 = s0 * sw, r1 = s1 * sw;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {  // rows lane / 4 (d[4 j], d[4 j + 1]) and + 8 (d[4 j + 2], d[4 j + 3])
+        acc[4 * j] = fmaf(part[4 * j], r0, acc[4 * j]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], r0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], r1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], r1, acc[4 * j + 3]);
+      }
+    }
+    unsigned char* stage = smem + kE4m3Stages * S::kStageBytes + 128 + (4 * wg + warp) * 16 * kEpiloguePitch;
+    write_rows<kT>(acc, stage, tile.first + 64 * wg + 16 * warp, tile.end, a.y, N, n0);
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
+// x's rows quantised, then fp8_e4m3_kernel: y = x W_e^T, or x W_e where `transposed`.
+void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
+                 bool transposed, at::Tensor& out) {
+  const int64_t E = weight.size(0), w_out = weight.size(1), w_in = weight.size(2), rows = x.size(0), N = out.size(1);
+  at::Tensor q, x_scale;
+  quantize_rows(x, q, x_scale);
+  const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
+  const CUtensorMap x_map = wgmma::tensor_map_sw128(q.const_data_ptr(), q.size(0), q.size(1), q.size(1), kT, true);
+  const CUtensorMap w_map = wgmma::tensor_map_sw128(w.const_data_ptr(), E * w_out, w_in, w_in, kT, true);
+  const E4m3Args a{x_scale.const_data_ptr<float>(), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
+                   reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(w_out), int(w_in),
+                   int(q.size(0))};
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
+  const int64_t tiles = ((rows + kT - 1) / kT + E) * (N / kT);
+  const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (transposed) wgmma::launch(fp8_e4m3_kernel<true>, grid, kThreads, E4m3<true>::kSmem, stream, x_map, w_map, a);
+  else wgmma::launch(fp8_e4m3_kernel<false>, grid, kThreads, E4m3<false>::kSmem, stream, x_map, w_map, a);
 }
 
 // The tile: 256 x 128 (Tall) where the experts average 256 rows or more, else 128 x 256 (Wide), so
@@ -335,7 +552,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // launches took 4.61 ms against Wide's 5.15 and the dequantising path's 7.0; Wide at 128 rows an
 // expert (GLM-5's 256 experts at 4,096 tokens on one GPU) is chosen by that count, not timed.
 // V4TRAIN_FP8_GROUPED_TILE=128x256|256x128|off overrides it, read at each call so that one process
-// can time each ("off" leaves the experts to the dequantise-then-grouped-GEMM path).
+// can time each ("off" leaves the experts, and a dense backward asked on FP8 tensor cores, to the
+// dequantising path; the products on FP8 tensor cores have one tile, 128 x 128).
 enum class Choice { kWide, kTall, kOff };
 Choice tile_choice(int64_t rows, int64_t experts) {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
@@ -370,7 +588,7 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
 }
 
 bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                         const at::Tensor& offsets, bool transposed, at::Tensor& out) {
+                         const at::Tensor& offsets, bool transposed, bool e4m3, at::Tensor& out) {
   if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.dim() != 2 || weight.dim() != 3) return false;
   if (weight.scalar_type() != at::kFloat8_e4m3fn || weight.device() != x.device()) return false;
   const int64_t E = weight.size(0), w_out = weight.size(1), w_in = weight.size(2), rows = x.size(0);
@@ -378,16 +596,24 @@ bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at
   // Whole scale blocks: the sum's steps never straddle a partial one.
   if (rows == 0 || E == 0 || w_out % kScaleBlock != 0 || w_in % kScaleBlock != 0 || x.size(1) != K) return false;
   // int indices: rows, widths, and the (row tile, column tile) pairs, at most rows / 128 + E row tiles.
-  if (rows + 256 > INT_MAX || w_out > INT_MAX || w_in > INT_MAX || ((rows + 127) / 128 + E) * (N / 128) > INT_MAX)
+  // (TMA's coordinates: the weight's rows E out as one int.)
+  if (rows + 256 > INT_MAX || E * w_out > INT_MAX || w_in > INT_MAX ||
+      ((rows + 127) / 128 + E) * (N / 128) > INT_MAX)
     return false;
   if (offsets.scalar_type() != at::kInt || offsets.numel() != E || offsets.device() != x.device()) return false;
   if (scale.device() != x.device() || scale.dim() != 3 || scale.size(0) != E || scale.size(1) != w_out / kScaleBlock ||
       scale.size(2) != w_in / kScaleBlock)
     return false;
   const Choice choice = tile_choice(rows, E);
-  const bool use_tall = choice == Choice::kTall;
-  if (choice == Choice::kOff || !wgmma::capable(x.get_device(), use_tall ? Tall::kSmem : Wide::kSmem)) return false;
+  if (choice == Choice::kOff) return false;
   const c10::cuda::CUDAGuard guard(x.device());
+  if (e4m3 && wgmma::capable(x.get_device(), E4m3<true>::kSmem)) {  // (the larger of the two)
+    out = at::empty({rows, N}, x.options());
+    launch_e4m3(x, weight, scale, offsets, transposed, out);
+    return true;
+  }
+  const bool use_tall = choice == Choice::kTall;
+  if (!wgmma::capable(x.get_device(), use_tall ? Tall::kSmem : Wide::kSmem)) return false;
   out = at::empty({rows, N}, x.options());
   if (use_tall) launch<Tall>(x, weight, scale, offsets, transposed, out);
   else launch<Wide>(x, weight, scale, offsets, transposed, out);

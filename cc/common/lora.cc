@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cc/common/backend.h"
@@ -67,35 +69,58 @@ void check_fp8(const Linear& w, const char* op, const char* name) {
 // The rows of x grouped as d says times each expert's FP8 weight: W_e^T, or W_e where
 // `transposed`. By the device's Fp8GroupedProduct where it takes them, else dequantised.
 at::Tensor fp8_grouped(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const Dispatch& d,
-                       bool transposed) {
+                       bool transposed, unsigned tensor_cores) {
   if (const auto kernel = Backend<Fp8GroupedProduct>::find(x.device().type())) {
     at::Tensor y;
-    if (kernel(x, weight, scale, d.offsets, transposed, y)) return y;
+    if (kernel(x, weight, scale, d.offsets, transposed, (tensor_cores & kFp8Experts) != 0, y)) return y;
   }
   const at::Tensor w = dequantize(weight, scale, x.scalar_type());
   return grouped_linear(x, transposed ? w.transpose(1, 2) : w, d);
 }
 
+// dy W for a dense FP8 map: on FP8 tensor cores where tensor_cores asks for it, by the
+// experts' kernel with W as the one expert (cuBLAS's FP8 GEMM takes only a row-major A times a
+// column-major B, and dy W needs W's transpose in FP8; the kernel transposes tiles in shared
+// memory), else W dequantised just in time.
+at::Tensor fp8_dense_backward(const at::Tensor& dy, const at::Tensor& weight, const at::Tensor& scale,
+                              unsigned tensor_cores) {
+  const auto kernel = Backend<Fp8GroupedProduct>::find(dy.device().type());
+  if (kernel && (tensor_cores & kFp8DenseBackward) && dy.numel() > 0) {
+    const at::Tensor rows = dy.reshape({-1, dy.size(-1)});
+    const at::Tensor offsets = at::full({1}, rows.size(0), dy.options().dtype(at::kInt));
+    at::Tensor dx;
+    if (kernel(rows, weight.unsqueeze(0), scale.unsqueeze(0), offsets, true, true, dx)) {
+      std::vector<int64_t> sizes(dy.sizes().begin(), dy.sizes().end());
+      sizes.back() = weight.size(1);
+      return dx.view(sizes);
+    }
+  }
+  return at::matmul(dy, dequantize(weight, scale, dy.scalar_type()));
+}
+
 // x times an FP8 weight: x W^T, or with a dispatch each row of x times its expert's weight
-// [E, out, in]. The dense forward runs on FP8 tensor cores where the device has Fp8Linear and it
-// takes the inputs; else the weight is dequantised just in time. The dense backward dequantises
-// (cuBLAS's FP8 GEMM takes only a row-major A times a column-major B, and dy W needs W's transpose
-// in FP8); the grouped product takes fp8_grouped both ways: an expert sees few rows (4,096 tokens
-// x 8 of 256 experts: 128), so its dequantisation (3 bytes a weight) costs more than its product
-// (256 flops a weight), where a dense map's product over 4,096 rows costs over ten times its
-// dequantisation and cuBLAS on the dequantised weight stays. It keeps the FP8 weight and its scales,
-// not the dense copy that autograd of the product would keep (more memory than the weights
-// dequantised on load).
+// [E, out, in], with the products fp8_tensor_cores() named when the forward ran (read once a
+// product, on every device, so that a wrong word fails on the CPU too). The dense forward runs on
+// FP8 tensor cores where it asks, the device has Fp8Linear and it takes the inputs; else the weight
+// is dequantised just in time; the dense backward: fp8_dense_backward. The grouped product takes
+// fp8_grouped both ways: an expert sees few rows (4,096 tokens x 8 of 256 experts: 128), so its
+// dequantisation (3 bytes a weight) costs more than its product (256 flops a weight), where a
+// dense map's product over 4,096 rows costs over ten times its dequantisation and cuBLAS on the
+// dequantised weight stays. It keeps the FP8 weight and its scales, not the dense copy that
+// autograd of the product would keep (more memory than the weights dequantised on load).
 struct Fp8Product : public torch::autograd::Function<Fp8Product> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& scale, const Dispatch* grouped) {
+                            const at::Tensor& scale, const Dispatch* grouped, int64_t tensor_cores) {
     ctx->save_for_backward({weight, scale});
+    ctx->saved_data["tensor_cores"] = tensor_cores;
+    const auto tc = unsigned(tensor_cores);
     if (grouped) {
       ctx->saved_data["counts"] = grouped->counts;
       ctx->saved_data["offsets"] = grouped->offsets;
-      return fp8_grouped(x, weight, scale, *grouped, false);
+      return fp8_grouped(x, weight, scale, *grouped, false, tc);
     }
-    if (const auto kernel = Backend<Fp8Linear>::find(x.device().type())) {
+    const auto kernel = Backend<Fp8Linear>::find(x.device().type());
+    if (kernel && (tc & kFp8DenseForward)) {
       at::Tensor y;
       if (kernel(x, weight, scale, y)) return y;
     }
@@ -104,18 +129,35 @@ struct Fp8Product : public torch::autograd::Function<Fp8Product> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
+    const auto tc = unsigned(ctx->saved_data["tensor_cores"].toInt());
     if (!ctx->saved_data.count("counts")) {
-      return {at::matmul(grads[0], dequantize(saved[0], saved[1], grads[0].scalar_type())), at::Tensor(), at::Tensor(),
+      return {fp8_dense_backward(grads[0], saved[0], saved[1], tc), at::Tensor(), at::Tensor(), at::Tensor(),
               at::Tensor()};
     }
     Dispatch d;
     d.counts = ctx->saved_data["counts"].toTensor();
     d.offsets = ctx->saved_data["offsets"].toTensor();
-    return {fp8_grouped(grads[0], saved[0], saved[1], d, true), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {fp8_grouped(grads[0], saved[0], saved[1], d, true, tc), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
 }  // namespace
+
+unsigned fp8_tensor_cores() {
+  unsigned mask = 0;
+  for (const std::string& word : env_words("V4TRAIN_FP8_TENSOR_CORES")) {
+    if (word == "all" || word == "1") mask |= kFp8Experts | kFp8DenseBackward | kFp8DenseForward;
+    else if (word == "experts") mask |= kFp8Experts;
+    else if (word == "dense_backward") mask |= kFp8DenseBackward;
+    else if (word == "dense_forward") mask |= kFp8DenseForward;
+    else
+      TORCH_CHECK_VALUE(word == "none" || word == "0", "V4TRAIN_FP8_TENSOR_CORES=",
+                        std::getenv("V4TRAIN_FP8_TENSOR_CORES"), ": unknown product '", word,
+                        "'; expected a comma list of experts, dense_backward and dense_forward, or all, 1, none, 0");
+  }
+  return mask;
+}
 
 at::Tensor dense_weight(const Linear& w, at::ScalarType dtype, const char* op, const char* name) {
   if (!w.weight_scale_inv) return w.weight;
@@ -126,7 +168,7 @@ at::Tensor dense_weight(const Linear& w, at::ScalarType dtype, const char* op, c
 at::Tensor fp8_product(const at::Tensor& x, const Linear& w, const Dispatch* grouped, const char* op,
                        const char* name) {
   check_fp8(w, op, name);
-  return Fp8Product::apply(x, w.weight, *w.weight_scale_inv, grouped);
+  return Fp8Product::apply(x, w.weight, *w.weight_scale_inv, grouped, int64_t(fp8_tensor_cores()));
 }
 
 at::Tensor linear(const at::Tensor& x, const Linear& w, const Lora& lora, const char* op, const char* name) {

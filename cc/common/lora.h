@@ -55,19 +55,33 @@ struct Fp8Linear {
 // CUDA): each row of x (bf16, grouped by expert; offsets [E] int32, the end of each expert's rows,
 // the last one x's row count, as dispatch() makes them)
 // times its expert's weight [E, out, in] with its 128 x 128 scales: x W_e^T, or x W_e where
-// `transposed` (the backward); the weight dequantised tile by tile inside the GEMM to the values
-// dense_weight gives, so the product is dequantise-then-grouped-GEMM's up to the order of its sums.
-// False where it declines (not sm_90, not bf16, a weight of partial blocks, no rows).
+// `transposed` (the backward). With `e4m3` false the weight is dequantised tile by tile inside the
+// GEMM to the values dense_weight gives, so the product is dequantise-then-grouped-GEMM's up to
+// the order of its sums; with `e4m3` x is quantised as Fp8Linear's and the products run on FP8
+// tensor cores, within path (a)'s bound. False where it declines (not sm_90, not bf16, a weight of
+// partial blocks, no rows).
 struct Fp8GroupedProduct {
   using Fn = bool (*)(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
-                      bool transposed, at::Tensor& out);
+                      bool transposed, bool e4m3, at::Tensor& out);
 };
+
+// Which FP8 products take FP8 tensor cores, x (or dy) quantised to e4m3 per row per 128 columns
+// (path (a), not exact against dequantise-then-linear): a mask of the Fp8TensorCores bits, read
+// from V4TRAIN_FP8_TENSOR_CORES at each call (so one process can time each): a comma list of
+// `experts` (the routed experts' products, both ways), `dense_backward` (a dense map's dy W),
+// `dense_forward` (its x W^T); `all` (or 1); `none` (or 0, or unset). An unknown word is an error
+// naming the variable. Opt-in while the experts' FP8 kernel waits for its CUDA parity and
+// timing (docs/gpu.md); the dense forward moved the proxy's loss 6.6e-2 after 50 steps
+// (docs/benchmarks.md), the experts both ways 4.4e-3.
+enum Fp8TensorCores : unsigned { kFp8Experts = 1, kFp8DenseBackward = 2, kFp8DenseForward = 4 };
+unsigned fp8_tensor_cores();
 
 // x times w's FP8 weight (its scales checked), dequantised as dense_weight does, just in time in
 // the forward and again in the backward: x W^T, or with `grouped` each row of x (grouped by
-// expert) times its expert's weight [E, out, in]. On CUDA the dense forward takes Fp8Linear where
-// it applies, the grouped product Fp8GroupedProduct both ways; the dense backward dequantises. No
-// gradient to the weight (a frozen base).
+// expert) times its expert's weight [E, out, in]. On CUDA the grouped product takes
+// Fp8GroupedProduct both ways; the dense forward takes Fp8Linear, and the dense backward
+// Fp8GroupedProduct (the weight as one expert), where fp8_tensor_cores() asks for them; else the
+// dense maps dequantise. No gradient to the weight (a frozen base).
 at::Tensor fp8_product(const at::Tensor& x, const Linear& w, const Dispatch* grouped, const char* op, const char* name);
 
 }  // namespace v4

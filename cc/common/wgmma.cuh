@@ -40,9 +40,11 @@ inline bool capable(int device, size_t smem) {
 
 // The tensor-memory-accelerator map (TMA, PTX ISA 9.7.9.25) of a row-major bf16 matrix [rows, cols]
 // (row stride ld elements, 16-byte aligned) whose loads (tma_load_2d) copy boxes of box_rows rows x 64
-// columns, 128 bytes a row, into sw128_offset's layout; rows past the end land as zeros. The driver's
-// encoder is found through the runtime, so nothing links libcuda.
-inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+// columns, 128 bytes a row, into sw128_offset's layout; rows past the end land as zeros. With
+// `bytes`, a matrix of 1-byte elements (FP8) in boxes of box_rows x 128. The driver's encoder is
+// found through the runtime, so nothing links libcuda.
+inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows,
+                                    bool bytes = false) {
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -57,13 +59,15 @@ inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaSetDevice(device));
   CUtensorMap map;
-  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(ld) * 2};
-  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)}, unit[2] = {1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-                            unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") on a [", rows, ", ", cols,
-              "] bf16 matrix of row stride ", ld, " in boxes of ", box_rows, " x 64");
+  const int size = bytes ? 1 : 2;
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(ld) * size};
+  const cuuint32_t box[2] = {cuuint32_t(128 / size), cuuint32_t(box_rows)}, unit[2] = {1, 1};
+  const CUresult r = encode(&map, bytes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                            const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") on a [", rows, ", ", cols, "] ",
+              bytes ? "1-byte" : "bf16", " matrix of row stride ", ld, " in boxes of ", box_rows, " x ", 128 / size);
   return map;
 }
 
@@ -222,6 +226,17 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t a, uint64_t b) {
 #undef V4_WGMMA_M64N64
 #undef V4_WGMMA_M64N128
 #undef V4_WGMMA_M64N256
+
+// d [64 x 128] (+)= a [64 x 32] . b [32 x 128] in float8_e4m3fn, both K-major in shared memory (8-bit
+// operands have no transposed form), fp32 accumulators laid out as mma's; `accumulate` false
+// overwrites d (the first product of a sum). A K step of 32 is 32 bytes: sw128_k_step's offsets of a
+// 16-bit operand's 16 columns.
+__device__ __forceinline__ void mma_e4m3(float (&d)[64], uint64_t a, uint64_t b, bool accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" V4_WGMMA_REGS64 "}, %64, %65, p, 1, 1;\n}\n"
+               : V4_WGMMA_OUT64
+               : "l"(a), "l"(b), "r"(int(accumulate)));
+}
 
 
 // d [64 x 256] += a [64 x 16] . b [16 x 256] with a from registers (bf16 or f16 pairs): thread

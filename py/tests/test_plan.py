@@ -418,6 +418,34 @@ def test_the_gated_deltanet_terms_are_what_autograd_keeps_of_the_cpp_op(finetune
     assert abs(predicted / sum(kept.values()) - 1) < 0.02
 
 
+def test_the_experts_on_fp8_tensor_cores_plan_their_quantised_gradients(monkeypatch):
+    """V4TRAIN_FP8_TENSOR_CORES=experts: in GLM-5's full-width FP8 layer the experts' gate_up backward
+    also holds its output's gradient quantised for the products on FP8 tensor cores: fp8.cuh's
+    quantize_rows of [T k, 2I] = [4,096 x 8, 4,096], a byte a value and an fp32 scale per 128 (rows
+    already a multiple of 16): 32,768 x 4,096 + 32,768 x 32 x 4 bytes more than with `none`."""
+    config = proxy_config("full_layer", True)
+    setup = plan.Setup(config_from_dict(config, "full_layer"), config, finetune="lora", fp8="keep", seq_len=4096,
+                       micro_batch_size=1, checkpointing=False, lora_r=16, lora_target_modules=("attention",),
+                       lora_experts=True, documents=(4096,), device="cuda")
+    moment = {}
+    for switch in ("none", "experts"):
+        monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", switch)
+        layer = plan.glm5_layer(plan._ctx(setup, (4096,)), 0)
+        (moment[switch],) = [m for m in layer.backward if m.label == "experts' gate_up backward"]
+    total = {k: sum(t.bytes for t in m.terms) for k, m in moment.items()}
+    assert total["experts"] - total["none"] == 32768 * 4096 + 32768 * 32 * 4
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts,dense")
+    with pytest.raises(ValueError, match="V4TRAIN_FP8_TENSOR_CORES=experts,dense: unknown product 'dense'"):
+        plan.plan(setup)
+
+
+def test_the_fp8_tensor_core_products_are_the_cpp_ops_words():
+    """plan.py reads V4TRAIN_FP8_TENSOR_CORES as cc/common/lora.cc does: the same words."""
+    with open(os.path.join(ROOT, "cc", "common", "lora.cc")) as f:
+        words = re.findall(r'word == "(\w+)"\) mask \|= kFp8\w+;', f.read())
+    assert tuple(words) == plan.FP8_TENSOR_CORE_PRODUCTS
+
+
 @pytest.mark.parametrize("name,path,pattern", [
     ("MASKED_MAX_LEN", "models/glm5/glm5_layer_forward.cc", r"kMaskedMaxLen = (\d+);"),
     ("BLOCK_BYTES", "models/glm5/mla_dsa_attention.cc", r"block_bytes\{int64_t\{1\} << (\d+)\}"),

@@ -31,6 +31,7 @@ import functools
 import inspect
 import json
 import math
+import os
 
 from v4train import lora as lora_
 from v4train.model import CausalLM, all_specs, linear_map_names
@@ -386,6 +387,11 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
     deq_gu = Term("gate_up's FP8 weights dequantised [E / ep, 2I, H]", local * 2 * I * H * b if deq and c.is_fp8(i, gu)
                   else 0)
     deq_dn = Term("down's FP8 weights dequantised [E / ep, H, I]", local * H * I * b if deq and c.is_fp8(i, dn) else 0)
+    # On FP8 tensor cores each product's input (forward) or output gradient (backward) is quantised
+    # for the product: a byte a value and a scale per 128 (fp8.cuh quantize_rows), freed after it.
+    e4m3 = "experts" in fp8_tensor_cores() and fused_fp8_experts(c.setup)
+    q_gu = Term("gate_up's input quantised to e4m3 with its scales [T k, H]",
+                quantised_rows_bytes(rows, H) if e4m3 and c.is_fp8(i, gu) else 0)
     g_gu = local * 2 * I * H * b if c.trains(gu) else 0
     g_dn = local * H * I * b if c.trains(dn) else 0
     gathered = Term("the routed rows [T k, H]", rows * H * b)
@@ -408,11 +414,11 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
     forward = [
         Moment("MoE dispatch", tuple(s.before("rows") + [Term("dispatch: x expanded to [T k, H]", rows * H * b),
                                                           gathered])),
-        Moment("experts' gate_up product", tuple(s.before("rows") + exchange + [gathered, deq_gu, gu_out])),
+        Moment("experts' gate_up product", tuple(s.before("rows") + exchange + [gathered, deq_gu, q_gu, gu_out])),
         Moment("MoE combine", tuple(s + weigh)),
     ]
     first_pass = [
-        Moment("experts' gate_up product", tuple(first_pass_locals + exchange + [gathered, deq_gu, gu_out])),
+        Moment("experts' gate_up product", tuple(first_pass_locals + exchange + [gathered, deq_gu, q_gu, gu_out])),
         Moment("MoE combine", tuple(first_pass_locals + [Term("the experts' outputs [T, k, H]", rows * H * b)] +
                                     weigh)),
     ]
@@ -428,10 +434,14 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
         Moment("MoE combine backward", tuple(s + combine)),
         Moment("experts' down backward", tuple(s.but(s, "combined") + [
             Term("down backward: its output's gradient [T k, H]", rows * H * b), deq_dn,
+            Term("down backward: that gradient quantised to e4m3 with its scales [T k, H]",
+                 quantised_rows_bytes(rows, H) if e4m3 and c.is_fp8(i, dn) else 0),
             Term("down backward: its input's gradient [T k, I]", rows * I * b),
             Term("down_proj's weight gradient", g_dn)])),
         Moment("experts' gate_up backward", tuple(s.but(s, "combined", "act", "act.lora", "silu", "gate_up") + [
             Term("gate_up backward: its output's gradient [T k, 2I]", rows * 2 * I * b), deq_gu,
+            Term("gate_up backward: that gradient quantised to e4m3 with its scales [T k, 2I]",
+                 quantised_rows_bytes(rows, 2 * I) if e4m3 and c.is_fp8(i, gu) else 0),
             Term("gate_up backward: its input's gradient [T k, H]", rows * H * b),
             Term("the experts' weight gradients", g_dn + g_gu)])),
     ]
@@ -651,6 +661,32 @@ def fused_fp8_experts(setup: Setup) -> bool:
     128 x 128 scale blocks (is_fp8). It dequantises a tile at a time in shared memory; otherwise each
     product dequantises this rank's experts whole first."""
     return setup.device == "cuda" and setup.dtype_bytes == 2
+
+
+FP8_TENSOR_CORE_PRODUCTS = ("experts", "dense_backward", "dense_forward")
+
+
+def fp8_tensor_cores() -> frozenset[str]:
+    """The FP8 products on FP8 tensor cores, as the C++ ops read V4TRAIN_FP8_TENSOR_CORES (lora.h
+    fp8_tensor_cores): a comma list of FP8_TENSOR_CORE_PRODUCTS, or all (1), or none (0, unset)."""
+    value = os.environ.get("V4TRAIN_FP8_TENSOR_CORES", "")
+    if value in ("all", "1"):
+        return frozenset(FP8_TENSOR_CORE_PRODUCTS)
+    if value in ("", "none", "0"):
+        return frozenset()
+    words = value.split(",")
+    unknown = [w for w in words if w not in FP8_TENSOR_CORE_PRODUCTS]
+    if unknown:
+        raise ValueError(f"V4TRAIN_FP8_TENSOR_CORES={value}: unknown product {unknown[0]!r}; expected a comma list "
+                         f"of {', '.join(FP8_TENSOR_CORE_PRODUCTS)}, or all, 1, none, 0")
+    return frozenset(words)
+
+
+def quantised_rows_bytes(rows: int, cols: int) -> int:
+    """fp8.cuh quantize_rows' output for [rows, cols]: e4m3 values and fp32 scales per 128 columns,
+    the rows padded to 16."""
+    padded = -(-rows // 16) * 16
+    return padded * cols + padded * (cols // 128) * FP32
 
 
 def fused_combine(setup: Setup, hidden: int, k: int) -> bool:
