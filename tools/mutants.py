@@ -241,8 +241,16 @@ MUTATIONS = (
              "((kTri & Tri::kUpperA) && k1 <= m0 + 16 && m0 < kRows)", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_h_rows", "the output's h (rounded to bf16) loaded over v_new's rows (offset 0, "
              "not 64)",
-             "cc/ops/gated_delta_rule.cu", "copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, h_rows,",
-             "copy_rows<kCols>(x, kPlanePitch, h_rows,", DELTA_RULE_CUDA, cuda=True),
+             "cc/ops/gated_delta_rule.cu", "copy_rows<kOutCols>(x + kRows * kPitch, kPitch, h_rows,",
+             "copy_rows<kOutCols>(x, kPitch, h_rows,", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_c_upper_dropped", "wy_grads on planes: each row's (C + C^T) takes C^T's entries "
+             "from its own row of dM (zeros above the diagonal), not from dM's column", "cc/ops/gated_delta_rule.cu",
+             ": j > i ? s.beta[j] * decay(s, j, i) * dM[j * kPitch64 + i] : 0.0f;",
+             ": j > i ? s.beta[j] * decay(s, j, i) * dM[i * kPitch64 + j] : 0.0f;",
+             ("parity/test_gated_delta_rule.py", "-k", "wy_grads_on_planes"), cuda=True),
+    Mutation("delta_rule_wy_planes_keys_unscaled", "wy_grads on planes: Y's key columns without r_k (dw k^T taken "
+             "as dw K^T)", "cc/ops/gated_delta_rule.cu", "val * s.beta[c] * s.E[c] * m.rk[c]",
+             "val * s.beta[c] * s.E[c]", ("parity/test_gated_delta_rule.py", "-k", "wy_grads_on_planes"), cuda=True),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
              "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
              "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),

@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "cc/common/backend.h"
@@ -1114,29 +1116,35 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 }
 
 // output_kernel with its products on planes (kPlanes): [P | E Q] split in place once built (at a
-// pitch of 200: ldmatrix rows 16-byte aligned), each column block of v_new split and of h (bfloat16
-// as the recurrence stored it) copied as it loads (P v_new on planes, E Q h one bf16 product).
+// pitch of 200: ldmatrix rows 16-byte aligned), each block of kOutCols value columns of v_new split
+// and of h (bfloat16 as the recurrence stored it) copied as it loads (P v_new on planes, E Q h one
+// bf16 product). 32 columns a pass keep 8 of the 16 warps busy (8 tiles of 16 x 16); 64 keep all 16
+// in half the passes and barriers, at 108.9 KB of shared memory: still two blocks a multiprocessor.
+template <int kOutCols>
 struct OutputPlanesSmem {
+  static constexpr int kPitch = kOutCols + 8;  // ldmatrix rows 16-byte aligned, 16 bytes apart in the banks
   Info* info;
   float *QP, *X, *rn;  // QP [64, 200]; X: q's and k's raw rows [2][64, kPlaneRow] bfloat16, then
-                       // [v_new; h] [2][64 + pk, 40] (v_new's planes, h's hi alone); rn: q's and k's
-                       // rsqrt norms [2][64]
+                       // [v_new; h] [2][64 + pk, kPitch] (v_new's planes, h's hi alone); rn: q's and
+                       // k's rsqrt norms [2][64]
   int ldqp;
   template <typename DimsT>
   __host__ __device__ OutputPlanesSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8) {
     info = c.take<Info>(1);
     QP = c.take<float>(kRows * ldqp);
-    X = c.take<float>(larger(kRows * kPlaneRow, (kRows + d.pk) * kPlanePitch));
+    X = c.take<float>(larger(kRows * kPlaneRow, (kRows + d.pk) * kPitch));
     rn = c.take<float>(2 * kRows);
   }
 };
 
 // (split_in_place's 24 values spill one register at 64 a thread, once a block.)
-template <typename DimsT>
+template <typename DimsT, int kOutCols>
 __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  using Smem = OutputPlanesSmem<kOutCols>;
+  constexpr int kPitch = Smem::kPitch;
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<OutputPlanesSmem, DimsT> b(p, smem);
+  const ChunkBlock<Smem, DimsT> b(p, smem);
   const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
@@ -1144,16 +1152,16 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   const int h = b.h;
   const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, m.rn, s, p, d, h);
   auto* x = reinterpret_cast<__nv_bfloat16*>(m.X);
-  constexpr int kLo = (kRows + DimsT::pk) * kPlanePitch;
+  constexpr int kLo = (kRows + DimsT::pk) * kPitch;
   auto* o = static_cast<__nv_bfloat16*>(p.o);
-  for (int c0 = 0; c0 < d.dv; c0 += kCols) {
-    load_split<kCols>(x, p.v_new + head * kRows * d.dv + c0, kRows, kLo, kPlanePitch, d.dv);
+  for (int c0 = 0; c0 < d.dv; c0 += kOutCols) {
+    load_split<kOutCols>(x, p.v_new + head * kRows * d.dv + c0, kRows, kLo, kPitch, d.dv);
     const auto* h_rows = static_cast<const __nv_bfloat16*>(p.h) + head * d.dk * d.dv + c0;
-    copy_rows<kCols>(x + kRows * kPlanePitch, kPlanePitch, h_rows, d.dv, d.dk);
+    copy_rows<kOutCols>(x + kRows * kPitch, kPitch, h_rows, d.dv, d.dk);
     wait_copies();
     __syncthreads();
     // P v_new on planes, E Q h on bfloat16 operands (k from 64 on: the site q S, one product)
-    plane_gemm<2, false, false, false, false, kRows>(qp, m.ldqp, kRows * m.ldqp, x, kPlanePitch, kLo, kRows, kCols,
+    plane_gemm<2, false, false, false, false, kRows>(qp, m.ldqp, kRows * m.ldqp, x, kPitch, kLo, kRows, kOutCols,
                                                      kRows + d.pk,
                                 [&](int r, int c, float v) {
                                   const int64_t tok = s.slot[r];
@@ -1161,6 +1169,24 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
                                 });
     __syncthreads();
   }
+}
+
+// The delta rule's kernels written without a GPU, taken where V4TRAIN_DELTA_RULE_VARIANTS names them
+// (a comma list, read at each call so that one process can time each beside the kernel it would
+// replace; unset or `none`: none) until their CUDA parity has run and they were timed (docs/gpu.md):
+// `output64`, the output kernel in 64-column passes; `wy_planes`, wy_grads on planes at two blocks a
+// multiprocessor. Both for bf16 at Qwen3.5's widths (kPlanes).
+enum Variant : unsigned { kOutput64 = 1, kWyPlanes = 2 };
+unsigned variants() {
+  unsigned mask = 0;
+  for (const std::string& word : env_words("V4TRAIN_DELTA_RULE_VARIANTS")) {
+    if (word == "output64") mask |= kOutput64;
+    else if (word == "wy_planes") mask |= kWyPlanes;
+    else
+      TORCH_CHECK_VALUE(word == "none", "V4TRAIN_DELTA_RULE_VARIANTS=", std::getenv("V4TRAIN_DELTA_RULE_VARIANTS"),
+                        ": unknown variant '", word, "'; expected a comma list of output64 and wy_planes, or none");
+  }
+  return mask;
 }
 
 // ---- Backward --------------------------------------------------------------------------------------
@@ -1732,6 +1758,162 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
 }
 
+// wy_grads_kernel on planes (kPlanes), at two blocks a multiprocessor where the float32 tiles took
+// 222 KB and one: k's and v's raw rows (exact in bfloat16), Ai and 64 columns of [dv_new | dw] at a
+// time as planes. Y = [dv_new | dw] [beta V | beta E K]^T as dv_new v^T and dw k^T, each column j
+// then scaled (beta_j; beta_j E_j r_k,j); dR = Ai^T [dv_new | dw] a quarter at a time, the values'
+// used up at once (beta dR_V, V . dR_V), the keys' kept; then Ai^T Y and dM as the float32 kernel
+// takes them, on planes, and k's gradient (C + C^T) diag(r_k) k as one bf16 product (that site's).
+struct WyPlanesSmem {
+  static constexpr int kLdD = 128 + 4;
+  Info* info;
+  double* dG;
+  float *rk, *sv, *Y, *D;  // Y [64, 68]: Y, then Ai^T Y, then dM. D [64, kLdD]: in the value quarters
+                           // v's raw rows (its first bytes) and dR's quarter [64, 68] after them; then
+                           // dR_K, then k's gradient
+  __nv_bfloat16 *k, *v, *ai, *p;  // k [64, kPlaneRow]; v in D's bytes; ai, p: planes [2][64, kPlane64]:
+                                  // Ai (then (C + C^T) diag(r_k)), a quarter of [dv_new | dw] (then Y, Ai^T Y, Z)
+  float* dr;                      // the value quarters' dR [64, 68], in D's bytes after v
+  template <typename DimsT>
+  __host__ __device__ WyPlanesSmem(Carve& c, const DimsT&) {
+    info = c.take<Info>(1);
+    dG = c.take<double>(kRows);
+    rk = c.take<float>(kRows);
+    sv = c.take<float>(kRows);
+    Y = c.take<float>(kRows * kPitch64);
+    D = c.take<float>(larger(kRows * kLdD, kRows * kPlaneRow / 2 + kRows * kPitch64));
+    v = reinterpret_cast<__nv_bfloat16*>(D);
+    dr = D + kRows * kPlaneRow / 2;
+    k = c.take<__nv_bfloat16>(kRows * kPlaneRow);
+    ai = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
+    p = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
+  }
+};
+
+template <typename DimsT>
+__global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<WyPlanesSmem, DimsT> b(p, smem);
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t rows = b.rows;
+  const int h = b.h, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  constexpr int kLo64 = kRows * kPlane64, kLdD = WyPlanesSmem::kLdD, kQ = 64;  // kQ: a quarter's columns
+  auto* dv = static_cast<__nv_bfloat16*>(p.dv_out);
+  load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
+  load_rows_split(m.v, -1, static_cast<const __nv_bfloat16*>(p.v), p.hv, h, s, p.T);
+  load_split<kRows>(m.ai, p.ai + rows * kRows, kRows, kLo64, kPlane64, kRows);
+  if (tid < kRows) m.sv[tid] = 0.0f;
+  wait_copies();
+  __syncthreads();
+  row_rnorms(m.rk, m.k, kPlaneRow);
+  // The quarters: dv_new's two (V's), then dw's two (K's). Y's column j takes beta_j (V's) and
+  // beta_j E_j r_k,j (K's: beta E K with K = k r_k) after its exact product with the raw rows.
+  for (int q = 0; q < 4; ++q) {
+    const bool keys = q >= 2;
+    const int c0 = q % 2 * kQ;
+    __syncthreads();  // the quarter before is done with p (and the norms are in)
+    load_split<kQ>(m.p, (keys ? p.dw : p.dv_new) + rows * 128 + c0, kRows, kLo64, kPlane64, 128);
+    __syncthreads();
+    plane_gemm<2, false, true, true, false>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
+                                            kRows, kQ, [&](int r, int c, float val) {
+                                              const float x = keys ? val * s.beta[c] * s.E[c] * m.rk[c]
+                                                                   : val * s.beta[c];
+                                              m.Y[r * kPitch64 + c] = q == 0 ? x : m.Y[r * kPitch64 + c] + x;
+                                            });
+    // dR's quarter = Ai^T (the quarter): the values' into dr, the keys' into D's columns c0..
+    plane_gemm<2, true, false, false, false, kNever, kNever, Tri::kUpperA>(
+        m.ai, kPlane64, kLo64, m.p, kPlane64, kLo64, kRows, kQ, kRows, [&](int r, int c, float val) {
+          if (keys) m.D[r * kLdD + c0 + c] = val;
+          else m.dr[r * kPitch64 + c] = val;
+        });
+    if (keys) continue;
+    __syncthreads();
+    for (int i = warp; i < kRows; i += kWarps) {  // v's gradient beta dR_V, and V . dR_V
+      const int64_t tok = s.slot[i];
+      float sv = 0.0f;
+      for (int c = lane; c < kQ; c += 32) {
+        const float dr = m.dr[i * kPitch64 + c];
+        sv += __bfloat162float(m.v[i * kPlaneRow + c0 + c]) * dr;
+        if (tok < p.T) dv[(tok * p.hv + h) * 128 + c0 + c] = __float2bfloat16_rn(s.beta[i] * dr);
+      }
+      sv = warp_sum(sv);
+      if (lane == 0) m.sv[i] += sv;
+    }
+  }
+  __syncthreads();  // Y and dR_K are in; p is free
+  for (int idx = tid; idx < kRows * kRows / 2; idx += kThreads) {  // Y's planes into p
+    const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
+    store_split2(m.p + r * kPlane64 + c, kLo64, m.Y[r * kPitch64 + c], m.Y[r * kPitch64 + c + 1]);
+  }
+  __syncthreads();
+  // Ai^T Y into Y (its planes are read), then its planes into p, then dM = -(Ai^T Y) Ai^T, strictly
+  // lower, into Y.
+  plane_gemm<2, true, false, false, false, kNever, kNever, Tri::kUpperA>(
+      m.ai, kPlane64, kLo64, m.p, kPlane64, kLo64, kRows, kRows, kRows,
+      [&](int r, int c, float val) { m.Y[r * kPitch64 + c] = val; });
+  __syncthreads();
+  for (int idx = tid; idx < kRows * kRows / 2; idx += kThreads) {
+    const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
+    store_split2(m.p + r * kPlane64 + c, kLo64, m.Y[r * kPitch64 + c], m.Y[r * kPitch64 + c + 1]);
+  }
+  __syncthreads();
+  plane_gemm<2, false, true, false, false, kNever, kNever, Tri::kUpperB | Tri::kLowerC>(
+      m.p, kPlane64, kLo64, m.ai, kPlane64, kLo64, kRows, kRows, kRows,
+      [&](int r, int c, float val) { m.Y[r * kPitch64 + c] = c < r ? -val : 0.0f; });
+  __syncthreads();
+  // Row by row: beta's and G's gradients; Z = beta KKL dM (G's gradient through L) into p's bytes;
+  // (C + C^T) diag(r_k) in bfloat16 into ai's, C = beta L dM strictly lower, each row forming its
+  // own row of the sum (C's (i, j) for j < i, C's (j, i) for j > i) from dM.
+  float* dM = m.Y;
+  float* Z = reinterpret_cast<float*>(m.p);
+  auto* c_rk = m.ai;
+  const float* kkl = p.kkl + rows * kRows;
+  for (int i = warp; i < kRows; i += kWarps) {
+    const int64_t tok = s.slot[i];
+    float sk = 0.0f, sa = 0.0f;
+    for (int c = lane; c < 128; c += 32) sk += __bfloat162float(m.k[i * kPlaneRow + c]) * m.D[i * kLdD + c];
+    for (int j = lane; j < kRows; j += 32) {
+      const float dm = dM[i * kPitch64 + j], l = kkl[i * kRows + j];
+      sa += l * dm;
+      Z[i * kPitch64 + j] = s.beta[i] * l * dm;
+      const float c = j < i ? s.beta[i] * decay(s, i, j) * dm
+                            : j > i ? s.beta[j] * decay(s, j, i) * dM[j * kPitch64 + i] : 0.0f;
+      c_rk[i * kPlane64 + j] = __float2bfloat16_rn(c * m.rk[j]);
+    }
+    sk = m.rk[i] * warp_sum(sk);
+    sa = warp_sum(sa);
+    if (lane == 0) {
+      if (tok < p.T) p.dbeta[tok * p.hv + h] = m.sv[i] + s.E[i] * sk + sa;
+      m.dG[i] = static_cast<double>(s.beta[i]) * s.E[i] * sk;
+    }
+  }
+  __syncthreads();
+  if (const double z = antisymmetric_row_sum(Z); tid % kRowThreads == 0) {
+    m.dG[tid / kRowThreads] += z + p.dg_part[rows + tid / kRowThreads];
+  }
+  // k's gradient: dk_part + ((C + C^T) diag(r_k) k + beta E dR_K), over dR_K in D.
+  plane_gemm<4, false, false, true, true>(c_rk, kPlane64, 0, m.k, kPlaneRow, 0, kRows, 128, kRows,
+                                          [&](int r, int c, float val) {
+                                            float* at = m.D + r * kLdD + c;
+                                            *at = p.dk_part[(rows + r) * 128 + c] + (val + s.beta[r] * s.E[r] * *at);
+                                          });
+  __syncthreads();
+  for (int i = warp; i < kRows; i += kWarps) {
+    const int64_t tok = s.slot[i];
+    if (tok < p.T) {
+      const __nv_bfloat16* k = m.k + i * kPlaneRow;
+      const float r = m.rk[i];
+      normalised_backward(p.dk_out + (tok * p.hv + h) * 128, [&](int c) { return __bfloat162float(k[c]) * r; }, r,
+                          m.D + i * kLdD, 128, 1.0f);
+    }
+  }
+  scan64(m.dG, true);  // g_s's gradient: the sum of G_i's over i >= s
+  __syncthreads();
+  if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
+}
+
 // A side stream forked from the current one (`use`; else the current one itself), joined back at
 // join() or, on an exception, when it leaves scope: declared after the tensors the side stream
 // writes, it joins before they go back to the main stream's cache.
@@ -1892,8 +2074,12 @@ void fused(Fused& f, bool backward) {
     a.h = f.h.data_ptr();
     a.v_new = f.v_new.data_ptr<float>();
     a.o = f.o.data_ptr();
-    if constexpr (kPlanes<kMode, DimsT>) launch<OutputPlanesSmem>(output_planes_kernel<DimsT>, grid, d, a);
-    else launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
+    if constexpr (kPlanes<kMode, DimsT>) {
+      if (variants() & kOutput64) launch<OutputPlanesSmem<64>>(output_planes_kernel<DimsT, 64>, grid, d, a);
+      else launch<OutputPlanesSmem<32>>(output_planes_kernel<DimsT, 32>, grid, d, a);
+    } else {
+      launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
+    }
     return;
   }
   a.h = f.h.data_ptr();
@@ -1941,7 +2127,12 @@ void fused(Fused& f, bool backward) {
   a.dv_out = f.dv.data_ptr();
   a.dbeta = f.dbeta.data_ptr<float>();
   a.dg = f.dg.data_ptr<double>();
-  launch<WySmem>(wy_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  if constexpr (kPlanes<kMode, DimsT>) {
+    if (variants() & kWyPlanes) launch<WyPlanesSmem>(wy_grads_planes_kernel<DimsT>, grid, d, a);
+    else launch<WySmem>(wy_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  } else {
+    launch<WySmem>(wy_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  }
   // Key heads serve hv / hk value heads each: their gradients sum over them.
   f.dq = sum_value_heads<T>(dq, hk, f.q.scalar_type());
   f.dk = sum_value_heads<T>(dk, hk, f.q.scalar_type());
