@@ -48,6 +48,8 @@ SPARSE_CUDA = ("parity/test_mla_dsa_attention.py", "-k", "cuda and (alone or wid
 DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--op=v4_gated_delta_rule", "-k", "cuda")
 # The routed experts' FP8 kernel (cc/common/fp8_grouped.cu, in every module) alone, both tiles.
 FP8_GROUPED_CUDA = ("parity/test_fp8_linear.py", "-k", "experts_fp8_kernel")
+# wy_grads on planes (V4TRAIN_DELTA_RULE_VARIANTS=wy_planes), judged on every gradient.
+WY_PLANES_CUDA = ("parity/test_gated_delta_rule.py", "-k", "wy_grads_on_planes")
 # Its products on FP8 tensor cores: the experts both ways and a dense map's backward.
 FP8_E4M3_CUDA = ("parity/test_fp8_linear.py", "-k", "fp8_tensor_cores")
 
@@ -247,10 +249,10 @@ MUTATIONS = (
              "from its own row of dM (zeros above the diagonal), not from dM's column", "cc/ops/gated_delta_rule.cu",
              ": j > i ? s.beta[j] * decay(s, j, i) * dM[j * kPitch64 + i] : 0.0f;",
              ": j > i ? s.beta[j] * decay(s, j, i) * dM[i * kPitch64 + j] : 0.0f;",
-             ("parity/test_gated_delta_rule.py", "-k", "wy_grads_on_planes"), cuda=True),
+             WY_PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_keys_unscaled", "wy_grads on planes: Y's key columns without r_k (dw k^T taken "
              "as dw K^T)", "cc/ops/gated_delta_rule.cu", "val * s.beta[c] * s.E[c] * m.rk[c]",
-             "val * s.beta[c] * s.E[c]", ("parity/test_gated_delta_rule.py", "-k", "wy_grads_on_planes"), cuda=True),
+             "val * s.beta[c] * s.E[c]", WY_PLANES_CUDA, cuda=True),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
              "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
              "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
