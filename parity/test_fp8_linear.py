@@ -138,6 +138,21 @@ def test_the_bound_fails_a_wrong_fp8_path(mutation, signed):
 COUNTS, OUT, IN = [3000, 0, 1, 129, 9000], 640, 384
 
 
+def _experts_run(seed: int, counts: list[int] = COUNTS, out: int = OUT, inp: int = IN, signed: bool = True):
+    """FP8 experts' weights [E, out, in] of blocks of different sizes, x and dy of those rows; y and x's
+    gradient through v4::fp8_product with a dispatch (the test-only module's `grouped`) on CUDA, with
+    the profile of both: (q, scale, x, dy, y, dx, prof)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, scale = blocks_of_sizes((len(counts), out, inp), gen)
+    x = activations(sum(counts), inp, gen, signed).cuda().requires_grad_()
+    dy = activations(sum(counts), out, gen, signed).cuda()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = v4_linear_test.grouped(x, Linear(q.cuda(), scale.cuda()), torch.tensor(counts).cuda())
+        (dx,) = torch.autograd.grad(y, x, dy)
+        torch.cuda.synchronize()
+    return q, scale, x, dy, y, dx, prof
+
+
 def _grouped_bound(x: torch.Tensor, w: torch.Tensor) -> Bounded:
     """Each expert's rows of x times w[e] (float64, exact) as a bf16 product: fp8_bound.bf16_matmul."""
     parts = [bf16_matmul(Bounded.exact(xe), we) for xe, we in zip(x.double().cpu().split(COUNTS), w)]
@@ -190,14 +205,7 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
         tile = "256x128"
     else:
         monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
-    gen = torch.Generator().manual_seed(17)
-    q, scale = blocks_of_sizes((len(COUNTS), OUT, IN), gen)
-    x = activations(sum(COUNTS), IN, gen, signed=True).cuda().requires_grad_()
-    dy = activations(sum(COUNTS), OUT, gen, signed=True).cuda()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        y = v4_linear_test.grouped(x, Linear(q.cuda(), scale.cuda()), torch.tensor(COUNTS).cuda())
-        (dx,) = torch.autograd.grad(y, x, dy)
-        torch.cuda.synchronize()
+    q, scale, x, dy, y, dx, prof = _experts_run(17)
     rows, cols = (int(n) for n in tile.split("x"))
     launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]  # <backward?, its tile>
     assert sorted(re.search(r"fp8_grouped_kernel<(true|false)", n).group(1) for n in launches) == ["false", "true"]
@@ -287,20 +295,25 @@ def test_the_experts_kernel_on_cuda_fp8_tensor_cores_is_within_path_a_bound(coun
     gradient within path (a)'s bound of the float64 truth, expert by expert. The profile shows the
     kernel ran both ways; more tiles than multiprocessors (each persistent block takes several)."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
-    gen = torch.Generator().manual_seed(23 + out + signed)
-    q, scale = blocks_of_sizes((len(counts), out, inp), gen)
-    x = activations(sum(counts), inp, gen, signed).cuda().requires_grad_()
-    dy = activations(sum(counts), out, gen, signed).cuda()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        y = v4_linear_test.grouped(x, Linear(q.cuda(), scale.cuda()), torch.tensor(counts).cuda())
-        (dx,) = torch.autograd.grad(y, x, dy)
-        torch.cuda.synchronize()
+    q, scale, x, dy, y, dx, prof = _experts_run(23 + out + signed, counts, out, inp, signed)
     assert _kernel_launches(prof, "fp8_e4m3_kernel") == ["false", "true"]
     assert y.shape == (sum(counts), out) and dx.shape == x.shape
     ratios = (assert_within(y.cpu(), _path_a_grouped_bound(x, q, scale, counts), "y"),
               assert_within(dx.cpu(), _path_a_grouped_bound(dy, q, scale, counts, transposed=True), "x's gradient"))
     print(f"experts' FP8 kernel on FP8 tensor cores, {len(counts)} experts {out}x{inp}: max |error| / bound = "
           f"{ratios[0]:.3f} (y), {ratios[1]:.3f} (dx)")
+
+
+@CUDA
+def test_the_experts_forward_alone_on_cuda_fp8_tensor_cores(monkeypatch):
+    """V4TRAIN_FP8_TENSOR_CORES=experts_forward: y on FP8 tensor cores within path (a)'s bound, x's
+    gradient on the bf16 kernel within a bf16 product's bound; the profile shows each kernel ran its way."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts_forward")
+    q, scale, x, dy, y, dx, prof = _experts_run(37)
+    assert _kernel_launches(prof, "fp8_e4m3_kernel") == ["false"]
+    assert _kernel_launches(prof, "fp8_grouped_kernel") == ["true"]
+    assert_within(y.cpu(), _path_a_grouped_bound(x, q, scale, COUNTS), "y")
+    assert_within(dx.cpu(), _grouped_bound(dy, dequantize_fp8(q, scale, torch.float64)), "x's gradient")
 
 
 @CUDA

@@ -72,7 +72,8 @@ at::Tensor fp8_grouped(const at::Tensor& x, const at::Tensor& weight, const at::
                        bool transposed, unsigned tensor_cores) {
   if (const auto kernel = Backend<Fp8GroupedProduct>::find(x.device().type())) {
     at::Tensor y;
-    if (kernel(x, weight, scale, d.offsets, transposed, (tensor_cores & kFp8Experts) != 0, y)) return y;
+    const bool e4m3 = (tensor_cores & kFp8Experts) || (!transposed && (tensor_cores & kFp8ExpertsForward));
+    if (kernel(x, weight, scale, d.offsets, transposed, e4m3, y)) return y;
   }
   const at::Tensor w = dequantize(weight, scale, x.scalar_type());
   return grouped_linear(x, transposed ? w.transpose(1, 2) : w, d);
@@ -149,12 +150,14 @@ unsigned fp8_tensor_cores() {
   for (const std::string& word : env_words("V4TRAIN_FP8_TENSOR_CORES")) {
     if (word == "all" || word == "1") mask |= kFp8Experts | kFp8DenseBackward | kFp8DenseForward;
     else if (word == "experts") mask |= kFp8Experts;
+    else if (word == "experts_forward") mask |= kFp8ExpertsForward;
     else if (word == "dense_backward") mask |= kFp8DenseBackward;
     else if (word == "dense_forward") mask |= kFp8DenseForward;
     else
       TORCH_CHECK_VALUE(word == "none" || word == "0", "V4TRAIN_FP8_TENSOR_CORES=",
                         std::getenv("V4TRAIN_FP8_TENSOR_CORES"), ": unknown product '", word,
-                        "'; expected a comma list of experts, dense_backward and dense_forward, or all, 1, none, 0");
+                        "'; expected a comma list of experts, experts_forward, dense_backward and ",
+                        "dense_forward, or all, 1, none, 0");
   }
   return mask;
 }

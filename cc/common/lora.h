@@ -68,12 +68,14 @@ struct Fp8GroupedProduct {
 // Which FP8 products take FP8 tensor cores, x (or dy) quantised to e4m3 per row per 128 columns
 // (path (a), not exact against dequantise-then-linear): a mask of the Fp8TensorCores bits, read
 // from V4TRAIN_FP8_TENSOR_CORES at each call (so one process can time each): a comma list of
-// `experts` (the routed experts' products, both ways), `dense_backward` (a dense map's dy W),
+// `experts` (the routed experts' products, both ways), `experts_forward` (their forward alone: the
+// backward's tile transposition made it slower than the bf16 kernel, H100, docs/benchmarks.md),
+// `dense_backward` (a dense map's dy W),
 // `dense_forward` (its x W^T); `all` (or 1); `none` (or 0, or unset). An unknown word is an error
 // naming the variable. Opt-in while the experts' FP8 kernel waits for its CUDA parity and
 // timing (docs/gpu.md); the dense forward moved the proxy's loss 6.6e-2 after 50 steps
 // (docs/benchmarks.md), the experts both ways 4.4e-3.
-enum Fp8TensorCores : unsigned { kFp8Experts = 1, kFp8DenseBackward = 2, kFp8DenseForward = 4 };
+enum Fp8TensorCores : unsigned { kFp8Experts = 1, kFp8DenseBackward = 2, kFp8DenseForward = 4, kFp8ExpertsForward = 8 };
 unsigned fp8_tensor_cores();
 
 // x times w's FP8 weight (its scales checked), dequantised as dense_weight does, just in time in

@@ -389,9 +389,10 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
     deq_dn = Term("down's FP8 weights dequantised [E / ep, H, I]", local * H * I * b if deq and c.is_fp8(i, dn) else 0)
     # On FP8 tensor cores each product's input (forward) or output gradient (backward) is quantised
     # for the product: a byte a value and a scale per 128 (fp8.cuh quantize_rows), freed after it.
-    e4m3 = "experts" in fp8_tensor_cores() and fused_fp8_experts(c.setup)
+    tc = fp8_tensor_cores() if fused_fp8_experts(c.setup) else frozenset()
+    e4m3, e4m3_forward = "experts" in tc, bool({"experts", "experts_forward"} & tc)
     q_gu = Term("gate_up's input quantised to e4m3 with its scales [T k, H]",
-                quantised_rows_bytes(rows, H) if e4m3 and c.is_fp8(i, gu) else 0)
+                quantised_rows_bytes(rows, H) if e4m3_forward and c.is_fp8(i, gu) else 0)
     g_gu = local * 2 * I * H * b if c.trains(gu) else 0
     g_dn = local * H * I * b if c.trains(dn) else 0
     gathered = Term("the routed rows [T k, H]", rows * H * b)
@@ -663,7 +664,7 @@ def fused_fp8_experts(setup: Setup) -> bool:
     return setup.device == "cuda" and setup.dtype_bytes == 2
 
 
-FP8_TENSOR_CORE_PRODUCTS = ("experts", "dense_backward", "dense_forward")
+FP8_TENSOR_CORE_PRODUCTS = ("experts", "experts_forward", "dense_backward", "dense_forward")
 
 
 def fp8_tensor_cores() -> frozenset[str]:
@@ -671,7 +672,7 @@ def fp8_tensor_cores() -> frozenset[str]:
     fp8_tensor_cores): a comma list of FP8_TENSOR_CORE_PRODUCTS, or all (1), or none (0, unset)."""
     value = os.environ.get("V4TRAIN_FP8_TENSOR_CORES", "")
     if value in ("all", "1"):
-        return frozenset(FP8_TENSOR_CORE_PRODUCTS)
+        return frozenset(FP8_TENSOR_CORE_PRODUCTS) - {"experts_forward"}
     if value in ("", "none", "0"):
         return frozenset()
     words = value.split(",")
