@@ -525,10 +525,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// A grouped product's persistent blocks: one a multiprocessor, or one a tile where there are fewer
+// (at most x's rows / BM + E row tiles, by ceil(N / BN) column tiles).
+dim3 persistent_grid(const at::Tensor& x, int64_t E, int64_t N, int BM, int BN) {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
+  const int64_t tiles = ((x.size(0) + BM - 1) / BM + E) * ((N + BN - 1) / BN);
+  return dim3(unsigned(std::min<int64_t>(tiles, sms)));
+}
+
 // x's rows quantised, then fp8_e4m3_kernel: y = x W_e^T, or x W_e where `transposed`.
 void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
                  bool transposed, at::Tensor& out) {
-  const int64_t E = weight.size(0), w_out = weight.size(1), w_in = weight.size(2), rows = x.size(0), N = out.size(1);
+  const int64_t E = weight.size(0), w_out = weight.size(1), w_in = weight.size(2), N = out.size(1);
   at::Tensor q, x_scale;
   quantize_rows(x, q, x_scale);
   const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
@@ -537,10 +546,7 @@ void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   const E4m3Args a{x_scale.const_data_ptr<float>(), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
                    reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(w_out), int(w_in),
                    int(q.size(0))};
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
-  const int64_t tiles = ((rows + kT - 1) / kT + E) * (N / kT);
-  const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
+  const dim3 grid = persistent_grid(x, E, N, kT, kT);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   if (transposed) wgmma::launch(fp8_e4m3_kernel<true>, grid, kThreads, E4m3<true>::kSmem, stream, x_map, w_map, a);
   else wgmma::launch(fp8_e4m3_kernel<false>, grid, kThreads, E4m3<false>::kSmem, stream, x_map, w_map, a);
@@ -577,11 +583,7 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
   const Args a{static_cast<const uint8_t*>(w.const_data_ptr()), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
                reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(weight.size(1)),
                int(weight.size(2))};
-  // One block a multiprocessor, or one a tile where there are fewer (at most rows / BM + E row tiles).
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x.get_device()));
-  const int64_t tiles = ((rows + S::BM - 1) / S::BM + E) * ((N + S::BN - 1) / S::BN);
-  const dim3 grid(unsigned(std::min<int64_t>(tiles, sms)));
+  const dim3 grid = persistent_grid(x, E, N, S::BM, S::BN);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   if (transposed) wgmma::launch(fp8_grouped_kernel<true, S>, grid, kThreads, S::kSmem, stream, x_map, a);
   else wgmma::launch(fp8_grouped_kernel<false, S>, grid, kThreads, S::kSmem, stream, x_map, a);

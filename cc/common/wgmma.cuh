@@ -238,7 +238,6 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[64], uint64_t a, uint64_t b,
                : "l"(a), "l"(b), "r"(int(accumulate)));
 }
 
-
 // d [64 x 256] += a [64 x 16] . b [16 x 256] with a from registers (bf16 or f16 pairs): thread
 // (warp w, lane l) holds a's rows 16w + l/4 (+8), columns 2(l%4) (+1) (+8) as a[0] (row, col),
 // a[1] (row + 8, col), a[2] (row, col + 8), a[3] (row + 8, col + 8). That is an accumulator

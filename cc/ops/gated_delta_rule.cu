@@ -1843,10 +1843,15 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     }
   }
   __syncthreads();  // Y and dR_K are in; p is free
-  for (int idx = tid; idx < kRows * kRows / 2; idx += kThreads) {  // Y's planes into p
-    const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
-    store_split2(m.p + r * kPlane64 + c, kLo64, m.Y[r * kPitch64 + c], m.Y[r * kPitch64 + c + 1]);
-  }
+  // Y's tile as planes into p, a pair of columns a thread (load_split's four floats in flight cost
+  // this kernel's 64 registers a spill).
+  const auto split_y = [&] {
+    for (int idx = tid; idx < kRows * kRows / 2; idx += kThreads) {
+      const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
+      store_split2(m.p + r * kPlane64 + c, kLo64, m.Y[r * kPitch64 + c], m.Y[r * kPitch64 + c + 1]);
+    }
+  };
+  split_y();
   __syncthreads();
   // Ai^T Y into Y (its planes are read), then its planes into p, then dM = -(Ai^T Y) Ai^T, strictly
   // lower, into Y.
@@ -1854,10 +1859,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       m.ai, kPlane64, kLo64, m.p, kPlane64, kLo64, kRows, kRows, kRows,
       [&](int r, int c, float val) { m.Y[r * kPitch64 + c] = val; });
   __syncthreads();
-  for (int idx = tid; idx < kRows * kRows / 2; idx += kThreads) {
-    const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
-    store_split2(m.p + r * kPlane64 + c, kLo64, m.Y[r * kPitch64 + c], m.Y[r * kPitch64 + c + 1]);
-  }
+  split_y();
   __syncthreads();
   plane_gemm<2, false, true, false, false, kNever, kNever, Tri::kUpperB | Tri::kLowerC>(
       m.p, kPlane64, kLo64, m.ai, kPlane64, kLo64, kRows, kRows, kRows,
