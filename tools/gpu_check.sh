@@ -32,7 +32,7 @@
 #     in ncu_sass.csv.gz; the report in NCU_REPORT, default /tmp/v4train_ncu.ncu-rep; NCU_S seconds at
 #     most, default 480);
 #   the stage "fp8": issue 16's measurements under each V4TRAIN_FP8_TENSOR_CORES value of FP8_SWITCHES
-#     (default "none experts experts,dense_backward"): the MoE op's FP8 case (--cases 1 --profile), each
+#     (default "none experts_forward experts"): the MoE op's FP8 case (--cases 1 --profile), each
 #     FP8 proxy of MODELS against its bf16 twin in one process (TOKENS, default 4096), and GLM-5's
 #     decoder layer at full width (--full_layer); logs fp8_*.log.
 set -uo pipefail
@@ -139,7 +139,7 @@ if has model; then
   done
 fi
 if has fp8; then
-  switches=${FP8_SWITCHES:-none experts experts,dense_backward}
+  switches=${FP8_SWITCHES:-none experts_forward experts}
   : >"$out/fp8_moe.log"; : >"$out/fp8_layer.log"
   for s in $switches; do
     echo "== V4TRAIN_FP8_TENSOR_CORES=$s" >>"$out/fp8_moe.log"

@@ -48,10 +48,10 @@ SPARSE_CUDA = ("parity/test_mla_dsa_attention.py", "-k", "cuda and (alone or wid
 DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--op=v4_gated_delta_rule", "-k", "cuda")
 # The routed experts' FP8 kernel (cc/common/fp8_grouped.cu, in every module) alone, both tiles.
 FP8_GROUPED_CUDA = ("parity/test_fp8_linear.py", "-k", "experts_fp8_kernel")
-# wy_grads on planes (V4TRAIN_DELTA_RULE_VARIANTS=wy_planes), judged on every gradient.
-WY_PLANES_CUDA = ("parity/test_gated_delta_rule.py", "-k", "wy_grads_on_planes")
 # Its products on FP8 tensor cores: the experts both ways and a dense map's backward.
 FP8_E4M3_CUDA = ("parity/test_fp8_linear.py", "-k", "fp8_tensor_cores")
+# wy_grads on planes (V4TRAIN_DELTA_RULE_VARIANTS=wy_planes), judged on every gradient.
+WY_PLANES_CUDA = ("parity/test_gated_delta_rule.py", "-k", "wy_grads_on_planes")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:

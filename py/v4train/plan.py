@@ -668,19 +668,23 @@ FP8_TENSOR_CORE_PRODUCTS = ("experts", "experts_forward", "dense_backward", "den
 
 
 def fp8_tensor_cores() -> frozenset[str]:
-    """The FP8 products on FP8 tensor cores, as the C++ ops read V4TRAIN_FP8_TENSOR_CORES (lora.h
-    fp8_tensor_cores): a comma list of FP8_TENSOR_CORE_PRODUCTS, or all (1), or none (0, unset)."""
+    """The FP8 products on FP8 tensor cores, as the C++ ops read V4TRAIN_FP8_TENSOR_CORES (lora.cc
+    fp8_tensor_cores), word by word: FP8_TENSOR_CORE_PRODUCTS, all (or 1: every one but the
+    forward-only experts_forward, which experts covers), none (or 0); unset or empty: none."""
     value = os.environ.get("V4TRAIN_FP8_TENSOR_CORES", "")
-    if value in ("all", "1"):
-        return frozenset(FP8_TENSOR_CORE_PRODUCTS) - {"experts_forward"}
-    if value in ("", "none", "0"):
-        return frozenset()
-    words = value.split(",")
-    unknown = [w for w in words if w not in FP8_TENSOR_CORE_PRODUCTS]
-    if unknown:
-        raise ValueError(f"V4TRAIN_FP8_TENSOR_CORES={value}: unknown product {unknown[0]!r}; expected a comma list "
-                         f"of {', '.join(FP8_TENSOR_CORE_PRODUCTS)}, or all, 1, none, 0")
-    return frozenset(words)
+    words = value.split(",") if value else []
+    if words and not words[-1]:
+        words.pop()  # (a trailing comma ends the list, as env_words reads it)
+    products: set[str] = set()
+    for word in words:
+        if word in ("all", "1"):
+            products |= set(FP8_TENSOR_CORE_PRODUCTS) - {"experts_forward"}
+        elif word in FP8_TENSOR_CORE_PRODUCTS:
+            products.add(word)
+        elif word not in ("none", "0"):
+            raise ValueError(f"V4TRAIN_FP8_TENSOR_CORES={value}: unknown product {word!r}; expected a comma list "
+                             f"of {', '.join(FP8_TENSOR_CORE_PRODUCTS)}, or all, 1, none, 0")
+    return frozenset(products)
 
 
 def quantised_rows_bytes(rows: int, cols: int) -> int:
