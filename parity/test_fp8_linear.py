@@ -305,6 +305,38 @@ def test_the_experts_kernel_on_cuda_fp8_tensor_cores_is_within_path_a_bound(coun
 
 
 @CUDA
+@pytest.mark.parametrize("variants", ["transpose_global", "wide", "transpose_global,wide"])
+def test_the_e4m3_kernels_variants_equal_it_on_cuda_fp8_tensor_cores(variants, monkeypatch):
+    """V4TRAIN_FP8_E4M3_VARIANTS: `transpose_global` (the backward's weight transposed in global memory
+    by transpose_fp8_kernel, then the forward's kernel) and `wide` (the forward's tiles 128 x 256; here
+    640 columns, so each row tile's last is half wide) sum the same products in the same order as the
+    kernel unasked: y and x's gradient equal its bit for bit, within path (a)'s bound; the profile
+    shows which kernels ran."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
+    monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", "none")
+    _, _, _, _, y0, dx0, _ = _experts_run(41)
+    monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", variants)
+    q, scale, x, dy, y, dx, prof = _experts_run(41)
+    turned, wide = "transpose_global" in variants, "wide" in variants
+    assert _kernel_launches(prof, "fp8_e4m3_kernel") == (["false", "false"] if turned else ["false", "true"])
+    assert any("transpose_fp8_kernel" in e.name for e in prof.events()) == turned
+    assert any(re.search(r"fp8_e4m3_kernel<false,\s*256>", e.name) for e in prof.events()) == wide
+    assert_within(y.cpu(), _path_a_grouped_bound(x, q, scale, COUNTS), "y")
+    assert_within(dx.cpu(), _path_a_grouped_bound(dy, q, scale, COUNTS, transposed=True), "x's gradient")
+    assert torch.equal(y, y0), f"y: max difference {(y - y0).abs().max().item()}"
+    assert torch.equal(dx, dx0), f"x's gradient: max difference {(dx - dx0).abs().max().item()}"
+
+
+@CUDA
+def test_an_unknown_e4m3_variant_is_refused_on_cuda(monkeypatch):
+    """A misspelt V4TRAIN_FP8_E4M3_VARIANTS is an error naming the variable and the word."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
+    monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", "wide,turned")
+    with pytest.raises(ValueError, match=r"V4TRAIN_FP8_E4M3_VARIANTS=wide,turned: unknown variant 'turned'"):
+        _experts_run(41)
+
+
+@CUDA
 def test_the_experts_forward_alone_on_cuda_fp8_tensor_cores(monkeypatch):
     """V4TRAIN_FP8_TENSOR_CORES=experts_forward: y on FP8 tensor cores within path (a)'s bound, x's
     gradient on the bf16 kernel within a bf16 product's bound; the profile shows each kernel ran its way."""

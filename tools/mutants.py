@@ -273,7 +273,7 @@ MUTATIONS = (
              cuda=True, module="v4_linear_test"),
     Mutation("fp8_e4m3_weight_scale_first_block", "the experts' kernel on FP8 tensor cores promotes every block of "
              "the sum with the weight's first block's scale", "cc/common/fp8_grouped.cu",
-             "const float sw = __ldg(ws + step * ws_step);", "const float sw = __ldg(ws);", FP8_E4M3_CUDA, cuda=True,
+             "__ldg(ws + step * ws_step + h * blocks_in)", "__ldg(ws + h * blocks_in)", FP8_E4M3_CUDA, cuda=True,
              module="v4_linear_test"),
     Mutation("fp8_e4m3_row_scale_upper_half", "the experts' kernel on FP8 tensor cores scales a fragment's rows 8-15 "
              "by rows 0-7's scales", "cc/common/fp8_grouped.cu", "s1 = __ldg(sx1 + int64_t(step) * a.padded);",

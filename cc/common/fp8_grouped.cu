@@ -12,6 +12,7 @@
 // time while x's copies and the addresses were over half their instructions); so x goes by TMA and
 // every address a step is its first plus a constant.
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
+#include <utility>
 
 #include "cc/common/backend.h"
 #include "cc/common/fp8.cuh"
@@ -352,10 +354,14 @@ constexpr int kT = 128;                // the tile's rows, columns, and a step o
 constexpr int kTileBytes = kT * kT;    // 16 KB: 128 rows of 128 FP8 values
 constexpr int kE4m3Stages = 4;
 
-template <bool Transposed>
+// BN: the tile's columns, 128 or (forward) 256: an x tile's copies serve twice the products, where
+// 128 x 128 tiles ask the L2 for 32 KB a step of 4.2 MFLOP.
+template <bool Transposed, int BN = kT>
 struct E4m3 {
+  static_assert(BN == kT || (BN == 2 * kT && !Transposed), "e4m3 tiles: 128 x 128 both ways, 128 x 256 forward");
+  static constexpr int kHalves = BN / kT;  // the weight's scale blocks across the tile's columns
   // A stage: x's tile, the weight's tile as the products read it, and backward the tile as it lies.
-  static constexpr int kStageBytes = (Transposed ? 3 : 2) * kTileBytes;
+  static constexpr int kStageBytes = (1 + kHalves + (Transposed ? 1 : 0)) * kTileBytes;
   // After the ring: its barriers (96 bytes), then each multiplying warp's staging rows (kEpilogue).
   static constexpr size_t kSmem = size_t(kE4m3Stages) * kStageBytes + 128 + kEpilogueBytes + 1024;
 };
@@ -401,13 +407,40 @@ struct E4m3Args {
   }
 }
 
-// A persistent block as fp8_grouped_kernel's, the same order of tiles.
-template <bool Transposed>
+// The backward's weight turned once in global memory, [E, out, in] bytes into [E, in, out]: a block a
+// 128 x 128 tile through shared memory in transpose_tile's swizzled layout both ways, 16-byte rows'
+// chunks in and out. Then the backward's products take it by TMA as the forward's do, where the
+// transposition in the kernel shares warpgroup 2 and shared memory's bandwidth with the products.
+__global__ void __launch_bounds__(128) transpose_fp8_kernel(const uint8_t* w, uint8_t* wt, int rows, int cols) {
+  __shared__ __align__(128) unsigned char raw[kTileBytes], tile[kTileBytes];
+  const int t = threadIdx.x, r0 = blockIdx.y * kT, c0 = blockIdx.x * kT;
+  const int64_t e = int64_t(blockIdx.z) * rows * cols;
+#pragma unroll
+  for (int j = 0; j < kTileBytes / 16 / 128; ++j) {  // row r's chunk c at chunk c ^ r % 8
+    const int r = (t + 128 * j) / 8, c = t % 8;
+    *reinterpret_cast<uint4*>(raw + r * 128 + (c ^ r % 8) * 16) =
+        __ldg(reinterpret_cast<const uint4*>(w + e + int64_t(r0 + r) * cols + c0 + 16 * c));
+  }
+  __syncthreads();
+  transpose_tile(raw, tile, t);
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kTileBytes / 16 / 128; ++j) {  // the tile's row n: the weight's column c0 + n
+    const int n = (t + 128 * j) / 8, c = t % 8;
+    *reinterpret_cast<uint4*>(wt + e + int64_t(c0 + n) * rows + r0 + 16 * c) =
+        *reinterpret_cast<const uint4*>(tile + n * 128 + (c ^ n % 8) * 16);
+  }
+}
+
+// A persistent block as fp8_grouped_kernel's, the same order of tiles. 128 x 256 tiles hold 128
+// accumulators and 64 of a block's sums a multiplying thread: warpgroup 2 gives registers up.
+template <bool Transposed, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_e4m3_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                     const E4m3Args a) {
 #if defined(V4_HAS_WGMMA)
-  using S = E4m3<Transposed>;
+  using S = E4m3<Transposed, BN>;
+  constexpr int kHalves = S::kHalves;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = wgmma::sw128_aligned(smem_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kE4m3Stages * S::kStageBytes);  // the stage's tiles are in
@@ -423,10 +456,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out, steps = K / kT;
-  const int col_tiles = N / kT, tiles = find_tile<kT>(a.offsets, a.E, -1).first * col_tiles;
+  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<kT>(a.offsets, a.E, -1).first * col_tiles;
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
 
   if (wg == 2) {  // ---- the copies (thread 0) and, backward, the transposition (all 128)
+    if constexpr (kHalves == 2) wgmma::regs_shrink<56>();
     const int p = threadIdx.x % 128;
     // Backward: step it - kLag's tile is transposed before step it's copies are asked for, with up to
     // three steps' copies in flight (a model check of the barriers: deadlock-free up to a lag of 4
@@ -443,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int it = 0;  // steps so far, over every tile: the ring's position and phase
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles);
-      const int n0 = t % col_tiles * kT;
+      const int n0 = t % col_tiles * BN;
       for (int step = 0; step < steps; ++step, ++it) {
         // (first: it needs only copies asked for before, so the thread issuing them never holds it up)
         if (Transposed && it >= kLag) transpose(it - kLag);
@@ -454,7 +488,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // x's rows first.. (past the expert's last: the next one's, or zeros); the weight's tile:
           // forward rows n0.. of the expert's out by columns step.. of in, backward rows step.. by n0..
           const int w_row = tile.expert * a.out + (Transposed ? step * kT : n0), w_col = Transposed ? n0 : step * kT;
-          wgmma::bar_arrive_expect(full + slot, (Transposed ? 1 : 2) * kTileBytes);
+          wgmma::bar_arrive_expect(full + slot, (Transposed ? 1 : 1 + kHalves) * kTileBytes);
           wgmma::tma_load_2d(stage, &x_map, step * kT, tile.first, full + slot);
           if (Transposed) {
             wgmma::bar_arrive_expect(copied + slot, kTileBytes);
@@ -470,14 +504,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // ---- the products: warpgroup wg, rows 64 wg.. of the tile, all 128 columns
+  // ---- the products: warpgroup wg, rows 64 wg.. of the tile, all BN columns
+  if constexpr (kHalves == 2) wgmma::regs_grow<224>();
   const uint32_t base = wgmma::saddr(smem);
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int blocks_in = a.in / kT;
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles);
-    const int n0 = t % col_tiles * kT;
+    const int n0 = t % col_tiles * BN, halves = min(BN, N - n0) / kT;  // (a wide tile past N: one half)
     // This thread's rows of the fragment (its rows past x's padding read the last row's scales:
     // they are not written out) and the weight's scales of the tile, a step apart by ws_step.
     const int row = tile.first + 64 * wg + 16 * warp + lane / 4;
@@ -486,39 +521,47 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* ws = a.w_scale + (int64_t(tile.expert) * (a.out / kT) + (Transposed ? 0 : n0 / kT)) * blocks_in +
                       (Transposed ? n0 / kT : 0);
     const int ws_step = Transposed ? blocks_in : 1;
-    float acc[64], part[64];
+    // acc: half h's fragment (columns n0 + 128 h..) at 64 h.., a 64 x BN fragment as write_rows reads it.
+    float acc[BN / 2], part[64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = part[i] = 0.0f;
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     for (int step = 0; step < steps; ++step, ++it) {
       const int slot = it % kE4m3Stages;
-      // The scales, in flight while the products run.
-      const float sw = __ldg(ws + step * ws_step);
+      // The scales, in flight while the products run (half h's weight block: the next block row).
+      float sw[kHalves];
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) sw[h] = h < halves ? __ldg(ws + step * ws_step + h * blocks_in) : 0.0f;
       const float s0 = __ldg(sx0 + int64_t(step) * a.padded), s1 = __ldg(sx1 + int64_t(step) * a.padded);
       wgmma::bar_wait(full + slot, (it / kE4m3Stages) & 1);
-      const uint32_t stage = base + slot * S::kStageBytes, x_tile = stage + wg * (kTileBytes / 2),
-                     w_tile = stage + kTileBytes;
-      wgmma::fence_operand(part);
-      wgmma::fence();
+      const uint32_t stage = base + slot * S::kStageBytes, x_tile = stage + wg * (kTileBytes / 2);
 #pragma unroll
-      for (int kk = 0; kk < kT / 32; ++kk)
-        wgmma::mma_e4m3(part, wgmma::desc128(x_tile + 32 * kk, 16, 1024), wgmma::desc128(w_tile + 32 * kk, 16, 1024),
-                        kk > 0);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operand(part);
-      wgmma::bar_arrive(empty + slot);
-      // The block's sums promoted: one fp32 rounding of the scales' product, one of each fused add.
-      const float r0 = s0 * sw, r1 = s1 * sw;
+      for (int h = 0; h < kHalves; ++h) {
+        if (h >= halves) break;
+        const uint32_t w_tile = stage + (1 + h) * kTileBytes;
+        wgmma::fence_operand(part);
+        wgmma::fence();
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {  // rows lane / 4 (d[4 j], d[4 j + 1]) and + 8 (d[4 j + 2], d[4 j + 3])
-        acc[4 * j] = fmaf(part[4 * j], r0, acc[4 * j]);
-        acc[4 * j + 1] = fmaf(part[4 * j + 1], r0, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(part[4 * j + 2], r1, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(part[4 * j + 3], r1, acc[4 * j + 3]);
+        for (int kk = 0; kk < kT / 32; ++kk)
+          wgmma::mma_e4m3(part, wgmma::desc128(x_tile + 32 * kk, 16, 1024),
+                          wgmma::desc128(w_tile + 32 * kk, 16, 1024), kk > 0);
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::fence_operand(part);
+        if (h == halves - 1) wgmma::bar_arrive(empty + slot);
+        // The block's sums promoted: one fp32 rounding of the scales' product, one of each fused add.
+        const float r0 = s0 * sw[h], r1 = s1 * sw[h];
+        float* acc_h = acc + 64 * h;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {  // rows lane / 4 (d[4 j], d[4 j + 1]) and + 8 (d[4 j + 2], d[4 j + 3])
+          acc_h[4 * j] = fmaf(part[4 * j], r0, acc_h[4 * j]);
+          acc_h[4 * j + 1] = fmaf(part[4 * j + 1], r0, acc_h[4 * j + 1]);
+          acc_h[4 * j + 2] = fmaf(part[4 * j + 2], r1, acc_h[4 * j + 2]);
+          acc_h[4 * j + 3] = fmaf(part[4 * j + 3], r1, acc_h[4 * j + 3]);
+        }
       }
     }
     unsigned char* stage = smem + kE4m3Stages * S::kStageBytes + 128 + (4 * wg + warp) * 16 * kEpiloguePitch;
-    write_rows<kT>(acc, stage, tile.first + 64 * wg + 16 * warp, tile.end, a.y, N, n0);
+    write_rows<BN>(acc, stage, tile.first + 64 * wg + 16 * warp, tile.end, a.y, N, n0);
   }
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
@@ -534,22 +577,58 @@ dim3 persistent_grid(const at::Tensor& x, int64_t E, int64_t N, int BM, int BN) 
   return dim3(unsigned(std::min<int64_t>(tiles, sms)));
 }
 
+// The e4m3 kernel's variants written without a GPU, taken where V4TRAIN_FP8_E4M3_VARIANTS names
+// them (a comma list read at each call, so that one process can time each; unset or none: none):
+// `transpose_global`, the backward's weight transposed by transpose_fp8_kernel (a copy the length
+// of the call), then the forward's kernel, in place of the transposition in shared memory; `wide`,
+// 128 x 256 tiles where the forward's kernel runs and the output is at least 256 wide.
+enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2 };
+unsigned e4m3_variants() {
+  unsigned mask = 0;
+  for (const std::string& word : env_words("V4TRAIN_FP8_E4M3_VARIANTS")) {
+    if (word == "transpose_global") mask |= kTransposeGlobal;
+    else if (word == "wide") mask |= kWide;
+    else
+      TORCH_CHECK_VALUE(word == "none", "V4TRAIN_FP8_E4M3_VARIANTS=", std::getenv("V4TRAIN_FP8_E4M3_VARIANTS"),
+                        ": unknown variant '", word, "'; expected a comma list of transpose_global and wide, or none");
+  }
+  return mask;
+}
+
 // x's rows quantised, then fp8_e4m3_kernel: y = x W_e^T, or x W_e where `transposed`.
 void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
                  bool transposed, at::Tensor& out) {
-  const int64_t E = weight.size(0), w_out = weight.size(1), w_in = weight.size(2), N = out.size(1);
+  const int64_t E = weight.size(0), N = out.size(1);
+  int64_t w_out = weight.size(1), w_in = weight.size(2);
   at::Tensor q, x_scale;
   quantize_rows(x, q, x_scale);
-  const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
+  at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous();
+  const at::Tensor off = offsets.contiguous();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const unsigned variants = e4m3_variants();
+  if (transposed && (variants & kTransposeGlobal)) {  // the weight turned first, then the forward's kernel
+    at::Tensor wt = at::empty({E, w_in, w_out}, w.options());
+    transpose_fp8_kernel<<<dim3(unsigned(w_in / kT), unsigned(w_out / kT), unsigned(E)), 128, 0, stream>>>(
+        static_cast<const uint8_t*>(w.const_data_ptr()), static_cast<uint8_t*>(wt.mutable_data_ptr()), int(w_out),
+        int(w_in));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    w = wt;
+    s = s.transpose(1, 2).contiguous();
+    std::swap(w_out, w_in);
+    transposed = false;
+  }
+  const bool wide = !transposed && (variants & kWide) && N >= 2 * kT;
+  const int bn = wide ? 2 * kT : kT;  // (the weight's box: the tile's columns)
   const CUtensorMap x_map = wgmma::tensor_map_sw128(q.const_data_ptr(), q.size(0), q.size(1), q.size(1), kT, true);
-  const CUtensorMap w_map = wgmma::tensor_map_sw128(w.const_data_ptr(), E * w_out, w_in, w_in, kT, true);
+  const CUtensorMap w_map = wgmma::tensor_map_sw128(w.const_data_ptr(), E * w_out, w_in, w_in, bn, true);
   const E4m3Args a{x_scale.const_data_ptr<float>(), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
                    reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(w_out), int(w_in),
                    int(q.size(0))};
-  const dim3 grid = persistent_grid(x, E, N, kT, kT);
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (transposed) wgmma::launch(fp8_e4m3_kernel<true>, grid, kThreads, E4m3<true>::kSmem, stream, x_map, w_map, a);
-  else wgmma::launch(fp8_e4m3_kernel<false>, grid, kThreads, E4m3<false>::kSmem, stream, x_map, w_map, a);
+  const dim3 grid = persistent_grid(x, E, N, kT, bn);
+  if (transposed) wgmma::launch(fp8_e4m3_kernel<true, kT>, grid, kThreads, E4m3<true>::kSmem, stream, x_map, w_map, a);
+  else if (wide)
+    wgmma::launch(fp8_e4m3_kernel<false, 2 * kT>, grid, kThreads, E4m3<false, 2 * kT>::kSmem, stream, x_map, w_map, a);
+  else wgmma::launch(fp8_e4m3_kernel<false, kT>, grid, kThreads, E4m3<false>::kSmem, stream, x_map, w_map, a);
 }
 
 // The tile: 256 x 128 (Tall) where the experts average 256 rows or more, else 128 x 256 (Wide), so
@@ -609,7 +688,7 @@ bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at
   const Choice choice = tile_choice(rows, E);
   if (choice == Choice::kOff) return false;
   const c10::cuda::CUDAGuard guard(x.device());
-  if (e4m3 && wgmma::capable(x.get_device(), E4m3<true>::kSmem)) {  // (the larger of the two)
+  if (e4m3 && wgmma::capable(x.get_device(), E4m3<false, 2 * kT>::kSmem)) {  // (the largest)
     out = at::empty({rows, N}, x.options());
     launch_e4m3(x, weight, scale, offsets, transposed, out);
     return true;
