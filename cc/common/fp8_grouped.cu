@@ -409,8 +409,9 @@ struct E4m3Args {
 
 // The backward's weight turned once in global memory, [E, out, in] bytes into [E, in, out]: a block a
 // 128 x 128 tile through shared memory in transpose_tile's swizzled layout both ways, 16-byte rows'
-// chunks in and out. Then the backward's products take it by TMA as the forward's do, where the
-// transposition in the kernel shares warpgroup 2 and shared memory's bandwidth with the products.
+// chunks in and out (tools/fp8_transpose_check.py mirrors the indices). Then the backward's products
+// take it by TMA as the forward's do, where the transposition in the kernel shares warpgroup 2 and
+// shared memory's bandwidth with the products.
 __global__ void __launch_bounds__(128) transpose_fp8_kernel(const uint8_t* w, uint8_t* wt, int rows, int cols) {
   __shared__ __align__(128) unsigned char raw[kTileBytes], tile[kTileBytes];
   const int t = threadIdx.x, r0 = blockIdx.y * kT, c0 = blockIdx.x * kT;
@@ -677,8 +678,8 @@ bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at
   // Whole scale blocks: the sum's steps never straddle a partial one.
   if (rows == 0 || E == 0 || w_out % kScaleBlock != 0 || w_in % kScaleBlock != 0 || x.size(1) != K) return false;
   // int indices: rows, widths, and the (row tile, column tile) pairs, at most rows / 128 + E row tiles.
-  // (TMA's coordinates: the weight's rows E out as one int.)
-  if (rows + 256 > INT_MAX || E * w_out > INT_MAX || w_in > INT_MAX ||
+  // (TMA's coordinates: the weight's rows E out, or turned E in, as one int.)
+  if (rows + 256 > INT_MAX || E * w_out > INT_MAX || E * w_in > INT_MAX ||
       ((rows + 127) / 128 + E) * (N / 128) > INT_MAX)
     return false;
   if (offsets.scalar_type() != at::kInt || offsets.numel() != E || offsets.device() != x.device()) return false;
