@@ -4,7 +4,10 @@ turned into its transpose in the same swizzle (the K-major operand an 8-bit wgmm
 index math below mirrors the kernel's; change both together. Checked: the 128 threads' eight
 4 x 4 blocks cover the tile once; each warp's 32 loads (and 32 stores) of a word meet 32 banks;
 and an emulation of the loads, __byte_perm and the stores gives every byte its transposed place.
-A wrong variant (stores without the swizzle) is checked to fail, so the check can.
+A wrong variant (stores without the swizzle) is checked to fail, so the check can. Then
+transpose_fp8_kernel (the backward's weight turned once in global memory, a 128 x 128 tile a
+block through transpose_tile): its 16-byte loads into the swizzle and stores out of it, emulated
+over a weight of 2 x 3 tiles, give the weight's transpose; stores that keep the swizzle do not.
 
     python3 tools/fp8_transpose_check.py
 """
@@ -85,15 +88,50 @@ def problems(swizzle: bool = True) -> list[str]:
     return found
 
 
+def turn(weight: list[list[int]], unswizzle: bool = True) -> list[list[int]]:
+    """transpose_fp8_kernel on `weight` [rows][cols] (multiples of 128): each block's thread t, step
+    j loads row r = (t + 128 j) / 8's chunk c = t % 8 to swizzled chunk c ^ r % 8; transpose_tile;
+    then stores the tile's row n's chunk c (read at chunk c ^ n % 8) to the weight's column c0 + n."""
+    rows, cols = len(weight), len(weight[0])
+    out = [[0] * rows for _ in range(cols)]
+    for r0 in range(0, rows, 128):
+        for c0 in range(0, cols, 128):
+            raw = bytearray(128 * 128)
+            for t in range(128):
+                for j in range(8):
+                    r, c = (t + 128 * j) // 8, t % 8
+                    at = r * 128 + (c ^ r % 8) * 16
+                    raw[at:at + 16] = bytes(weight[r0 + r][c0 + 16 * c:c0 + 16 * c + 16])
+            tile = transpose(bytes(raw))
+            for t in range(128):
+                for j in range(8):
+                    n, c = (t + 128 * j) // 8, t % 8
+                    at = n * 128 + ((c ^ n % 8) if unswizzle else c) * 16
+                    out[c0 + n][r0 + 16 * c:r0 + 16 * c + 16] = list(tile[at:at + 16])
+    return out
+
+
+def turn_problems(unswizzle: bool = True) -> list[str]:
+    rng = random.Random(1)
+    weight = [[rng.randrange(256) for _ in range(384)] for _ in range(256)]
+    turned = turn(weight, unswizzle)
+    wrong = sum(turned[c][r] != weight[r][c] for r in range(256) for c in range(384))
+    return [f"the weight turned: {wrong} of {256 * 384} bytes not at their transposed place"] if wrong else []
+
+
 def main() -> int:
-    bad = problems()
+    bad = problems() + turn_problems()
+    if not turn_problems(unswizzle=False):
+        print("fp8_transpose_check: the turned weight's stores keeping the swizzle pass: the check cannot fail")
+        return 1
     for p in bad:
         print("fp8_transpose_check:", p)
     if not problems(swizzle=False):
         print("fp8_transpose_check: stores without the swizzle pass: the check cannot fail")
         return 1
     if not bad:
-        print("fp8_transpose_check: the transposition covers the tile, meets 32 banks a warp, places every byte")
+        print("fp8_transpose_check: the transposition covers the tile, meets 32 banks a warp, places every byte;"
+              " the weight turned in global memory is its transpose")
     return 1 if bad else 0
 
 
