@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
-#include <utility>
 
 #include "cc/common/backend.h"
 #include "cc/common/fp8.cuh"
@@ -75,15 +74,15 @@ struct Tile {
   int expert, first, end;  // the expert (-1: none) and the tile's rows [first, min(first + BM, end))
 };
 
-// Tile `tile`'s expert and rows (of E experts whose rows end at offsets); with tile < 0, Tile{-1,
-// the number of tiles, 0}.
+// Tile `tile`'s expert and rows (of E experts from `first` on, whose rows end at offsets[first..]: the
+// expert counted from first); with tile < 0, Tile{-1, the number of tiles, 0}.
 template <int BM>
-__device__ Tile find_tile(const int* offsets, int E, int tile) {
+__device__ Tile find_tile(const int* offsets, int E, int tile, int first = 0) {
   const int lane = threadIdx.x % 32;
   int before = 0;  // the tiles of the rounds before
   for (int e0 = 0; e0 < E; e0 += 32) {
-    const int e = e0 + lane;
-    const int start = e < E && e > 0 ? offsets[e - 1] : 0, end = e < E ? offsets[e] : 0;
+    const int e = e0 + lane, g = first + e;
+    const int start = e < E && g > 0 ? offsets[g - 1] : 0, end = e < E ? offsets[g] : 0;
     const int tiles = e < E ? (end - start + BM - 1) / BM : 0;
     int upto = tiles;
     for (int o = 1; o < 32; o *= 2) {
@@ -371,9 +370,10 @@ struct E4m3 {
 struct E4m3Args {
   const float* x_scale;  // [K / 128, padded]: quantize_rows' scales, x's row r in block b at b padded + r
   const float* w_scale;  // [E, out / 128, in / 128]
-  const int* offsets;    // [E]: the end of each expert's rows
+  const int* offsets;    // [first + E]: the end of each expert's rows
   __nv_bfloat16* y;      // [rows, N]
   int E, out, in, padded;
+  int first;  // the experts are first.. of offsets' (a group of them: transpose_global)
 };
 
 // The backward's weight tile turned K-major. `raw` holds the weight's rows k0.. (the sum) by its
@@ -457,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out, steps = K / kT;
-  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<kT>(a.offsets, a.E, -1).first * col_tiles;
+  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<kT>(a.offsets, a.E, -1, a.first).first * col_tiles;
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
 
   if (wg == 2) {  // ---- the copies (thread 0) and, backward, the transposition (all 128)
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     int it = 0;  // steps so far, over every tile: the ring's position and phase
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles);
+      const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles, a.first);
       const int n0 = t % col_tiles * BN;
       for (int step = 0; step < steps; ++step, ++it) {
         // (first: it needs only copies asked for before, so the thread issuing them never holds it up)
@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int blocks_in = a.in / kT;
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles);
+    const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles, a.first);
     const int n0 = t % col_tiles * BN, halves = min(BN, N - n0) / kT;  // (a wide tile past N: one half)
     // This thread's rows of the fragment (its rows past x's padding read the last row's scales:
     // they are not written out) and the weight's scales of the tile, a step apart by ws_step.
@@ -580,8 +580,8 @@ dim3 persistent_grid(const at::Tensor& x, int64_t E, int64_t N, int BM, int BN) 
 
 // The e4m3 kernel's variants written without a GPU, taken where V4TRAIN_FP8_E4M3_VARIANTS names
 // them (a comma list read at each call, so that one process can time each; unset or none: none):
-// `transpose_global`, the backward's weight transposed by transpose_fp8_kernel (a copy the length
-// of the call), then the forward's kernel, in place of the transposition in shared memory; `wide`,
+// `transpose_global`, the backward's weight transposed by transpose_fp8_kernel (kTurnBytes' groups
+// of experts), then the forward's kernel, in place of the transposition in shared memory; `wide`,
 // 128 x 256 tiles where the forward's kernel runs and the output is at least 256 wide.
 enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2 };
 unsigned e4m3_variants() {
@@ -596,40 +596,50 @@ unsigned e4m3_variants() {
   return mask;
 }
 
+// transpose_global's copy: experts in groups of at most a quarter of them and of kTurnBytes, each
+// group turned into one buffer and multiplied before the next (in stream order: the buffer is free).
+constexpr int64_t kTurnBytes = int64_t(256) << 20;
+
 // x's rows quantised, then fp8_e4m3_kernel: y = x W_e^T, or x W_e where `transposed`.
 void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& offsets,
                  bool transposed, at::Tensor& out) {
-  const int64_t E = weight.size(0), N = out.size(1);
-  int64_t w_out = weight.size(1), w_in = weight.size(2);
+  const int64_t E = weight.size(0), N = out.size(1), w_out = weight.size(1), w_in = weight.size(2);
   at::Tensor q, x_scale;
   quantize_rows(x, q, x_scale);
-  at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous();
-  const at::Tensor off = offsets.contiguous();
+  const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const unsigned variants = e4m3_variants();
-  if (transposed && (variants & kTransposeGlobal)) {  // the weight turned first, then the forward's kernel
-    at::Tensor wt = at::empty({E, w_in, w_out}, w.options());
-    transpose_fp8_kernel<<<dim3(unsigned(w_in / kT), unsigned(w_out / kT), unsigned(E)), 128, 0, stream>>>(
-        static_cast<const uint8_t*>(w.const_data_ptr()), static_cast<uint8_t*>(wt.mutable_data_ptr()), int(w_out),
-        int(w_in));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    w = wt;
-    s = s.transpose(1, 2).contiguous();
-    std::swap(w_out, w_in);
-    transposed = false;
-  }
-  const bool wide = !transposed && (variants & kWide) && N >= 2 * kT;
-  const int bn = wide ? 2 * kT : kT;  // (the weight's box: the tile's columns)
   const CUtensorMap x_map = wgmma::tensor_map_sw128(q.const_data_ptr(), q.size(0), q.size(1), q.size(1), kT, true);
-  const CUtensorMap w_map = wgmma::tensor_map_sw128(w.const_data_ptr(), E * w_out, w_in, w_in, bn, true);
-  const E4m3Args a{x_scale.const_data_ptr<float>(), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
-                   reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(w_out), int(w_in),
-                   int(q.size(0))};
-  const dim3 grid = persistent_grid(x, E, N, kT, bn);
-  if (transposed) wgmma::launch(fp8_e4m3_kernel<true, kT>, grid, kThreads, E4m3<true>::kSmem, stream, x_map, w_map, a);
-  else if (wide)
-    wgmma::launch(fp8_e4m3_kernel<false, 2 * kT>, grid, kThreads, E4m3<false, 2 * kT>::kSmem, stream, x_map, w_map, a);
-  else wgmma::launch(fp8_e4m3_kernel<false, kT>, grid, kThreads, E4m3<false>::kSmem, stream, x_map, w_map, a);
+  // Experts first.. first + n: their weight `wg` [n, rows, cols] and scales `sg` [n, rows / 128,
+  // cols / 128], forward or (`back`) backward, each tile transposed in the kernel.
+  const auto multiply = [&](const at::Tensor& wg, const float* sg, int64_t first, int64_t n, bool back) {
+    const int64_t rows = wg.size(1), cols = wg.size(2);
+    const bool wide = !back && (variants & kWide) && N >= 2 * kT;
+    const int bn = wide ? 2 * kT : kT;  // (the weight's box: the tile's columns)
+    const CUtensorMap w_map = wgmma::tensor_map_sw128(wg.const_data_ptr(), n * rows, cols, cols, bn, true);
+    const E4m3Args a{x_scale.const_data_ptr<float>(), sg, off.const_data_ptr<int>(),
+                     reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(n), int(rows), int(cols),
+                     int(q.size(0)), int(first)};
+    const dim3 grid = persistent_grid(x, n, N, kT, bn);
+    if (back) wgmma::launch(fp8_e4m3_kernel<true, kT>, grid, kThreads, E4m3<true>::kSmem, stream, x_map, w_map, a);
+    else if (wide)
+      wgmma::launch(fp8_e4m3_kernel<false, 2 * kT>, grid, kThreads, E4m3<false, 2 * kT>::kSmem, stream, x_map, w_map,
+                    a);
+    else wgmma::launch(fp8_e4m3_kernel<false, kT>, grid, kThreads, E4m3<false>::kSmem, stream, x_map, w_map, a);
+  };
+  if (!transposed || !(variants & kTransposeGlobal)) return multiply(w, s.const_data_ptr<float>(), 0, E, transposed);
+  // The weight turned a group of experts at a time, then the forward's kernel on it.
+  const int64_t per = w_out * w_in, group = std::max<int64_t>(1, std::min((E + 3) / 4, kTurnBytes / per));
+  const at::Tensor st = s.transpose(1, 2).contiguous();  // [E, in / 128, out / 128]
+  at::Tensor wt = at::empty({std::min(group, E), w_in, w_out}, w.options());
+  for (int64_t first = 0; first < E; first += group) {
+    const int64_t n = std::min(group, E - first);
+    transpose_fp8_kernel<<<dim3(unsigned(w_in / kT), unsigned(w_out / kT), unsigned(n)), 128, 0, stream>>>(
+        static_cast<const uint8_t*>(w.const_data_ptr()) + first * per, static_cast<uint8_t*>(wt.mutable_data_ptr()),
+        int(w_out), int(w_in));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    multiply(wt, st.const_data_ptr<float>() + first * (per / (kT * kT)), first, n, false);
+  }
 }
 
 // The tile: 256 x 128 (Tall) where the experts average 256 rows or more, else 128 x 256 (Wide), so
