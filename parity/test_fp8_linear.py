@@ -304,26 +304,34 @@ def test_the_experts_kernel_on_cuda_fp8_tensor_cores_is_within_path_a_bound(coun
           f"{ratios[0]:.3f} (y), {ratios[1]:.3f} (dx)")
 
 
+# 160 experts of 0-40 rows: transpose_global's groups of 40 span two rounds of the tile search's 32 lanes.
+MANY = [(7 * e) % 41 if e % 9 else 0 for e in range(160)]
+
+
 @CUDA
-@pytest.mark.parametrize("variants", ["transpose_global", "wide", "transpose_global,wide"])
-def test_the_e4m3_kernels_variants_equal_it_on_cuda_fp8_tensor_cores(variants, monkeypatch):
+@pytest.mark.parametrize("variants,counts,out,inp", [
+    ("transpose_global", COUNTS, OUT, IN), ("wide", COUNTS, OUT, IN), ("transpose_global,wide", COUNTS, OUT, IN),
+    ("transpose_global", MANY, 256, 128)], ids=["turned", "wide", "both", "turned 160 experts"])
+def test_the_e4m3_kernels_variants_equal_it_on_cuda_fp8_tensor_cores(variants, counts, out, inp, monkeypatch):
     """V4TRAIN_FP8_E4M3_VARIANTS: `transpose_global` (the backward's weight transposed in global memory
-    by transpose_fp8_kernel a group of experts at a time, here 2, 2 and 1 of the 5, one of them with no
-    row; then the forward's kernel on each group) and `wide` (the forward's tiles 128 x 256; here 640
-    columns, so each row tile's last is half wide) sum the same products in the same order as the
-    kernel unasked: y and x's gradient equal its bit for bit, within path (a)'s bound; the profile
-    shows which kernels ran."""
+    by transpose_fp8_kernel a group of experts at a time: of 5 experts 2, 2 and 1, one with no row; of
+    160, four groups of 40; then the forward's kernel on each group) and `wide` (the forward's tiles
+    128 x 256; at 640 columns each row tile's last is half wide) sum the same products in the same
+    order as the kernel unasked: y and x's gradient equal its bit for bit, within path (a)'s bound;
+    the profile shows which kernels ran, and how often."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
     monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", "none")
-    _, _, _, _, y0, dx0, _ = _experts_run(41)
+    _, _, _, _, y0, dx0, _ = _experts_run(41, counts, out, inp)
     monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", variants)
-    q, scale, x, dy, y, dx, prof = _experts_run(41)
+    q, scale, x, dy, y, dx, prof = _experts_run(41, counts, out, inp)
     turned, wide = "transpose_global" in variants, "wide" in variants
-    assert _kernel_launches(prof, "fp8_e4m3_kernel") == (["false"] * 4 if turned else ["false", "true"])
-    assert sum("transpose_fp8_kernel" in e.name for e in prof.events()) == 3 * turned  # (a launch an event)
+    group = max(1, min(-(-len(counts) // 4), (256 << 20) // (out * inp)))  # launch_e4m3's groups
+    groups = -(-len(counts) // group) if turned else 0
+    assert _kernel_launches(prof, "fp8_e4m3_kernel") == (["false"] * (1 + groups) if turned else ["false", "true"])
+    assert sum("transpose_fp8_kernel" in e.name for e in prof.events()) == groups  # (a launch an event)
     assert any(re.search(r"fp8_e4m3_kernel<false,\s*256>", e.name) for e in prof.events()) == wide
-    assert_within(y.cpu(), _path_a_grouped_bound(x, q, scale, COUNTS), "y")
-    assert_within(dx.cpu(), _path_a_grouped_bound(dy, q, scale, COUNTS, transposed=True), "x's gradient")
+    assert_within(y.cpu(), _path_a_grouped_bound(x, q, scale, counts), "y")
+    assert_within(dx.cpu(), _path_a_grouped_bound(dy, q, scale, counts, transposed=True), "x's gradient")
     assert torch.equal(y, y0), f"y: max difference {(y - y0).abs().max().item()}"
     assert torch.equal(dx, dx0), f"x's gradient: max difference {(dx - dx0).abs().max().item()}"
 

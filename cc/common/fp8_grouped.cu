@@ -610,14 +610,14 @@ void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const unsigned variants = e4m3_variants();
   const CUtensorMap x_map = wgmma::tensor_map_sw128(q.const_data_ptr(), q.size(0), q.size(1), q.size(1), kT, true);
-  // Experts first.. first + n: their weight `wg` [n, rows, cols] and scales `sg` [n, rows / 128,
-  // cols / 128], forward or (`back`) backward, each tile transposed in the kernel.
-  const auto multiply = [&](const at::Tensor& wg, const float* sg, int64_t first, int64_t n, bool back) {
-    const int64_t rows = wg.size(1), cols = wg.size(2);
+  // Experts first.. first + n: their weight `we` [n, rows, cols] and scales `se` [n, rows / 128,
+  // cols / 128], forward, or (`back`) backward with each tile transposed in the kernel.
+  const auto multiply = [&](const at::Tensor& we, const float* se, int64_t first, int64_t n, bool back) {
+    const int64_t rows = we.size(1), cols = we.size(2);
     const bool wide = !back && (variants & kWide) && N >= 2 * kT;
     const int bn = wide ? 2 * kT : kT;  // (the weight's box: the tile's columns)
-    const CUtensorMap w_map = wgmma::tensor_map_sw128(wg.const_data_ptr(), n * rows, cols, cols, bn, true);
-    const E4m3Args a{x_scale.const_data_ptr<float>(), sg, off.const_data_ptr<int>(),
+    const CUtensorMap w_map = wgmma::tensor_map_sw128(we.const_data_ptr(), n * rows, cols, cols, bn, true);
+    const E4m3Args a{x_scale.const_data_ptr<float>(), se, off.const_data_ptr<int>(),
                      reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(n), int(rows), int(cols),
                      int(q.size(0)), int(first)};
     const dim3 grid = persistent_grid(x, n, N, kT, bn);
