@@ -439,6 +439,35 @@ def test_the_experts_on_fp8_tensor_cores_plan_their_quantised_gradients(monkeypa
         plan.plan(setup)
 
 
+def test_the_experts_weights_turned_once_plan_their_group(monkeypatch):
+    """V4TRAIN_FP8_E4M3_VARIANTS=transpose_global (with the experts on FP8 tensor cores): GLM-5's
+    full-width gate_up backward also holds a group of its 256 experts' FP8 weights turned, each
+    4,096 x 6,144 bytes (25,165,824), at most a quarter of them (64) and 256 MiB (10 of them):
+    251,658,240 bytes, and all their scales turned, 256 x 32 x 48 fp32 (1,572,864 bytes)."""
+    config = proxy_config("full_layer", True)
+    setup = plan.Setup(config_from_dict(config, "full_layer"), config, finetune="lora", fp8="keep", seq_len=4096,
+                       micro_batch_size=1, checkpointing=False, lora_r=16, lora_target_modules=("attention",),
+                       lora_experts=True, documents=(4096,), device="cuda")
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
+    moment = {}
+    for variants in ("none", "wide,transpose_global"):
+        monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", variants)
+        layer = plan.glm5_layer(plan._ctx(setup, (4096,)), 0)
+        (moment[variants],) = [m for m in layer.backward if m.label == "experts' gate_up backward"]
+    total = {k: sum(t.bytes for t in m.terms) for k, m in moment.items()}
+    assert total["wide,transpose_global"] - total["none"] == 251_658_240 + 1_572_864
+    monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", "wide,turned")
+    with pytest.raises(ValueError, match="V4TRAIN_FP8_E4M3_VARIANTS=wide,turned: unknown variant 'turned'"):
+        plan.plan(setup)
+
+
+def test_the_e4m3_variants_are_the_cpp_ops_words():
+    """plan.py reads V4TRAIN_FP8_E4M3_VARIANTS as cc/common/fp8_grouped.cu does: the same words."""
+    with open(os.path.join(ROOT, "cc", "common", "fp8_grouped.cu")) as f:
+        words = re.findall(r'word == "(\w+)"\) mask \|= k\w+;', f.read())
+    assert tuple(words) == plan.E4M3_VARIANTS
+
+
 def test_the_fp8_tensor_core_products_are_the_cpp_ops_words():
     """plan.py reads V4TRAIN_FP8_TENSOR_CORES as cc/common/lora.cc does: the same words."""
     with open(os.path.join(ROOT, "cc", "common", "lora.cc")) as f:
@@ -457,6 +486,7 @@ def test_the_fp8_tensor_core_products_are_the_cpp_ops_words():
     ("COMBINE_MAX_ROW_BYTES", "common/experts.h", r"kCombineMaxRowBytes = (\d+);"),
     ("COMBINE_BLOCK_MIB", "common/experts.cc", r"kCombineBlockMiB = (\d+);"),
     ("TAIL_BLOCK_MIB", "common/checkpoint.h", r"kTailBlockMiB = (\d+);"),
+    ("TURN_MIB", "common/fp8_grouped.cu", r"kTurnBytes = int64_t\((\d+)\) << 20;"),
 ])
 def test_the_constants_copied_from_the_cpp_ops_are_theirs(name, path, pattern):
     with open(os.path.join(ROOT, "cc", path)) as f:

@@ -57,6 +57,7 @@ CONV_MAX_KERNEL = 8  # causal_conv1d.h kMaxKernel: the longest conv its CUDA ker
 NORM_MAX_WIDTH = 256  # gated_deltanet.h kMaxNormWidth: the widest head its gated-norm CUDA kernels take
 COMBINE_MAX_SLOTS = 16  # experts.h kCombineMaxSlots: the most routed slots a token the combine's kernels take
 COMBINE_MAX_ROW_BYTES = 32768  # experts.h kCombineMaxRowBytes: the widest row they take
+TURN_MIB = 256  # fp8_grouped.cu kTurnBytes: transpose_global's buffer of a group of experts' turned weights
 # The LM head's chunk of tokens (the C++ op takes the reference's default).
 CE_CHUNK = inspect.signature(v4_cross_entropy_loss).parameters["chunk_tokens"].default
 FP32 = 4
@@ -393,6 +394,7 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
     e4m3, e4m3_forward = "experts" in tc, bool({"experts", "experts_forward"} & tc)
     q_gu = Term("gate_up's input quantised to e4m3 with its scales [T k, H]",
                 quantised_rows_bytes(rows, H) if e4m3_forward and c.is_fp8(i, gu) else 0)
+    turn = e4m3 and "transpose_global" in e4m3_variants()  # (the backward's weights turned, a group at a time)
     g_gu = local * 2 * I * H * b if c.trains(gu) else 0
     g_dn = local * H * I * b if c.trains(dn) else 0
     gathered = Term("the routed rows [T k, H]", rows * H * b)
@@ -437,12 +439,16 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
             Term("down backward: its output's gradient [T k, H]", rows * H * b), deq_dn,
             Term("down backward: that gradient quantised to e4m3 with its scales [T k, H]",
                  quantised_rows_bytes(rows, H) if e4m3 and c.is_fp8(i, dn) else 0),
+            Term("down backward: a group of its FP8 weights turned [G, I, H], all its scales turned",
+                 turned_weight_bytes(local, H, I) if turn and c.is_fp8(i, dn) else 0),
             Term("down backward: its input's gradient [T k, I]", rows * I * b),
             Term("down_proj's weight gradient", g_dn)])),
         Moment("experts' gate_up backward", tuple(s.but(s, "combined", "act", "act.lora", "silu", "gate_up") + [
             Term("gate_up backward: its output's gradient [T k, 2I]", rows * 2 * I * b), deq_gu,
             Term("gate_up backward: that gradient quantised to e4m3 with its scales [T k, 2I]",
                  quantised_rows_bytes(rows, 2 * I) if e4m3 and c.is_fp8(i, gu) else 0),
+            Term("gate_up backward: a group of its FP8 weights turned [G, H, 2I], all its scales turned",
+                 turned_weight_bytes(local, 2 * I, H) if turn and c.is_fp8(i, gu) else 0),
             Term("gate_up backward: its input's gradient [T k, H]", rows * H * b),
             Term("the experts' weight gradients", g_dn + g_gu)])),
     ]
@@ -667,16 +673,22 @@ def fused_fp8_experts(setup: Setup) -> bool:
 FP8_TENSOR_CORE_PRODUCTS = ("experts", "experts_forward", "dense_backward", "dense_forward")
 
 
+def env_words(name: str) -> list[str]:
+    """An environment variable's comma list, as backend.h env_words reads it (a trailing comma ends it)."""
+    value = os.environ.get(name, "")
+    words = value.split(",") if value else []
+    if words and not words[-1]:
+        words.pop()
+    return words
+
+
 def fp8_tensor_cores() -> frozenset[str]:
     """The FP8 products on FP8 tensor cores, as the C++ ops read V4TRAIN_FP8_TENSOR_CORES (lora.cc
     fp8_tensor_cores), word by word: FP8_TENSOR_CORE_PRODUCTS, all (or 1: every one but the
     forward-only experts_forward, which experts covers), none (or 0); unset or empty: none."""
     value = os.environ.get("V4TRAIN_FP8_TENSOR_CORES", "")
-    words = value.split(",") if value else []
-    if words and not words[-1]:
-        words.pop()  # (a trailing comma ends the list, as env_words reads it)
     products: set[str] = set()
-    for word in words:
+    for word in env_words("V4TRAIN_FP8_TENSOR_CORES"):
         if word in ("all", "1"):
             products |= set(FP8_TENSOR_CORE_PRODUCTS) - {"experts_forward"}
         elif word in FP8_TENSOR_CORE_PRODUCTS:
@@ -685,6 +697,29 @@ def fp8_tensor_cores() -> frozenset[str]:
             raise ValueError(f"V4TRAIN_FP8_TENSOR_CORES={value}: unknown product {word!r}; expected a comma list "
                              f"of {', '.join(FP8_TENSOR_CORE_PRODUCTS)}, or all, 1, none, 0")
     return frozenset(products)
+
+
+E4M3_VARIANTS = ("transpose_global", "wide")
+
+
+def e4m3_variants() -> frozenset[str]:
+    """The e4m3 experts kernel's variants, as fp8_grouped.cu e4m3_variants reads
+    V4TRAIN_FP8_E4M3_VARIANTS: words of E4M3_VARIANTS, or none; unset or empty: none."""
+    words = env_words("V4TRAIN_FP8_E4M3_VARIANTS")
+    for word in words:
+        if word not in E4M3_VARIANTS + ("none",):
+            raise ValueError(f"V4TRAIN_FP8_E4M3_VARIANTS={os.environ['V4TRAIN_FP8_E4M3_VARIANTS']}: unknown variant "
+                             f"{word!r}; expected a comma list of {' and '.join(E4M3_VARIANTS)}, or none")
+    return frozenset(words) - {"none"}
+
+
+def turned_weight_bytes(experts: int, rows: int, cols: int) -> int:
+    """transpose_global's backward (fp8_grouped.cu launch_e4m3): the FP8 weight [E, rows, cols] turned
+    a group of experts at a time (at most a quarter of them and TURN_MIB) into one buffer, and all
+    their block scales turned (fp32)."""
+    per = rows * cols
+    group = max(1, min(-(-experts // 4), (TURN_MIB << 20) // per))
+    return min(group, experts) * per + experts * (rows // 128) * (cols // 128) * FP32
 
 
 def quantised_rows_bytes(rows: int, cols: int) -> int:
