@@ -418,25 +418,36 @@ def test_the_gated_deltanet_terms_are_what_autograd_keeps_of_the_cpp_op(finetune
     assert abs(predicted / sum(kept.values()) - 1) < 0.02
 
 
+def _full_layer_fp8() -> plan.Setup:
+    """GLM-5's decoder layer at full width (bench_model's --full_layer), FP8 kept, LoRA r=16 on attention
+    and experts, 4,096 tokens on CUDA."""
+    config = proxy_config("full_layer", True)
+    return plan.Setup(config_from_dict(config, "full_layer"), config, finetune="lora", fp8="keep", seq_len=4096,
+                      micro_batch_size=1, checkpointing=False, lora_r=16, lora_target_modules=("attention",),
+                      lora_experts=True, documents=(4096,), device="cuda")
+
+
+def _gate_up_backward_bytes(monkeypatch, variable: str, values: tuple[str, ...]) -> dict[str, int]:
+    """The full layer's moment "experts' gate_up backward", in bytes, under each value of `variable`."""
+    setup, total = _full_layer_fp8(), {}
+    for value in values:
+        monkeypatch.setenv(variable, value)
+        layer = plan.glm5_layer(plan._ctx(setup, (4096,)), 0)
+        (moment,) = [m for m in layer.backward if m.label == "experts' gate_up backward"]
+        total[value] = sum(t.bytes for t in moment.terms)
+    return total
+
+
 def test_the_experts_on_fp8_tensor_cores_plan_their_quantised_gradients(monkeypatch):
     """V4TRAIN_FP8_TENSOR_CORES=experts: in GLM-5's full-width FP8 layer the experts' gate_up backward
     also holds its output's gradient quantised for the products on FP8 tensor cores: fp8.cuh's
     quantize_rows of [T k, 2I] = [4,096 x 8, 4,096], a byte a value and an fp32 scale per 128 (rows
     already a multiple of 16): 32,768 x 4,096 + 32,768 x 32 x 4 bytes more than with `none`."""
-    config = proxy_config("full_layer", True)
-    setup = plan.Setup(config_from_dict(config, "full_layer"), config, finetune="lora", fp8="keep", seq_len=4096,
-                       micro_batch_size=1, checkpointing=False, lora_r=16, lora_target_modules=("attention",),
-                       lora_experts=True, documents=(4096,), device="cuda")
-    moment = {}
-    for switch in ("none", "experts"):
-        monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", switch)
-        layer = plan.glm5_layer(plan._ctx(setup, (4096,)), 0)
-        (moment[switch],) = [m for m in layer.backward if m.label == "experts' gate_up backward"]
-    total = {k: sum(t.bytes for t in m.terms) for k, m in moment.items()}
+    total = _gate_up_backward_bytes(monkeypatch, "V4TRAIN_FP8_TENSOR_CORES", ("none", "experts"))
     assert total["experts"] - total["none"] == 32768 * 4096 + 32768 * 32 * 4
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts,dense")
     with pytest.raises(ValueError, match="V4TRAIN_FP8_TENSOR_CORES=experts,dense: unknown product 'dense'"):
-        plan.plan(setup)
+        plan.plan(_full_layer_fp8())
 
 
 def test_the_experts_weights_turned_once_plan_their_group(monkeypatch):
@@ -444,21 +455,12 @@ def test_the_experts_weights_turned_once_plan_their_group(monkeypatch):
     full-width gate_up backward also holds a group of its 256 experts' FP8 weights turned, each
     4,096 x 6,144 bytes (25,165,824), at most a quarter of them (64) and 256 MiB (10 of them):
     251,658,240 bytes, and all their scales turned, 256 x 32 x 48 fp32 (1,572,864 bytes)."""
-    config = proxy_config("full_layer", True)
-    setup = plan.Setup(config_from_dict(config, "full_layer"), config, finetune="lora", fp8="keep", seq_len=4096,
-                       micro_batch_size=1, checkpointing=False, lora_r=16, lora_target_modules=("attention",),
-                       lora_experts=True, documents=(4096,), device="cuda")
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
-    moment = {}
-    for variants in ("none", "wide,transpose_global"):
-        monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", variants)
-        layer = plan.glm5_layer(plan._ctx(setup, (4096,)), 0)
-        (moment[variants],) = [m for m in layer.backward if m.label == "experts' gate_up backward"]
-    total = {k: sum(t.bytes for t in m.terms) for k, m in moment.items()}
+    total = _gate_up_backward_bytes(monkeypatch, "V4TRAIN_FP8_E4M3_VARIANTS", ("none", "wide,transpose_global"))
     assert total["wide,transpose_global"] - total["none"] == 251_658_240 + 1_572_864
     monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", "wide,turned")
     with pytest.raises(ValueError, match="V4TRAIN_FP8_E4M3_VARIANTS=wide,turned: unknown variant 'turned'"):
-        plan.plan(setup)
+        plan.plan(_full_layer_fp8())
 
 
 def test_the_e4m3_variants_are_the_cpp_ops_words():
