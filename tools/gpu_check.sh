@@ -34,7 +34,8 @@
 #   the stage "fp8": issue 16's measurements under each V4TRAIN_FP8_TENSOR_CORES value of FP8_SWITCHES
 #     (default "none experts_forward experts"): the MoE op's FP8 case (--cases 1 --profile), each
 #     FP8 proxy of MODELS against its bf16 twin in one process (TOKENS, default 4096), and GLM-5's
-#     decoder layer at full width (--full_layer); logs fp8_*.log.
+#     decoder layer at full width (--full_layer); logs fp8_*.log. The e4m3 kernel's variants come from
+#     the environment as the ops read it (e.g. V4TRAIN_FP8_E4M3_VARIANTS=transpose_global,wide).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
