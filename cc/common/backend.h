@@ -7,11 +7,13 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -55,6 +57,28 @@ inline std::vector<std::string> env_words(const char* name) {
     rest.remove_prefix(std::min(end + 1, rest.size()));
   }
   return words;
+}
+
+// A kernel's variants named in environment variable `name` (env_words): names[i] sets bit i, `none`
+// none; another word is a ValueError naming the variable, the word and the names.
+inline unsigned env_variants(const char* name, std::initializer_list<std::string_view> names) {
+  unsigned mask = 0;
+  for (const std::string& word : env_words(name)) {
+    unsigned bit = 0;
+    for (size_t i = 0; i < names.size(); ++i)
+      if (word == names.begin()[i]) bit = 1u << i;
+    if (bit == 0 && word != "none") {
+      std::string expected;  // "a, b and c"
+      for (size_t i = 0; i < names.size(); ++i) {
+        expected += i == 0 ? "" : i + 1 < names.size() ? ", " : " and ";
+        expected += names.begin()[i];
+      }
+      TORCH_CHECK_VALUE(false, name, "=", std::getenv(name), ": unknown variant '", word,
+                        "'; expected a comma list of ", expected, ", or none");
+    }
+    mask |= bit;
+  }
+  return mask;
 }
 
 // t contiguous with its data 16-byte aligned (for kernels that read 16 bytes at a time): t itself

@@ -583,18 +583,8 @@ dim3 persistent_grid(const at::Tensor& x, int64_t E, int64_t N, int BM, int BN) 
 // `transpose_global`, the backward's weight transposed by transpose_fp8_kernel (kTurnBytes' groups
 // of experts), then the forward's kernel, in place of the transposition in shared memory; `wide`,
 // 128 x 256 tiles where the forward's kernel runs and the output is at least 256 wide.
-enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2 };
-unsigned e4m3_variants() {
-  unsigned mask = 0;
-  for (const std::string& word : env_words("V4TRAIN_FP8_E4M3_VARIANTS")) {
-    if (word == "transpose_global") mask |= kTransposeGlobal;
-    else if (word == "wide") mask |= kWide;
-    else
-      TORCH_CHECK_VALUE(word == "none", "V4TRAIN_FP8_E4M3_VARIANTS=", std::getenv("V4TRAIN_FP8_E4M3_VARIANTS"),
-                        ": unknown variant '", word, "'; expected a comma list of transpose_global and wide, or none");
-  }
-  return mask;
-}
+enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2 };  // (bit i: env_variants' name i)
+unsigned e4m3_variants() { return env_variants("V4TRAIN_FP8_E4M3_VARIANTS", {"transpose_global", "wide"}); }
 
 // transpose_global's copy: experts in groups of at most a quarter of them and of kTurnBytes, each
 // group turned into one buffer and multiplied before the next (in stream order: the buffer is free).

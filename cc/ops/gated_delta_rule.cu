@@ -1176,18 +1176,8 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
 // replace; unset or `none`: none) until their CUDA parity has run and they were timed (docs/gpu.md):
 // `output64`, the output kernel in 64-column passes; `wy_planes`, wy_grads on planes at two blocks a
 // multiprocessor. Both for bf16 at Qwen3.5's widths (kPlanes).
-enum Variant : unsigned { kOutput64 = 1, kWyPlanes = 2 };
-unsigned variants() {
-  unsigned mask = 0;
-  for (const std::string& word : env_words("V4TRAIN_DELTA_RULE_VARIANTS")) {
-    if (word == "output64") mask |= kOutput64;
-    else if (word == "wy_planes") mask |= kWyPlanes;
-    else
-      TORCH_CHECK_VALUE(word == "none", "V4TRAIN_DELTA_RULE_VARIANTS=", std::getenv("V4TRAIN_DELTA_RULE_VARIANTS"),
-                        ": unknown variant '", word, "'; expected a comma list of output64 and wy_planes, or none");
-  }
-  return mask;
-}
+enum Variant : unsigned { kOutput64 = 1, kWyPlanes = 2 };  // (bit i: env_variants' name i)
+unsigned variants() { return env_variants("V4TRAIN_DELTA_RULE_VARIANTS", {"output64", "wy_planes"}); }
 
 // ---- Backward --------------------------------------------------------------------------------------
 
