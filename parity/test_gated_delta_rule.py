@@ -4,7 +4,6 @@ a packed batch equals each document run alone, so no state leaks from one docume
 (the Qwen3.5 training bug other trainers report most)."""
 
 import functools
-import re
 
 import pytest
 import torch
@@ -79,53 +78,19 @@ def _ran(prof, kernel: str) -> set[str]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_the_output_kernel_in_64_column_passes_equals_32_on_cuda(monkeypatch):
-    """V4TRAIN_DELTA_RULE_VARIANTS=output64 (cc/ops/gated_delta_rule.cu's output kernel on planes, bf16's
-    path, in passes of 64 value columns, not 32): each output element is summed over the same steps
-    in the same order, so the output equals 32's bit for bit (Qwen3.5's widths, documents across
-    chunk boundaries); the profile shows each width ran; and under output64 the op passes the judge."""
+def test_the_planes_kernels_pass_the_judge_on_cuda():
+    """bf16 at Qwen3.5's widths takes the kernels on planes (cc/ops/gated_delta_rule.cu kPlanes), the
+    output's and wy_grads' among them (the UT transform's backward: v's, beta's, k's and g's gradients):
+    every gradient against the reference and its float64 truth over documents across chunk boundaries
+    (1, 63, 64, 65 and 4,097 tokens); the profile shows the planes kernels ran, not the float32 ones."""
     from v4train.testing.check import check_parity
     from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
 
-    sample = long_documents(torch.bfloat16, "cuda", 11)
-    args, kwargs = sample.build({n: t.detach() for n, t in sample.leaves.items()})
-    outputs = {}
-    for variants, cols in (("none", 32), ("output64", 64)):
-        monkeypatch.setenv("V4TRAIN_DELTA_RULE_VARIANTS", variants)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            outputs[cols] = OP(*args, **kwargs)
-            torch.cuda.synchronize()
-        ran = _ran(prof, "output_planes_kernel")  # <its dims, its columns>
-        assert ran and all(re.search(rf"output_planes_kernel<.*,\s*{cols}>\(", n) for n in ran), ran
-    assert torch.equal(outputs[64], outputs[32])
-    check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(torch.bfloat16, "cuda", 11), seed=3)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_wy_grads_on_planes_passes_the_judge_on_cuda(monkeypatch):
-    """V4TRAIN_DELTA_RULE_VARIANTS=wy_planes (wy_grads on planes, two blocks a multiprocessor: the UT
-    transform's backward, v's, beta's, k's and g's gradients): every gradient against the reference
-    and its float64 truth, on Qwen3.5's widths over documents across chunk boundaries (1, 63, 64, 65
-    and 4,097 tokens); the profile shows the planes kernel ran and the float32 one did not."""
-    from v4train.testing.check import check_parity
-    from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
-
-    monkeypatch.setenv("V4TRAIN_DELTA_RULE_VARIANTS", "wy_planes")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(torch.bfloat16, "cuda", 11), seed=3)
         torch.cuda.synchronize()
-    assert _ran(prof, "wy_grads_planes_kernel") and not _ran(prof, "wy_grads_kernel")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_an_unknown_delta_rule_variant_is_refused_on_cuda(monkeypatch):
-    """A misspelt V4TRAIN_DELTA_RULE_VARIANTS is an error naming the variable and the word (read where
-    the kernels it names would run: bf16 at Qwen3.5's widths on CUDA)."""
-    monkeypatch.setenv("V4TRAIN_DELTA_RULE_VARIANTS", "output64,wy")
-    sample = long_documents(torch.bfloat16, "cuda", 11)
-    args, kwargs = sample.build({n: t.detach() for n, t in sample.leaves.items()})
-    with pytest.raises(ValueError, match=r"V4TRAIN_DELTA_RULE_VARIANTS=output64,wy: unknown variant 'wy'"):
-        OP(*args, **kwargs)
+    for planes, plain in (("output_planes_kernel", "output_kernel"), ("wy_grads_planes_kernel", "wy_grads_kernel")):
+        assert _ran(prof, planes) and not _ran(prof, plain), (planes, _ran(prof, plain))
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,8 +50,8 @@ DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--o
 FP8_GROUPED_CUDA = ("parity/test_fp8_linear.py", "-k", "experts_fp8_kernel")
 # Its products on FP8 tensor cores: the experts both ways and a dense map's backward.
 FP8_E4M3_CUDA = ("parity/test_fp8_linear.py", "-k", "fp8_tensor_cores")
-# wy_grads on planes (V4TRAIN_DELTA_RULE_VARIANTS=wy_planes), judged on every gradient.
-WY_PLANES_CUDA = ("parity/test_gated_delta_rule.py", "-k", "wy_grads_on_planes")
+# The delta rule's kernels on planes (bf16 at Qwen3.5's widths), judged on every gradient.
+PLANES_CUDA = ("parity/test_gated_delta_rule.py", "-k", "planes_kernels")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -234,8 +234,7 @@ MUTATIONS = (
              "p.scale * rn[kRows + c]", "p.scale * rn[kRows + r]", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_wy_dk_rk_by_row", "wy_grads on planes: k's gradient through K K^T with (C + C^T) "
              "scaled by the row's key norm (r_k of i) instead of the column's (of j)", "cc/ops/gated_delta_rule.cu",
-             "pack2<__nv_bfloat16>(ai[0] * m.rk[c], ai[1] * m.rk[c + 1]);",
-             "pack2<__nv_bfloat16>(ai[0] * m.rk[r], ai[1] * m.rk[r]);", DELTA_RULE_CUDA, cuda=True),
+             "__float2bfloat16_rn(c * m.rk[j]);", "__float2bfloat16_rn(c * m.rk[i]);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_triangle_skips_diagonal", "the products through a zero triangle (Ai^T, P^T, dPL^T) skip the "
              "k-steps of a row tile's diagonal block too (kUpperA: k below m0 + 16 taken for zero)",
              "cc/ops/gated_delta_rule.cu",
@@ -249,10 +248,10 @@ MUTATIONS = (
              "from its own row of dM (zeros above the diagonal), not from dM's column", "cc/ops/gated_delta_rule.cu",
              ": j > i ? s.beta[j] * decay(s, j, i) * dM[j * kPitch64 + i] : 0.0f;",
              ": j > i ? s.beta[j] * decay(s, j, i) * dM[i * kPitch64 + j] : 0.0f;",
-             WY_PLANES_CUDA, cuda=True),
+             PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_keys_unscaled", "wy_grads on planes: Y's key columns without r_k (dw k^T taken "
              "as dw K^T)", "cc/ops/gated_delta_rule.cu", "val * s.beta[c] * s.E[c] * m.rk[c]",
-             "val * s.beta[c] * s.E[c]", WY_PLANES_CUDA, cuda=True),
+             "val * s.beta[c] * s.E[c]", PLANES_CUDA, cuda=True),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
              "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
              "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),

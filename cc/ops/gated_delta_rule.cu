@@ -1118,10 +1118,10 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 // output_kernel with its products on planes (kPlanes): [P | E Q] split in place once built (at a
 // pitch of 200: ldmatrix rows 16-byte aligned), each block of kOutCols value columns of v_new split
 // and of h (bfloat16 as the recurrence stored it) copied as it loads (P v_new on planes, E Q h one
-// bf16 product). 32 columns a pass keep 8 of the 16 warps busy (8 tiles of 16 x 16); 64 keep all 16
-// in half the passes and barriers, at 108.9 KB of shared memory: still two blocks a multiprocessor.
-template <int kOutCols>
+// bf16 product). 64 columns a pass keep all 16 warps busy (32 kept 8 of them, in twice the passes and
+// barriers), at 108.9 KB of shared memory: still two blocks a multiprocessor.
 struct OutputPlanesSmem {
+  static constexpr int kOutCols = 64;
   static constexpr int kPitch = kOutCols + 8;  // ldmatrix rows 16-byte aligned, 16 bytes apart in the banks
   Info* info;
   float *QP, *X, *rn;  // QP [64, 200]; X: q's and k's raw rows [2][64, kPlaneRow] bfloat16, then
@@ -1138,11 +1138,11 @@ struct OutputPlanesSmem {
 };
 
 // (split_in_place's 24 values spill one register at 64 a thread, once a block.)
-template <typename DimsT, int kOutCols>
+template <typename DimsT>
 __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
-  using Smem = OutputPlanesSmem<kOutCols>;
-  constexpr int kPitch = Smem::kPitch;
+  using Smem = OutputPlanesSmem;
+  constexpr int kOutCols = Smem::kOutCols, kPitch = Smem::kPitch;
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkBlock<Smem, DimsT> b(p, smem);
   const DimsT& d = b.d;
@@ -1170,14 +1170,6 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
     __syncthreads();
   }
 }
-
-// The delta rule's kernels written without a GPU, taken where V4TRAIN_DELTA_RULE_VARIANTS names them
-// (a comma list, read at each call so that one process can time each beside the kernel it would
-// replace; unset or `none`: none) until their CUDA parity has run and they were timed (docs/gpu.md):
-// `output64`, the output kernel in 64-column passes; `wy_planes`, wy_grads on planes at two blocks a
-// multiprocessor. Both for bf16 at Qwen3.5's widths (kPlanes).
-enum Variant : unsigned { kOutput64 = 1, kWyPlanes = 2 };  // (bit i: env_variants' name i)
-unsigned variants() { return env_variants("V4TRAIN_DELTA_RULE_VARIANTS", {"output64", "wy_planes"}); }
 
 // ---- Backward --------------------------------------------------------------------------------------
 
@@ -1636,6 +1628,7 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   const int64_t rows = b.rows;
   const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const T* v = static_cast<const T*>(p.v);
+  static_assert(!kPlanes<kMode, DimsT>, "on planes, wy_grads_planes_kernel");
   T* dv = static_cast<T*>(p.dv_out);
   // Ai and L * K K^T as prepare's recomputation wrote them.
   load_block(m.Ai, kPitch64, p.ai + rows * kRows, kRows, kRows, kRows, kRows, kRows);
@@ -1703,13 +1696,6 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
     }
   }
   __syncthreads();
-  // kPlanes: k's raw rows again, into A's bytes (dM is read), for k's gradient through K K^T as one
-  // bf16 product (that site's backward, which the CPU judge allows in plain bf16).
-  auto* k_again = reinterpret_cast<__nv_bfloat16*>(m.A);
-  if constexpr (kPlanes<kMode, DimsT>) {
-    static_assert(2 * kPitch64 == kPlaneRow && DimsT::dk == 128, "k's raw rows (of 128) take A's bytes");
-    load_rows_split(k_again, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
-  }
   if (const double z = antisymmetric_row_sum(m.KKL); tid % kRowThreads == 0) {
     m.dG[tid / kRowThreads] += z + p.dg_part[rows + tid / kRowThreads];
   }
@@ -1718,22 +1704,7 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   const auto dk_out = [&](int r, int c, float val) {
     dk[r * m.ldx + c] += val + s.beta[r] * s.E[r] * m.X[r * m.ldx + d.pv + c];
   };
-  if constexpr (kPlanes<kMode, DimsT>) {
-    // (C + C^T) diag(r_k) rounded to bf16 into KKL's bytes once Z is read, times k's exact rows.
-    auto* c_rk = reinterpret_cast<__nv_bfloat16*>(m.KKL);
-    __syncthreads();
-    for (int idx = tid; idx < kRows * kRows / 2; idx += kThreads) {
-      const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
-      const float* ai = m.Ai + r * kPitch64 + c;
-      *reinterpret_cast<uint32_t*>(c_rk + r * kPlane64 + c) =
-          pack2<__nv_bfloat16>(ai[0] * m.rk[c], ai[1] * m.rk[c + 1]);
-    }
-    wait_copies();
-    __syncthreads();
-    plane_gemm<4, false, false, true, true>(c_rk, kPlane64, 0, k_again, kPlaneRow, 0, kRows, DimsT::dk, kRows, dk_out);
-  } else {
-    block_gemm<2, false, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, dk_out);
-  }
+  block_gemm<2, false, false, kMode>(m.Ai, kPitch64, m.K, m.ldk, kRows, d.dk, kRows, dk_out);
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
     const int64_t tok = s.slot[i];
@@ -2066,12 +2037,8 @@ void fused(Fused& f, bool backward) {
     a.h = f.h.data_ptr();
     a.v_new = f.v_new.data_ptr<float>();
     a.o = f.o.data_ptr();
-    if constexpr (kPlanes<kMode, DimsT>) {
-      if (variants() & kOutput64) launch<OutputPlanesSmem<64>>(output_planes_kernel<DimsT, 64>, grid, d, a);
-      else launch<OutputPlanesSmem<32>>(output_planes_kernel<DimsT, 32>, grid, d, a);
-    } else {
-      launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
-    }
+    if constexpr (kPlanes<kMode, DimsT>) launch<OutputPlanesSmem>(output_planes_kernel<DimsT>, grid, d, a);
+    else launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
     return;
   }
   a.h = f.h.data_ptr();
@@ -2119,12 +2086,8 @@ void fused(Fused& f, bool backward) {
   a.dv_out = f.dv.data_ptr();
   a.dbeta = f.dbeta.data_ptr<float>();
   a.dg = f.dg.data_ptr<double>();
-  if constexpr (kPlanes<kMode, DimsT>) {
-    if (variants() & kWyPlanes) launch<WyPlanesSmem>(wy_grads_planes_kernel<DimsT>, grid, d, a);
-    else launch<WySmem>(wy_grads_kernel<T, kMode, DimsT>, grid, d, a);
-  } else {
-    launch<WySmem>(wy_grads_kernel<T, kMode, DimsT>, grid, d, a);
-  }
+  if constexpr (kPlanes<kMode, DimsT>) launch<WyPlanesSmem>(wy_grads_planes_kernel<DimsT>, grid, d, a);
+  else launch<WySmem>(wy_grads_kernel<T, kMode, DimsT>, grid, d, a);
   // Key heads serve hv / hk value heads each: their gradients sum over them.
   f.dq = sum_value_heads<T>(dq, hk, f.q.scalar_type());
   f.dk = sum_value_heads<T>(dk, hk, f.q.scalar_type());
