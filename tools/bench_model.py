@@ -29,7 +29,8 @@ blocks as the released FP8 checkpoints are (embeddings, norms, router and LM hea
 --lora_rank on attention and experts; the model kept in FP8 against the same model dequantised to
 bf16, on the same values and adapters: weight bytes, the LoRA step (forward + backward) and the
 loss after --train_steps AdamW steps of each on one batch; with --fp8_tensor_cores the FP8 model
-once per V4TRAIN_FP8_TENSOR_CORES value given (e.g. `none experts experts,dense_backward`).
+once per V4TRAIN_FP8_TENSOR_CORES value given (e.g. `none experts experts,dense_backward`), each
+optionally with `@` and the V4TRAIN_FP8_E4M3_VARIANTS to run it under (`experts@transpose_global,wide`).
 
 --full_layer instead: one GLM-5 decoder layer at the released widths (GlmMoeDsaConfig's defaults:
 hidden 6144, 64 heads, 256 routed experts of 2048, top-8), its linear maps FP8 with random values,
@@ -228,6 +229,7 @@ def fp8_main(args, hf, cfg, table) -> list[dict]:
     rows = []
     # The FP8 model once per V4TRAIN_FP8_TENSOR_CORES value (lora.h: read at each product).
     runs = [("bf16", None)] + [("fp8", v) for v in args.fp8_tensor_cores]
+    e4m3_variants = os.environ.get("V4TRAIN_FP8_E4M3_VARIANTS", "")  # for a run that names none
     for tokens in (int(t) for t in args.tokens.split(",")):
         batch = random_batch(cfg.vocab_size, tokens)
         ckpt = {"on": True, "off": False, "auto": tokens >= 16384}[args.checkpointing]
@@ -236,7 +238,8 @@ def fp8_main(args, hf, cfg, table) -> list[dict]:
             model.checkpointing = ckpt
             kind = weights
             if switch is not None:
-                os.environ["V4TRAIN_FP8_TENSOR_CORES"] = switch
+                os.environ["V4TRAIN_FP8_TENSOR_CORES"], at, variants = switch.partition("@")
+                os.environ["V4TRAIN_FP8_E4M3_VARIANTS"] = variants if at else e4m3_variants
                 kind = f"fp8 ({switch})" if len(runs) > 2 else weights
             row = {"weights": kind, "tokens": tokens, "checkpointing": ckpt, "weight_bytes": sizes[weights][0]}
             try:
@@ -474,7 +477,8 @@ def main() -> int:
     parser.add_argument("--fp8", action="store_true", help="the FP8 model against its dequantised bf16 twin, LoRA")
     parser.add_argument("--fp8_tensor_cores", nargs="+", default=[os.environ.get("V4TRAIN_FP8_TENSOR_CORES", "none")],
                         help="--fp8: time the FP8 model under each of these V4TRAIN_FP8_TENSOR_CORES values "
-                             "(e.g. none experts experts,dense_backward), side by side in one process")
+                             "(e.g. none experts experts,dense_backward), side by side in one process; "
+                             "VALUE@VARIANTS also sets V4TRAIN_FP8_E4M3_VARIANTS")
     parser.add_argument("--full_layer", action="store_true", help="one GLM-5 decoder layer at full size, FP8, LoRA")
     parser.add_argument("--lora_rank", type=int, default=16)
     parser.add_argument("--train_steps", type=int, default=50, help="--fp8: AdamW steps of each model on one batch")
