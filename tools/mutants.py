@@ -252,6 +252,13 @@ MUTATIONS = (
     Mutation("delta_rule_wy_planes_keys_unscaled", "wy_grads on planes: Y's key columns without r_k (dw k^T taken "
              "as dw K^T)", "cc/ops/gated_delta_rule.cu", "val * s.beta[c] * s.E[c] * m.rk[c]",
              "val * s.beta[c] * s.E[c]", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_fold_eq_of_p", "the folded reverse recurrence: local_grads hands it P's columns for E Q's",
+             "cc/ops/gated_delta_rule.cu", "*reinterpret_cast<const uint4*>(qp + r * m.ldqp + kRows + c);",
+             "*reinterpret_cast<const uint4*>(qp + r * m.ldqp + c);", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_fold_d_o_first_columns", "the folded reverse recurrence: every column block reads d_o's "
+             "first 32 columns", "cc/ops/gated_delta_rule.cu",
+             "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + col0 + c);",
+             "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + c);", PLANES_CUDA, cuda=True),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
              "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
              "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),

@@ -16,9 +16,10 @@
 // cores for bfloat16 inputs, on the FP32 units for float32 (Mode below); at Qwen3.5's widths in
 // bfloat16 the kernels take their operands through ldmatrix (kPlanes): as bf16 hi / lo planes (three
 // products for one of float32's precision) where a product needs it, rounded once to bfloat16 (one
-// product) where it does not (the recurrence's, state_grads', and q S in output and local_grads);
-// intra_grads runs as two kernels on planes (intra_dpl, intra_grads_planes) that read q, k and d_o as
-// their raw bfloat16 rows; so do wy_grads' K K^T and the output's and local_grads' Q K^T (one exact
+// product) where it does not (the recurrence's, state_grads', and q S in output and local_grads; on
+// planes the reverse recurrence forms local_grads' h gradient itself, from E Q rounded); intra_grads
+// runs as two kernels on planes (intra_dpl, intra_grads_planes) that read q, k and d_o as their raw
+// bfloat16 rows; so do wy_grads' K K^T and the output's and local_grads' Q K^T (one exact
 // product, the norms applied after it). Products by a triangular matrix (Ai, P, dPL) skip its stored
 // zeros, and those whose result is kept on one side of the diagonal skip the other side (Tri).
 #include <ATen/ATen.h>
@@ -236,6 +237,7 @@ struct Args {
   const float* v_new;                        // and corrected values
   void* o;                                   // output
   float *dv_local, *dh_local;                // local_grads
+  __nv_bfloat16* eq;                         // or (kPlanes) E Q rounded, for the reverse recurrence
   const void* d_state;                       // the reverse recurrence's (as h)
   const float* dv_new;
   float *dq_state, *dw, *dk_tilde, *dgamma;  // state_grads
@@ -812,6 +814,11 @@ struct RecurrenceArgs {
   float sign_a, sign_b;
   int heads, dk, dv;
   bool reverse;
+  // add folded in (recurrence_planes_kernel<DimsT, true>): a chunk's add is eq^T d_o, eq [C, H, 64,
+  // Dk] bfloat16 (E Q as local_grads rounded it), d_o [T, H, Dv] bfloat16 rows by slots (zero past T).
+  const __nv_bfloat16 *eq, *d_o;
+  const int64_t* slots;
+  int64_t T;
 };
 
 constexpr int kCols = 32, kColPitch = kCols + 8;
@@ -905,17 +912,24 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 // [64, 40]), one bf16 product each (fla's precision). The state itself stays in float32, in the
 // registers of the warps whose second-product tiles hold it, and so does x written out; the state
 // written out (h, or the backward's d_state) is rounded to bfloat16, as its readers take it.
+// kFold: two stages of eq [64, pk + 8] and d_o [64, 40] bfloat16 in place of add's.
 constexpr int kPlanePitch = kCols + 8;
+template <bool kFold>
 struct PlanesSmem {
-  __nv_bfloat16 *a, *b, *S, *X;
-  float *base, *add;
+  __nv_bfloat16 *a, *b, *S, *X, *eq = nullptr, *d_o = nullptr;
+  float *base, *add = nullptr;
   int lda;
   template <typename DimsT>
   __host__ __device__ PlanesSmem(Carve& c, const DimsT& d) : lda(d.pk + 8) {
     a = c.take<__nv_bfloat16>(2 * kRows * lda);
     b = c.take<__nv_bfloat16>(2 * kRows * lda);
     base = c.take<float>(2 * kRows * kCols);
-    add = c.take<float>(2 * d.pk * kCols);
+    if constexpr (kFold) {
+      eq = c.take<__nv_bfloat16>(2 * kRows * lda);
+      d_o = c.take<__nv_bfloat16>(2 * kRows * kPlanePitch);
+    } else {
+      add = c.take<float>(2 * d.pk * kCols);
+    }
     S = c.take<__nv_bfloat16>(d.pk * kPlanePitch);
     X = c.take<__nv_bfloat16>(kRows * kPlanePitch);
   }
@@ -923,15 +937,16 @@ struct PlanesSmem {
 
 // x = base + sign_a a S, then S = decay S + add + sign_b b^T x, as recurrence_kernel, 16 warps: the
 // first product a warp a 16 x 8 tile of x [64, 32] (K = pk), the second a 16 x 16 tile of S [pk, 32]
-// (K = 64), which that warp's lanes keep in float32 from chunk to chunk.
-template <typename DimsT>
+// (K = 64), which that warp's lanes keep in float32 from chunk to chunk. kFold: add = eq^T d_o, the
+// same tile of a third product, formed before x is in (it needs neither x nor S).
+template <typename DimsT, bool kFold>
 __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceArgs p) {
   static_assert(kWarps == 16 && kCols == 32, "a warp a tile of x [64, 32] and of S [128, 32]");
   extern __shared__ __align__(16) unsigned char smem[];
   const DimsT d{};
   static_assert(DimsT::dk == 128 && DimsT::pk == 128 && DimsT::dv % kCols == 0, "Qwen3.5's widths");
   Carve carve{smem};
-  const PlanesSmem m(carve, d);
+  const PlanesSmem<kFold> m(carve, d);
   const int col0 = blockIdx.x * kCols, h = blockIdx.y, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   constexpr int kTile = kRows * (DimsT::pk + 8);
@@ -949,8 +964,19 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
       const int r = idx / kChunks, c = idx % kChunks * 8;
       copy16(m.a + stage * kTile + r * m.lda + c, a + r * d.dk + c);
       copy16(m.b + stage * kTile + r * m.lda + c, b + r * d.dk + c);
+      if constexpr (kFold) copy16(m.eq + stage * kTile + r * m.lda + c, p.eq + head * kRows * d.dk + r * d.dk + c);
     }
-    load_base_add(m.base + stage * kRows * kCols, m.add + stage * d.pk * kCols, p, head, col0, kCols, d);
+    if constexpr (kFold) {  // d_o's rows of the block's 32 columns, 16 bytes a thread (zero past T)
+      for (int idx = tid; idx < kRows * kCols / 8; idx += kThreads) {
+        const int r = idx / (kCols / 8), c = idx % (kCols / 8) * 8;
+        __nv_bfloat16* to = m.d_o + stage * kRows * kPlanePitch + r * kPlanePitch + c;
+        const int64_t tok = p.slots[chunk * kRows + r];
+        if (tok < p.T) copy16(to, p.d_o + (tok * p.heads + h) * d.dv + col0 + c);
+        else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    load_base_add(m.base + stage * kRows * kCols, kFold ? nullptr : m.add + stage * d.pk * kCols, p, head, col0, kCols,
+                  d);  // (p.add null where kFold)
     commit_copies();
   };
   // (over_chunks' barrier also makes the last step's bfloat16 S visible.)
@@ -987,6 +1013,18 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         *reinterpret_cast<uint32_t*>(m.X + r * kPlanePitch + c) = pack2<__nv_bfloat16>(v0, v1);
       }
     }
+    float folded[2][4] = {};  // kFold: this warp's tile of add = eq^T d_o (as b^T x below)
+    if constexpr (kFold) {
+      const __nv_bfloat16 *eq = m.eq + stage * kTile, *d_o = m.d_o + stage * kRows * kPlanePitch;
+#pragma unroll
+      for (int k0 = 0; k0 < kRows; k0 += 16) {
+        uint32_t fa[4], fb[4];
+        ldsm_x4_t(fa, eq + (k0 + lane % 8 + lane / 16 * 8) * m.lda + s0 + lane / 8 % 2 * 8);
+        ldsm_x4_t(fb, d_o + (k0 + lane % 16) * kPlanePitch + sc + lane / 16 * 8);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) mma16816<__nv_bfloat16>(folded[j], fa, {fb[2 * j], fb[2 * j + 1]});
+      }
+    }
     __syncthreads();  // x is in; every read of S is done
     // S = decay S + add + sign_b b^T x: A = b^T (ldmatrix.trans of b [64, pk]), B = x [64, 32].
     {
@@ -1000,14 +1038,15 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 #pragma unroll
         for (int j = 0; j < 2; ++j) mma16816<__nv_bfloat16>(acc[j], fa, {fb[2 * j], fb[2 * j + 1]});
       }
-      const float* add = m.add + stage * d.pk * kCols;
+      const float* add = kFold ? nullptr : m.add + stage * d.pk * kCols;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = s0 + g + 8 * (e / 2), c = sc + 8 * j + 2 * t + e % 2;
           float v = dec * state[j][e] + p.sign_b * acc[j][e];
-          if (p.add != nullptr) v += add[r * kCols + c];
+          if constexpr (kFold) v += folded[j][e];
+          else if (p.add != nullptr) v += add[r * kCols + c];
           state[j][e] = v;
         }
 #pragma unroll
@@ -1208,8 +1247,12 @@ __global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
                                                    });
 }
 
-// local_grads_kernel with its product on planes (kPlanes): [P | E Q] split in place once it is
-// built, d_o's bfloat16 values exact in hi (two products for three; one for E Q's rows).
+// local_grads_kernel on planes (kPlanes): dv_local = P^T d_o with P split in place once it is built,
+// d_o's bfloat16 values exact in hi (two products for three); dh_local is left to the reverse
+// recurrence (recurrence_planes_kernel<DimsT, true>), which forms each chunk's (E Q)^T d_o from E Q's
+// hi plane (E Q rounded, the one product it was here) written to p.eq: a quarter of float32
+// dh_local's bytes, and this kernel's product a third of what it was (H100, 8,192 tokens: 0.385 ->
+// 0.264 ms, the reverse recurrence 0.338 -> 0.394).
 template <typename DimsT>
 __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
@@ -1226,15 +1269,15 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
   load_rows_split(d_o, kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
   wait_copies();
   __syncthreads();
-  // dv_local = P^T d_o on P's planes, dh_local = (E Q)^T d_o on E Q rounded to bfloat16 (rows from 64 on:
-  // the site q S's backward, one product)
-  const auto out = [&](int r, int c, float v) {
-    if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
-    else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
-  };
-  plane_gemm<4, true, false, true, false, kNever, kRows, Tri::kUpperA>(qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow,
-                                                                       kRows * kPlaneRow, kRows + d.dk, d.dv, kRows,
-                                                                       out);
+  // E Q's hi plane (the site q S's backward, one product) out, 16 bytes a thread.
+  for (int idx = threadIdx.x; idx < kRows * DimsT::dk / 8; idx += kThreads) {
+    const int r = idx / (DimsT::dk / 8), c = idx % (DimsT::dk / 8) * 8;
+    *reinterpret_cast<uint4*>(p.eq + (head * kRows + r) * d.dk + c) =
+        *reinterpret_cast<const uint4*>(qp + r * m.ldqp + kRows + c);
+  }
+  plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(
+      qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, kRows * kPlaneRow, kRows, d.dv, kRows,
+      [&](int r, int c, float v) { p.dv_local[(head * kRows + r) * d.dv + c] = v; });
 }
 
 struct StateSmem {
@@ -1968,8 +2011,9 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// fold (kPlanes, the backward): add = eq^T d_o formed in the kernel (RecurrenceArgs), r.add undefined.
 template <Mode kMode, typename DimsT>
-void recurrence(const Recurrence& r, const Plan& plan, const Dims& d) {
+void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args* fold = nullptr) {
   TORCH_CHECK(plan.documents < 65536, "v4_gated_delta_rule: more than 65,535 documents in one call");
   RecurrenceArgs a{r.base.data_ptr<float>(), r.a.data_ptr<float>(), r.b.data_ptr<float>(),
                    r.add.defined() ? r.add.data_ptr<float>() : nullptr, r.decay.data_ptr<float>(),
@@ -1977,8 +2021,20 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d) {
                    plan.offset_device.data_ptr<int64_t>(), static_cast<float>(r.sign_a), static_cast<float>(r.sign_b),
                    static_cast<int>(r.base.size(1)), d.dk, d.dv, r.reverse};
   const dim3 grid((d.dv + kCols - 1) / kCols, r.base.size(1), plan.documents);
-  if constexpr (kPlanes<kMode, DimsT>) launch<PlanesSmem>(recurrence_planes_kernel<DimsT>, grid, d, a);
-  else launch<RecurrenceSmem>(recurrence_kernel<kMode, DimsT>, grid, d, a);
+  if constexpr (kPlanes<kMode, DimsT>) {
+    if (fold != nullptr) {
+      a.eq = fold->eq;
+      a.d_o = static_cast<const __nv_bfloat16*>(fold->d_o);
+      a.slots = fold->slots;
+      a.T = fold->T;
+      launch<PlanesSmem<true>>(recurrence_planes_kernel<DimsT, true>, grid, d, a);
+    } else {
+      launch<PlanesSmem<false>>(recurrence_planes_kernel<DimsT, false>, grid, d, a);
+    }
+  } else {
+    TORCH_CHECK(fold == nullptr, "v4_gated_delta_rule: the folded recurrence is the plane kernels'");
+    launch<RecurrenceSmem>(recurrence_kernel<kMode, DimsT>, grid, d, a);
+  }
 }
 
 template <typename T, Mode kMode, typename DimsT>
@@ -2043,18 +2099,29 @@ void fused(Fused& f, bool backward) {
   }
   a.h = f.h.data_ptr();
   a.v_new = f.v_new.data_ptr<float>();
+  if constexpr (kPlanes<kMode, DimsT>) f.d_o = dense16(f.d_o);  // (the folded recurrence reads 16 bytes at a time)
   a.d_o = f.d_o.data_ptr();
-  Recurrence r{rows(d.dv), k_tilde, w, at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0, true};
+  // dh_local, the state's gradient from each chunk's outputs ((E Q)^T d_o): written by local_grads
+  // and added by the reverse recurrence, or on planes formed there from E Q rounded (`fold`).
+  constexpr bool fold = kPlanes<kMode, DimsT>;
+  Recurrence r{rows(d.dv), k_tilde, w, fold ? at::Tensor() : at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0,
+               true};
+  at::Tensor eq = fold ? at::empty({chunks, hv, kRows, d.dk}, f.q.options().dtype(at::kBFloat16)) : at::Tensor();
   a.dv_local = r.base.data_ptr<float>();
-  a.dh_local = r.add.data_ptr<float>();
-  if constexpr (kPlanes<kMode, DimsT>) launch<LocalSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
-  else launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  if constexpr (fold) {
+    a.eq = static_cast<__nv_bfloat16*>(eq.data_ptr());
+    launch<LocalSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
+  } else {
+    a.dh_local = r.add.data_ptr<float>();
+    launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  }
   prepare_stream.join();
-  r.state_out = at::empty_like(r.add, states);
+  r.state_out = at::empty({chunks, hv, d.dk, d.dv}, states);
   r.x_out = rows(d.dv);
-  recurrence<kMode, DimsT>(r, f.plan, d);
+  recurrence<kMode, DimsT>(r, f.plan, d, fold ? &a : nullptr);
   r.base.reset();
   r.add.reset();
+  eq.reset();
   a.d_state = r.state_out.data_ptr();
   a.dv_new = r.x_out.data_ptr<float>();
   at::Tensor dq_state = rows(d.dk), dk_tilde = rows(d.dk), dgamma = at::empty({chunks, hv}, f32);
