@@ -293,8 +293,10 @@ def test_the_experts_kernel_on_cuda_fp8_tensor_cores_is_within_path_a_bound(coun
     """V4TRAIN_FP8_TENSOR_CORES=experts: x (and, backward, dy) quantised per row per 128 columns and
     the products on FP8 tensor cores, each 128-column block promoted with its scales: y and x's
     gradient within path (a)'s bound of the float64 truth, expert by expert. The profile shows the
-    kernel ran both ways; more tiles than multiprocessors (each persistent block takes several)."""
+    kernel ran both ways; more tiles than multiprocessors (each persistent block takes several). The
+    kernels without their variants (the defaults, which the next test holds to these bit for bit)."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
+    monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", "none")
     q, scale, x, dy, y, dx, prof = _experts_run(23 + out + signed, counts, out, inp, signed)
     assert _kernel_launches(prof, "fp8_e4m3_kernel") == ["false", "true"]
     assert y.shape == (sum(counts), out) and dx.shape == x.shape
@@ -358,11 +360,14 @@ def test_the_experts_forward_alone_on_cuda_fp8_tensor_cores(monkeypatch):
 
 
 @CUDA
-def test_a_dense_backward_on_cuda_fp8_tensor_cores_is_within_its_bound(monkeypatch):
+@pytest.mark.parametrize("variants", ["none", ""], ids=["transposed in shared memory", "turned once (default)"])
+def test_a_dense_backward_on_cuda_fp8_tensor_cores_is_within_its_bound(variants, monkeypatch):
     """V4TRAIN_FP8_TENSOR_CORES=dense_backward: a dense FP8 map's dy W on the experts' kernel (W the
     one expert), within path (a)'s bound; the forward stays the dequantised product, bit for bit.
-    x with leading dimensions [3, 700, K]."""
+    x with leading dimensions [3, 700, K]. By the kernel that transposes W's tiles, or (the e4m3
+    variants' default, transpose_global) W turned once, then the forward's kernel."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "dense_backward")
+    monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", variants)
     gen = torch.Generator().manual_seed(29)
     q, scale = blocks_of_sizes((640, 384), gen)
     x = activations(2100, 384, gen, signed=True).cuda().view(3, 700, 384).requires_grad_()
@@ -371,7 +376,9 @@ def test_a_dense_backward_on_cuda_fp8_tensor_cores_is_within_its_bound(monkeypat
         y = v4_linear_test.linear(x, Linear(q.cuda(), scale.cuda()))
         (dx,) = torch.autograd.grad(y, x, dy.view(3, 700, 640))
         torch.cuda.synchronize()
-    assert _kernel_launches(prof, "fp8_e4m3_kernel") == ["true"]
+    turned = variants == ""
+    assert _kernel_launches(prof, "fp8_e4m3_kernel") == ["false" if turned else "true"]
+    assert sum("transpose_fp8_kernel" in e.name for e in prof.events()) == turned
     assert torch.equal(y, torch.nn.functional.linear(x, dequantize_fp8(q, scale, torch.bfloat16).cuda()))
     ratio = assert_within(dx.reshape(2100, 384).cpu(), _path_a_grouped_bound(dy, q[None], scale[None], [2100], True),
                           "x's gradient")

@@ -578,13 +578,18 @@ dim3 persistent_grid(const at::Tensor& x, int64_t E, int64_t N, int BM, int BN) 
   return dim3(unsigned(std::min<int64_t>(tiles, sms)));
 }
 
-// The e4m3 kernel's variants written without a GPU, taken where V4TRAIN_FP8_E4M3_VARIANTS names
-// them (a comma list read at each call, so that one process can time each; unset or none: none):
-// `transpose_global`, the backward's weight transposed by transpose_fp8_kernel (kTurnBytes' groups
-// of experts), then the forward's kernel, in place of the transposition in shared memory; `wide`,
-// 128 x 256 tiles where the forward's kernel runs and the output is at least 256 wide.
+// The e4m3 kernel's variants, as V4TRAIN_FP8_E4M3_VARIANTS names them (a comma list read at each
+// call, so that one process can time each; unset or empty: both; none: neither, the kernels before
+// them): `transpose_global`, the backward's weight transposed by transpose_fp8_kernel (kTurnBytes'
+// groups of experts), then the forward's kernel, in place of the transposition in shared memory;
+// `wide`, 128 x 256 tiles where the forward's kernel runs and the output is at least 256 wide. Both
+// give the same bits as the kernels before them, faster (H100, GLM-5 proxy's MoE op: 15.5 -> 12.7 ms
+// forward + backward; docs/benchmarks.md, twenty-second session).
 enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2 };  // (bit i: env_variants' name i)
-unsigned e4m3_variants() { return env_variants("V4TRAIN_FP8_E4M3_VARIANTS", {"transpose_global", "wide"}); }
+unsigned e4m3_variants() {
+  if (env_words("V4TRAIN_FP8_E4M3_VARIANTS").empty()) return kTransposeGlobal | kWide;
+  return env_variants("V4TRAIN_FP8_E4M3_VARIANTS", {"transpose_global", "wide"});
+}
 
 // transpose_global's copy: experts in groups of at most a quarter of them and of kTurnBytes, each
 // group turned into one buffer and multiplied before the next (in stream order: the buffer is free).

@@ -442,7 +442,9 @@ def test_the_experts_on_fp8_tensor_cores_plan_their_quantised_gradients(monkeypa
     """V4TRAIN_FP8_TENSOR_CORES=experts: in GLM-5's full-width FP8 layer the experts' gate_up backward
     also holds its output's gradient quantised for the products on FP8 tensor cores: fp8.cuh's
     quantize_rows of [T k, 2I] = [4,096 x 8, 4,096], a byte a value and an fp32 scale per 128 (rows
-    already a multiple of 16): 32,768 x 4,096 + 32,768 x 32 x 4 bytes more than with `none`."""
+    already a multiple of 16): 32,768 x 4,096 + 32,768 x 32 x 4 bytes more than with `none` (the
+    e4m3 kernels' variants off: their weights turned are the next test's)."""
+    monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", "none")
     total = _gate_up_backward_bytes(monkeypatch, "V4TRAIN_FP8_TENSOR_CORES", ("none", "experts"))
     assert total["experts"] - total["none"] == 32768 * 4096 + 32768 * 32 * 4
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts,dense")
@@ -451,13 +453,16 @@ def test_the_experts_on_fp8_tensor_cores_plan_their_quantised_gradients(monkeypa
 
 
 def test_the_experts_weights_turned_once_plan_their_group(monkeypatch):
-    """V4TRAIN_FP8_E4M3_VARIANTS=transpose_global (with the experts on FP8 tensor cores): GLM-5's
-    full-width gate_up backward also holds a group of its 256 experts' FP8 weights turned, each
-    4,096 x 6,144 bytes (25,165,824), at most a quarter of them (64) and 256 MiB (10 of them):
-    251,658,240 bytes, and all their scales turned, 256 x 32 x 48 fp32 (1,572,864 bytes)."""
+    """V4TRAIN_FP8_E4M3_VARIANTS=transpose_global (with the experts on FP8 tensor cores), which unset
+    (or empty) means too: GLM-5's full-width gate_up backward also holds a group of its 256 experts'
+    FP8 weights turned, each 4,096 x 6,144 bytes (25,165,824), at most a quarter of them (64) and
+    256 MiB (10 of them): 251,658,240 bytes, and all their scales turned, 256 x 32 x 48 fp32
+    (1,572,864 bytes); `wide` alone, none."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
-    total = _gate_up_backward_bytes(monkeypatch, "V4TRAIN_FP8_E4M3_VARIANTS", ("none", "wide,transpose_global"))
+    total = _gate_up_backward_bytes(monkeypatch, "V4TRAIN_FP8_E4M3_VARIANTS",
+                                    ("none", "wide", "wide,transpose_global", ""))
     assert total["wide,transpose_global"] - total["none"] == 251_658_240 + 1_572_864
+    assert total[""] == total["wide,transpose_global"] and total["wide"] == total["none"]
     monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", "wide,turned")
     with pytest.raises(ValueError, match="V4TRAIN_FP8_E4M3_VARIANTS=wide,turned: unknown variant 'turned'"):
         plan.plan(_full_layer_fp8())

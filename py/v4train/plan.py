@@ -704,8 +704,10 @@ E4M3_VARIANTS = ("transpose_global", "wide")
 
 def e4m3_variants() -> frozenset[str]:
     """The e4m3 experts kernel's variants, as fp8_grouped.cu e4m3_variants reads
-    V4TRAIN_FP8_E4M3_VARIANTS: words of E4M3_VARIANTS, or none; unset or empty: none."""
+    V4TRAIN_FP8_E4M3_VARIANTS: words of E4M3_VARIANTS, or none; unset or empty: all of them."""
     words = env_words("V4TRAIN_FP8_E4M3_VARIANTS")
+    if not words:
+        return frozenset(E4M3_VARIANTS)
     for word in words:
         if word not in E4M3_VARIANTS + ("none",):
             raise ValueError(f"V4TRAIN_FP8_E4M3_VARIANTS={os.environ['V4TRAIN_FP8_E4M3_VARIANTS']}: unknown variant "
