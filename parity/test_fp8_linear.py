@@ -48,6 +48,41 @@ def activations(m: int, k: int, gen: torch.Generator, signed: bool) -> torch.Ten
     return (x if signed else x.abs()).to(torch.bfloat16)
 
 
+def quantised_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8.cuh quantize_rows by its definition, on the CPU: per row per 128 columns s = amax / 448 (1
+    for a zero block, at least float32's smallest normal), q = x / s rounded to the nearest e4m3,
+    saturating; the rows padded to 16 with zeros of scale 1; q [padded, k], s [k / 128, padded]."""
+    m, k = x.shape
+    padded = -(-m // 16) * 16
+    blocks = torch.zeros(padded, k, dtype=torch.float32)
+    blocks[:m] = x.float().cpu()
+    blocks = blocks.view(padded, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1)
+    s = torch.where(amax > 0, (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+    q = (blocks / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(padded, k), s.t().contiguous()
+
+
+@CUDA
+@pytest.mark.parametrize("m,k", [(1, 128), (37, 384), (37, 1280), (4096, 6144), (300, 2048)])
+def test_the_activations_quantisation_on_cuda_is_its_definition_bit_for_bit(m, k):
+    """fp8.cu's quantize_rows (a half-warp a 128-column block, two blocks a warp: k / 128 odd leaves a
+    half idle) against quantised_rows: every byte of q and every scale equal. Among the blocks, zero
+    ones (scale 1) and ones whose largest value is a bf16 subnormal (the scale's floor); x also as a
+    view that starts 8 bytes off 16 (re-copied before the kernel's 16-byte loads)."""
+    gen = torch.Generator().manual_seed(m + k)
+    x = activations(m, k, gen, signed=True)
+    x[0, :BLOCK] = 0.0
+    x[-1, -BLOCK:] = torch.randn(BLOCK, generator=gen).to(torch.bfloat16) * 1e-39
+    flat = torch.empty(m * k + 4, dtype=torch.bfloat16, device="cuda")
+    for cuda_x in (x.cuda(), flat[4:].view(m, k).copy_(x)):
+        q, scale = v4_linear_test.quantize_rows(cuda_x)
+        want_q, want_scale = quantised_rows(x)
+        assert q.dtype == torch.float8_e4m3fn and q.shape == want_q.shape and scale.shape == want_scale.shape
+        assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8)), "q"
+        assert torch.equal(scale.cpu(), want_scale), f"scale: max difference {(scale.cpu() - want_scale).abs().max()}"
+
+
 @CUDA
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "nonnegative"])
 @pytest.mark.parametrize("m,k,n", SHAPES)

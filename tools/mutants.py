@@ -48,6 +48,8 @@ SPARSE_CUDA = ("parity/test_mla_dsa_attention.py", "-k", "cuda and (alone or wid
 DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--op=v4_gated_delta_rule", "-k", "cuda")
 # The routed experts' FP8 kernel (cc/common/fp8_grouped.cu, in every module) alone, both tiles.
 FP8_GROUPED_CUDA = ("parity/test_fp8_linear.py", "-k", "experts_fp8_kernel")
+# The activations' quantisation for them, bit for bit.
+FP8_QUANTIZE_CUDA = ("parity/test_fp8_linear.py", "-k", "activations_quantisation")
 # Its products on FP8 tensor cores: the experts both ways and a dense map's backward.
 FP8_E4M3_CUDA = ("parity/test_fp8_linear.py", "-k", "fp8_tensor_cores")
 # The delta rule's kernels on planes (bf16 at Qwen3.5's widths), judged on every gradient.
@@ -259,6 +261,11 @@ MUTATIONS = (
              "first 32 columns", "cc/ops/gated_delta_rule.cu",
              "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + col0 + c);",
              "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + c);", PLANES_CUDA, cuda=True),
+    Mutation("fp8_quantize_quarter_warp_amax", "quantize_rows takes each block's amax over a quarter-warp's 64 "
+             "columns (the shuffles from offset 4)", "cc/common/fp8.cu",
+             "for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax,",
+             "for (int offset = 4; offset > 0; offset /= 2) amax = fmaxf(amax,", FP8_QUANTIZE_CUDA, cuda=True,
+             module="v4_linear_test"),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
              "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
              "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),

@@ -10,7 +10,7 @@ namespace v4::cuda {
 // 128 columns: scale = amax / 448 (1 for a zero block, at least FLT_MIN), q = x / scale rounded to
 // the nearest, saturating. q [padded, k] row-major and scale [k / 128, padded] (the [padded, k / 128]
 // column-major scales cuBLAS's blockwise GEMM reads), padded = m rounded up to 16 rows, the rows
-// past m zeros of scale 1. Re-copies x where its rows are not 8-byte aligned.
+// past m zeros of scale 1. Re-copies x where its rows are not 16-byte aligned.
 void quantize_rows(const at::Tensor& x, at::Tensor& q, at::Tensor& scale);
 
 }  // namespace v4::cuda

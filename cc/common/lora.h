@@ -51,6 +51,13 @@ struct Fp8Linear {
   using Fn = bool (*)(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, at::Tensor& out);
 };
 
+// The activations' quantisation that the products on FP8 tensor cores share (cc/common/fp8.cuh
+// quantize_rows: q [padded, k] e4m3 and scale [k / 128, padded]), alone for the test that holds it
+// to its definition bit for bit; false where it declines (not CUDA, not a bf16 [m, k] of whole blocks).
+struct Fp8QuantizeRows {
+  using Fn = bool (*)(const at::Tensor& x, at::Tensor& q, at::Tensor& scale);
+};
+
 // The device kernel of the routed experts' product on FP8 weights (cc/common/fp8_grouped.cu on
 // CUDA): each row of x (bf16, grouped by expert; offsets [E] int32, the end of each expert's rows,
 // the last one x's row count, as dispatch() makes them)
