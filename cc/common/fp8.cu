@@ -100,10 +100,10 @@ constexpr int64_t kRowPad = 16;
 // row r's block b of 128 columns (1 for a zero block; never below FLT_MIN, where a subnormal bf16
 // amax would divide by zero), stored at scale[b * padded + r]: cuBLAS's 1 x 128 scales, [rows, K/128]
 // column-major. Rows from `rows` to `padded` are zeros of scale 1. A NaN activation stays NaN; an
-// infinite one makes its block NaN (e4m3fn has no infinity). A warp takes a pair of blocks of a row
-// (b even, b + 1) a half-warp each, kItems pairs at once, their loads issued before any is used (a
-// block a warp, 8 bytes a lane, kept too few bytes in flight: 1.8 TB/s on the H100); the loop and
-// the shuffles are warp-uniform.
+// infinite one becomes NaN (e4m3fn has no infinity) and the rest of its block zeros. A warp takes
+// a pair of blocks of a row (b even, b + 1) a half-warp each, kItems pairs at once where the grid
+// is capped, their loads issued before any is used (a block a warp, 8 bytes a lane, kept too few
+// bytes in flight: 1.8 TB/s on the H100); the loop and the shuffles are warp-uniform.
 __global__ void __launch_bounds__(kThreads)
     quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_t ldx, int64_t rows, int64_t padded,
                          int64_t blocks, uint8_t* __restrict__ q, float* __restrict__ scale) {
@@ -197,13 +197,14 @@ void quantize_rows(const at::Tensor& x, at::Tensor& q, at::Tensor& scale) {
   at::Tensor rows = x;
   if (rows.stride(1) != 1 || rows.stride(0) % kLanes != 0 ||
       reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % (kLanes * sizeof(__nv_bfloat16)) != 0)
-    rows = rows.contiguous();
+    rows = rows.clone(at::MemoryFormat::Contiguous);  // (contiguous() is x itself where x is contiguous)
   const int64_t m = rows.size(0), k = rows.size(1);
   const int64_t blocks = k / kBlock, padded = (m + kRowPad - 1) / kRowPad * kRowPad;
   q = at::empty({padded, k}, x.options().dtype(at::kFloat8_e4m3fn));
   scale = at::empty({blocks, padded}, x.options().dtype(at::kFloat));
   const int64_t warps = padded * ((blocks + 1) / 2);  // a pair of blocks a warp
   const int grid = int(std::min<int64_t>((warps + kThreads / 32 - 1) / (kThreads / 32), int64_t(132) * 8));
+  if (grid == 0) return;  // no rows or no columns
   quantize_rows_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(rows.const_data_ptr()), rows.stride(0), m, padded, blocks,
       static_cast<uint8_t*>(q.mutable_data_ptr()), scale.mutable_data_ptr<float>());
