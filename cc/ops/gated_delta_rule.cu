@@ -835,23 +835,36 @@ __device__ __forceinline__ void load_base_add(float* base, float* add, const Rec
 // where p.reverse): each chunk's tiles loaded a step ahead (load(stage, chunk), asynchronous
 // copies), then step(head, stage, decay) once they are in. A step's own work between its barriers
 // is its critical path (stop 30's profile: 58-61% of the samples before the second barrier, mostly
-// addresses and scalar stores): the next chunk's index is read before the wait.
-template <typename Load, typename Step>
-__device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step) {
+// addresses and scalar stores): the next chunk's index is read before the wait. ahead(chunk) is
+// called a step before load(stage, chunk), for what load needs read from global memory first (so
+// that its latency passes under a step, not on the critical path); the chunk after next's index is
+// read with the next one's.
+template <typename Load, typename Step, typename Ahead>
+__device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step, Ahead&& ahead) {
   const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
-  const auto chunk_at = [&](int64_t i) { return p.offset[p.reverse ? chunks - 1 - i : i] + doc; };
-  int64_t chunk = chunks > 0 ? chunk_at(0) : 0;
-  if (chunks > 0) load(0, chunk);
+  const auto chunk_at = [&](int64_t i) { return i < chunks ? p.offset[p.reverse ? chunks - 1 - i : i] + doc : 0; };
+  int64_t chunk = chunk_at(0), next = chunk_at(1);
+  if (chunks > 0) {
+    ahead(chunk);
+    load(0, chunk);
+  }
+  if (chunks > 1) ahead(next);
   for (int64_t i = 0; i < chunks; ++i) {
-    const int64_t head = chunk * p.heads + h, next = i + 1 < chunks ? chunk_at(i + 1) : 0;
+    const int64_t head = chunk * p.heads + h, after = chunk_at(i + 2);
     const int stage = i % 2;
     const float dec = p.decay[head];
     wait_copies();
     __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
     if (i + 1 < chunks) load(1 - stage, next);
+    if (i + 2 < chunks) ahead(after);
     step(head, stage, dec);
     chunk = next;
+    next = after;
   }
+}
+template <typename Load, typename Step>
+__device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step) {
+  over_chunks(p, h, load, step, [](int64_t) {});
 }
 
 // Two stages of a [64, pk + 4], b [64, pk + 8], base [64, 32], add [pk, 32]; S [pk, 40]; X [64, 40].
@@ -954,6 +967,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   // This warp's tiles: x rows x0.. (16) and columns xc.. (8); S rows s0.. (16) and columns sc.. (16).
   const int x0 = warp / 4 * 16, xc = warp % 4 * 8, s0 = warp / 2 * 16, sc = warp % 2 * 16;
   float state[2][4] = {};  // S at (s0 + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
+  int64_t tok = 0;  // kFold: ahead()'s
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
     // a and b: 64 rows of pk bfloat16 each, contiguous in global memory.
@@ -967,10 +981,10 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
       if constexpr (kFold) copy16(m.eq + stage * kTile + r * m.lda + c, p.eq + head * kRows * d.dk + r * d.dk + c);
     }
     if constexpr (kFold) {  // d_o's rows of the block's 32 columns, 16 bytes a thread (zero past T)
-      for (int idx = tid; idx < kRows * kCols / 8; idx += kThreads) {
-        const int r = idx / (kCols / 8), c = idx % (kCols / 8) * 8;
+      static_assert(kRows * kCols / 8 <= kThreads, "a piece a thread: its slot read a step ahead");
+      if (tid < kRows * kCols / 8) {
+        const int r = tid / (kCols / 8), c = tid % (kCols / 8) * 8;
         __nv_bfloat16* to = m.d_o + stage * kRows * kPlanePitch + r * kPlanePitch + c;
-        const int64_t tok = p.slots[chunk * kRows + r];
         if (tok < p.T) copy16(to, p.d_o + (tok * p.heads + h) * d.dv + col0 + c);
         else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
       }
@@ -978,6 +992,10 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
     load_base_add(m.base + stage * kRows * kCols, kFold ? nullptr : m.add + stage * d.pk * kCols, p, head, col0, kCols,
                   d);  // (p.add null where kFold)
     commit_copies();
+  };
+  // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
+  const auto ahead = [&](int64_t chunk) {
+    if (kFold && tid < kRows * kCols / 8) tok = p.slots[chunk * kRows + tid / (kCols / 8)];
   };
   // (over_chunks' barrier also makes the last step's bfloat16 S visible.)
   over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
@@ -1057,7 +1075,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         }
       }
     }
-  });
+  }, ahead);
 }
 
 // P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
