@@ -222,6 +222,27 @@ def test_the_delta_rule_is_planned_on_the_path_the_op_takes():
     assert "gdr_uw" in kept(dataclasses.replace(base, cfg=config_from_dict(wide, "wide"), hf_config=wide))
 
 
+def test_the_reverse_recurrence_on_planes_holds_e_q_where_fp32_holds_dh_local():
+    """The fused backward's reverse recurrence holds dv_local and dv_new [P, value heads, dv] (fp32),
+    d_state (as h) and the state's gradient from each chunk's outputs: on the plane kernels (bf16 at
+    widths 128) E Q [P, value heads, dk] in bf16, which the recurrence forms it from; in fp32,
+    local_grads' dh_local [chunks, value heads, dk, dv] in fp32. The term by hand, both dtypes."""
+    config = proxy_config("qwen3_5", False)
+    base = plan.Setup(config_from_dict(config, "qwen3_5"), config, seq_len=4096)
+    nv, dk, dv = config["linear_num_value_heads"], config["linear_key_head_dim"], config["linear_value_head_dim"]
+    assert dk == dv == 128
+    P, chunks = 4096, 4096 // 64
+
+    def term(setup):
+        (moment,) = [m for m in plan.qwen3_5_layer(plan._ctx(setup, (4096,)), 0).backward
+                     if m.label == "delta rule's reverse recurrence"]
+        (t,) = [t for t in moment.terms if t.what.startswith("reverse recurrence:")]
+        return t.bytes
+
+    assert term(base) == 2 * P * nv * dv * 4 + P * nv * dk * 2 + chunks * nv * dk * dv * 2
+    assert term(dataclasses.replace(base, dtype_bytes=4)) == 2 * P * nv * dv * 4 + 2 * chunks * nv * dk * dv * 4
+
+
 def test_the_conv_and_the_gated_norm_are_planned_on_the_path_the_ops_take():
     """causal_conv1d.cc and gated_deltanet.cc run their CUDA kernels for CUDA tensors in bf16 or
     fp32 with at most kMaxKernel taps and heads at most kMaxNormWidth wide (their nodes keep the

@@ -838,10 +838,13 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     wk = Term("delta rule backward: W (then dW), K~ [.., dk], prepare's Ai and L * K K^T for wy_grads [.., 64] and "
               "the chunks' decays (fp32)", 2 * rows(dk) + 2 * rows(GDR_CHUNK) + gamma)
     cast = b if b < FP32 else 0  # .to() of an fp32 sum to fp32 is the sum itself
+    # dh_local: fp32 [chunks, value heads, dk, dv] from local_grads, or on planes the E Q (bf16 [.., 64,
+    # dk]) that the reverse recurrence forms it from.
+    dh = P * nv * dk * b if planes else chunks * nv * dk * dv * FP32
     backward = [
         Moment("delta rule's reverse recurrence", tuple(held + [incoming, wk, Term(
-            "reverse recurrence: dv_local, dv_new [.., 64, dv]; dh_local (fp32), d_state (as h) [chunks, value heads, "
-            "dk, dv]", 2 * rows(dv) + chunks * nv * dk * dv * FP32 + state)])),
+            "reverse recurrence: dv_local, dv_new [.., 64, dv]; dh_local (fp32; on planes E Q [.., 64, dk]), d_state "
+            "(as h) [chunks, value heads, dk, dv]", 2 * rows(dv) + dh + state)])),
         Moment("delta rule's UT-transform gradients", tuple(held + [incoming, wk, Term(
             "state and intra gradients: dv_new [.., dv], dq_state, dk_tilde, dk_part [.., dk] (fp32), dgamma, "
             "dg_part [chunks, value heads, 64] (float64)", rows(dv) + 3 * rows(dk) + gamma + P * nv * INT64), Term(
