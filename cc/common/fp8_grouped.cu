@@ -450,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kE4m3Stages; ++s) {
       wgmma::bar_init(full + s, Transposed ? 129 : 1);  // the copies (+ backward the 128 transposing threads)
-      wgmma::bar_init(empty + s, 256);
+      wgmma::bar_init(empty + s, 8);                     // lane 0 of each multiplying warp
       wgmma::bar_init(copied + s, 1);
     }
     wgmma::bar_init_fence();
@@ -548,7 +548,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma::commit();
         wgmma::wait<0>();
         wgmma::fence_operand(part);
-        if (h == halves - 1) wgmma::bar_arrive(empty + slot);
+        if (h == halves - 1) {  // the warp's reads of the stage done: one arrival for its 32 lanes
+          __syncwarp();
+          if (lane == 0) wgmma::bar_arrive(empty + slot);
+        }
         // The block's sums promoted: one fp32 rounding of the scales' product, one of each fused add.
         const float r0 = s0 * sw[h], r1 = s1 * sw[h];
         float* acc_h = acc + 64 * h;
