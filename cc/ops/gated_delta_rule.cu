@@ -925,12 +925,13 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 // [64, 40]), one bf16 product each (fla's precision). The state itself stays in float32, in the
 // registers of the warps whose second-product tiles hold it, and so does x written out; the state
 // written out (h, or the backward's d_state) is rounded to bfloat16, as its readers take it.
-// kFold: two stages of eq [64, pk + 8] and d_o [64, 40] bfloat16 in place of add's.
+// No add on planes: the forward has none, and the backward's is formed in the kernel (kFold: two
+// stages of eq [64, pk + 8] and d_o [64, 40] bfloat16).
 constexpr int kPlanePitch = kCols + 8;
 template <bool kFold>
 struct PlanesSmem {
   __nv_bfloat16 *a, *b, *S, *X, *eq = nullptr, *d_o = nullptr;
-  float *base, *add = nullptr;
+  float* base;
   int lda;
   template <typename DimsT>
   __host__ __device__ PlanesSmem(Carve& c, const DimsT& d) : lda(d.pk + 8) {
@@ -940,8 +941,6 @@ struct PlanesSmem {
     if constexpr (kFold) {
       eq = c.take<__nv_bfloat16>(2 * kRows * lda);
       d_o = c.take<__nv_bfloat16>(2 * kRows * kPlanePitch);
-    } else {
-      add = c.take<float>(2 * d.pk * kCols);
     }
     S = c.take<__nv_bfloat16>(d.pk * kPlanePitch);
     X = c.take<__nv_bfloat16>(kRows * kPlanePitch);
@@ -989,8 +988,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
       }
     }
-    load_base_add(m.base + stage * kRows * kCols, kFold ? nullptr : m.add + stage * d.pk * kCols, p, head, col0, kCols,
-                  d);  // (p.add null where kFold)
+    load_base_add(m.base + stage * kRows * kCols, nullptr, p, head, col0, kCols, d);  // (p.add null on planes)
     commit_copies();
   };
   // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
@@ -1056,16 +1054,12 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 #pragma unroll
         for (int j = 0; j < 2; ++j) mma16816<__nv_bfloat16>(acc[j], fa, {fb[2 * j], fb[2 * j + 1]});
       }
-      const float* add = kFold ? nullptr : m.add + stage * d.pk * kCols;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = s0 + g + 8 * (e / 2), c = sc + 8 * j + 2 * t + e % 2;
-          float v = dec * state[j][e] + p.sign_b * acc[j][e];
-          if constexpr (kFold) v += folded[j][e];
-          else if (p.add != nullptr) v += add[r * kCols + c];
-          state[j][e] = v;
+          state[j][e] = dec * state[j][e] + p.sign_b * acc[j][e];
+          if constexpr (kFold) state[j][e] += folded[j][e];
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -2040,6 +2034,8 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
                    static_cast<int>(r.base.size(1)), d.dk, d.dv, r.reverse};
   const dim3 grid((d.dv + kCols - 1) / kCols, r.base.size(1), plan.documents);
   if constexpr (kPlanes<kMode, DimsT>) {
+    TORCH_CHECK(!r.add.defined(), "v4_gated_delta_rule: the plane kernels' recurrence takes no add (the backward's "
+                                  "is folded)");
     if (fold != nullptr) {
       a.eq = fold->eq;
       a.d_o = static_cast<const __nv_bfloat16*>(fold->d_o);
