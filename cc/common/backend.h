@@ -60,10 +60,12 @@ inline std::vector<std::string> env_words(const char* name) {
 }
 
 // A kernel's variants named in environment variable `name` (env_words): names[i] sets bit i, `none`
-// none; another word is a ValueError naming the variable, the word and the names.
-inline unsigned env_variants(const char* name, std::initializer_list<std::string_view> names) {
+// none; unset or empty, `unset`; another word is a ValueError naming the variable, the word and the names.
+inline unsigned env_variants(const char* name, std::initializer_list<std::string_view> names, unsigned unset = 0) {
+  const std::vector<std::string> words = env_words(name);
+  if (words.empty()) return unset;
   unsigned mask = 0;
-  for (const std::string& word : env_words(name)) {
+  for (const std::string& word : words) {
     unsigned bit = 0;
     for (size_t i = 0; i < names.size(); ++i)
       if (word == names.begin()[i]) bit = 1u << i;

@@ -625,8 +625,7 @@ dim3 persistent_grid(const at::Tensor& x, int64_t E, int64_t N, int BM, int BN) 
 // `multicast`, wide tiles in clusters of two sharing the weight's tile (fp8_e4m3_kernel, Multicast).
 enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2, kMulticast = 4 };  // (bit i: env_variants' name i)
 unsigned e4m3_variants() {
-  if (env_words("V4TRAIN_FP8_E4M3_VARIANTS").empty()) return kTransposeGlobal | kWide;
-  return env_variants("V4TRAIN_FP8_E4M3_VARIANTS", {"transpose_global", "wide", "multicast"});
+  return env_variants("V4TRAIN_FP8_E4M3_VARIANTS", {"transpose_global", "wide", "multicast"}, kTransposeGlobal | kWide);
 }
 
 // transpose_global's copy: experts in groups of at most a quarter of them and of kTurnBytes, each

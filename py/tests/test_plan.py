@@ -492,7 +492,7 @@ def test_the_experts_weights_turned_once_plan_their_group(monkeypatch):
 def test_the_e4m3_variants_are_the_cpp_ops_words():
     """plan.py reads V4TRAIN_FP8_E4M3_VARIANTS as cc/common/fp8_grouped.cu does: the same words."""
     with open(os.path.join(ROOT, "cc", "common", "fp8_grouped.cu")) as f:
-        (names,) = re.findall(r'env_variants\("V4TRAIN_FP8_E4M3_VARIANTS", \{([^}]*)\}\)', f.read())
+        (names,) = re.findall(r'env_variants\("V4TRAIN_FP8_E4M3_VARIANTS", \{([^}]*)\}', f.read())
     assert tuple(re.findall(r'"(\w+)"', names)) == plan.E4M3_VARIANTS
 
 
