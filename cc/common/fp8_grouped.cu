@@ -435,22 +435,13 @@ __global__ void __launch_bounds__(128) transpose_fp8_kernel(const uint8_t* w, ui
 
 // A persistent block as fp8_grouped_kernel's, the same order of tiles. 128 x 256 tiles hold 128
 // accumulators and 64 of a block's sums a multiplying thread: warpgroup 2 gives registers up.
-// Multicast (128 x 256 forward): clusters of two blocks, rank r taking row tile 2 u + r of unit u (a
-// pair of row tiles by one column tile); where both row tiles are one expert's, rank r copies the
-// weight tile's half r into both blocks' stage (TMA multicast: 32 KB of L2 reads a block-step where
-// 48 were), else each copies both halves itself, and a rank past the last row tile repeats rank 0's
-// unwritten. Each multiplying warp then frees a stage in both blocks (empty counts 16), as either
-// block's copies may land in it; the blocks leave together (the peer's arrivals on this one's
-// barriers done).
-template <bool Transposed, int BN, bool Multicast = false>
+template <bool Transposed, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_e4m3_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                     const E4m3Args a) {
 #if defined(V4_HAS_WGMMA)
   using S = E4m3<Transposed, BN>;
   constexpr int kHalves = S::kHalves;
-  static_assert(!Multicast || (!Transposed && kHalves == 2), "multicast: the forward's 128 x 256 tiles, a half a rank");
-  constexpr int kLanes = Multicast ? 2 : 1;  // the blocks that share a unit of tiles
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = wgmma::sw128_aligned(smem_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kE4m3Stages * S::kStageBytes);  // the stage's tiles are in
@@ -459,21 +450,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kE4m3Stages; ++s) {
       wgmma::bar_init(full + s, Transposed ? 129 : 1);  // the copies (+ backward the 128 transposing threads)
-      wgmma::bar_init(empty + s, 8 * kLanes);            // lane 0 of each multiplying warp (of both blocks)
+      wgmma::bar_init(empty + s, 8);                     // lane 0 of each multiplying warp
       wgmma::bar_init(copied + s, 1);
     }
     wgmma::bar_init_fence();
   }
-  if constexpr (Multicast) wgmma::cluster_sync();
-  else __syncthreads();
+  __syncthreads();
   const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out, steps = K / kT;
-  const int col_tiles = (N + BN - 1) / BN, row_tiles = find_tile<kT>(a.offsets, a.E, -1, a.first).first;
+  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<kT>(a.offsets, a.E, -1, a.first).first * col_tiles;
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
-  const int rank = Multicast ? int(wgmma::cluster_rank()) : 0;
-  // Unit u: row tiles kLanes (u / col_tiles).. (this block's: + rank) by column tile u % col_tiles.
-  const int units = (row_tiles + kLanes - 1) / kLanes * col_tiles, unit0 = blockIdx.x / kLanes,
-            unit_step = gridDim.x / kLanes;
-  const auto row_tile = [&](int u) { return u / col_tiles * kLanes + rank; };
 
   if (wg == 2) {  // ---- the copies (thread 0) and, backward, the transposition (all 128)
     if constexpr (kHalves == 2) wgmma::regs_shrink<56>();
@@ -491,15 +476,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::bar_arrive(full + slot);
     };
     int it = 0;  // steps so far, over every tile: the ring's position and phase
-    for (int u = unit0; u < units; u += unit_step) {
-      const int mine = row_tile(u), live = mine < row_tiles;
-      const Tile tile = find_tile<kT>(a.offsets, a.E, live ? mine : mine - 1, a.first);
-      const int n0 = u % col_tiles * BN;
-      bool shared = false;  // multicast: both blocks' row tiles of this expert
-      if constexpr (Multicast) {
-        const int peer = mine ^ 1;
-        shared = live && peer < row_tiles && find_tile<kT>(a.offsets, a.E, peer, a.first).expert == tile.expert;
-      }
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles, a.first);
+      const int n0 = t % col_tiles * BN;
       for (int step = 0; step < steps; ++step, ++it) {
         // (first: it needs only copies asked for before, so the thread issuing them never holds it up)
         if (Transposed && it >= kLag) transpose(it - kLag);
@@ -515,12 +494,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (Transposed) {
             wgmma::bar_arrive_expect(copied + slot, kTileBytes);
             wgmma::tma_load_2d(stage + 2 * kTileBytes, &w_map, w_col, w_row, copied + slot);
-          } else if (Multicast && shared) {  // (w_map's box: 128 rows, a half)
-            wgmma::tma_load_2d_multicast(stage + (1 + rank) * kTileBytes, &w_map, w_col, w_row + kT * rank,
-                                         full + slot, 0b11);
-          } else if (Multicast) {
-            for (int h = 0; h < kHalves; ++h)
-              wgmma::tma_load_2d(stage + (1 + h) * kTileBytes, &w_map, w_col, w_row + kT * h, full + slot);
           } else {
             wgmma::tma_load_2d(stage + kTileBytes, &w_map, w_col, w_row, full + slot);
           }
@@ -529,10 +502,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (Transposed)
       for (int j = max(it - kLag, 0); j < it; ++j) transpose(j);
-    if constexpr (Multicast) {
-      __syncwarp();  // (converged for the aligned cluster barrier)
-      wgmma::cluster_sync();
-    }
     return;
   }
 
@@ -542,10 +511,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int blocks_in = a.in / kT;
   int it = 0;
-  for (int u = unit0; u < units; u += unit_step) {
-    const int mine = row_tile(u), live = mine < row_tiles;
-    const Tile tile = find_tile<kT>(a.offsets, a.E, live ? mine : mine - 1, a.first);
-    const int n0 = u % col_tiles * BN, halves = min(BN, N - n0) / kT;  // (a wide tile past N: one half)
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles, a.first);
+    const int n0 = t % col_tiles * BN, halves = min(BN, N - n0) / kT;  // (a wide tile past N: one half)
     // This thread's rows of the fragment (its rows past x's padding read the last row's scales:
     // they are not written out) and the weight's scales of the tile, a step apart by ws_step.
     const int row = tile.first + 64 * wg + 16 * warp + lane / 4;
@@ -583,7 +551,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (h == halves - 1) {  // the warp's reads of the stage done: one arrival for its 32 lanes
           __syncwarp();
           if (lane == 0) wgmma::bar_arrive(empty + slot);
-          if (Multicast && lane == 0) wgmma::bar_arrive_cluster(empty + slot, rank ^ 1);
         }
         // The block's sums promoted: one fp32 rounding of the scales' product, one of each fused add.
         const float r0 = s0 * sw[h], r1 = s1 * sw[h];
@@ -598,9 +565,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     unsigned char* stage = smem + kE4m3Stages * S::kStageBytes + 128 + (4 * wg + warp) * 16 * kEpiloguePitch;
-    if (live) write_rows<BN>(acc, stage, tile.first + 64 * wg + 16 * warp, tile.end, a.y, N, n0);
+    write_rows<BN>(acc, stage, tile.first + 64 * wg + 16 * warp, tile.end, a.y, N, n0);
   }
-  if constexpr (Multicast) wgmma::cluster_sync();
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
 #endif
@@ -621,11 +587,11 @@ dim3 persistent_grid(const at::Tensor& x, int64_t E, int64_t N, int BM, int BN) 
 // groups of experts), then the forward's kernel, in place of the transposition in shared memory;
 // `wide`, 128 x 256 tiles where the forward's kernel runs and the output is at least 256 wide. Both
 // give the same bits as the kernels before them, faster (H100, GLM-5 proxy's MoE op: 15.5 -> 12.7 ms
-// forward + backward; docs/benchmarks.md, twenty-second session). Opt-in, written without a GPU:
-// `multicast`, wide tiles in clusters of two sharing the weight's tile (fp8_e4m3_kernel, Multicast).
-enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2, kMulticast = 4 };  // (bit i: env_variants' name i)
+// forward + backward; docs/benchmarks.md, twenty-second session). (A third, wide tiles in clusters of
+// two sharing the weight's tile by TMA multicast, took 8.40 ms against 5.71: removed, 23rd session.)
+enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2 };  // (bit i: env_variants' name i)
 unsigned e4m3_variants() {
-  return env_variants("V4TRAIN_FP8_E4M3_VARIANTS", {"transpose_global", "wide", "multicast"}, kTransposeGlobal | kWide);
+  return env_variants("V4TRAIN_FP8_E4M3_VARIANTS", {"transpose_global", "wide"}, kTransposeGlobal | kWide);
 }
 
 // transpose_global's copy: experts in groups of at most a quarter of them and of kTurnBytes, each
@@ -646,21 +612,15 @@ void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   // cols / 128], forward, or (`back`) backward with each tile transposed in the kernel.
   const auto multiply = [&](const at::Tensor& we, const float* se, int64_t first, int64_t n, bool back) {
     const int64_t rows = we.size(1), cols = we.size(2);
-    const bool wide = !back && (variants & kWide) && N >= 2 * kT, multicast = wide && (variants & kMulticast);
-    const int bn = wide ? 2 * kT : kT;
-    // (the weight's box: the tile's columns; multicast, a half)
-    const CUtensorMap w_map =
-        wgmma::tensor_map_sw128(we.const_data_ptr(), n * rows, cols, cols, multicast ? kT : bn, true);
+    const bool wide = !back && (variants & kWide) && N >= 2 * kT;
+    const int bn = wide ? 2 * kT : kT;  // (the weight's box: the tile's columns)
+    const CUtensorMap w_map = wgmma::tensor_map_sw128(we.const_data_ptr(), n * rows, cols, cols, bn, true);
     const E4m3Args a{x_scale.const_data_ptr<float>(), se, off.const_data_ptr<int>(),
                      reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(n), int(rows), int(cols),
                      int(q.size(0)), int(first)};
-    dim3 grid = persistent_grid(x, n, N, kT, bn);
+    const dim3 grid = persistent_grid(x, n, N, kT, bn);
     if (back) wgmma::launch(fp8_e4m3_kernel<true, kT>, grid, kThreads, E4m3<true>::kSmem, stream, x_map, w_map, a);
-    else if (multicast) {
-      grid.x = std::max(2u, grid.x / 2 * 2);  // whole clusters (a multiprocessor count is even)
-      wgmma::launch_cluster(fp8_e4m3_kernel<false, 2 * kT, true>, grid, 2, kThreads, E4m3<false, 2 * kT>::kSmem,
-                            stream, x_map, w_map, a);
-    } else if (wide)
+    else if (wide)
       wgmma::launch(fp8_e4m3_kernel<false, 2 * kT>, grid, kThreads, E4m3<false, 2 * kT>::kSmem, stream, x_map, w_map,
                     a);
     else wgmma::launch(fp8_e4m3_kernel<false, kT>, grid, kThreads, E4m3<false>::kSmem, stream, x_map, w_map, a);

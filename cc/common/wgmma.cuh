@@ -71,31 +71,12 @@ inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols
   return map;
 }
 
-// kernel<<<grid, threads, smem, stream>>>(args...), its dynamic shared memory allowed up to smem;
-// launch_cluster: in clusters of `cluster` blocks along x (grid.x a multiple of it).
+// kernel<<<grid, threads, smem, stream>>>(args...), its dynamic shared memory allowed up to smem.
 template <typename... P, typename... A>
 void launch(void (*kernel)(P...), dim3 grid, int threads, size_t smem, cudaStream_t stream, A&&... args) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<grid, threads, smem, stream>>>(std::forward<A>(args)...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-template <typename... P, typename... A>
-void launch_cluster(void (*kernel)(P...), dim3 grid, unsigned cluster, int threads, size_t smem, cudaStream_t stream,
-                    A&&... args) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(unsigned(threads));
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = cluster;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...));
 }
 
 // The descriptor of a tile at shared address `addr`, no swizzle.
@@ -319,34 +300,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
           saddr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(saddr(bar))
       : "memory");
-}
-// tma_load_2d into the same offset of the shared memory of every block of the cluster in `mask` (bit
-// i: rank i), each one's barrier at bar's offset counting the bytes that land there.
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, int col, int row,
-                                                      uint64_t* bar, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(saddr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(saddr(bar)), "h"(mask)
-      : "memory");
-}
-// One arrival on the barrier at bar's offset in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ void bar_arrive_cluster(uint64_t* bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(saddr(bar)),
-      "r"(rank)
-      : "memory");
-}
-// This block's rank in its cluster; every thread of the cluster's blocks at this point (the
-// barriers' initialisation, or the peer's copies into this block and arrivals on its barriers, done).
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 // Waits until the barrier's phase of parity `parity` has completed (the phases alternate 0, 1, 0..;
 // a fresh barrier counts the phase before its first, of parity 1, as complete).

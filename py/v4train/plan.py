@@ -699,21 +699,19 @@ def fp8_tensor_cores() -> frozenset[str]:
     return frozenset(products)
 
 
-E4M3_VARIANTS = ("transpose_global", "wide", "multicast")
-E4M3_DEFAULTS = ("transpose_global", "wide")  # where the variable is unset
+E4M3_VARIANTS = ("transpose_global", "wide")
 
 
 def e4m3_variants() -> frozenset[str]:
     """The e4m3 experts kernel's variants, as fp8_grouped.cu e4m3_variants reads
-    V4TRAIN_FP8_E4M3_VARIANTS: words of E4M3_VARIANTS, or none; unset or empty: E4M3_DEFAULTS."""
+    V4TRAIN_FP8_E4M3_VARIANTS: words of E4M3_VARIANTS, or none; unset or empty: all of them."""
     words = env_words("V4TRAIN_FP8_E4M3_VARIANTS")
     if not words:
-        return frozenset(E4M3_DEFAULTS)
+        return frozenset(E4M3_VARIANTS)
     for word in words:
         if word not in E4M3_VARIANTS + ("none",):
             raise ValueError(f"V4TRAIN_FP8_E4M3_VARIANTS={os.environ['V4TRAIN_FP8_E4M3_VARIANTS']}: unknown variant "
-                             f"{word!r}; expected a comma list of {', '.join(E4M3_VARIANTS[:-1])} and "
-                             f"{E4M3_VARIANTS[-1]}, or none")
+                             f"{word!r}; expected a comma list of {' and '.join(E4M3_VARIANTS)}, or none")
     return frozenset(words) - {"none"}
 
 
