@@ -341,7 +341,7 @@ def apply(m: Mutation, root: str = ROOT) -> str:
     return text
 
 
-def built_copy(m: Mutation | None, root: str, modules: str) -> str:
+def built_copy(m: Mutation | None, root: str, modules: str, jobs: int = 2) -> str:
     """A copy of the sources at `root` with `m` applied and `modules` built there. One nvcc
     compilation of a kernel file takes minutes on one core, so the CUDA mutations are built side
     by side, each in its own copy (the objects are named by their source's path)."""
@@ -350,7 +350,7 @@ def built_copy(m: Mutation | None, root: str, modules: str) -> str:
     os.symlink(os.path.join(ROOT, "testdata"), os.path.join(root, "testdata"))
     if m is not None:
         apply(m, root)
-    build(True, root, modules, jobs=2)
+    build(True, root, modules, jobs=jobs)
     return root
 
 
@@ -401,10 +401,13 @@ def main() -> int:
 
     if args.cuda:  # each in its own copy, built side by side, judged one at a time on the GPU
         start = time.time()
-        modules = ",".join(sorted({module_of(m) for m in chosen}))
+        # The unmutated copy builds every chosen mutation's module, a mutated copy its own alone.
+        modules = [",".join(sorted({module_of(m) for m in chosen})), *(module_of(m) for m in chosen)]
         with tempfile.TemporaryDirectory(prefix="v4train-mutants-") as tmp, \
                 concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
-            copies = [pool.submit(built_copy, m, os.path.join(tmp, str(i)), modules) for i, m in enumerate([None, *chosen])]
+            jobs = max(2, (os.cpu_count() or 2) // len(modules))  # the copies share the cores
+            copies = [pool.submit(built_copy, m, os.path.join(tmp, str(i)), mods, jobs)
+                      for i, (m, mods) in enumerate(zip([None, *chosen], modules))]
             check_unmutated(copies[0].result())
             for m, copy in zip(chosen, copies[1:]):
                 try:
