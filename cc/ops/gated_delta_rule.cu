@@ -726,17 +726,14 @@ __device__ __forceinline__ void split_in_place(float* QP, int ldqp) {
 
 // ---- Forward ---------------------------------------------------------------------------------------
 
-// The keys and A alone: the values go from global memory to the threads that take their columns, so
-// that three blocks share a multiprocessor (52 KB each; with the values, 84 KB let two, and the block
-// waited on latency).
 struct PrepareSmem {
   Info* info;
-  float *K, *A;  // K [64, pk + 4]; A [64, 68]
-  int ldk;
+  float *R, *A;  // R [64, pv + pk + 4]: values then keys; A [64, 68]
+  int ldr;
   template <typename DimsT>
-  __host__ __device__ PrepareSmem(Carve& c, const DimsT& d) : ldk(d.pk + 4) {
+  __host__ __device__ PrepareSmem(Carve& c, const DimsT& d) : ldr(d.pv + d.pk + 4) {
     info = c.take<Info>(1);
-    K = c.take<float>(kRows * ldk);
+    R = c.take<float>(kRows * ldr);
     A = c.take<float>(kRows * kPitch64);
   }
 };
@@ -752,28 +749,29 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   Info& s = b.s;
   const int64_t chunk = b.chunk, base = b.rows;
   const int h = b.h, kh = b.kh, tid = threadIdx.x;
-  float* K = m.K;
-  load_normalised<T, kPrepareThreads>(K, m.ldk, nullptr, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s,
+  float* K = m.R + d.pv;  // the keys' columns of R
+  load_normalised<T, kPrepareThreads>(K, m.ldr, nullptr, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s,
                                       p.T);
   __syncthreads();
   for (int idx = tid; idx < kRows * d.dk; idx += kPrepareThreads) {
     const int i = idx / d.dk, c = idx % d.dk;
-    const float x = s.Kt[i] * K[i * m.ldk + c];
+    const float x = s.Kt[i] * K[i * m.ldr + c];
     if constexpr (kPlanes<kMode, DimsT>) store_bf16(p.k_tilde + base * d.dk, d.dk, i, c, x);
     else p.k_tilde[(base + i) * d.dk + c] = x;
   }
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
   block_gemm<2, false, true, kMode, Tri::kLowerC, kPrepareThreads>(
-      K, m.ldk, K, m.ldk, kRows, kRows, d.dk,
+      K, m.ldr, K, m.ldr, kRows, kRows, d.dk,
       [&](int r, int c, float v) {
         const float kkl = c < r ? v * decay(s, r, c) : 0.0f;
         m.A[r * kPitch64 + c] = s.beta[r] * kkl;
         if (p.kkl != nullptr) p.kkl[(base + r) * kRows + c] = kkl;
       });
   __syncthreads();
+  load_rows<T, kPrepareThreads>(m.R, m.ldr, static_cast<const T*>(p.v), p.hv, h, d.dv, d.pv, s.beta, s, p.T);
   for (int idx = tid; idx < kRows * d.pk; idx += kPrepareThreads) {
     const int i = idx / d.pk, c = idx % d.pk;
-    K[i * m.ldk + c] *= s.beta[i] * s.E[i];
+    K[i * m.ldr + c] *= s.beta[i] * s.E[i];
   }
   __syncthreads();
   // The backward's recomputation: Ai = (I + A)^-1 for wy_grads, a column a thread by the same forward
@@ -786,22 +784,13 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) p.ai[(base + i) * kRows + tid] = e[i];
   }
-  // One column of X a thread (beta V's from global memory, a warp's 32 columns a load): forward
-  // substitution in registers, written out row by row.
+  // One column of X a thread: forward substitution in registers, written out row by row.
   const bool value = tid < d.dv;
   if (tid >= d.dv + d.dk || (value && p.u == nullptr)) return;
+  const int col = value ? tid : d.pv + tid - d.dv;
   float x[kRows];
-  if (value) {
-    const T* v = static_cast<const T*>(p.v) + int64_t(h) * d.dv + tid;
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int64_t tok = s.slot[i];
-      x[i] = tok < p.T ? to_float(v[tok * p.hv * d.dv]) * s.beta[i] : 0.0f;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) x[i] = K[i * m.ldk + tid - d.dv];
-  }
+  for (int i = 0; i < kRows; ++i) x[i] = m.R[i * m.ldr + col];
   forward_substitution(x, m.A, kPitch64);
   if (kPlanes<kMode, DimsT> && !value) {
 #pragma unroll
