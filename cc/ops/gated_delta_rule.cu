@@ -557,12 +557,18 @@ __device__ __forceinline__ void mma_bf16x3(float (&acc)[4], float (&cross)[4], c
 constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
 constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 bytes apart in the banks
 
-constexpr int kNever = 1 << 30;  // plane_gemm's kOnceFrom, kOnceFromRow: no product rounded once
+constexpr int kNever = 1 << 30;
+
+__device__ __forceinline__ void store2(float* at, float x0, float x1) {
+  *reinterpret_cast<float2*>(at) = make_float2(x0, x1);
+}  // plane_gemm's kOnceFrom, kOnceFromRow: no product rounded once
 
 // C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
 // [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
 // takes 16 x 8 NT tiles of C (as block_gemm deals them; NT even) and hands every element of C to epi(row, col, value)
-// once. M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
+// once, or each pair of columns (col even) to epi(row, col, value, value at col + 1): an epilogue that writes global
+// memory takes pairs, 8 bytes a lane, so that a warp's store fills its 32-byte sectors (one element a lane wrote half
+// of each: ncu of state_grads, 2026-12-06, L2 at 93%). M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
 // zero, not read), two products for three; kAExact likewise for A; both, one product. From k = kOnceFrom
 // on, and in C's rows from kOnceFromRow on (multiples of 16), both operands are taken rounded to
 // bfloat16 (their hi planes): one product. kTri: the zero triangles it skips (Tri).
@@ -622,8 +628,14 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
     }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
+      if constexpr (std::is_invocable_v<Epi&, int, int, float, float>) {  // columns c and c + 1 a call
 #pragma unroll
-      for (int e = 0; e < 4; ++e) epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t + e % 2, acc[j][e] + cross[j][e]);
+        for (int e = 0; e < 4; e += 2)
+          epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t, acc[j][e] + cross[j][e], acc[j][e + 1] + cross[j][e + 1]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) epi(m0 + g + e / 2 * 8, n0 + 8 * j + 2 * t + e % 2, acc[j][e] + cross[j][e]);
+      }
     }
   }
 }
@@ -1289,7 +1301,7 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
   }
   plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(
       qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, kRows * kPlaneRow, kRows, d.dv, kRows,
-      [&](int r, int c, float v) { p.dv_local[(head * kRows + r) * d.dv + c] = v; });
+      [&](int r, int c, float v0, float v1) { store2(p.dv_local + (head * kRows + r) * d.dv + c, v0, v1); });
 }
 
 struct StateSmem {
@@ -1383,17 +1395,17 @@ __global__ void __launch_bounds__(kThreads, 2) state_grads_planes_kernel(Args p)
   }
   dot = block_sum(dot, m.scratch);
   if (threadIdx.x == 0) p.dgamma[head] = dot;
-  const auto first = [&](int r, int c, float v) {
-    if (r < kRows) p.dq_state[(head * kRows + r) * d.dk + c] = s.E[r] * v;
-    else p.dw[(head * kRows + r - kRows) * d.dk + c] = -v;
+  const auto first = [&](int r, int c, float v0, float v1) {
+    if (r < kRows) store2(p.dq_state + (head * kRows + r) * d.dk + c, s.E[r] * v0, s.E[r] * v1);
+    else store2(p.dw + (head * kRows + r - kRows) * d.dk + c, -v0, -v1);
   };
   plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.H, kPlaneRow, 0, 2 * kRows, d.dk, d.dv, first);
   __syncthreads();  // Y is free
   load_split(m.Y, p.v_new + head * kRows * d.dv, kRows, -1);
   __syncthreads();
   plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.D, kPlaneRow, 0, kRows, d.dk, d.dv,
-                                         [&](int r, int c, float v) {
-                                           p.dk_tilde[(head * kRows + r) * d.dk + c] = v;
+                                         [&](int r, int c, float v0, float v1) {
+                                           store2(p.dk_tilde + (head * kRows + r) * d.dk + c, v0, v1);
                                          });
 }
 
@@ -1535,10 +1547,11 @@ __global__ void __launch_bounds__(kThreads, 2) intra_dpl_kernel(Args p) {  // tw
   row_rnorms(m.rk, m.k, kPlaneRow);
   // dPL = (d_o v_new^T) * L: d_o exact, v_new^T stored as v_new's rows.
   plane_gemm<2, false, true, false, true, kNever, kNever, Tri::kLowerC>(
-      m.d_o, kPlaneRow, 0, m.v, kPlaneRow, kRows * kPlaneRow, kRows, kRows, DimsT::dv, [&](int r, int c, float v) {
-        const float dpl = c <= r ? v * decay(s, r, c) : 0.0f;
-        m.Z[r * kPitch64 + c] = dpl;
-        p.dpl[(rows + r) * kRows + c] = dpl;
+      m.d_o, kPlaneRow, 0, m.v, kPlaneRow, kRows * kPlaneRow, kRows, kRows, DimsT::dv,
+      [&](int r, int c, float v0, float v1) {
+        const float dpl0 = c <= r ? v0 * decay(s, r, c) : 0.0f, dpl1 = c + 1 <= r ? v1 * decay(s, r, c + 1) : 0.0f;
+        store2(m.Z + r * kPitch64 + c, dpl0, dpl1);
+        store2(p.dpl + (rows + r) * kRows + c, dpl0, dpl1);
       });
   __syncthreads();
   // Z = dPL * (Q K^T): q and k exact, one product, the norms and the scale after it.
@@ -1624,9 +1637,10 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
       m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, d.dk, kRows,
       [&](int r, int c, float v) { m.D[r * m.ldd + c] += v; });
   plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(
-      m.pq, kPlane64, kLo64, m.q, kPlaneRow, 0, kRows, d.dk, kRows, [&](int r, int c, float v) {
+      m.pq, kPlane64, kLo64, m.q, kPlaneRow, 0, kRows, d.dk, kRows, [&](int r, int c, float v0, float v1) {
         const int64_t at = (rows + r) * d.dk + c;
-        p.dk_part[at] = v + s.Kt[r] * p.dk_tilde[at];
+        const float2 kt = *reinterpret_cast<const float2*>(p.dk_tilde + at);
+        store2(p.dk_part + at, v0 + s.Kt[r] * kt.x, v1 + s.Kt[r] * kt.y);
       });
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
