@@ -38,14 +38,20 @@ template <>
 __device__ __forceinline__ float rounded<float>(float v) { return v; }
 
 // out[m, r, c] = float(w[m, r, c]) * scale[m, r / 128, c / 128] in fp32, rounded once to T (what
-// the reference computes). A thread's 16 weights share one scale: cols is a multiple of 16.
+// the reference computes). A thread's 16 weights share one scale: cols is a multiple of 16. The
+// thread's place (m, r, c) steps with its index, by the stride's parts, without a division in the
+// loop (int64 divisions, a long software sequence, were most of the instructions).
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale, T* __restrict__ out,
                       int64_t vecs, int64_t rows, int64_t cols, int64_t scale_rows, int64_t scale_cols) {
-  for (int64_t v = blockIdx.x * int64_t(kThreads) + threadIdx.x; v < vecs; v += int64_t(gridDim.x) * kThreads) {
-    const int64_t i = v * kVec, r = i / cols, c = i % cols, m = r / rows;
-    const float s = scale[(m * scale_rows + (r % rows) / kBlock) * scale_cols + c / kBlock];
+  const int64_t per_row = cols / kVec, stride = int64_t(gridDim.x) * kThreads;
+  const int64_t v0 = blockIdx.x * int64_t(kThreads) + threadIdx.x;
+  const int64_t step_c = stride % per_row, step_r = stride / per_row % rows, step_m = stride / per_row / rows;
+  int64_t c = v0 % per_row, r = v0 / per_row % rows, m = v0 / per_row / rows;  // vector c of row r of matrix m
+  for (int64_t v = v0; v < vecs; v += stride) {
+    const int64_t i = v * kVec;
+    const float s = scale[(m * scale_rows + r / kBlock) * scale_cols + c * kVec / kBlock];
     const uint4 packed = *reinterpret_cast<const uint4*>(w + i);
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
     __align__(16) T values[kVec];
@@ -58,6 +64,15 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < int(kVec * sizeof(T) / 16); ++j)
       reinterpret_cast<uint4*>(out + i)[j] = reinterpret_cast<const uint4*>(values)[j];
+    c += step_c;
+    const bool next_row = c >= per_row;
+    if (next_row) c -= per_row;
+    r += step_r + next_row;
+    m += step_m;
+    if (r >= rows) {
+      r -= rows;
+      ++m;
+    }
   }
 }
 
@@ -103,23 +118,33 @@ constexpr int64_t kRowPad = 16;
 // infinite one becomes NaN (e4m3fn has no infinity) and the rest of its block zeros. A warp takes
 // a pair of blocks of a row (b even, b + 1) a half-warp each, kItems pairs at once where the grid
 // is capped, their loads issued before any is used (a block a warp, 8 bytes a lane, kept too few
-// bytes in flight: 1.8 TB/s on the H100); the loop and the shuffles are warp-uniform.
+// bytes in flight: 1.8 TB/s on the H100); the loop and the shuffles are warp-uniform. An item's
+// (row, pair) steps as dequantize_kernel's place does, without a division in the loop.
 __global__ void __launch_bounds__(kThreads)
     quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_t ldx, int64_t rows, int64_t padded,
                          int64_t blocks, uint8_t* __restrict__ q, float* __restrict__ scale) {
   const int lane = threadIdx.x % 32, half = lane / 16, at = lane % 16 * kLanes;
-  const int64_t cols = blocks * kBlock, pairs = (blocks + 1) / 2, total = padded * pairs;
-  const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
-  for (int64_t w0 = (blockIdx.x * int64_t(kThreads) + threadIdx.x) / 32; w0 < total; w0 += warps * kItems) {
+  const int64_t cols = blocks * kBlock, pairs = (blocks + 1) / 2;
+  const int64_t warps = int64_t(gridDim.x) * (kThreads / 32), w0 = (blockIdx.x * int64_t(kThreads) + threadIdx.x) / 32;
+  // Item it + 1 is `warps` items after item it; the next round kItems * warps after this one.
+  const int64_t item_r = warps / pairs, item_p = warps % pairs;
+  const int64_t round_r = warps * kItems / pairs, round_p = warps * kItems % pairs;
+  const auto step = [pairs](int64_t& r, int64_t& p, int64_t dr, int64_t dp) {
+    p += dp;
+    r += dr + (p >= pairs);
+    if (p >= pairs) p -= pairs;
+  };
+  for (int64_t r0 = w0 / pairs, p0 = w0 % pairs; r0 < padded; step(r0, p0, round_r, round_p)) {
     float v[kItems][kLanes];
     int64_t r[kItems], b[kItems];
     bool live[kItems];
+    int64_t ri = r0, pi = p0;
 #pragma unroll
     for (int it = 0; it < kItems; ++it) {
-      const int64_t w = w0 + it * warps;
-      r[it] = w / pairs;
-      b[it] = w % pairs * 2 + half;
-      live[it] = w < total && b[it] < blocks;
+      if (it > 0) step(ri, pi, item_r, item_p);
+      r[it] = ri;
+      b[it] = pi * 2 + half;
+      live[it] = ri < padded && b[it] < blocks;
       uint4 packed = make_uint4(0, 0, 0, 0);
       if (live[it] && r[it] < rows) packed = *reinterpret_cast<const uint4*>(x + r[it] * ldx + b[it] * kBlock + at);
       const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&packed);
