@@ -289,8 +289,8 @@ MUTATIONS = (
              "__ldg(ws + step * ws_step + h * blocks_in)", "__ldg(ws + h * blocks_in)", FP8_E4M3_CUDA, cuda=True,
              module="v4_linear_test"),
     Mutation("fp8_e4m3_row_scale_upper_half", "the experts' kernel on FP8 tensor cores scales a fragment's rows 8-15 "
-             "by rows 0-7's scales", "cc/common/fp8_grouped.cu", "s1 = __ldg(sx1 + int64_t(step) * a.padded);",
-             "s1 = __ldg(sx0 + int64_t(step) * a.padded);", FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),
+             "by rows 0-7's scales", "cc/common/fp8_grouped.cu", "x1 = __ldg(sx1 + int64_t(step) * a.padded);",
+             "x1 = __ldg(sx0 + int64_t(step) * a.padded);", FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_e4m3_sums_unpromoted", "the experts' kernel on FP8 tensor cores carries the tensor cores' sum "
              "from block to block (never restarted after a promotion)", "cc/common/fp8_grouped.cu", "kk > 0);",
              "true);", FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),

@@ -526,13 +526,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[BN / 2], part[64];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+    // A step's scales (half h's weight block: the next block row), loaded a step ahead: loaded at the
+    // step's start, their round trip through an L2 busy with the copies outlasted the wait for the
+    // stage, and both warpgroups waited on them (a helper's reading of the ncu run, 2026-12-06).
+    float sw[kHalves], s0, s1;
+    const auto load_scales = [&](int step, float (&w)[kHalves], float& x0, float& x1) {
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) w[h] = h < halves ? __ldg(ws + step * ws_step + h * blocks_in) : 0.0f;
+      x0 = __ldg(sx0 + int64_t(step) * a.padded);
+      x1 = __ldg(sx1 + int64_t(step) * a.padded);
+    };
+    load_scales(0, sw, s0, s1);
     for (int step = 0; step < steps; ++step, ++it) {
       const int slot = it % kE4m3Stages;
-      // The scales, in flight while the products run (half h's weight block: the next block row).
-      float sw[kHalves];
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) sw[h] = h < halves ? __ldg(ws + step * ws_step + h * blocks_in) : 0.0f;
-      const float s0 = __ldg(sx0 + int64_t(step) * a.padded), s1 = __ldg(sx1 + int64_t(step) * a.padded);
+      float next_sw[kHalves] = {}, next_s0 = 0.0f, next_s1 = 0.0f;
+      if (step + 1 < steps) load_scales(step + 1, next_sw, next_s0, next_s1);
       wgmma::bar_wait(full + slot, (it / kE4m3Stages) & 1);
       const uint32_t stage = base + slot * S::kStageBytes, x_tile = stage + wg * (kTileBytes / 2);
 #pragma unroll
@@ -546,14 +554,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           wgmma::mma_e4m3(part, wgmma::desc128(x_tile + 32 * kk, 16, 1024),
                           wgmma::desc128(w_tile + 32 * kk, 16, 1024), kk > 0);
         wgmma::commit();
+        // The block's sums promoted: one fp32 rounding of the scales' product, one of each fused add.
+        const float r0 = s0 * sw[h], r1 = s1 * sw[h];
         wgmma::wait<0>();
         wgmma::fence_operand(part);
         if (h == halves - 1) {  // the warp's reads of the stage done: one arrival for its 32 lanes
           __syncwarp();
           if (lane == 0) wgmma::bar_arrive(empty + slot);
         }
-        // The block's sums promoted: one fp32 rounding of the scales' product, one of each fused add.
-        const float r0 = s0 * sw[h], r1 = s1 * sw[h];
         float* acc_h = acc + 64 * h;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {  // rows lane / 4 (d[4 j], d[4 j + 1]) and + 8 (d[4 j + 2], d[4 j + 3])
@@ -563,6 +571,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           acc_h[4 * j + 3] = fmaf(part[4 * j + 3], r1, acc_h[4 * j + 3]);
         }
       }
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) sw[h] = next_sw[h];
+      s0 = next_s0;
+      s1 = next_s1;
     }
     unsigned char* stage = smem + kE4m3Stages * S::kStageBytes + 128 + (4 * wg + warp) * 16 * kEpiloguePitch;
     write_rows<BN>(acc, stage, tile.first + 64 * wg + 16 * warp, tile.end, a.y, N, n0);
