@@ -31,6 +31,8 @@ bf16, on the same values and adapters: weight bytes, the LoRA step (forward + ba
 loss after --train_steps AdamW steps of each on one batch; with --fp8_tensor_cores the FP8 model
 once per V4TRAIN_FP8_TENSOR_CORES value given (e.g. `none experts experts,dense_backward`), each
 optionally with `@` and the V4TRAIN_FP8_E4M3_VARIANTS to run it under (`experts@transpose_global,wide`).
+With --profile both models' kernels of one step, then the kernels whose device time differs most
+between them (kernel_diff): where the FP8 step's milliseconds go.
 
 --full_layer instead: one GLM-5 decoder layer at the released widths (GlmMoeDsaConfig's defaults:
 hidden 6144, 64 heads, 256 routed experts of 2048, top-8), its linear maps FP8 with random values,
@@ -45,6 +47,7 @@ import collections
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -268,11 +271,16 @@ def fp8_main(args, hf, cfg, table) -> list[dict]:
                       f"loss after {args.train_steps} steps differs by "
                       f"{abs(f['last_loss'] - b['last_loss']) / b['last_loss']:.2e} (relative)")
         if args.profile:  # both: the kernels of the FP8 model against those of its bf16 twin
+            times = {}
             for kind, model in models.items():
                 model.checkpointing = ckpt
                 print(f"{kind} model at {tokens} tokens, forward ms per op (one step):",
                       {k: round(v, 2) for k, v in per_op_times(model, batch).items()})
-                print(profile(model, batch))
+                table, times[kind] = profile(model, batch)
+                print(table)
+            for kind in times.keys() - {"bf16"}:
+                print(f"at {tokens} tokens, one step's kernels, {kind} against bf16:")
+                print(kernel_diff(times["bf16"], times[kind], ("bf16", kind)))
     return rows
 
 
@@ -445,9 +453,11 @@ def memory_at_peak(step, tokens: int) -> str:
     return "\n".join(lines)
 
 
-def profile(model, batch, top: int = 25) -> str:
+def profile(model, batch, top: int = 25) -> tuple[str, dict[str, float]]:
     """One step's top CUDA kernels, then the ATen ops (with their input shapes) that launched the
-    most device time: which op an elementwise kernel belongs to."""
+    most device time (which op an elementwise kernel belongs to); and each kernel's device ms by
+    kernel_name (for kernel_diff)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
@@ -457,7 +467,31 @@ def profile(model, batch, top: int = 25) -> str:
     kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top)
     ops = prof.key_averages(group_by_input_shape=True).table(
         sort_by="self_cuda_time_total", row_limit=top + 15, max_name_column_width=40, max_shapes_column_width=70)
-    return kernels + "\nATen ops by the device time of the kernels they launched:\n" + ops
+    times: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:  # a kernel, copy or fill on the device: its span
+            times[kernel_name(e.name)] = times.get(kernel_name(e.name), 0.0) + e.time_range.elapsed_us() / 1e3
+    return kernels + "\nATen ops by the device time of the kernels they launched:\n" + ops, times
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's name without its return type, anonymous namespaces, template arguments and
+    parameters (the variants of one kernel, and the profiler's truncations, as one)."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    return re.split(r"[<(]", name, maxsplit=1)[0][:80]
+
+
+def kernel_diff(base: dict[str, float], other: dict[str, float], names: tuple[str, str], top: int = 15) -> str:
+    """The kernels whose device ms differ most between two profiled steps (by the size of the
+    difference), then all kernels' sums: where one model's step spends time the other does not."""
+    rows = sorted(base.keys() | other.keys(), key=lambda k: (-abs(other.get(k, 0.0) - base.get(k, 0.0)), k))
+    lines = [f"| kernel | {names[0]} ms | {names[1]} ms | difference |", "|---|---|---|---|"]
+    for k in rows[:top]:
+        b, o = base.get(k, 0.0), other.get(k, 0.0)
+        lines.append(f"| {k} | {b:.2f} | {o:.2f} | {o - b:+.2f} |")
+    b, o = sum(base.values()), sum(other.values())
+    lines.append(f"| all kernels | {b:.2f} | {o:.2f} | {o - b:+.2f} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -581,7 +615,7 @@ def main() -> int:
             zero_grads(ours)
             s = share.summary()
             print(f"FLOP share in C++ ops: {100 * s['cpp_share']:.2f}% of {s['total'] / 1e12:.1f} TFLOP")
-            print(profile(ours, batch))
+            print(profile(ours, batch)[0])
             gc.collect()
             torch.cuda.empty_cache()
     if args.out:

@@ -176,3 +176,23 @@ def test_the_fp8_probe_puts_the_reference_back():
         assert (attention.linear, mlp.linear, lora.linear, moe._grouped) == before
     finally:
         probe.emulate("none")
+
+
+def test_kernel_names_drop_what_varies_between_launches_of_one_kernel():
+    assert bench_model.kernel_name("void v4::cuda::(anonymous namespace)::fp8_e4m3_kernel<false, 256>(CUtensorMap_st, "
+                                   "E4m3Args)") == "v4::cuda::fp8_e4m3_kernel"
+    assert bench_model.kernel_name("v4::cuda::(anonymous namespace)::quantize_rows_kernel(__nv_bfloat16 const*, "
+                                   "long)") == "v4::cuda::quantize_rows_kernel"
+    assert bench_model.kernel_name("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == \
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"
+
+
+def test_the_kernel_diff_leads_with_the_largest_differences_either_way():
+    bf16 = {"cutlass_grouped": 21.6, "nvjet": 30.0, "elementwise": 5.0}
+    fp8 = {"fp8_e4m3_kernel": 17.8, "nvjet": 30.1, "elementwise": 5.0, "dequantize_kernel": 2.6}
+    lines = bench_model.kernel_diff(bf16, fp8, ("bf16", "fp8"), top=3).splitlines()
+    assert lines[0] == "| kernel | bf16 ms | fp8 ms | difference |"
+    assert [line.split(" | ")[0] for line in lines[2:5]] == ["| cutlass_grouped", "| fp8_e4m3_kernel",
+                                                              "| dequantize_kernel"]
+    assert lines[2] == "| cutlass_grouped | 21.60 | 0.00 | -21.60 |"
+    assert lines[-1] == "| all kernels | 56.60 | 55.50 | -1.10 |"
