@@ -352,6 +352,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 constexpr int kT = 128;                // the tile's rows, columns, and a step of the sum
 constexpr int kTileBytes = kT * kT;    // 16 KB: 128 rows of 128 FP8 values
 constexpr int kE4m3Stages = 4;
+constexpr int kE4m3Offsets = 1024;  // the experts' row ends that shared memory holds (find_tile's loads)
 
 // BN: the tile's columns, 128 or (forward) 256: an x tile's copies serve twice the products, where
 // 128 x 128 tiles ask the L2 for 32 KB a step of 4.2 MFLOP.
@@ -362,7 +363,8 @@ struct E4m3 {
   // A stage: x's tile, the weight's tile as the products read it, and backward the tile as it lies.
   static constexpr int kStageBytes = (1 + kHalves + (Transposed ? 1 : 0)) * kTileBytes;
   // After the ring: its barriers (96 bytes), then each multiplying warp's staging rows (kEpilogue).
-  static constexpr size_t kSmem = size_t(kE4m3Stages) * kStageBytes + 128 + kEpilogueBytes + 1024;
+  static constexpr size_t kSmem =
+      size_t(kE4m3Stages) * kStageBytes + 128 + kEpilogueBytes + kE4m3Offsets * sizeof(int) + 1024;
 };
 
 // x and the weight come as TMA maps of bytes (wgmma::tensor_map_sw128: boxes of 128 x 128): x
@@ -455,9 +457,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma::bar_init_fence();
   }
+  // The experts' row ends in shared memory where they fit: find_tile at each tile's start, in every
+  // warp, was a round trip through an L2 busy with the copies before the tile's first product.
+  int* const offsets_smem = reinterpret_cast<int*>(smem + kE4m3Stages * S::kStageBytes + 128 + kEpilogueBytes);
+  const bool offsets_fit = a.first + a.E <= kE4m3Offsets;
+  if (offsets_fit)
+    for (int i = threadIdx.x; i < a.first + a.E; i += blockDim.x) offsets_smem[i] = __ldg(a.offsets + i);
+  const int* const offsets = offsets_fit ? offsets_smem : a.offsets;
   __syncthreads();
   const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out, steps = K / kT;
-  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<kT>(a.offsets, a.E, -1, a.first).first * col_tiles;
+  const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<kT>(offsets, a.E, -1, a.first).first * col_tiles;
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
 
   if (wg == 2) {  // ---- the copies (thread 0) and, backward, the transposition (all 128)
@@ -477,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     int it = 0;  // steps so far, over every tile: the ring's position and phase
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles, a.first);
+      const Tile tile = find_tile<kT>(offsets, a.E, t / col_tiles, a.first);
       const int n0 = t % col_tiles * BN;
       for (int step = 0; step < steps; ++step, ++it) {
         // (first: it needs only copies asked for before, so the thread issuing them never holds it up)
@@ -512,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int blocks_in = a.in / kT;
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile tile = find_tile<kT>(a.offsets, a.E, t / col_tiles, a.first);
+    const Tile tile = find_tile<kT>(offsets, a.E, t / col_tiles, a.first);
     const int n0 = t % col_tiles * BN, halves = min(BN, N - n0) / kT;  // (a wide tile past N: one half)
     // This thread's rows of the fragment (its rows past x's padding read the last row's scales:
     // they are not written out) and the weight's scales of the tile, a step apart by ws_step.
