@@ -64,12 +64,15 @@ def quantised_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @CUDA
-@pytest.mark.parametrize("m,k", [(1, 256), (37, 384), (37, 1280), (4096, 6144), (300, 2048)])
+@pytest.mark.parametrize("m,k", [(1, 256), (37, 384), (37, 1280), (4096, 6144), (300, 2048), (4096, 7168),
+                                 (2048, 3200)])
 def test_the_activations_quantisation_on_cuda_is_its_definition_bit_for_bit(m, k):
     """fp8.cu's quantize_rows (a half-warp a 128-column block, two blocks a warp: k / 128 odd leaves a
     half idle) against quantised_rows: every byte of q and every scale equal. Among the blocks, zero
     ones (scale 1) and ones whose largest value is a bf16 subnormal (the scale's floor); x also as a
-    view that starts 8 bytes off 16 (re-copied before the kernel's 16-byte loads)."""
+    view that starts 8 bytes off 16 (re-copied before the kernel's 16-byte loads). The last two
+    shapes cap the grid (8,448 warps) at a stride that is no multiple of a row's pairs of blocks (28,
+    13): each warp's (row, pair) steps across rows with a carry."""
     gen = torch.Generator().manual_seed(m + k)
     x = activations(m, k, gen, signed=True)
     x[0, :BLOCK] = 0.0
@@ -81,6 +84,29 @@ def test_the_activations_quantisation_on_cuda_is_its_definition_bit_for_bit(m, k
         assert q.dtype == torch.float8_e4m3fn and q.shape == want_q.shape and scale.shape == want_scale.shape
         assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8)), "q"
         assert torch.equal(scale.cpu(), want_scale), f"scale: max difference {(scale.cpu() - want_scale).abs().max()}"
+
+
+@CUDA
+def test_the_dequantisation_on_cuda_equals_the_references_where_its_threads_step(monkeypatch):
+    """fp8.cu's dequantize_kernel on weights of more than its grid's 540,672 vectors of 16, so that
+    each thread's (matrix, row, vector) steps with carries: a [576, 16384] map (rows of a partial
+    block) through the dense product, and [6, 576, 7168] experts through the grouped one (which its
+    FP8 kernel declines: 576 rows are no whole blocks), where a step carries a row in 86% of steps
+    and a matrix in 7% (emulated). The products on the reference's dequantisation are the same GEMMs,
+    so every value equal means every weight equal."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
+    gen = torch.Generator().manual_seed(7)
+    q, scale = quantize_fp8(torch.randn(576, 16384, generator=gen) * 0.05)
+    x = activations(8, 16384, gen, signed=True).cuda()
+    y = v4_linear_test.linear(x, Linear(q.cuda(), scale.cuda()))
+    want = v4_linear_test.linear(x, Linear(dequantize_fp8(q, scale, torch.bfloat16).cuda()))
+    assert torch.equal(y, want), f"dense: max difference {(y - want).abs().max().item()}"
+    q, scale = quantize_fp8(torch.randn(6, 576, 7168, generator=gen) * 0.05)
+    counts = torch.tensor([5, 0, 9, 1, 0, 3])
+    x = activations(18, 7168, gen, signed=True).cuda()
+    y = v4_linear_test.grouped(x, Linear(q.cuda(), scale.cuda()), counts.cuda())
+    want = v4_linear_test.grouped(x, Linear(dequantize_fp8(q, scale, torch.bfloat16).cuda()), counts.cuda())
+    assert torch.equal(y, want), f"grouped: max difference {(y - want).abs().max().item()}"
 
 
 @CUDA

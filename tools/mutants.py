@@ -50,6 +50,7 @@ DELTA_RULE_CUDA = ("parity/test_ops.py", "parity/test_gated_delta_rule.py", "--o
 FP8_GROUPED_CUDA = ("parity/test_fp8_linear.py", "-k", "experts_fp8_kernel")
 # The activations' quantisation for them, bit for bit.
 FP8_QUANTIZE_CUDA = ("parity/test_fp8_linear.py", "-k", "activations_quantisation")
+FP8_DEQUANTIZE_CUDA = ("parity/test_fp8_linear.py", "-k", "dequantisation_on_cuda")
 # Its products on FP8 tensor cores: the experts both ways and a dense map's backward.
 FP8_E4M3_CUDA = ("parity/test_fp8_linear.py", "-k", "fp8_tensor_cores")
 # The delta rule's kernels on planes (bf16 at Qwen3.5's widths), judged on every gradient.
@@ -266,6 +267,12 @@ MUTATIONS = (
              "for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax,",
              "for (int offset = 4; offset > 0; offset /= 2) amax = fmaxf(amax,", FP8_QUANTIZE_CUDA, cuda=True,
              module="v4_linear_test"),
+    Mutation("fp8_quantize_pair_carry_dropped", "quantize_rows' warps step past a row's last pair of blocks without "
+             "moving to the next row", "cc/common/fp8.cu", "    r += dr + (p >= pairs);", "    r += dr;",
+             FP8_QUANTIZE_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_dequantize_row_carry_dropped", "the dequantisation's threads step past a row's last vector without "
+             "moving to the next row", "cc/common/fp8.cu", "    r += step_r + next_row;", "    r += step_r;",
+             FP8_DEQUANTIZE_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
              "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
              "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
