@@ -557,11 +557,11 @@ __device__ __forceinline__ void mma_bf16x3(float (&acc)[4], float (&cross)[4], c
 constexpr int kPlaneRow = 128 + 8;  // a planes row of 128: 16-byte aligned, 16 bytes apart in the banks
 constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 bytes apart in the banks
 
-constexpr int kNever = 1 << 30;
+constexpr int kNever = 1 << 30;  // plane_gemm's kOnceFrom, kOnceFromRow: no product rounded once
 
 __device__ __forceinline__ void store2(float* at, float x0, float x1) {
   *reinterpret_cast<float2*>(at) = make_float2(x0, x1);
-}  // plane_gemm's kOnceFrom, kOnceFromRow: no product rounded once
+}
 
 // C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
 // [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
