@@ -293,11 +293,11 @@ MUTATIONS = (
              cuda=True, module="v4_linear_test"),
     Mutation("fp8_e4m3_weight_scale_first_block", "the experts' kernel on FP8 tensor cores promotes every block of "
              "the sum with the weight's first block's scale", "cc/common/fp8_grouped.cu",
-             "__ldg(ws + step * ws_step + h * blocks_in)", "__ldg(ws + h * blocks_in)", FP8_E4M3_CUDA, cuda=True,
+             "__ldg(c.w + step * w_step + h * blocks_in)", "__ldg(c.w + h * blocks_in)", FP8_E4M3_CUDA, cuda=True,
              module="v4_linear_test"),
     Mutation("fp8_e4m3_row_scale_upper_half", "the experts' kernel on FP8 tensor cores scales a fragment's rows 8-15 "
-             "by rows 0-7's scales", "cc/common/fp8_grouped.cu", "x1 = __ldg(sx1 + int64_t(step) * a.padded);",
-             "x1 = __ldg(sx0 + int64_t(step) * a.padded);", FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),
+             "by rows 0-7's scales", "cc/common/fp8_grouped.cu", "x1 = __ldg(c.x1 + int64_t(step) * a.padded);",
+             "x1 = __ldg(c.x0 + int64_t(step) * a.padded);", FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_e4m3_sums_unpromoted", "the experts' kernel on FP8 tensor cores carries the tensor cores' sum "
              "from block to block (never restarted after a promotion)", "cc/common/fp8_grouped.cu", "kk > 0);",
              "true);", FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),

@@ -519,37 +519,54 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t base = wgmma::saddr(smem);
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int blocks_in = a.in / kT;
+  // Tile t: its rows, first column, halves within N, and scales: this thread's rows' of x (its
+  // rows past x's padding read the last row's: they are not written out) and the weight's, a step
+  // apart by w_step.
+  struct Place {
+    Tile tile;
+    int n0, halves;
+    const float *x0, *x1, *w;
+  };
+  const auto place_of = [&](int t) {
+    const Tile tile = find_tile<kT>(offsets, a.E, t / col_tiles, a.first);
+    const int n0 = t % col_tiles * BN, row = tile.first + 64 * wg + 16 * warp + lane / 4;
+    return Place{tile, n0, min(BN, N - n0) / kT,  // (a wide tile past N: one half)
+                 a.x_scale + min(row, a.padded - 1), a.x_scale + min(row + 8, a.padded - 1),
+                 a.w_scale + (int64_t(tile.expert) * (a.out / kT) + (Transposed ? 0 : n0 / kT)) * blocks_in +
+                     (Transposed ? n0 / kT : 0)};
+  };
+  const int w_step = Transposed ? blocks_in : 1;
+  // A step's scales (half h's weight block: the next block row), loaded a step ahead, the first
+  // step's of the next tile during this tile's last: loaded at the step's start, their round trip
+  // through an L2 busy with the copies outlasted the wait for the stage, and both warpgroups waited
+  // on them (a helper's reading of the ncu run, 2026-12-06).
+  const auto load_scales = [&](const Place& c, int step, float (&w)[kHalves], float& x0, float& x1) {
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) w[h] = h < c.halves ? __ldg(c.w + step * w_step + h * blocks_in) : 0.0f;
+    x0 = __ldg(c.x0 + int64_t(step) * a.padded);
+    x1 = __ldg(c.x1 + int64_t(step) * a.padded);
+  };
+  float sw[kHalves] = {}, s0 = 0.0f, s1 = 0.0f;
+  Place now{};
+  if (blockIdx.x < tiles) {
+    now = place_of(blockIdx.x);
+    load_scales(now, 0, sw, s0, s1);
+  }
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile tile = find_tile<kT>(offsets, a.E, t / col_tiles, a.first);
-    const int n0 = t % col_tiles * BN, halves = min(BN, N - n0) / kT;  // (a wide tile past N: one half)
-    // This thread's rows of the fragment (its rows past x's padding read the last row's scales:
-    // they are not written out) and the weight's scales of the tile, a step apart by ws_step.
-    const int row = tile.first + 64 * wg + 16 * warp + lane / 4;
-    const float* sx0 = a.x_scale + min(row, a.padded - 1);
-    const float* sx1 = a.x_scale + min(row + 8, a.padded - 1);
-    const float* ws = a.w_scale + (int64_t(tile.expert) * (a.out / kT) + (Transposed ? 0 : n0 / kT)) * blocks_in +
-                      (Transposed ? n0 / kT : 0);
-    const int ws_step = Transposed ? blocks_in : 1;
+    const Tile tile = now.tile;
+    const int n0 = now.n0, halves = now.halves;
+    const bool more = t + gridDim.x < tiles;
+    const Place next = more ? place_of(t + gridDim.x) : Place{};
     // acc: half h's fragment (columns n0 + 128 h..) at 64 h.., a 64 x BN fragment as write_rows reads it.
     float acc[BN / 2], part[64];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-    // A step's scales (half h's weight block: the next block row), loaded a step ahead: loaded at the
-    // step's start, their round trip through an L2 busy with the copies outlasted the wait for the
-    // stage, and both warpgroups waited on them (a helper's reading of the ncu run, 2026-12-06).
-    float sw[kHalves], s0, s1;
-    const auto load_scales = [&](int step, float (&w)[kHalves], float& x0, float& x1) {
-#pragma unroll
-      for (int h = 0; h < kHalves; ++h) w[h] = h < halves ? __ldg(ws + step * ws_step + h * blocks_in) : 0.0f;
-      x0 = __ldg(sx0 + int64_t(step) * a.padded);
-      x1 = __ldg(sx1 + int64_t(step) * a.padded);
-    };
-    load_scales(0, sw, s0, s1);
     for (int step = 0; step < steps; ++step, ++it) {
       const int slot = it % kE4m3Stages;
       float next_sw[kHalves] = {}, next_s0 = 0.0f, next_s1 = 0.0f;
-      if (step + 1 < steps) load_scales(step + 1, next_sw, next_s0, next_s1);
+      if (step + 1 < steps) load_scales(now, step + 1, next_sw, next_s0, next_s1);
+      else if (more) load_scales(next, 0, next_sw, next_s0, next_s1);
       wgmma::bar_wait(full + slot, (it / kE4m3Stages) & 1);
       const uint32_t stage = base + slot * S::kStageBytes, x_tile = stage + wg * (kTileBytes / 2);
 #pragma unroll
@@ -585,6 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       s0 = next_s0;
       s1 = next_s1;
     }
+    now = next;
     unsigned char* stage = smem + kE4m3Stages * S::kStageBytes + 128 + (4 * wg + warp) * 16 * kEpiloguePitch;
     write_rows<BN>(acc, stage, tile.first + 64 * wg + 16 * warp, tile.end, a.y, N, n0);
   }
