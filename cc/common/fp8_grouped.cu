@@ -548,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   float sw[kHalves] = {}, s0 = 0.0f, s1 = 0.0f;
   Place now{};
-  if (blockIdx.x < tiles) {
+  if (int(blockIdx.x) < tiles) {
     now = place_of(blockIdx.x);
     load_scales(now, 0, sw, s0, s1);
   }
@@ -556,7 +556,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Tile tile = now.tile;
     const int n0 = now.n0, halves = now.halves;
-    const bool more = t + gridDim.x < tiles;
+    const bool more = t + int(gridDim.x) < tiles;
     const Place next = more ? place_of(t + gridDim.x) : Place{};
     // acc: half h's fragment (columns n0 + 128 h..) at 64 h.., a 64 x BN fragment as write_rows reads it.
     float acc[BN / 2], part[64];
