@@ -5,7 +5,9 @@
 
 The cases are the `benchmarks` of each op's test case (py/v4train/testing/cases/<op>.py), at the shapes of the
 models' hot paths (GLM-5: 4096 tokens x hidden 6144). Prints one markdown table row per case and
-implementation; docs/benchmarks.md records what it printed.
+implementation; docs/benchmarks.md records what it printed. `--impl ...,fla` adds the op's peer from
+flash-linear-attention where it has one and fla is installed (v4_gated_delta_rule: issue 18's anchor,
+timed in the same process on the same inputs).
 """
 
 from __future__ import annotations
@@ -60,13 +62,42 @@ def profile(fn, device, top=12):
         print(f"    {getattr(e, key) / 1e3:8.3f} ms {100 * getattr(e, key) / total:5.1f}% x{e.count:<5d} {e.key[:110]}")
 
 
+def fla_gated_delta_rule(unchecked: bool):
+    """(row name, fn): flash-linear-attention's chunk_gated_delta_rule on v4_gated_delta_rule's arguments
+    (q and k L2-normalised in its kernel, scale 1/sqrt(K), one packed batch); None where fla is not
+    installed. fla refuses its gated backward on Hopper with Triton 3.4 to 3.7.0, which compiles it to
+    wrong gradients (fla issue 640); `unchecked` lifts the refusal for its times alone, and the row says so."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    name = "fla"
+    if unchecked and not chunk_o.TRITON_ABOVE_3_7_1:
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        name = "fla (times only: its gradients are wrong on this Triton)"
+
+    def call(q, k, v, g, beta, cu_seqlens):
+        o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None], cu_seqlens=cu_seqlens,
+                                      use_qk_l2norm_in_kernel=True)
+        return o[0]
+
+    return name, call
+
+
+PEERS = {"v4_gated_delta_rule": fla_gated_delta_rule}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--ops", default="", help="comma list of ops to time (default: all)")
-    parser.add_argument("--impl", default="reference,cpp", help="which implementations to time")
+    parser.add_argument("--impl", default="reference,cpp",
+                        help="which implementations to time: reference, cpp, fla (the op's peer, where it has one)")
+    parser.add_argument("--fla_unchecked", action="store_true",
+                        help="time fla where it refuses this Triton for wrong gradients (fla issue 640)")
     parser.add_argument("--profile", action="store_true", help="also print where a forward+backward spends its time")
     parser.add_argument("--cases", default="", help="comma list of indices into each op's benchmark cases (default: all)")
     parser.add_argument("--once", action="store_true",
@@ -85,7 +116,16 @@ def main(argv=None):
         op = CASES[op_name]
         shape, op_args = case(args.device, dtype)
         impls = {"reference": lambda: REFERENCE[op_name], "cpp": op.cpp}
-        for impl, fn in ((i, impls[i]()) for i in args.impl.split(",")):
+        for impl in args.impl.split(","):
+            if impl == "fla":
+                found = PEERS[op_name](args.fla_unchecked) if op_name in PEERS else None
+                if found is None:
+                    if op_name in PEERS:
+                        print(f"| {op_name} | {shape} | fla | not installed | - | - | - |", flush=True)
+                    continue
+                impl, fn = found
+            else:
+                fn = impls[impl]()
             if op.inplace and args.once:
                 continue
             if op.inplace:  # an optimizer op: no backward

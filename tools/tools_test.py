@@ -182,6 +182,41 @@ def test_the_benchmark_runs_a_picked_case_once(capsys):
     assert "| v4_rms_norm" not in capsys.readouterr().out
 
 
+def test_the_fla_peer_takes_the_ops_arguments_and_says_when_its_check_is_lifted(monkeypatch):
+    """tools/benchmark.py's fla peer of v4_gated_delta_rule (on stand-in fla modules): None without fla;
+    with it, fla's chunk_gated_delta_rule on a batch of one (q and k normalised in its kernel, g in
+    float32, the packed batch's cu_seqlens), its output's one row returned; its refusal of this Triton
+    (fla issue 640) lifted only when asked, the row then naming its gradients wrong."""
+    import types
+
+    import benchmark
+    import torch
+
+    monkeypatch.setitem(sys.modules, "fla", None)
+    assert benchmark.fla_gated_delta_rule(False) is None
+    calls = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, use_qk_l2norm_in_kernel):
+        calls.append((q.shape, k.shape, g.dtype, beta.shape, cu_seqlens.tolist(), use_qk_l2norm_in_kernel))
+        return v * 2, None
+
+    chunk_o = types.SimpleNamespace(TRITON_ABOVE_3_7_1=False)
+    modules = {"fla": types.ModuleType("fla"), "fla.ops": types.ModuleType("fla.ops"),
+               "fla.ops.common": types.ModuleType("fla.ops.common"), "fla.ops.common.chunk_o": chunk_o,
+               "fla.ops.gated_delta_rule": types.SimpleNamespace(chunk_gated_delta_rule=chunk_gated_delta_rule)}
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    name, fn = benchmark.fla_gated_delta_rule(False)
+    assert name == "fla" and chunk_o.TRITON_ABOVE_3_7_1 is False
+    q, v = torch.zeros(5, 2, 4, dtype=torch.bfloat16), torch.ones(5, 4, 3, dtype=torch.bfloat16)
+    g = torch.zeros(5, 4, dtype=torch.bfloat16)
+    out = fn(q, q, v, g, g, torch.tensor([0, 2, 5]))
+    assert out.shape == (5, 4, 3) and torch.equal(out, v * 2)
+    assert calls == [((1, 5, 2, 4), (1, 5, 2, 4), torch.float32, (1, 5, 4), [0, 2, 5], True)]
+    name, _ = benchmark.fla_gated_delta_rule(True)
+    assert chunk_o.TRITON_ABOVE_3_7_1 is True and "gradients are wrong" in name
+
+
 def test_the_split_check_rounds_the_stored_states_only_in_the_decay_s_gradient():
     """delta_rule_split_check's --stored: the state's decay and its gradient to the state as torch
     gives them; the gradient to the factor the float32 dot of the states in bf16 (each rounded
