@@ -1226,9 +1226,11 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
     // P v_new on planes, E Q h on bfloat16 operands (k from 64 on: the site q S, one product)
     plane_gemm<2, false, false, false, false, kRows>(qp, m.ldqp, kRows * m.ldqp, x, kPitch, kLo, kRows, kOutCols,
                                                      kRows + d.pk,
-                                [&](int r, int c, float v) {
+                                [&](int r, int c, float v0, float v1) {
                                   const int64_t tok = s.slot[r];
-                                  if (tok < p.T) o[(tok * p.hv + h) * d.dv + c0 + c] = __float2bfloat16_rn(v);
+                                  if (tok < p.T)
+                                    *reinterpret_cast<__nv_bfloat162*>(o + (tok * p.hv + h) * d.dv + c0 + c) =
+                                        __floats2bfloat162_rn(v0, v1);
                                 });
     __syncthreads();
   }
@@ -1927,9 +1929,12 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   }
   // k's gradient: dk_part + ((C + C^T) diag(r_k) k + beta E dR_K), over dR_K in D.
   plane_gemm<4, false, false, true, true>(c_rk, kPlane64, 0, m.k, kPlaneRow, 0, kRows, 128, kRows,
-                                          [&](int r, int c, float val) {
+                                          [&](int r, int c, float v0, float v1) {
                                             float* at = m.D + r * kLdD + c;
-                                            *at = p.dk_part[(rows + r) * 128 + c] + (val + s.beta[r] * s.E[r] * *at);
+                                            const float be = s.beta[r] * s.E[r];
+                                            const float2 part = *reinterpret_cast<const float2*>(
+                                                p.dk_part + (rows + r) * 128 + c);
+                                            store2(at, part.x + (v0 + be * at[0]), part.y + (v1 + be * at[1]));
                                           });
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
