@@ -36,6 +36,8 @@
 #     FP8 proxy of MODELS against its bf16 twin in one process (TOKENS, default 4096), and GLM-5's
 #     decoder layer at full width (--full_layer); logs fp8_*.log. The e4m3 kernel's variants come from
 #     the environment as the ops read it (e.g. V4TRAIN_FP8_E4M3_VARIANTS=transpose_global,wide).
+#   PACK=1: at the end every file under OUT packed into OUT/logs.tar.gz alone (the device tool brings
+#     back at most 8 files; an ncu stage alone writes 4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu_check}
@@ -172,5 +174,9 @@ if has train; then
     cp "$run/metrics.jsonl" "$out/train_${model}_metrics.jsonl" 2>/dev/null
     echo "train $model: $(tail -1 "$out/train_$model.log" | cut -c1-300)"
   done
+fi
+if [ -n "${PACK:-}" ]; then  # one file for all the logs (the device tool brings back 8 files at most)
+  pack=$(mktemp -d)/logs.tar.gz
+  tar -czf "$pack" -C "$out" . && rm -rf "${out:?}"/* && mv "$pack" "$out/logs.tar.gz" || status=1
 fi
 exit $status

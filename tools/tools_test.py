@@ -182,6 +182,19 @@ def test_the_benchmark_runs_a_picked_case_once(capsys):
     assert "| v4_rms_norm" not in capsys.readouterr().out
 
 
+def test_gpu_check_packs_its_logs_into_one_file(tmp_path):
+    """tools/gpu_check.sh with PACK=1 leaves OUT holding logs.tar.gz alone, with what the run wrote in it
+    (the device tool brings back 8 files at most: a report left out was lost once)."""
+    import tarfile
+
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), STAGES="none", PACK="1")
+    subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_check.sh")], env=env, capture_output=True, check=True)
+    assert sorted(os.listdir(out)) == ["logs.tar.gz"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "./env.txt" in tar.getnames()
+
+
 def test_the_fla_peer_takes_the_ops_arguments_and_says_when_its_check_is_lifted(monkeypatch):
     """tools/benchmark.py's fla peer of v4_gated_delta_rule (on stand-in fla modules): None without fla;
     with it, fla's chunk_gated_delta_rule on a batch of one (q and k normalised in its kernel, g in
