@@ -267,12 +267,13 @@ MUTATIONS = (
              "for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax,",
              "for (int offset = 4; offset > 0; offset /= 2) amax = fmaxf(amax,", FP8_QUANTIZE_CUDA, cuda=True,
              module="v4_linear_test"),
-    Mutation("fp8_quantize_pair_carry_dropped", "quantize_rows' warps step past a row's last pair of blocks without "
-             "moving to the next row", "cc/common/fp8.cu", "    r += dr + (p >= pairs);", "    r += dr;",
-             FP8_QUANTIZE_CUDA, cuda=True, module="v4_linear_test"),
-    Mutation("fp8_dequantize_row_carry_dropped", "the dequantisation's threads step past a row's last vector without "
-             "moving to the next row", "cc/common/fp8.cu", "    r += step_r + next_row;", "    r += step_r;",
-             FP8_DEQUANTIZE_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_advance_carry_dropped", "the FP8 loops' places step past a row's end without moving to the next "
+             "row (quantize_rows' pairs of blocks, the dequantisation's vectors)", "cc/common/fp8.cu",
+             "  major += d_major + carry;", "  major += d_major;", FP8_QUANTIZE_CUDA, cuda=True,
+             module="v4_linear_test"),
+    Mutation("fp8_dequantize_matrix_carry_dropped", "the dequantisation's threads step past a matrix's last row "
+             "without moving to the next matrix", "cc/common/fp8.cu", "    advance(m, r, step_m, 0, rows);",
+             "    m += step_m;", FP8_DEQUANTIZE_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
              "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
              "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),

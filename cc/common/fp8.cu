@@ -37,10 +37,19 @@ __device__ __forceinline__ __half rounded<__half>(float v) { return __float2half
 template <>
 __device__ __forceinline__ float rounded<float>(float v) { return v; }
 
+// A grid-stride loop's place (major, minor) in a flat index major * n + minor, stepped by the
+// stride's parts (d_major, d_minor) without a division (int64 divisions, a long software sequence,
+// were most of the loops' instructions); minor + d_minor < 2 n.
+__device__ __forceinline__ void advance(int64_t& major, int64_t& minor, int64_t d_major, int64_t d_minor, int64_t n) {
+  minor += d_minor;
+  const bool carry = minor >= n;
+  if (carry) minor -= n;
+  major += d_major + carry;
+}
+
 // out[m, r, c] = float(w[m, r, c]) * scale[m, r / 128, c / 128] in fp32, rounded once to T (what
 // the reference computes). A thread's 16 weights share one scale: cols is a multiple of 16. The
-// thread's place (m, r, c) steps with its index, by the stride's parts, without a division in the
-// loop (int64 divisions, a long software sequence, were most of the instructions).
+// thread's place (m, r, c) advances with its index.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale, T* __restrict__ out,
@@ -64,15 +73,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < int(kVec * sizeof(T) / 16); ++j)
       reinterpret_cast<uint4*>(out + i)[j] = reinterpret_cast<const uint4*>(values)[j];
-    c += step_c;
-    const bool next_row = c >= per_row;
-    if (next_row) c -= per_row;
-    r += step_r + next_row;
-    m += step_m;
-    if (r >= rows) {
-      r -= rows;
-      ++m;
-    }
+    advance(r, c, step_r, step_c, per_row);  // (r may pass rows once: the next call carries it)
+    advance(m, r, step_m, 0, rows);
   }
 }
 
@@ -119,7 +121,7 @@ constexpr int64_t kRowPad = 16;
 // a pair of blocks of a row (b even, b + 1) a half-warp each, kItems pairs at once where the grid
 // is capped, their loads issued before any is used (a block a warp, 8 bytes a lane, kept too few
 // bytes in flight: 1.8 TB/s on the H100); the loop and the shuffles are warp-uniform. An item's
-// (row, pair) steps as dequantize_kernel's place does, without a division in the loop.
+// (row, pair) advances with its index.
 __global__ void __launch_bounds__(kThreads)
     quantize_rows_kernel(const __nv_bfloat16* __restrict__ x, int64_t ldx, int64_t rows, int64_t padded,
                          int64_t blocks, uint8_t* __restrict__ q, float* __restrict__ scale) {
@@ -129,19 +131,14 @@ __global__ void __launch_bounds__(kThreads)
   // Item it + 1 is `warps` items after item it; the next round kItems * warps after this one.
   const int64_t item_r = warps / pairs, item_p = warps % pairs;
   const int64_t round_r = warps * kItems / pairs, round_p = warps * kItems % pairs;
-  const auto step = [pairs](int64_t& r, int64_t& p, int64_t dr, int64_t dp) {
-    p += dp;
-    r += dr + (p >= pairs);
-    if (p >= pairs) p -= pairs;
-  };
-  for (int64_t r0 = w0 / pairs, p0 = w0 % pairs; r0 < padded; step(r0, p0, round_r, round_p)) {
+  for (int64_t r0 = w0 / pairs, p0 = w0 % pairs; r0 < padded; advance(r0, p0, round_r, round_p, pairs)) {
     float v[kItems][kLanes];
     int64_t r[kItems], b[kItems];
     bool live[kItems];
     int64_t ri = r0, pi = p0;
 #pragma unroll
     for (int it = 0; it < kItems; ++it) {
-      if (it > 0) step(ri, pi, item_r, item_p);
+      if (it > 0) advance(ri, pi, item_r, item_p, pairs);
       r[it] = ri;
       b[it] = pi * 2 + half;
       live[it] = ri < padded && b[it] < blocks;

@@ -1037,7 +1037,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         const int r = x0 + g + 8 * half, c = xc + 2 * t;
         const float v0 = base[r * kCols + c] + p.sign_a * acc[2 * half];
         const float v1 = base[r * kCols + c + 1] + p.sign_a * acc[2 * half + 1];
-        *reinterpret_cast<float2*>(p.x_out + (head * kRows + r) * d.dv + col0 + c) = make_float2(v0, v1);
+        store2(p.x_out + (head * kRows + r) * d.dv + col0 + c, v0, v1);
         *reinterpret_cast<uint32_t*>(m.X + r * kPlanePitch + c) = pack2<__nv_bfloat16>(v0, v1);
       }
     }
