@@ -73,8 +73,9 @@ def fla_gated_delta_rule(unchecked: bool):
     except ImportError:
         return None
     name = "fla"
-    if unchecked and not chunk_o.TRITON_ABOVE_3_7_1:
-        chunk_o.TRITON_ABOVE_3_7_1 = True
+    # (The refusal's flag is remembered as found: a second case must name its row as the first did.)
+    if unchecked and getattr(chunk_o, "v4train_refused", not chunk_o.TRITON_ABOVE_3_7_1):
+        chunk_o.v4train_refused, chunk_o.TRITON_ABOVE_3_7_1 = True, True
         name = "fla (times only: its gradients are wrong on this Triton)"
 
     def call(q, k, v, g, beta, cu_seqlens):

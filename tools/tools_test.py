@@ -228,6 +228,8 @@ def test_the_fla_peer_takes_the_ops_arguments_and_says_when_its_check_is_lifted(
     assert calls == [((1, 5, 2, 4), (1, 5, 2, 4), torch.float32, (1, 5, 4), [0, 2, 5], True)]
     name, _ = benchmark.fla_gated_delta_rule(True)
     assert chunk_o.TRITON_ABOVE_3_7_1 is True and "gradients are wrong" in name
+    name, _ = benchmark.fla_gated_delta_rule(True)  # the next case's row (--cases 1,2) says it too
+    assert "gradients are wrong" in name
 
 
 def test_the_split_check_rounds_the_stored_states_only_in_the_decay_s_gradient():
