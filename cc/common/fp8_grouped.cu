@@ -516,7 +516,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- the products: warpgroup wg, rows 64 wg.. of the tile, all BN columns
   if constexpr (kHalves == 2) wgmma::regs_grow<224>();
-  const uint32_t base = wgmma::saddr(smem);
+  // Stage 0's descriptors, this warpgroup's 64 rows of x and the weight's first half: every product's
+  // is one of these moved on (desc_add).
+  const uint64_t x_desc = wgmma::desc128(wgmma::saddr(smem) + wg * (kTileBytes / 2), 16, 1024),
+                 w_desc = wgmma::desc128(wgmma::saddr(smem) + kTileBytes, 16, 1024);
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int blocks_in = a.in / kT;
   // Tile t: its rows, first column, halves within N, and scales: this thread's rows' of x (its
@@ -568,20 +571,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (step + 1 < steps) load_scales(now, step + 1, next_sw, next_s0, next_s1);
       else if (more) load_scales(next, 0, next_sw, next_s0, next_s1);
       wgmma::bar_wait(full + slot, (it / kE4m3Stages) & 1);
-      const uint32_t stage = base + slot * S::kStageBytes, x_tile = stage + wg * (kTileBytes / 2);
+      const uint32_t stage = slot * S::kStageBytes;
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
         if (h >= halves) break;
-        const uint32_t w_tile = stage + (1 + h) * kTileBytes;
         wgmma::fence_operand(part);
         wgmma::fence();
 #pragma unroll
         for (int kk = 0; kk < kT / 32; ++kk)
-          wgmma::mma_e4m3(part, wgmma::desc128(x_tile + 32 * kk, 16, 1024),
-                          wgmma::desc128(w_tile + 32 * kk, 16, 1024), kk > 0);
+          wgmma::mma_e4m3(part, wgmma::desc_add(x_desc, stage + 32 * kk),
+                          wgmma::desc_add(w_desc, stage + h * kTileBytes + 32 * kk), kk > 0);
         wgmma::commit();
         // The block's sums promoted: one fp32 rounding of the scales' product, one of each fused add.
-        const float r0 = s0 * sw[h], r1 = s1 * sw[h];
+        // (The empty asm keeps the weight's scale in a thread's register: the compiler moved it to a
+        // uniform one right after its load, a step early, and waited there on the load it was to hide.)
+        float w_scale = sw[h];
+        asm volatile("" : "+f"(w_scale));
+        const float r0 = s0 * w_scale, r1 = s1 * w_scale;
         wgmma::wait<0>();
         wgmma::fence_operand(part);
         if (h == halves - 1) {  // the warp's reads of the stage done: one arrival for its 32 lanes

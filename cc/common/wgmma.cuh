@@ -98,6 +98,13 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t k_stride_bytes,
 __device__ __forceinline__ uint64_t desc128(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
   return desc(addr, lead_bytes, stride_bytes) | uint64_t(1) << 62;
 }
+// Descriptor d moved `bytes` on (a multiple of 16). The start address is its low 14 bits, in 16-byte
+// units, and shared memory (under 256 KB) never carries out of them, so one 32-bit add stands for
+// desc's masks and shifts: in the e4m3 kernel those were a third of a multiplying warp's
+// instructions a step (ncu, 2026-12-06), a chain of five uniform operations before each product.
+__device__ __forceinline__ uint64_t desc_add(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(d) + (bytes >> 4));
+}
 template <int Rows>
 __device__ __forceinline__ int sw128_offset(int row, int col) {
   return (col / 64) * (Rows * 128) + row * 128 + (((col % 64) / 8) ^ (row % 8)) * 16 + (col % 8) * 2;
