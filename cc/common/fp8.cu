@@ -90,12 +90,12 @@ bool dequantize_fp8(const at::Tensor& weight, const at::Tensor& scale, at::Scala
   if (dtype != at::kBFloat16 && dtype != at::kHalf && dtype != at::kFloat) return false;  // (float64: ATen)
   const int64_t rows = weight.size(-2), cols = weight.size(-1);
   if (cols % kVec != 0) return false;
+  if (rows >= (int64_t(1) << 31) || cols / kVec >= (int64_t(1) << 31)) return false;  // (the kernel's 32-bit place)
   const c10::cuda::CUDAGuard guard(weight.device());
   const at::Tensor w = weight.contiguous(), s = scale.to(at::kFloat).contiguous();
   if (reinterpret_cast<uintptr_t>(w.const_data_ptr()) % 16 != 0) return false;
   out = at::empty(weight.sizes(), weight.options().dtype(dtype));
   const int64_t vecs = w.numel() / kVec;
-  if (rows >= (int64_t(1) << 31) || cols / kVec >= (int64_t(1) << 31)) return false;  // (the kernel's 32-bit place)
   const int blocks = int(std::min<int64_t>((vecs + kThreads - 1) / kThreads, int64_t(132) * 16));
   const int64_t stride = int64_t(blocks) * kThreads, per_row = cols / kVec;
   const Steps step{stride / per_row / rows, stride / per_row % rows, stride % per_row};
