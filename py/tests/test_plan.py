@@ -489,11 +489,19 @@ def test_the_experts_weights_turned_once_plan_their_group(monkeypatch):
         plan.plan(_full_layer_fp8())
 
 
-def test_the_e4m3_variants_are_the_cpp_ops_words():
-    """plan.py reads V4TRAIN_FP8_E4M3_VARIANTS as cc/common/fp8_grouped.cu does: the same words."""
+def test_the_e4m3_variants_are_the_cpp_ops_words(monkeypatch):
+    """plan.py reads V4TRAIN_FP8_E4M3_VARIANTS as cc/common/fp8_grouped.cu does: the same words, and
+    unset the same ones (the C++ mask's enumerators, bit i naming word i)."""
     with open(os.path.join(ROOT, "cc", "common", "fp8_grouped.cu")) as f:
-        (names,) = re.findall(r'env_variants\("V4TRAIN_FP8_E4M3_VARIANTS", \{([^}]*)\}', f.read())
-    assert tuple(re.findall(r'"(\w+)"', names)) == plan.E4M3_VARIANTS
+        text = f.read()
+    ((names, unset),) = re.findall(r'env_variants\("V4TRAIN_FP8_E4M3_VARIANTS", \{([^}]*)\}, ([^)]*)\)', text)
+    words = tuple(re.findall(r'"(\w+)"', names))
+    assert words == plan.E4M3_VARIANTS
+    (enum,) = re.findall(r"enum E4m3Variant : unsigned \{([^}]*)\}", text)
+    bits = {name: int(value) for name, value in re.findall(r"(\w+) = (\d+)", enum)}
+    mask = sum(bits[name.strip()] for name in unset.split("|"))
+    monkeypatch.delenv("V4TRAIN_FP8_E4M3_VARIANTS", raising=False)
+    assert plan.e4m3_variants() == {word for i, word in enumerate(words) if mask >> i & 1}
 
 
 def test_the_fp8_tensor_core_products_are_the_cpp_ops_words():
