@@ -410,7 +410,8 @@ def moe_terms(c: Ctx, i: int, s: Saved, E: int, k: int, H: int, I: int, T: int,
     # elements (B: its fp32 [B, k, H] within COMBINE_BLOCK_MIB); its backward, block by block,
     # gathers the rows, in fp32, times the incoming gradient (fp32), then writes y's gradient over
     # y's rows. Its CUDA kernels read the rows in place (no block).
-    block = 0 if fused_combine(c.setup, H, k) else min(T, max(1, (COMBINE_BLOCK_MIB << 20) // (FP32 * k * H))) * k * H
+    block = (0 if fused_combine(c.setup, H, k)
+             else min(T, max(1, (COMBINE_BLOCK_MIB << 20) // (FP32 * k * H))) * k * H)
     weigh = [Term("combine: the output [T, H]; a block's rows gathered and weighed [B, k, H]", T * H * b + 2 * block * b)]
     combine = [Term("combine backward: a block's rows gathered, in fp32, times the incoming gradient (fp32)",
                     block * (b + (FP32 if b < FP32 else 0) + FP32))]
@@ -711,8 +712,9 @@ def e4m3_variants() -> frozenset[str]:
         return frozenset(E4M3_VARIANTS[:2])
     for word in words:
         if word not in E4M3_VARIANTS + ("none",):
+            listed = f"{', '.join(E4M3_VARIANTS[:-1])} and {E4M3_VARIANTS[-1]}"  # (as env_variants lists them)
             raise ValueError(f"V4TRAIN_FP8_E4M3_VARIANTS={os.environ['V4TRAIN_FP8_E4M3_VARIANTS']}: unknown variant "
-                             f"{word!r}; expected a comma list of {' and '.join(E4M3_VARIANTS)}, or none")
+                             f"{word!r}; expected a comma list of {listed}, or none")
     return frozenset(words) - {"none"}
 
 
