@@ -30,7 +30,8 @@
 #     default 1: 65,536 tokens), all in one process: the sections and each warp stall reason in ncu.log,
 #     each kernel's SASS split at its barriers by tools/ncu_phases.py in ncu_phases.log (the table itself
 #     in ncu_sass.csv.gz; the report in NCU_REPORT, default /tmp/v4train_ncu.ncu-rep; NCU_S seconds at
-#     most, default 480; NCU_METRICS=a,b more metrics);
+#     most, default 480; NCU_METRICS=a,b more metrics; NCU_IMPL=fla NCU_ARGS=--fla_unchecked the peer's
+#     kernels instead, where fla's wheel is installed);
 #   the stage "fp8": issue 16's measurements under each V4TRAIN_FP8_TENSOR_CORES value of FP8_SWITCHES
 #     (default "none experts_forward experts"): the MoE op's FP8 case (--cases 1 --profile), each
 #     FP8 proxy of MODELS against its bf16 twin in one process (TOKENS, default 4096), and GLM-5's
@@ -105,8 +106,8 @@ if has ncu; then
   timeout "${NCU_S:-480}" ncu --clock-control none -k "regex:($kernels)" -c "${NCU_LAUNCHES:-3}" --section SpeedOfLight \
     --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section InstructionStats --metrics "${stalls%,}${NCU_METRICS:+,$NCU_METRICS}" --import-source yes \
-    -f -o "$report" python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl cpp \
-    --cases "${NCU_CASES:-1}" --once >"$out/ncu.log" 2>&1 || status=1
+    -f -o "$report" python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl "${NCU_IMPL:-cpp}" \
+    ${NCU_ARGS:-} --cases "${NCU_CASES:-1}" --once >"$out/ncu.log" 2>&1 || status=1
   ncu -i "$report.ncu-rep" >>"$out/ncu.log" 2>&1 || status=1
   ncu -i "$report.ncu-rep" --page source --csv --print-source sass 2>>"$out/ncu.log" | gzip >"$out/ncu_sass.csv.gz"
   python3 tools/ncu_phases.py "$out/ncu_sass.csv.gz" >"$out/ncu_phases.log" 2>&1 || status=1
