@@ -594,11 +594,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                           wgmma::desc_add(w_desc, stage + h * kTileBytes + 32 * kk), kk > 0);
         wgmma::commit();
         // The block's sums promoted: one fp32 rounding of the scales' product, one of each fused add.
-        // (The empty asm keeps the weight's scale in a thread's register: the compiler moved it to a
-        // uniform one right after its load, a step early, and waited there on the load it was to hide.)
-        float w_scale = sw[h];
-        asm volatile("" : "+f"(w_scale));
-        const float r0 = s0 * w_scale, r1 = s1 * w_scale;
+        // (ptxas moves the weight's scale into a uniform register right after its load, a step early,
+        // and waits there on the load: ~4,200 long-scoreboard samples of ~130,000 in ncu. An empty asm
+        // on its use, which emits nothing that ptxas sees, did not stop it. DeepGEMM reads its weight
+        // scales from shared memory, where a tile's are put at its start: the next thing to try.)
+        const float r0 = s0 * sw[h], r1 = s1 * sw[h];
         wgmma::wait<0>();
         wgmma::fence_operand(part);
         if (turns) wgmma::named_arrive(2 - wg, 256);  // the other warpgroup's turn
