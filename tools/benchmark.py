@@ -60,6 +60,9 @@ def profile(fn, device, top=12):
     total = sum(getattr(e, key) for e in events)
     for e in sorted(events, key=lambda e: -getattr(e, key))[:top]:
         print(f"    {getattr(e, key) / 1e3:8.3f} ms {100 * getattr(e, key) / total:5.1f}% x{e.count:<5d} {e.key[:110]}")
+    if device == "cuda":  # (the rows above count a kernel twice: itself, and in the op or function that launched it)
+        spans = [e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        print(f"    {sum(spans) / 1e3:8.3f} ms on the device: all {len(spans)} kernels, copies and fills, once each")
 
 
 def fla_gated_delta_rule(unchecked: bool):

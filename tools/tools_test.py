@@ -232,6 +232,43 @@ def test_the_fla_peer_takes_the_ops_arguments_and_says_when_its_check_is_lifted(
     assert "gradients are wrong" in name
 
 
+def test_the_profile_sums_the_device_time_of_each_kernel_once(monkeypatch, capsys):
+    """tools/benchmark.py's --profile on CUDA (a stand-in profiler): its rows count a kernel under the
+    function that launched it as well, so the last line sums the device events alone, once each."""
+    import types
+
+    import benchmark
+    import torch
+
+    CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    def span(us):
+        return types.SimpleNamespace(elapsed_us=lambda: us)
+
+    events = [types.SimpleNamespace(device_type=CUDA, time_range=span(300.0)),
+              types.SimpleNamespace(device_type=CUDA, time_range=span(200.0)),
+              types.SimpleNamespace(device_type=CPU, time_range=span(900.0))]
+    rows = [types.SimpleNamespace(self_device_time_total=500.0, count=1, key="the function that launched both"),
+            types.SimpleNamespace(self_device_time_total=300.0, count=1, key="kernel_a"),
+            types.SimpleNamespace(self_device_time_total=200.0, count=1, key="kernel_b")]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return types.SimpleNamespace(key_averages=lambda: rows, events=lambda: events)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    benchmark.profile(lambda: None, "cuda")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["0.500", "ms", "50.0%"] and "kernel_a" in out[1]
+    assert out[-1].split()[:2] == ["0.500", "ms"] and "all 2 kernels" in out[-1]
+
+
 def test_the_split_check_rounds_the_stored_states_only_in_the_decay_s_gradient():
     """delta_rule_split_check's --stored: the state's decay and its gradient to the state as torch
     gives them; the gradient to the factor the float32 dot of the states in bf16 (each rounded
