@@ -565,13 +565,15 @@ __device__ __forceinline__ void store2(float* at, float x0, float x1) {
 
 // C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
 // [K, M] (kTA) or [M, K] (pitch lda), B [K, N] stored [N, K] (kTB) or [K, N] (pitch ldb): each warp
-// takes 16 x 8 NT tiles of C (as block_gemm deals them; NT even) and hands every element of C to epi(row, col, value)
-// once, or each pair of columns (col even) to epi(row, col, value, value at col + 1): an epilogue that writes global
-// memory takes pairs, 8 bytes a lane, so that a warp's store fills its 32-byte sectors (one element a lane wrote half
-// of each: ncu of state_grads, 2026-12-06, L2 at 93%). M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16 values (its lo plane
-// zero, not read), two products for three; kAExact likewise for A; both, one product. From k = kOnceFrom
-// on, and in C's rows from kOnceFromRow on (multiples of 16), both operands are taken rounded to
-// bfloat16 (their hi planes): one product. kTri: the zero triangles it skips (Tri).
+// takes 16 x 8 NT tiles of C (as block_gemm deals them; NT even) and hands every element of C to
+// epi(row, col, value) once, or each pair of columns (col even) to epi(row, col, value, value at
+// col + 1): an epilogue that writes global memory takes pairs, 8 bytes a lane, so that a warp's
+// store fills its 32-byte sectors (one element a lane wrote half of each: ncu of state_grads,
+// 2026-12-06, L2 at 93%). M, N, K are multiples of 16 within the planes. kBExact: B is bfloat16
+// values (its lo plane zero, not read), two products for three; kAExact likewise for A; both, one
+// product. From k = kOnceFrom on, and in C's rows from kOnceFromRow on (multiples of 16), both
+// operands are taken rounded to bfloat16 (their hi planes): one product. kTri: the zero triangles
+// it skips (Tri).
 template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, int kOnceFrom = kNever,
           int kOnceFromRow = kNever, int kTri = Tri::kNone, typename Epi>
 __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
