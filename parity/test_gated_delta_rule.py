@@ -80,18 +80,20 @@ def _ran(prof, kernel: str) -> set[str]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_the_planes_kernels_pass_the_judge_on_cuda():
     """bf16 at Qwen3.5's widths takes the kernels on planes (cc/ops/gated_delta_rule.cu kPlanes), the
-    output's and wy_grads' among them (the UT transform's backward: v's, beta's, k's and g's gradients),
-    and the reverse recurrence forms the state's gradient from each chunk's outputs itself (its `true`
-    instance, from E Q as local_grads wrote it): every gradient against the reference and its float64
-    truth over documents across chunk boundaries (1, 63, 64, 65 and 4,097 tokens); the profile shows
-    the planes kernels ran, not the float32 ones, and the folded recurrence in the backward alone."""
+    prepare's (forward and the backward's recomputation), the output's and wy_grads' among them (the UT
+    transform's backward: v's, beta's, k's and g's gradients), and the reverse recurrence forms the
+    state's gradient from each chunk's outputs itself (its `true` instance, from E Q as local_grads
+    wrote it): every gradient against the reference and its float64 truth over documents across chunk
+    boundaries (1, 63, 64, 65 and 4,097 tokens); the profile shows the planes kernels ran, not the
+    float32 ones, and the folded recurrence in the backward alone."""
     from v4train.testing.check import check_parity
     from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(torch.bfloat16, "cuda", 11), seed=3)
         torch.cuda.synchronize()
-    for planes, plain in (("output_planes_kernel", "output_kernel"), ("wy_grads_planes_kernel", "wy_grads_kernel")):
+    for planes, plain in (("prepare_planes_kernel", "prepare_kernel"), ("output_planes_kernel", "output_kernel"),
+                          ("wy_grads_planes_kernel", "wy_grads_kernel")):
         assert _ran(prof, planes) and not _ran(prof, plain), (planes, _ran(prof, plain))
     folded = {"true>(" in n.replace(" ", "") for n in _ran(prof, "recurrence_planes_kernel")}
     assert folded == {True, False}, _ran(prof, "recurrence_planes_kernel")  # backward, forward

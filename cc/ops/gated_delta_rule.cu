@@ -19,8 +19,9 @@
 // product) where it does not (the recurrence's, state_grads', and q S in output and local_grads; on
 // planes the reverse recurrence forms local_grads' h gradient itself, from E Q rounded); intra_grads
 // runs as two kernels on planes (intra_dpl, intra_grads_planes) that read q, k and d_o as their raw
-// bfloat16 rows; so do wy_grads' K K^T and the output's and local_grads' Q K^T (one exact
-// product, the norms applied after it). Products by a triangular matrix (Ai, P, dPL) skip its stored
+// bfloat16 rows; so do prepare's and wy_grads' K K^T and the output's and local_grads' Q K^T (one
+// exact product, the norms applied after it), and prepare's [U | W] (Ai's columns scaled, two
+// products). Products by a triangular matrix (Ai, P, dPL) skip its stored
 // zeros, and those whose result is kept on one side of the diagonal skip the other side (Tri).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -48,9 +49,9 @@ namespace {
 // 5 cycles per issued instruction, DRAM at 13.5%).
 constexpr int kThreads = 512, kWarps = kThreads / 32, kRows = static_cast<int>(kChunk);
 constexpr int kRowThreads = kThreads / kRows;  // threads a row of a [64, 64] matrix (antisymmetric_row_sum)
-// But prepare, whose forward substitution takes a thread a column of [U | W] (256): at 512 threads
-// half of them idled there, one block a multiprocessor (0.486 ms a pass against 0.357 at 256,
-// where two blocks shared one). The helpers it calls take the block size (Threads).
+// But prepare, whose forward substitution takes a thread a column of [U | W] (256) or of Ai (64, on
+// planes): at 512 threads half of them idled there, one block a multiprocessor (0.486 ms a pass
+// against 0.357 at 256, where two blocks shared one). The helpers it calls take the block size (Threads).
 constexpr int kPrepareThreads = 256;
 constexpr int kPitch64 = kRows + 4;  // a [64, 64] matrix's row pitch
 static_assert(kRows == 64, "the kernels hold one chunk of 64 slots a block");
@@ -573,15 +574,15 @@ __device__ __forceinline__ void store2(float* at, float x0, float x1) {
 // values (its lo plane zero, not read), two products for three; kAExact likewise for A; both, one
 // product. From k = kOnceFrom on, and in C's rows from kOnceFromRow on (multiples of 16), both
 // operands are taken rounded to bfloat16 (their hi planes): one product. kTri: the zero triangles
-// it skips (Tri).
+// it skips (Tri). Threads: the block's size.
 template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false, int kOnceFrom = kNever,
-          int kOnceFromRow = kNever, int kTri = Tri::kNone, typename Epi>
+          int kOnceFromRow = kNever, int kTri = Tri::kNone, int Threads = kThreads, typename Epi>
 __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
                                            int b_lo, int M, int N, int K, Epi&& epi) {
   static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int ngroups = N / (8 * NT);
-  for (int tile = warp; tile < M / 16 * ngroups; tile = next_tile<kTri>(tile, warp, kWarps)) {
+  for (int tile = warp; tile < M / 16 * ngroups; tile = next_tile<kTri>(tile, warp, Threads / 32)) {
     const int2 place = tile_at<kTri>(tile, ngroups);
     const int m0 = place.x * 16, n0 = place.y * 8 * NT;
     float acc[NT][4] = {}, cross[NT][4] = {};
@@ -675,11 +676,12 @@ __device__ __forceinline__ void load_split(__nv_bfloat16* dst, const float* src,
 // The chunk's rows of x [T, heads, 128] (bfloat16) as planes (pitch kPlaneRow, lo at + lo_off): hi
 // the values, lo zero (bfloat16 is exact in hi); zero rows for padding slots. lo_off < 0: the hi
 // plane alone (for plane_gemm's kAExact / kBExact, which do not read lo).
+template <int Threads = kThreads>
 __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
                                                 int head, const Info& s, int64_t T_) {
   constexpr int kPieces = 128 / 8;  // 16 bytes each
   const bool vec = aligned16(x);
-  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += Threads) {
     const int i = idx / kPieces, c = idx % kPieces * 8;
     const int64_t tok = s.slot[i];
     __nv_bfloat16* at = dst + i * kPlaneRow + c;
@@ -705,9 +707,10 @@ __device__ __forceinline__ void copy_rows(__nv_bfloat16* dst, int ld, const __nv
 
 // rnorm[i] = rsqrt(|x_i|^2 + 1e-6) of the 64 rows of 128 bfloat16 values at x (pitch ld), a warp a
 // row at a time: the sums in load_normalised's order, so the same values.
+template <int Threads = kThreads>
 __device__ __forceinline__ void row_rnorms(float* rnorm, const __nv_bfloat16* x, int ld) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = warp; i < kRows; i += kWarps) {
+  for (int i = warp; i < kRows; i += Threads / 32) {
     float ss = 0.0f;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -756,6 +759,7 @@ struct PrepareSmem {
 // (U not when p.u is null: the backward's recomputation, which writes Ai and L * K K^T for wy_grads).
 template <typename T, Mode kMode, typename DimsT>
 __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
+  static_assert(!kPlanes<kMode, DimsT>, "on planes, prepare_planes_kernel");
   extern __shared__ __align__(16) unsigned char smem[];
   const ChunkBlock<PrepareSmem, DimsT> b(p, smem);
   const DimsT& d = b.d;
@@ -769,9 +773,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
   __syncthreads();
   for (int idx = tid; idx < kRows * d.dk; idx += kPrepareThreads) {
     const int i = idx / d.dk, c = idx % d.dk;
-    const float x = s.Kt[i] * K[i * m.ldr + c];
-    if constexpr (kPlanes<kMode, DimsT>) store_bf16(p.k_tilde + base * d.dk, d.dk, i, c, x);
-    else p.k_tilde[(base + i) * d.dk + c] = x;
+    p.k_tilde[(base + i) * d.dk + c] = s.Kt[i] * K[i * m.ldr + c];
   }
   if (tid == 0) p.gamma[chunk * p.hv + h] = s.gamma;
   block_gemm<2, false, true, kMode, Tri::kLowerC, kPrepareThreads>(
@@ -806,15 +808,98 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 #pragma unroll
   for (int i = 0; i < kRows; ++i) x[i] = m.R[i * m.ldr + col];
   forward_substitution(x, m.A, kPitch64);
-  if (kPlanes<kMode, DimsT> && !value) {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) store_bf16(p.w + base * d.dk, d.dk, i, tid - d.dv, x[i]);
-    return;
-  }
   float* out = value ? p.u + base * d.dv + tid : p.w + base * d.dk + (tid - d.dv);
   const int stride = value ? d.dv : d.dk;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) out[i * stride] = x[i];
+}
+
+// prepare_kernel on planes (kPlanes): the forward substitution, a thread a column of [U | W], was half
+// its instructions (ncu on the H100, 2026-12-06). Here 64 threads form Ai = (I + A)^-1 alone, and
+// X = Ai R runs on tensor cores from the raw bfloat16 rows with R's row scales folded into Ai's columns:
+// U = (Ai diag(beta)) v and W = (Ai diag(beta E r_k)) k, M = Ai diag(.) as planes and v, k exact, two
+// products for three (wy_grads' own fold). K K^T is one exact product of k's raw rows, the norms
+// applied after it (as build_qp_planes' Q K^T).
+struct PreparePlanesSmem {
+  Info* info;
+  float *rk, *A, *Ai;              // r_k [64]; A and Ai [64, 68]
+  __nv_bfloat16 *k, *v, *mu, *mw;  // k's and v's raw rows [64, kPlaneRow]; M's planes [2][64, kPlane64], U's and W's
+  template <typename DimsT>
+  __host__ __device__ PreparePlanesSmem(Carve& c, const DimsT&) {
+    info = c.take<Info>(1);
+    rk = c.take<float>(kRows);
+    A = c.take<float>(kRows * kPitch64);
+    Ai = c.take<float>(kRows * kPitch64);
+    k = c.take<__nv_bfloat16>(kRows * kPlaneRow);
+    v = c.take<__nv_bfloat16>(kRows * kPlaneRow);
+    mu = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
+    mw = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
+  }
+};
+
+template <typename DimsT>
+__global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args p) {  // two blocks a multiprocessor
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  constexpr int kT = kPrepareThreads, kLo64 = kRows * kPlane64;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const ChunkBlock<PreparePlanesSmem, DimsT> b(p, smem);
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t rows = b.rows;
+  const int h = b.h, tid = threadIdx.x;
+  const bool values = p.u != nullptr;  // the forward pass (the backward's recomputation needs no U)
+  load_rows_split<kT>(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
+  if (values) load_rows_split<kT>(m.v, -1, static_cast<const __nv_bfloat16*>(p.v), p.hv, h, s, p.T);
+  wait_copies();
+  __syncthreads();
+  row_rnorms<kT>(m.rk, m.k, kPlaneRow);
+  __syncthreads();
+  plane_gemm<2, false, true, true, true, kNever, kNever, Tri::kLowerC, kT>(
+      m.k, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk, [&](int r, int c, float v) {
+        const float kkl = c < r ? v * m.rk[r] * m.rk[c] * decay(s, r, c) : 0.0f;
+        m.A[r * kPitch64 + c] = s.beta[r] * kkl;
+        if (p.kkl != nullptr) p.kkl[(rows + r) * kRows + c] = kkl;
+      });
+  __syncthreads();
+  if (tid < kRows) {  // Ai's column tid
+    float e[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) e[i] = i == tid ? 1.0f : 0.0f;
+    forward_substitution(e, m.A, kPitch64);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      m.Ai[i * kPitch64 + tid] = e[i];
+      if (p.ai != nullptr) p.ai[(rows + i) * kRows + tid] = e[i];
+    }
+  } else {  // meanwhile K~ = exp(G_63 - G) K as bfloat16 (K = k r_k, load_normalised's order), and gamma
+    auto* k_tilde = reinterpret_cast<__nv_bfloat16*>(p.k_tilde + rows * DimsT::dk);
+    for (int idx = tid - kRows; idx < kRows * DimsT::dk / 2; idx += kT - kRows) {
+      const int i = idx / (DimsT::dk / 2), c = idx % (DimsT::dk / 2) * 2;
+      const float2 x = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(m.k + i * kPlaneRow + c));
+      *reinterpret_cast<uint32_t*>(k_tilde + i * DimsT::dk + c) =
+          pack2<__nv_bfloat16>(s.Kt[i] * (x.x * m.rk[i]), s.Kt[i] * (x.y * m.rk[i]));
+    }
+    if (tid == kRows) p.gamma[b.chunk * p.hv + h] = s.gamma;
+  }
+  __syncthreads();
+  // M's planes: Ai with column j scaled by beta_j (U's) and by beta_j E_j r_k,j (W's).
+  for (int idx = tid; idx < kRows * kRows / 2; idx += kT) {
+    const int i = idx / (kRows / 2), j = idx % (kRows / 2) * 2;
+    const float2 a = *reinterpret_cast<const float2*>(m.Ai + i * kPitch64 + j);
+    const float b0 = s.beta[j], b1 = s.beta[j + 1];
+    if (values) store_split2(m.mu + i * kPlane64 + j, kLo64, a.x * b0, a.y * b1);
+    store_split2(m.mw + i * kPlane64 + j, kLo64, a.x * (b0 * s.E[j] * m.rk[j]), a.y * (b1 * s.E[j + 1] * m.rk[j + 1]));
+  }
+  __syncthreads();
+  if (values)
+    plane_gemm<2, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
+        m.mu, kPlane64, kLo64, m.v, kPlaneRow, 0, kRows, DimsT::dv, kRows,
+        [&](int r, int c, float x0, float x1) { store2(p.u + (rows + r) * DimsT::dv + c, x0, x1); });
+  auto* w = reinterpret_cast<__nv_bfloat16*>(p.w + rows * DimsT::dk);
+  plane_gemm<2, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
+      m.mw, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows, [&](int r, int c, float x0, float x1) {
+        *reinterpret_cast<uint32_t*>(w + r * DimsT::dk + c) = pack2<__nv_bfloat16>(x0, x1);
+      });
 }
 
 // The recurrence across chunks (gdr::Recurrence), a block per 32 columns of a document's head:
@@ -2115,7 +2200,10 @@ void fused(Fused& f, bool backward) {
   SideStream prepare_stream(backward);
   {
     const c10::cuda::CUDAStreamGuard on(prepare_stream.stream());
-    launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
+    if constexpr (kPlanes<kMode, DimsT>)
+      launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT>, grid, d, a);
+    else
+      launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
   }
   if (!backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
