@@ -259,12 +259,12 @@ MUTATIONS = (
              "the row's key norm twice (r_k of i, not of j)", "cc/ops/gated_delta_rule.cu",
              "v * m.rk[r] * m.rk[c] * decay(s, r, c)", "v * m.rk[r] * m.rk[r] * decay(s, r, c)", PLANES_CUDA,
              cuda=True),
-    Mutation("delta_rule_prepare_planes_w_unscaled", "prepare on planes: W's even columns of M without r_k (W taken "
-             "from k's raw rows as if normalised)", "cc/ops/gated_delta_rule.cu", "a.x * (b0 * s.E[j] * m.rk[j])",
-             "a.x * (b0 * s.E[j])", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_prepare_planes_w_unscaled", "prepare on planes: W's M without r_k (W taken from k's raw "
+             "rows as if normalised)", "cc/ops/gated_delta_rule.cu", "bw = s.beta[c] * s.E[c] * m.rk[c];",
+             "bw = s.beta[c] * s.E[c];", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_prepare_planes_ai_transposed", "backward only: prepare on planes hands wy_grads Ai^T for "
-             "Ai", "cc/ops/gated_delta_rule.cu", "p.ai[(rows + i) * kRows + tid] = e[i];",
-             "p.ai[(rows + tid) * kRows + i] = e[i];", PLANES_CUDA, cuda=True),
+             "Ai", "cc/ops/gated_delta_rule.cu", "p.ai[(rows + i) * kRows + c] = x[r];",
+             "p.ai[(rows + c) * kRows + i] = x[r];", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_fold_eq_of_p", "the folded reverse recurrence: local_grads hands it P's columns for E Q's",
              "cc/ops/gated_delta_rule.cu", "*reinterpret_cast<const uint4*>(qp + r * m.ldqp + kRows + c);",
              "*reinterpret_cast<const uint4*>(qp + r * m.ldqp + c);", PLANES_CUDA, cuda=True),

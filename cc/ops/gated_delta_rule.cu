@@ -272,11 +272,6 @@ struct FixedDims {
 template <Mode kMode, typename DimsT>
 constexpr bool kPlanes = kMode == Mode::kTf32x3 && !std::is_same_v<DimsT, Dims>;
 
-// Element (i, c) of a bfloat16 tile [64, cols] (in a [64, cols] float32 tile's storage) set to x.
-__device__ __forceinline__ void store_bf16(float* tile, int cols, int i, int c, float x) {
-  reinterpret_cast<__nv_bfloat16*>(tile)[i * cols + c] = __float2bfloat16_rn(x);
-}
-
 template <typename DimsT>
 __host__ __device__ DimsT dims_of(int dk, int dv) {
   if constexpr (std::is_same_v<DimsT, Dims>) return Dims(dk, dv);
@@ -545,6 +540,13 @@ __device__ __forceinline__ void store_split2(__nv_bfloat16* p, int lo_offset, fl
   const float2 h = unpack2<__nv_bfloat16>(hi);
   *reinterpret_cast<uint32_t*>(p) = hi;
   *reinterpret_cast<uint32_t*>(p + lo_offset) = pack2<__nv_bfloat16>(x0 - h.x, x1 - h.y);
+}
+
+// hi and lo of x at p and p + lo_offset (bfloat16 elements).
+__device__ __forceinline__ void store_split1(__nv_bfloat16* p, int lo_offset, float x) {
+  const __nv_bfloat16 hi = __float2bfloat16_rn(x);
+  p[0] = hi;
+  p[lo_offset] = __float2bfloat16_rn(x - __bfloat162float(hi));
 }
 
 // acc += A B and cross += the split's cross terms, for a 16 x 8 tile: A's fragments (hi, lo) and B's.
@@ -861,42 +863,73 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
         if (p.kkl != nullptr) p.kkl[(rows + r) * kRows + c] = kkl;
       });
   __syncthreads();
-  if (tid < kRows) {  // Ai's column tid
-    float e[kRows];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) e[i] = i == tid ? 1.0f : 0.0f;
-    forward_substitution(e, m.A, kPitch64);
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      m.Ai[i * kPitch64 + tid] = e[i];
-      if (p.ai != nullptr) p.ai[(rows + i) * kRows + tid] = e[i];
-    }
-  } else {  // meanwhile K~ = exp(G_63 - G) K as bfloat16 (K = k r_k, load_normalised's order), and gamma
+  {  // K~ = exp(G_63 - G) K as bfloat16 (K = k r_k, load_normalised's order), and gamma
     auto* k_tilde = reinterpret_cast<__nv_bfloat16*>(p.k_tilde + rows * DimsT::dk);
-    for (int idx = tid - kRows; idx < kRows * DimsT::dk / 2; idx += kT - kRows) {
+    for (int idx = tid; idx < kRows * DimsT::dk / 2; idx += kT) {
       const int i = idx / (DimsT::dk / 2), c = idx % (DimsT::dk / 2) * 2;
       const float2 x = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(m.k + i * kPlaneRow + c));
       *reinterpret_cast<uint32_t*>(k_tilde + i * DimsT::dk + c) =
           pack2<__nv_bfloat16>(s.Kt[i] * (x.x * m.rk[i]), s.Kt[i] * (x.y * m.rk[i]));
     }
-    if (tid == kRows) p.gamma[b.chunk * p.hv + h] = s.gamma;
+    if (tid == 0) p.gamma[b.chunk * p.hv + h] = s.gamma;
   }
-  __syncthreads();
-  // M's planes: Ai with column j scaled by beta_j (U's) and by beta_j E_j r_k,j (W's).
-  for (int idx = tid; idx < kRows * kRows / 2; idx += kT) {
-    const int i = idx / (kRows / 2), j = idx % (kRows / 2) * 2;
-    const float2 a = *reinterpret_cast<const float2*>(m.Ai + i * kPitch64 + j);
-    const float b0 = s.beta[j], b1 = s.beta[j + 1];
-    if (values) store_split2(m.mu + i * kPlane64 + j, kLo64, a.x * b0, a.y * b1);
-    store_split2(m.mw + i * kPlane64 + j, kLo64, a.x * (b0 * s.E[j] * m.rk[j]), a.y * (b1 * s.E[j + 1] * m.rk[j + 1]));
+  // Ai = (I + A)^-1 by blocks of 16 rows, a thread 16 rows (i0..) of one column (c): block st solves
+  // its diagonal block, hands its rows over shared memory, and each later block takes them out of its
+  // own (16 x 16 products), so that every warp works and the serial chain is four blocks' long, not
+  // 64 rows' (a thread a column took 64 threads and half the kernel's instructions). Rows above the
+  // column's diagonal are zero: their threads skip.
+  const int c = tid % kRows, i0 = tid / kRows * 16;
+  float x[16];
+#pragma unroll
+  for (int r = 0; r < 16; ++r) x[r] = i0 + r == c ? 1.0f : 0.0f;
+  for (int st = 0; st < kRows; st += 16) {
+    if (i0 == st && c < st + 16) {
+#pragma unroll
+      for (int r = 1; r < 16; ++r) {
+        const float* a = m.A + (i0 + r) * kPitch64 + i0;
+#pragma unroll
+        for (int j = 0; j < r; ++j) x[r] = fmaf(-a[j], x[j], x[r]);
+      }
+#pragma unroll
+      for (int r = 0; r < 16; ++r) m.Ai[(i0 + r) * kPitch64 + c] = x[r];
+    }
+    __syncthreads();
+    if (i0 > st && c < st + 16) {
+      float y[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) y[j] = m.Ai[(st + j) * kPitch64 + c];
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const float* a = m.A + (i0 + r) * kPitch64 + st;
+        float acc[2] = {x[r], 0.0f};
+#pragma unroll
+        for (int j = 0; j < 16; j += 4) {
+          const float4 a4 = *reinterpret_cast<const float4*>(a + j);
+          acc[0] = fmaf(-a4.x, y[j], acc[0]);
+          acc[1] = fmaf(-a4.y, y[j + 1], acc[1]);
+          acc[0] = fmaf(-a4.z, y[j + 2], acc[0]);
+          acc[1] = fmaf(-a4.w, y[j + 3], acc[1]);
+        }
+        x[r] = acc[0] + acc[1];
+      }
+    }
+  }
+  // M's planes from the registers: Ai with column c scaled by beta_c (U's) and by beta_c E_c r_k,c (W's).
+  const float bu = s.beta[c], bw = s.beta[c] * s.E[c] * m.rk[c];
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const int i = i0 + r;
+    if (values) store_split1(m.mu + i * kPlane64 + c, kLo64, x[r] * bu);
+    store_split1(m.mw + i * kPlane64 + c, kLo64, x[r] * bw);
+    if (p.ai != nullptr) p.ai[(rows + i) * kRows + c] = x[r];
   }
   __syncthreads();
   if (values)
-    plane_gemm<2, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
+    plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
         m.mu, kPlane64, kLo64, m.v, kPlaneRow, 0, kRows, DimsT::dv, kRows,
         [&](int r, int c, float x0, float x1) { store2(p.u + (rows + r) * DimsT::dv + c, x0, x1); });
   auto* w = reinterpret_cast<__nv_bfloat16*>(p.w + rows * DimsT::dk);
-  plane_gemm<2, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
+  plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
       m.mw, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows, [&](int r, int c, float x0, float x1) {
         *reinterpret_cast<uint32_t*>(w + r * DimsT::dk + c) = pack2<__nv_bfloat16>(x0, x1);
       });
