@@ -375,8 +375,7 @@ struct E4m3Args {
   const int* offsets;    // [first + E]: the end of each expert's rows
   __nv_bfloat16* y;      // [rows, N]
   int E, out, in, padded;
-  int first;     // the experts are first.. of offsets' (a group of them: transpose_global)
-  int pingpong;  // the multiplying warpgroups take turns on the tensor cores (the variant pingpong)
+  int first;  // the experts are first.. of offsets' (a group of them: transpose_global)
 };
 
 // The backward's weight tile turned K-major. `raw` holds the weight's rows k0.. (the sum) by its
@@ -550,15 +549,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     x0 = __ldg(c.x0 + int64_t(step) * a.padded);
     x1 = __ldg(c.x1 + int64_t(step) * a.padded);
   };
-  // pingpong: the two warpgroups' products take turns, a half-step each, named barrier 1 + wg
-  // holding warpgroup wg's turn. ncu put the multiplying warps 44% of their samples in the wait for
-  // their products (WARPGROUP.DEPBAR), the full barrier 3%, at ~1,900 cycles a step where the tensor
-  // cores need ~1,024: both warpgroups issue at once, wait at once and promote at once, the tensor
-  // cores idle through the promotion. In turns, one's products run while the other promotes
-  // (CUTLASS's ping-pong schedule, by half-steps). Warpgroup 1 hands warpgroup 0 the first turn;
-  // warpgroup 0 takes back its last one at the end, so that each barrier's arrivals pair up.
-  const bool turns = a.pingpong != 0;
-  if (turns && wg == 1) wgmma::named_arrive(1, 256);
+  // The multiplying warps spend 44% of their samples in the wait for their own products (ncu,
+  // 2026-12-06): both warpgroups issue, wait and promote at once. Taking turns by half-steps on named
+  // barriers (CUTLASS's ping-pong schedule; the twenty-fourth session's variant `pingpong`) gave the
+  // same bits but 5.64 ms against 4.96 for the MoE op's ten launches (H100): removed.
   float sw[kHalves] = {}, s0 = 0.0f, s1 = 0.0f;
   Place now{};
   if (int(blockIdx.x) < tiles) {
@@ -585,7 +579,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
         if (h >= halves) break;
-        if (turns) wgmma::named_sync(1 + wg, 256);
         wgmma::fence_operand(part);
         wgmma::fence();
 #pragma unroll
@@ -601,7 +594,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float r0 = s0 * sw[h], r1 = s1 * sw[h];
         wgmma::wait<0>();
         wgmma::fence_operand(part);
-        if (turns) wgmma::named_arrive(2 - wg, 256);  // the other warpgroup's turn
         if (h == halves - 1) {  // the warp's reads of the stage done: one arrival for its 32 lanes
           __syncwarp();
           if (lane == 0) wgmma::bar_arrive(empty + slot);
@@ -624,7 +616,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     unsigned char* stage = smem + kE4m3Stages * S::kStageBytes + 128 + (4 * wg + warp) * 16 * kEpiloguePitch;
     write_rows<BN>(acc, stage, tile.first + 64 * wg + 16 * warp, tile.end, a.y, N, n0);
   }
-  if (turns && wg == 0) wgmma::named_sync(1, 256);  // warpgroup 1's last hand-over
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
 #endif
@@ -647,11 +638,9 @@ dim3 persistent_grid(const at::Tensor& x, int64_t E, int64_t N, int BM, int BN) 
 // give the same bits as the kernels before them, faster (H100, GLM-5 proxy's MoE op: 15.5 -> 12.7 ms
 // forward + backward; docs/benchmarks.md, twenty-second session). (A third, wide tiles in clusters of
 // two sharing the weight's tile by TMA multicast, took 8.40 ms against 5.71: removed, 23rd session.)
-// `pingpong`, opt-in until timed: the multiplying warpgroups' products in turns (the kernel's
-// comment); the same bits.
-enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2, kPingPong = 4 };  // (bit i: env_variants' name i)
+enum E4m3Variant : unsigned { kTransposeGlobal = 1, kWide = 2 };  // (bit i: env_variants' name i)
 unsigned e4m3_variants() {
-  return env_variants("V4TRAIN_FP8_E4M3_VARIANTS", {"transpose_global", "wide", "pingpong"}, kTransposeGlobal | kWide);
+  return env_variants("V4TRAIN_FP8_E4M3_VARIANTS", {"transpose_global", "wide"}, kTransposeGlobal | kWide);
 }
 
 // transpose_global's copy: experts in groups of at most a quarter of them and of kTurnBytes, each
@@ -677,7 +666,7 @@ void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
     const CUtensorMap w_map = wgmma::tensor_map_sw128(we.const_data_ptr(), n * rows, cols, cols, bn, true);
     const E4m3Args a{x_scale.const_data_ptr<float>(), se, off.const_data_ptr<int>(),
                      reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(n), int(rows), int(cols),
-                     int(q.size(0)), int(first), (variants & kPingPong) ? 1 : 0};
+                     int(q.size(0)), int(first)};
     const dim3 grid = persistent_grid(x, n, N, kT, bn);
     if (back) wgmma::launch(fp8_e4m3_kernel<true, kT>, grid, kThreads, E4m3<true>::kSmem, stream, x_map, w_map, a);
     else if (wide)

@@ -700,8 +700,8 @@ def fp8_tensor_cores() -> frozenset[str]:
     return frozenset(products)
 
 
-E4M3_VARIANTS = ("transpose_global", "wide", "pingpong")
-E4M3_DEFAULTS = ("transpose_global", "wide")  # where the variable is unset (pingpong is opt-in until timed)
+E4M3_VARIANTS = ("transpose_global", "wide")
+E4M3_DEFAULTS = ("transpose_global", "wide")  # where the variable is unset
 
 
 def e4m3_variants() -> frozenset[str]:
