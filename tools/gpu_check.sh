@@ -31,7 +31,7 @@
 #     each kernel's SASS split at its barriers by tools/ncu_phases.py in ncu_phases.log (the table itself
 #     in ncu_sass.csv.gz; the report in NCU_REPORT, default /tmp/v4train_ncu.ncu-rep; NCU_S seconds at
 #     most, default 480; NCU_METRICS=a,b more metrics; NCU_IMPL=fla NCU_ARGS=--fla_unchecked the peer's
-#     kernels instead, where fla's wheel is installed);
+#     kernels instead (fla-core's and einops' wheels in .whl/ installed where fla is not importable);
 #   the stage "fp8": issue 16's measurements under each V4TRAIN_FP8_TENSOR_CORES value of FP8_SWITCHES
 #     (default "none experts_forward experts"): the MoE op's FP8 case (--cases 1 --profile), each
 #     FP8 proxy of MODELS against its bf16 twin in one process (TOKENS, default 4096), and GLM-5's
@@ -49,6 +49,13 @@ export PYTHONPATH=py:py/tests:build/ext:. PYTHONUNBUFFERED=1
 if ! python3 -c 'import transformers.models.glm_moe_dsa, transformers.models.qwen3_5_moe' 2>/dev/null && ls .whl/transformers-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/transformers-*.whl &&
     export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+# fla (issue 18's peer, for --impl fla and NCU_IMPL=fla) from its wheels carried in .whl/: the line above
+# sets PYTHONPATH, so a caller's own install would not be seen (the twenty-fifth session's ncu of fla
+# found it "not installed").
+if ! python3 -c 'import fla' 2>/dev/null && ls .whl/fla_core-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/fla_core-*.whl \
+    .whl/einops-*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 status=0
 has() { [[ " $stages " == *" $1 "* ]]; }
