@@ -631,7 +631,7 @@ dim3 persistent_grid(const at::Tensor& x, int64_t E, int64_t N, int BM, int BN) 
 }
 
 // The e4m3 kernel's variants, as V4TRAIN_FP8_E4M3_VARIANTS names them (a comma list read at each
-// call, so that one process can time each; unset or empty: the first two; none: none, the kernels before
+// call, so that one process can time each; unset or empty: both; none: neither, the kernels before
 // them): `transpose_global`, the backward's weight transposed by transpose_fp8_kernel (kTurnBytes'
 // groups of experts), then the forward's kernel, in place of the transposition in shared memory;
 // `wide`, 128 x 256 tiles where the forward's kernel runs and the output is at least 256 wide. Both

@@ -49,9 +49,10 @@ namespace {
 // 5 cycles per issued instruction, DRAM at 13.5%).
 constexpr int kThreads = 512, kWarps = kThreads / 32, kRows = static_cast<int>(kChunk);
 constexpr int kRowThreads = kThreads / kRows;  // threads a row of a [64, 64] matrix (antisymmetric_row_sum)
-// But prepare, whose forward substitution takes a thread a column of [U | W] (256) or of Ai (64, on
-// planes): at 512 threads half of them idled there, one block a multiprocessor (0.486 ms a pass
-// against 0.357 at 256, where two blocks shared one). The helpers it calls take the block size (Threads).
+// But prepare, whose forward substitution takes a thread a column of [U | W] (256): at 512 threads
+// half of them idled there, one block a multiprocessor (0.486 ms a pass against 0.357 at 256, where
+// two blocks shared one). On planes it keeps 256, two blocks a multiprocessor, its inverse a thread
+// 16 rows of a column. The helpers it calls take the block size (Threads).
 constexpr int kPrepareThreads = 256;
 constexpr int kPitch64 = kRows + 4;  // a [64, 64] matrix's row pitch
 static_assert(kRows == 64, "the kernels hold one chunk of 64 slots a block");
@@ -713,6 +714,7 @@ __device__ __forceinline__ void copy_rows(__nv_bfloat16* dst, int ld, const __nv
 template <int Threads = kThreads>
 __device__ __forceinline__ void row_rnorms(float* rnorm, const __nv_bfloat16* x, int ld) {
   constexpr int kW = Threads / 32, R = kRows / kW;
+  static_assert(kRows % kW == 0 && R > 0, "a warp R whole rows");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float ss[R];
 #pragma unroll
@@ -824,14 +826,14 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 }
 
 // prepare_kernel on planes (kPlanes): the forward substitution, a thread a column of [U | W], was half
-// its instructions (ncu on the H100, 2026-12-06). Here 64 threads form Ai = (I + A)^-1 alone, and
-// X = Ai R runs on tensor cores from the raw bfloat16 rows with R's row scales folded into Ai's columns:
+// its instructions (ncu on the H100, 2026-12-06). Here the block forms Ai = (I + A)^-1 by blocks of
+// 16 rows (below), and X = Ai R runs on tensor cores from the raw bfloat16 rows with R's row scales folded into Ai's columns:
 // U = (Ai diag(beta)) v and W = (Ai diag(beta E r_k)) k, M = Ai diag(.) as planes and v, k exact, two
 // products for three (wy_grads' own fold). K K^T is one exact product of k's raw rows, the norms
 // applied after it (as build_qp_planes' Q K^T).
 struct PreparePlanesSmem {
   Info* info;
-  float *rk, *A, *Ai;              // r_k [64]; A and Ai [64, 68]
+  float *rk, *A, *Ai;              // r_k [64]; A [64, 68]; Ai [64, 68]: the inverse's rows handed over
   __nv_bfloat16 *k, *v, *mu, *mw;  // k's and v's raw rows [64, kPlaneRow]; M's planes [2][64, kPlane64], U's and W's
   template <typename DimsT>
   __host__ __device__ PreparePlanesSmem(Carve& c, const DimsT&) {
@@ -934,11 +936,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
   if (values)
     plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
         m.mu, kPlane64, kLo64, m.v, kPlaneRow, 0, kRows, DimsT::dv, kRows,
-        [&](int r, int c, float x0, float x1) { store2(p.u + (rows + r) * DimsT::dv + c, x0, x1); });
+        [&](int r, int col, float x0, float x1) { store2(p.u + (rows + r) * DimsT::dv + col, x0, x1); });
   auto* w = reinterpret_cast<__nv_bfloat16*>(p.w + rows * DimsT::dk);
   plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
-      m.mw, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows, [&](int r, int c, float x0, float x1) {
-        *reinterpret_cast<uint32_t*>(w + r * DimsT::dk + c) = pack2<__nv_bfloat16>(x0, x1);
+      m.mw, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows, [&](int r, int col, float x0, float x1) {
+        *reinterpret_cast<uint32_t*>(w + r * DimsT::dk + col) = pack2<__nv_bfloat16>(x0, x1);
       });
 }
 
