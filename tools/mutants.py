@@ -210,8 +210,8 @@ MUTATIONS = (
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_planes_untransposed", "the recurrence's second product reads b with ldmatrix "
              "untransposed (b, not b^T)", "cc/ops/gated_delta_rule.cu",
-             "ldsm_x4_t(fa, b + (k0 + lane % 8 + lane / 16 * 8) * m.lda",
-             "ldsm_x4(fa, b + (k0 + lane % 8 + lane / 16 * 8) * m.lda",
+             "ldsm_x4_t(fa, b + (k0 + lane % 8 + lane / 16 * 8) * kLda",
+             "ldsm_x4(fa, b + (k0 + lane % 8 + lane / 16 * 8) * kLda",
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_state_planes_untransposed", "state_grads' second product takes d_state as stored (v_new "
              "d_state, not v_new d_state^T)", "cc/ops/gated_delta_rule.cu",
@@ -255,6 +255,13 @@ MUTATIONS = (
     Mutation("delta_rule_wy_planes_keys_unscaled", "wy_grads on planes: Y's key columns without r_k (dw k^T taken "
              "as dw K^T)", "cc/ops/gated_delta_rule.cu", "val * s.beta[c] * s.E[c] * m.rk[c]",
              "val * s.beta[c] * s.E[c]", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_recurrence_h_pairs_swapped", "the recurrence on planes: the odd lane of a pair writes "
+             "its state's columns in the wrong order (its own pair first)", "cc/ops/gated_delta_rule.cu",
+             "odd ? make_uint2(got, p1) : make_uint2(p0, got);", "odd ? make_uint2(p1, got) : make_uint2(p0, got);",
+             PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_recurrence_base_row_kept", "the recurrence on planes: the base's second row (x0 + g + 8) "
+             "handed over as the first's", "cc/ops/gated_delta_rule.cu", "base[1] = next_base[1];",
+             "base[1] = next_base[0];", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_prepare_planes_kk_rk_by_row", "prepare on planes: A's K K^T from k's raw rows scaled by "
              "the row's key norm twice (r_k of i, not of j)", "cc/ops/gated_delta_rule.cu",
              "v * m.rk[r] * m.rk[c] * decay(s, r, c)", "v * m.rk[r] * m.rk[r] * decay(s, r, c)", PLANES_CUDA,

@@ -563,8 +563,10 @@ constexpr int kPlane64 = kRows + 8;  // a planes row of 64: 16-byte aligned, 16 
 
 constexpr int kNever = 1 << 30;  // plane_gemm's kOnceFrom, kOnceFromRow: no product rounded once
 
+// One 8-byte store (a float2's was split into two 4-byte ones in the PTX: half the stores' sectors).
 __device__ __forceinline__ void store2(float* at, float x0, float x1) {
-  *reinterpret_cast<float2*>(at) = make_float2(x0, x1);
+  *reinterpret_cast<unsigned long long*>(at) =
+      static_cast<unsigned long long>(__float_as_uint(x1)) << 32 | __float_as_uint(x0);
 }
 
 // C = A B over the block from planes in shared memory (hi at X, lo at X + x_lo), A [M, K] stored
@@ -589,10 +591,8 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
     const int2 place = tile_at<kTri>(tile, ngroups);
     const int m0 = place.x * 16, n0 = place.y * 8 * NT;
     float acc[NT][4] = {}, cross[NT][4] = {};
-#pragma unroll 4
-    for (int k0 = 0; k0 < K; k0 += 16) {
-      if (skip_step<kTri>(m0, n0, n0 + 8 * NT, k0, k0 + 16)) continue;
-      const bool once = k0 >= kOnceFrom || m0 >= kOnceFromRow;
+    const auto k_step = [&](int k0, bool once) {
+      if (skip_step<kTri>(m0, n0, n0 + 8 * NT, k0, k0 + 16)) return;
       uint32_t ah[4], al[4] = {};
       if constexpr (kTA) {
         const int a_at = (k0 + lane % 8 + lane / 16 * 8) * lda + m0 + lane / 8 % 2 * 8;
@@ -631,6 +631,16 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
           }
         }
       }
+    };
+    if constexpr (kOnceFrom == kNever && kOnceFromRow == kNever) {
+#pragma unroll 4
+      for (int k0 = 0; k0 < K; k0 += 16) k_step(k0, false);
+    } else {  // two loops: with `once` decided in one, both kinds of step were issued under predicates
+      const int split = m0 >= kOnceFromRow ? 0 : min(K, kOnceFrom);
+#pragma unroll 4
+      for (int k0 = 0; k0 < split; k0 += 16) k_step(k0, false);
+#pragma unroll 4
+      for (int k0 = split; k0 < K; k0 += 16) k_step(k0, true);
     }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
@@ -848,8 +858,8 @@ struct PreparePlanesSmem {
   }
 };
 
-template <typename DimsT>
-__global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args p) {  // two blocks a multiprocessor
+template <typename DimsT>  // two blocks a multiprocessor
+__global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args p) {
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   constexpr int kT = kPrepareThreads, kLo64 = kRows * kPlane64;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -979,9 +989,11 @@ __device__ __forceinline__ void load_base_add(float* base, float* add, const Rec
 // addresses and scalar stores): the next chunk's index is read before the wait. ahead(chunk) is
 // called a step before load(stage, chunk), for what load needs read from global memory first (so
 // that its latency passes under a step, not on the critical path); the chunk after next's index is
-// read with the next one's.
-template <typename Load, typename Step, typename Ahead>
-__device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step, Ahead&& ahead) {
+// read with the next one's. turn() is called at each step before load(), for what load hands over in
+// registers (a thread's values of the next chunk, read a step ahead).
+template <typename Load, typename Step, typename Ahead, typename Turn>
+__device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step, Ahead&& ahead,
+                                            Turn&& turn) {
   const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
   const auto chunk_at = [&](int64_t i) { return i < chunks ? p.offset[p.reverse ? chunks - 1 - i : i] + doc : 0; };
   int64_t chunk = chunk_at(0), next = chunk_at(1);
@@ -996,6 +1008,7 @@ __device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load
     const float dec = p.decay[head];
     wait_copies();
     __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
+    turn();
     if (i + 1 < chunks) load(1 - stage, next);
     if (i + 2 < chunks) ahead(after);
     step(head, stage, dec);
@@ -1005,7 +1018,7 @@ __device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load
 }
 template <typename Load, typename Step>
 __device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step) {
-  over_chunks(p, h, load, step, [](int64_t) {});
+  over_chunks(p, h, load, step, [](int64_t) {}, [] {});
 }
 
 // Two stages of a [64, pk + 4], b [64, pk + 8], base [64, 32], add [pk, 32]; S [pk, 40]; X [64, 40].
@@ -1067,18 +1080,18 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 // registers of the warps whose second-product tiles hold it, and so does x written out; the state
 // written out (h, or the backward's d_state) is rounded to bfloat16, as its readers take it.
 // No add on planes: the forward has none, and the backward's is formed in the kernel (kFold: two
-// stages of eq [64, pk + 8] and d_o [64, 40] bfloat16).
+// stages of eq [64, pk + 8] and d_o [64, 40] bfloat16). The base comes in registers: a thread's four
+// values of its x tile, read a step ahead (from shared memory they were a 4-way bank conflict on the
+// step's critical path; ncu of the H100, 2026-12-06).
 constexpr int kPlanePitch = kCols + 8;
 template <bool kFold>
 struct PlanesSmem {
   __nv_bfloat16 *a, *b, *S, *X, *eq = nullptr, *d_o = nullptr;
-  float* base;
   int lda;
   template <typename DimsT>
   __host__ __device__ PlanesSmem(Carve& c, const DimsT& d) : lda(d.pk + 8) {
     a = c.take<__nv_bfloat16>(2 * kRows * lda);
     b = c.take<__nv_bfloat16>(2 * kRows * lda);
-    base = c.take<float>(2 * kRows * kCols);
     if constexpr (kFold) {
       eq = c.take<__nv_bfloat16>(2 * kRows * lda);
       d_o = c.take<__nv_bfloat16>(2 * kRows * kPlanePitch);
@@ -1108,17 +1121,26 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   const int x0 = warp / 4 * 16, xc = warp % 4 * 8, s0 = warp / 2 * 16, sc = warp % 2 * 16;
   float state[2][4] = {};  // S at (s0 + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
   int64_t tok = 0;  // kFold: ahead()'s
+  // The copies' places, the same each chunk (their index arithmetic was 40% of a step's instructions;
+  // ncu, 2026-12-06): a, b (and eq) are 64 rows of pk bfloat16 each, contiguous in global memory, two
+  // 16-byte pieces a thread (rows r and r + 32, piece tid % 16).
+  constexpr int kLda = DimsT::pk + 8, kPieces = DimsT::pk / 8, kPass = kThreads / kPieces;
+  static_assert(kRows == 2 * kPass, "two pieces a thread");
+  const int to_smem = tid / kPieces * kLda + tid % kPieces * 8, to_rows = tid / kPieces * DimsT::dk + tid % kPieces * 8;
+  // The base [64, 32] (U, or the backward's dv_local): this thread's four values of its x tile (rows
+  // x0 + g and + 8, columns xc + 2 t and + 1), read a step ahead into `next_base`, turned into `base`.
+  const int base_at = (x0 + g) * DimsT::dv + col0 + xc + 2 * t;
+  float2 base[2] = {}, next_base[2] = {};
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
-    // a and b: 64 rows of pk bfloat16 each, contiguous in global memory.
-    const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk);
-    const auto* b = reinterpret_cast<const __nv_bfloat16*>(p.b + head * kRows * d.dk);
-    constexpr int kChunks = DimsT::pk / 8;  // 16-byte pieces a row
-    for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
-      const int r = idx / kChunks, c = idx % kChunks * 8;
-      copy16(m.a + stage * kTile + r * m.lda + c, a + r * d.dk + c);
-      copy16(m.b + stage * kTile + r * m.lda + c, b + r * d.dk + c);
-      if constexpr (kFold) copy16(m.eq + stage * kTile + r * m.lda + c, p.eq + head * kRows * d.dk + r * d.dk + c);
+    const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk) + to_rows;
+    const auto* b = reinterpret_cast<const __nv_bfloat16*>(p.b + head * kRows * d.dk) + to_rows;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int s_at = stage * kTile + to_smem + u * kPass * kLda, g_at = u * kPass * DimsT::dk;
+      copy16(m.a + s_at, a + g_at);
+      copy16(m.b + s_at, b + g_at);
+      if constexpr (kFold) copy16(m.eq + s_at, p.eq + head * kRows * d.dk + to_rows + g_at);
     }
     if constexpr (kFold) {  // d_o's rows of the block's 32 columns, 16 bytes a thread (zero past T)
       static_assert(kRows * kCols / 8 <= kThreads, "a piece a thread: its slot read a step ahead");
@@ -1129,7 +1151,9 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
       }
     }
-    load_base_add(m.base + stage * kRows * kCols, nullptr, p, head, col0, kCols, d);  // (p.add null on planes)
+    const float* from = p.base + head * kRows * d.dv + base_at;  // (p.add null on planes)
+    next_base[0] = *reinterpret_cast<const float2*>(from);
+    next_base[1] = *reinterpret_cast<const float2*>(from + 8 * DimsT::dv);
     commit_copies();
   };
   // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
@@ -1139,15 +1163,17 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   // (over_chunks' barrier also makes the last step's bfloat16 S visible.)
   over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
     // The state out rounded to bfloat16 as the products take it (and dgamma's dot reads it).
+    // Eight bytes a lane (half sectors were written four bytes a lane): lanes t and t ^ 1 swap a pair,
+    // so that the even one holds columns sc + 2 t.. + 3 and the odd one sc + 8 + 2 (t - 1).. + 3.
     __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(p.state_out) + head * d.dk * d.dv + col0;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = s0 + g + 8 * half, c = sc + 8 * j + 2 * t;
-        *reinterpret_cast<uint32_t*>(h_out + r * d.dv + c) =
-            pack2<__nv_bfloat16>(state[j][2 * half], state[j][2 * half + 1]);
-      }
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t p0 = pack2<__nv_bfloat16>(state[0][2 * half], state[0][2 * half + 1]);
+      const uint32_t p1 = pack2<__nv_bfloat16>(state[1][2 * half], state[1][2 * half + 1]);
+      const bool odd = t & 1;
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? p0 : p1, 1);
+      const int r = s0 + g + 8 * half, c = sc + (odd ? 8 : 0) + 2 * (t & ~1);
+      *reinterpret_cast<uint2*>(h_out + r * d.dv + c) = odd ? make_uint2(got, p1) : make_uint2(p0, got);
     }
     // x = base + sign_a a S: A = a [64, pk] (ldmatrix), B = S [pk, 32] (ldmatrix.trans).
     {
@@ -1156,16 +1182,15 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 #pragma unroll
       for (int k0 = 0; k0 < DimsT::pk; k0 += 16) {
         uint32_t fa[4], fb[2];
-        ldsm_x4(fa, a + (x0 + lane % 16) * m.lda + k0 + lane / 16 * 8);
+        ldsm_x4(fa, a + (x0 + lane % 16) * kLda + k0 + lane / 16 * 8);
         ldsm_x2_t(fb, m.S + (k0 + lane % 16) * kPlanePitch + xc);
         mma16816<__nv_bfloat16>(acc, fa, fb);
       }
-      const float* base = m.base + stage * kRows * kCols;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = x0 + g + 8 * half, c = xc + 2 * t;
-        const float v0 = base[r * kCols + c] + p.sign_a * acc[2 * half];
-        const float v1 = base[r * kCols + c + 1] + p.sign_a * acc[2 * half + 1];
+        const float v0 = base[half].x + p.sign_a * acc[2 * half];
+        const float v1 = base[half].y + p.sign_a * acc[2 * half + 1];
         store2(p.x_out + (head * kRows + r) * d.dv + col0 + c, v0, v1);
         *reinterpret_cast<uint32_t*>(m.X + r * kPlanePitch + c) = pack2<__nv_bfloat16>(v0, v1);
       }
@@ -1176,7 +1201,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 #pragma unroll
       for (int k0 = 0; k0 < kRows; k0 += 16) {
         uint32_t fa[4], fb[4];
-        ldsm_x4_t(fa, eq + (k0 + lane % 8 + lane / 16 * 8) * m.lda + s0 + lane / 8 % 2 * 8);
+        ldsm_x4_t(fa, eq + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + lane / 8 % 2 * 8);
         ldsm_x4_t(fb, d_o + (k0 + lane % 16) * kPlanePitch + sc + lane / 16 * 8);
 #pragma unroll
         for (int j = 0; j < 2; ++j) mma16816<__nv_bfloat16>(folded[j], fa, {fb[2 * j], fb[2 * j + 1]});
@@ -1190,7 +1215,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 #pragma unroll
       for (int k0 = 0; k0 < kRows; k0 += 16) {
         uint32_t fa[4], fb[4];
-        ldsm_x4_t(fa, b + (k0 + lane % 8 + lane / 16 * 8) * m.lda + s0 + lane / 8 % 2 * 8);
+        ldsm_x4_t(fa, b + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + lane / 8 % 2 * 8);
         ldsm_x4_t(fb, m.X + (k0 + lane % 16) * kPlanePitch + sc + lane / 16 * 8);
 #pragma unroll
         for (int j = 0; j < 2; ++j) mma16816<__nv_bfloat16>(acc[j], fa, {fb[2 * j], fb[2 * j + 1]});
@@ -1210,7 +1235,10 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         }
       }
     }
-  }, ahead);
+  }, ahead, [&] {
+    base[0] = next_base[0];
+    base[1] = next_base[1];
+  });
 }
 
 // P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
