@@ -431,11 +431,12 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int he
 }
 
 // The chunk's rows of x [T, heads, D] L2-normalised, a warp 64 / (Threads / 32) rows (loads issued together):
-// dst[i][c] = x r scale with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if given); zero for padding slots
-// and columns D..padded (D <= 128).
+// dst[i][c] = x r scale (times mul[i] where given) with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if
+// given); zero for padding slots and columns D..padded (D <= 128).
 template <typename T, int Threads = kThreads>
 __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, int heads, int head,
-                                                int D, int padded, float scale, const Info& s, int64_t T_) {
+                                                int D, int padded, float scale, const Info& s, int64_t T_,
+                                                const float* mul = nullptr) {
   constexpr int kW = Threads / 32, R = kRows / kW;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float v[R][4];
@@ -454,11 +455,11 @@ __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm
     float ss = 0.0f;
 #pragma unroll
     for (int m = 0; m < 4; ++m) ss += v[j][m] * v[j][m];
-    const float r = rsqrtf(warp_sum(ss) + 1e-6f);
+    const float r = rsqrtf(warp_sum(ss) + 1e-6f), e = mul != nullptr ? mul[i] : 1.0f;  // (x 1 is exact)
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const int c = lane + 32 * m;
-      if (c < padded) dst[i * ld + c] = v[j][m] * r * scale;
+      if (c < padded) dst[i * ld + c] = v[j][m] * r * scale * e;
     }
     if (rnorm != nullptr && lane == 0) rnorm[i] = r;
   }
@@ -693,17 +694,20 @@ template <int Threads = kThreads>
 __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, const __nv_bfloat16* x, int heads,
                                                 int head, const Info& s, int64_t T_) {
   constexpr int kPieces = 128 / 8;  // 16 bytes each
-  const bool vec = aligned16(x);
-  for (int idx = threadIdx.x; idx < kRows * kPieces; idx += Threads) {
-    const int i = idx / kPieces, c = idx % kPieces * 8;
-    const int64_t tok = s.slot[i];
-    __nv_bfloat16* at = dst + i * kPlaneRow + c;
-    const __nv_bfloat16* src = x + (tok * heads + head) * 128 + c;
-    if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
-    else if (vec) copy16(at, src);
-    else for (int j = 0; j < 8; ++j) at[j] = src[j];
-    if (lo_off >= 0) *reinterpret_cast<uint4*>(at + lo_off) = make_uint4(0, 0, 0, 0);
-  }
+  // The alignment decided once, outside the loop: decided in it, the eight loads of the unaligned
+  // case were issued under a predicate beside every copy (ncu's SASS, 2026-12-06).
+  const auto rows = [&](auto piece) {
+    for (int idx = threadIdx.x; idx < kRows * kPieces; idx += Threads) {
+      const int i = idx / kPieces, c = idx % kPieces * 8;
+      const int64_t tok = s.slot[i];
+      __nv_bfloat16* at = dst + i * kPlaneRow + c;
+      if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+      else piece(at, x + (tok * heads + head) * 128 + c);
+      if (lo_off >= 0) *reinterpret_cast<uint4*>(at + lo_off) = make_uint4(0, 0, 0, 0);
+    }
+  };
+  if (aligned16(x)) rows([](__nv_bfloat16* at, const __nv_bfloat16* src) { copy16(at, src); });
+  else rows([](__nv_bfloat16* at, const __nv_bfloat16* src) { for (int j = 0; j < 8; ++j) at[j] = src[j]; });
 }
 
 // rows x kWidth bfloat16 values at src (row stride `stride`) into dst (pitch ld), 16 bytes a copy
@@ -1276,7 +1280,8 @@ __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows,
   const auto* q_in = static_cast<const __nv_bfloat16*>(p.q);
   load_rows_split(q, -1, q_in, p.hk, kh, s, p.T);
   load_rows_split(k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
-  load_normalised(QP + kRows, ldqp, rn, q_in, p.hk, kh, d.dk, d.pk, p.scale, s, p.T);  // Q, and r_q into rn
+  // E Q (its rows' E folded into the store: the same roundings as a pass after it), and r_q into rn
+  load_normalised(QP + kRows, ldqp, rn, q_in, p.hk, kh, d.dk, d.pk, p.scale, s, p.T, s.E);
   wait_copies();
   __syncthreads();
   row_rnorms(rn + kRows, k, kPlaneRow);
@@ -1285,10 +1290,6 @@ __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows,
       q, kPlaneRow, 0, k, kPlaneRow, 0, kRows, kRows, DimsT::dk, [&](int r, int c, float v) {
         QP[r * ldqp + c] = c <= r ? v * rn[r] * p.scale * rn[kRows + c] * decay(s, r, c) : 0.0f;
       });
-  for (int idx = threadIdx.x; idx < kRows * d.pk; idx += kThreads) {  // E Q, beside the product's columns
-    const int i = idx / d.pk, c = idx % d.pk;
-    QP[i * ldqp + kRows + c] *= s.E[i];
-  }
   __syncthreads();
   split_in_place(QP, ldqp);
   return reinterpret_cast<const __nv_bfloat16*>(QP);
