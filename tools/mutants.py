@@ -262,6 +262,10 @@ MUTATIONS = (
     Mutation("delta_rule_recurrence_base_row_kept", "the recurrence on planes: the base's second row (x0 + g + 8) "
              "handed over as the first's", "cc/ops/gated_delta_rule.cu", "base[1] = next_base[1];",
              "base[1] = next_base[0];", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_recurrence_base_a_step_late", "the recurrence on planes: the base handed over after the "
+             "next chunk's load (each step takes the next chunk's base)", "cc/ops/gated_delta_rule.cu",
+             "    turn();\n    if (i + 1 < chunks) load(1 - stage, next);",
+             "    if (i + 1 < chunks) load(1 - stage, next);\n    turn();", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_prepare_planes_kk_rk_by_row", "prepare on planes: A's K K^T from k's raw rows scaled by "
              "the row's key norm twice (r_k of i, not of j)", "cc/ops/gated_delta_rule.cu",
              "v * m.rk[r] * m.rk[c] * decay(s, r, c)", "v * m.rk[r] * m.rk[r] * decay(s, r, c)", PLANES_CUDA,

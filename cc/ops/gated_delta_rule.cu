@@ -586,6 +586,7 @@ template <int NT, bool kTA, bool kTB, bool kBExact = false, bool kAExact = false
 __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int a_lo, const __nv_bfloat16* B, int ldb,
                                            int b_lo, int M, int N, int K, Epi&& epi) {
   static_assert(NT % 2 == 0, "B's fragments two n-tiles at a time");
+  static_assert(kOnceFrom % 16 == 0 && kOnceFromRow % 16 == 0, "once from whole k-steps and row tiles");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int ngroups = N / (8 * NT);
   for (int tile = warp; tile < M / 16 * ngroups; tile = next_tile<kTri>(tile, warp, Threads / 32)) {
@@ -960,7 +961,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
 
 // The recurrence across chunks (gdr::Recurrence), a block per 32 columns of a document's head:
 // x = base + sign_a a S and S = decay S + add + sign_b b^T x as two block products a chunk, the next
-// chunk's tiles (a, b, base, add) loading (cp.async) while this one computes.
+// chunk's tiles (a, b, base, add) loading (cp.async; on planes the base into registers) while this one
+// computes.
 struct RecurrenceArgs {
   const float *base, *a, *b, *add, *decay;
   void* state_out;  // float32; bfloat16 for recurrence_planes_kernel
@@ -1079,7 +1081,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 
 // The recurrence on bfloat16 operands (kPlanes): a and b two stages of [64, pk + 8] bfloat16 (W and
 // K~ as prepare rounded them; rows 16-byte aligned, 16 bytes apart in the banks: ldmatrix without
-// conflicts), base and add as before; S and x rounded once to bfloat16 for the products ([pk, 40] and
+// conflicts), base in registers (below); S and x rounded once to bfloat16 for the products ([pk, 40] and
 // [64, 40]), one bf16 product each (fla's precision). The state itself stays in float32, in the
 // registers of the warps whose second-product tiles hold it, and so does x written out; the state
 // written out (h, or the backward's d_state) is rounded to bfloat16, as its readers take it.
