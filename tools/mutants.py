@@ -268,7 +268,7 @@ MUTATIONS = (
              "    if (i + 1 < chunks) load(1 - stage, next);\n    turn();", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_prepare_planes_kk_rk_by_row", "prepare on planes: A's K K^T from k's raw rows scaled by "
              "the row's key norm twice (r_k of i, not of j)", "cc/ops/gated_delta_rule.cu",
-             "v * m.rk[r] * m.rk[c] * decay(s, r, c)", "v * m.rk[r] * m.rk[r] * decay(s, r, c)", PLANES_CUDA,
+             "v0 * m.rk[r] * m.rk[c] * decay(s, r, c)", "v0 * m.rk[r] * m.rk[r] * decay(s, r, c)", PLANES_CUDA,
              cuda=True),
     Mutation("delta_rule_prepare_planes_w_unscaled", "prepare on planes: W's M without r_k (W taken from k's raw "
              "rows as if normalised)", "cc/ops/gated_delta_rule.cu", "bw = s.beta[c] * s.E[c] * m.rk[c];",

@@ -881,10 +881,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
   row_rnorms<kT>(m.rk, m.k, kPlaneRow);
   __syncthreads();
   plane_gemm<2, false, true, true, true, kNever, kNever, Tri::kLowerC, kT>(
-      m.k, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk, [&](int r, int c, float v) {
-        const float kkl = c < r ? v * m.rk[r] * m.rk[c] * decay(s, r, c) : 0.0f;
-        m.A[r * kPitch64 + c] = s.beta[r] * kkl;
-        if (p.kkl != nullptr) p.kkl[(rows + r) * kRows + c] = kkl;
+      m.k, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk, [&](int r, int c, float v0, float v1) {
+        // columns c and c + 1 a call: 8-byte stores, whole sectors of kkl
+        const float k0 = c < r ? v0 * m.rk[r] * m.rk[c] * decay(s, r, c) : 0.0f;
+        const float k1 = c + 1 < r ? v1 * m.rk[r] * m.rk[c + 1] * decay(s, r, c + 1) : 0.0f;
+        *reinterpret_cast<float2*>(m.A + r * kPitch64 + c) = make_float2(s.beta[r] * k0, s.beta[r] * k1);
+        if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, k0, k1);
       });
   __syncthreads();
   {  // K~ = exp(G_63 - G) K as bfloat16 (K = k r_k, load_normalised's order), and gamma
