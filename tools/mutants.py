@@ -249,8 +249,8 @@ MUTATIONS = (
              "copy_rows<kOutCols>(x, kPitch, h_rows,", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_c_upper_dropped", "wy_grads on planes: each row's (C + C^T) takes C^T's entries "
              "from its own row of dM (zeros above the diagonal), not from dM's column", "cc/ops/gated_delta_rule.cu",
-             ": j > i ? s.beta[j] * decay(s, j, i) * dM[j * kPitch64 + i] : 0.0f;",
-             ": j > i ? s.beta[j] * decay(s, j, i) * dM[i * kPitch64 + j] : 0.0f;",
+             "const float dab = below ? dm : dM[j * kPitch64 + i];",
+             "const float dab = below ? dm : dM[i * kPitch64 + j];",
              PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_keys_unscaled", "wy_grads on planes: Y's key columns without r_k (dw k^T taken "
              "as dw K^T)", "cc/ops/gated_delta_rule.cu", "val * s.beta[c] * s.E[c] * m.rk[c]",

@@ -61,7 +61,9 @@ template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t x);
 template <>
 __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t x) {
-  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
+  // bfloat16 -> float32 is the 16 bits placed high (exact; the header's per-half asm cost two byte
+  // permutes more a pair)
+  return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
 }
 template <>
 __device__ __forceinline__ float2 unpack2<__half>(uint32_t x) {

@@ -664,25 +664,34 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
 template <int kWidth = 128>
 __device__ __forceinline__ void load_split(__nv_bfloat16* dst, const float* src, int rows, int lo_off,
                                            int ld = kPlaneRow, int64_t stride = kWidth) {
-  constexpr int kQuads = kWidth / 4;
-  for (int i0 = threadIdx.x; i0 < rows * kQuads; i0 += 4 * kThreads) {
+  constexpr int kQuads = kWidth / 4, kStep = kThreads / kQuads;  // kStep: rows a pass of the block
+  static_assert(kThreads % kQuads == 0, "a thread's column the same in every pass");
+  const int r0 = threadIdx.x / kQuads, c = threadIdx.x % kQuads * 4;
+  // The passes counted from 0, not from threadIdx.x: the bounds fold where rows is a constant
+  for (int p0 = 0; p0 < rows; p0 += 4 * kStep) {
     float4 a[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads;
-      if (idx < rows * kQuads) a[u] = *reinterpret_cast<const float4*>(src + idx / kQuads * stride + idx % kQuads * 4);
+      const int r = p0 + u * kStep + r0;
+      if (p0 + (u + 1) * kStep <= rows || r < rows) a[u] = *reinterpret_cast<const float4*>(src + r * stride + c);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int idx = i0 + u * kThreads;
-      if (idx >= rows * kQuads) continue;
-      __nv_bfloat16* at = dst + idx / kQuads * ld + idx % kQuads * 4;
+      const int r = p0 + u * kStep + r0;
+      if (!(p0 + (u + 1) * kStep <= rows || r < rows)) continue;
+      __nv_bfloat16* at = dst + r * ld + c;
       if (lo_off < 0) {
         *reinterpret_cast<uint2*>(at) =
             make_uint2(pack2<__nv_bfloat16>(a[u].x, a[u].y), pack2<__nv_bfloat16>(a[u].z, a[u].w));
       } else {
-        store_split2(at, lo_off, a[u].x, a[u].y);
-        store_split2(at + 2, lo_off, a[u].z, a[u].w);
+        // four columns' hi and lo as one 8-byte store each (two 4-byte stores each were 2-way bank
+        // conflicted: a warp's two rows 144 bytes apart)
+        const uint32_t h01 = pack2<__nv_bfloat16>(a[u].x, a[u].y), h23 = pack2<__nv_bfloat16>(a[u].z, a[u].w);
+        const float2 f01 = make_float2(__uint_as_float(h01 << 16), __uint_as_float(h01 & 0xffff0000u));
+        const float2 f23 = make_float2(__uint_as_float(h23 << 16), __uint_as_float(h23 & 0xffff0000u));
+        *reinterpret_cast<uint2*>(at) = make_uint2(h01, h23);
+        *reinterpret_cast<uint2*>(at + lo_off) = make_uint2(pack2<__nv_bfloat16>(a[u].x - f01.x, a[u].y - f01.y),
+                                                            pack2<__nv_bfloat16>(a[u].z - f23.x, a[u].w - f23.y));
       }
     }
   }
@@ -697,9 +706,12 @@ __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, 
   constexpr int kPieces = 128 / 8;  // 16 bytes each
   // The alignment decided once, outside the loop: decided in it, the eight loads of the unaligned
   // case were issued under a predicate beside every copy (ncu's SASS, 2026-12-06).
+  static_assert(Threads % kPieces == 0 && kRows % (Threads / kPieces) == 0, "whole rows a pass");
+  const int i0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 8;
   const auto rows = [&](auto piece) {
-    for (int idx = threadIdx.x; idx < kRows * kPieces; idx += Threads) {
-      const int i = idx / kPieces, c = idx % kPieces * 8;
+#pragma unroll 1
+    for (int u = 0; u < kRows * kPieces / Threads; ++u) {
+      const int i = i0 + u * (Threads / kPieces);
       const int64_t tok = s.slot[i];
       __nv_bfloat16* at = dst + i * kPlaneRow + c;
       if (tok >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
@@ -716,10 +728,28 @@ __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, 
 template <int kWidth>
 __device__ __forceinline__ void copy_rows(__nv_bfloat16* dst, int ld, const __nv_bfloat16* src, int64_t stride,
                                           int rows) {
-  constexpr int kPieces = kWidth / 8;
-  for (int idx = threadIdx.x; idx < rows * kPieces; idx += kThreads) {
-    const int r = idx / kPieces, c = idx % kPieces * 8;
-    copy16(dst + r * ld + c, src + r * stride + c);
+  constexpr int kPieces = kWidth / 8, kStep = kThreads / kPieces;  // kStep: rows a pass of the block
+  static_assert(kThreads % kPieces == 0, "a thread's column the same in every pass");
+  const int r0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 8;
+  dst += r0 * ld + c;  // the thread's first piece: the passes' offsets are constants where ld, stride are
+  src += r0 * stride + c;
+#pragma unroll 4
+  for (int p0 = 0; p0 < rows; p0 += kStep) {
+    if (p0 + kStep <= rows || p0 + r0 < rows) copy16(dst + p0 * ld, src + p0 * stride);
+  }
+}
+
+// copy_rows for float32 rows (the plane kernels' own [chunks, Hv, 64, D] tensors: 16-byte aligned)
+template <int kWidth>
+__device__ __forceinline__ void copy_rows_f32(float* dst, int ld, const float* src, int64_t stride, int rows) {
+  constexpr int kPieces = kWidth / 4, kStep = kThreads / kPieces;
+  static_assert(kThreads % kPieces == 0, "a thread's column the same in every pass");
+  const int r0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 4;
+  dst += r0 * ld + c;
+  src += r0 * stride + c;
+#pragma unroll 4
+  for (int p0 = 0; p0 < rows; p0 += kStep) {
+    if (p0 + kStep <= rows || p0 + r0 < rows) copy16(dst + p0 * ld, src + p0 * stride);
   }
 }
 
@@ -1284,10 +1314,29 @@ __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows,
   const auto* q_in = static_cast<const __nv_bfloat16*>(p.q);
   load_rows_split(q, -1, q_in, p.hk, kh, s, p.T);
   load_rows_split(k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
-  // E Q (its rows' E folded into the store: the same roundings as a pass after it), and r_q into rn
-  load_normalised(QP + kRows, ldqp, rn, q_in, p.hk, kh, d.dk, d.pk, p.scale, s, p.T, s.E);
   wait_copies();
   __syncthreads();
+  {  // E Q and r_q from q's raw rows in shared memory: load_normalised's values (its sums in its order,
+     // v r scale E), without its second read of q from global memory
+    constexpr int kW = kThreads / 32, R = kRows / kW;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float v[R][4];
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+#pragma unroll
+      for (int m = 0; m < 4; ++m) v[j][m] = __bfloat162float(q[(warp + j * kW) * kPlaneRow + lane + 32 * m]);
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int i = warp + j * kW;
+      float ss = 0.0f;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) ss += v[j][m] * v[j][m];
+      const float r = rsqrtf(warp_sum(ss) + 1e-6f), e = s.E[i];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) QP[i * ldqp + kRows + lane + 32 * m] = v[j][m] * r * p.scale * e;
+      if (lane == 0) rn[i] = r;
+    }
+  }
   row_rnorms(rn + kRows, k, kPlaneRow);
   __syncthreads();
   plane_gemm<2, false, true, true, true, kNever, kNever, Tri::kLowerC>(
@@ -1458,8 +1507,10 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
   wait_copies();
   __syncthreads();
   // E Q's hi plane (the site q S's backward, one product) out, 16 bytes a thread.
-  for (int idx = threadIdx.x; idx < kRows * DimsT::dk / 8; idx += kThreads) {
-    const int r = idx / (DimsT::dk / 8), c = idx % (DimsT::dk / 8) * 8;
+  const int r0 = threadIdx.x / (DimsT::dk / 8), c = threadIdx.x % (DimsT::dk / 8) * 8;
+#pragma unroll
+  for (int u = 0; u < kRows * DimsT::dk / 8 / kThreads; ++u) {
+    const int r = r0 + u * (8 * kThreads / DimsT::dk);
     *reinterpret_cast<uint4*>(p.eq + (head * kRows + r) * d.dk + c) =
         *reinterpret_cast<const uint4*>(qp + r * m.ldqp + kRows + c);
   }
@@ -1551,8 +1602,10 @@ __global__ void __launch_bounds__(kThreads, 2) state_grads_planes_kernel(Args p)
   wait_copies();
   __syncthreads();
   float dot = 0.0f;  // dgamma = <h, d_state>, of their bfloat16 values in float32
-  for (int idx = threadIdx.x; idx < d.dk * d.dv / 2; idx += kThreads) {
-    const int at = idx / (d.dv / 2) * kPlaneRow + idx % (d.dv / 2) * 2;
+  const int at0 = threadIdx.x / (DimsT::dv / 2) * kPlaneRow + threadIdx.x % (DimsT::dv / 2) * 2;
+#pragma unroll
+  for (int u = 0; u < DimsT::dk * DimsT::dv / 2 / kThreads; ++u) {
+    const int at = at0 + u * (2 * kThreads / DimsT::dv) * kPlaneRow;
     const float2 x = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(m.H + at));
     const float2 y = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(m.D + at));
     dot += x.x * y.x + x.y * y.y;
@@ -1720,8 +1773,11 @@ __global__ void __launch_bounds__(kThreads, 2) intra_dpl_kernel(Args p) {  // tw
   __syncthreads();
   // Z = dPL * (Q K^T): q and k exact, one product, the norms and the scale after it.
   plane_gemm<2, false, true, true, true>(m.q, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
-                                         [&](int r, int c, float v) {
-                                           m.Z[r * kPitch64 + c] *= v * m.rq[r] * p.scale * m.rk[c];
+                                         [&](int r, int c, float v0, float v1) {
+                                           float2* z = reinterpret_cast<float2*>(m.Z + r * kPitch64 + c);
+                                           const float2 zz = *z;
+                                           *z = make_float2(zz.x * (v0 * m.rq[r] * p.scale * m.rk[c]),
+                                                            zz.y * (v1 * m.rq[r] * p.scale * m.rk[c + 1]));
                                          });
   __syncthreads();
   if (const double z = antisymmetric_row_sum(m.Z); tid % kRowThreads == 0) p.dg_part[rows + tid / kRowThreads] = z;
@@ -1765,27 +1821,31 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
   constexpr int kLo64 = kRows * kPlane64;
   load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
   load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
-  load_block(m.D, kPitch64, p.dpl + rows * kRows, kRows, kRows, kRows, kRows, kRows);
+  copy_rows_f32<kRows>(m.D, kPitch64, p.dpl + rows * kRows, kRows, kRows);
   wait_copies();
   __syncthreads();
   row_rnorms(m.rq, m.q, kPlaneRow);
   row_rnorms(m.rk, m.k, kPlaneRow);
   __syncthreads();
-  for (int idx = tid; idx < kRows * kRows / 2; idx += kThreads) {
-    const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
+  const int r0 = tid / (kRows / 2), c = tid % (kRows / 2) * 2;
+#pragma unroll
+  for (int u = 0; u < kRows * kRows / 2 / kThreads; ++u) {
+    const int r = r0 + u * (2 * kThreads / kRows);
     const float x0 = m.D[r * kPitch64 + c], x1 = m.D[r * kPitch64 + c + 1], sq = m.rq[r] * p.scale;
     store_split2(m.pk + r * kPlane64 + c, kLo64, x0 * m.rk[c], x1 * m.rk[c + 1]);
     store_split2(m.pq + r * kPlane64 + c, kLo64, x0 * sq, x1 * sq);
   }
   __syncthreads();  // dPL's float32 tile is free
-  load_block(m.D, m.ldd, p.dq_state + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
+  copy_rows_f32<DimsT::dk>(m.D, m.ldd, p.dq_state + rows * d.dk, d.dk, kRows);
   wait_copies();
   __syncthreads();
   // G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63), with
   // Q and K as load_normalised makes them.
   for (int i = warp; i < kRows; i += kWarps) {
     float e = 0.0f, kt = 0.0f;
-    for (int c = lane; c < d.dk; c += 32) {
+#pragma unroll
+    for (int u = 0; u < DimsT::dk / 32; ++u) {
+      const int c = lane + 32 * u;
       e += __bfloat162float(m.q[i * kPlaneRow + c]) * m.rq[i] * p.scale * m.D[i * m.ldd + c];
       kt += __bfloat162float(m.k[i * kPlaneRow + c]) * m.rk[i] * p.dk_tilde[(rows + i) * d.dk + c];
     }
@@ -2026,11 +2086,14 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     __syncthreads();
     for (int i = warp; i < kRows; i += kWarps) {  // v's gradient beta dR_V, and V . dR_V
       const int64_t tok = s.slot[i];
+      __nv_bfloat16* dv_row = dv + (tok * p.hv + h) * 128 + c0 + lane;  // (formed only where tok < T)
       float sv = 0.0f;
-      for (int c = lane; c < kQ; c += 32) {
+#pragma unroll
+      for (int u = 0; u < kQ / 32; ++u) {
+        const int c = lane + 32 * u;
         const float dr = m.dr[i * kPitch64 + c];
         sv += __bfloat162float(m.v[i * kPlaneRow + c0 + c]) * dr;
-        if (tok < p.T) dv[(tok * p.hv + h) * 128 + c0 + c] = __float2bfloat16_rn(s.beta[i] * dr);
+        if (tok < p.T) dv_row[32 * u] = __float2bfloat16_rn(s.beta[i] * dr);
       }
       sv = warp_sum(sv);
       if (lane == 0) m.sv[i] += sv;
@@ -2040,8 +2103,9 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   // Y's tile as planes into p, a pair of columns a thread (load_split's four floats in flight cost
   // this kernel's 64 registers a spill).
   const auto split_y = [&] {
-    for (int idx = tid; idx < kRows * kRows / 2; idx += kThreads) {
-      const int r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
+#pragma unroll
+    for (int u = 0; u < kRows * kRows / 2 / kThreads; ++u) {
+      const int idx = tid + u * kThreads, r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
       store_split2(m.p + r * kPlane64 + c, kLo64, m.Y[r * kPitch64 + c], m.Y[r * kPitch64 + c + 1]);
     }
   };
@@ -2069,13 +2133,23 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   for (int i = warp; i < kRows; i += kWarps) {
     const int64_t tok = s.slot[i];
     float sk = 0.0f, sa = 0.0f;
-    for (int c = lane; c < 128; c += 32) sk += __bfloat162float(m.k[i * kPlaneRow + c]) * m.D[i * kLdD + c];
-    for (int j = lane; j < kRows; j += 32) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int c = lane + 32 * u;
+      sk += __bfloat162float(m.k[i * kPlaneRow + c]) * m.D[i * kLdD + c];
+    }
+#pragma unroll
+    for (int u = 0; u < kRows / 32; ++u) {
+      const int j = lane + 32 * u;
       const float dm = dM[i * kPitch64 + j], l = kkl[i * kRows + j];
       sa += l * dm;
       Z[i * kPitch64 + j] = s.beta[i] * l * dm;
-      const float c = j < i ? s.beta[i] * decay(s, i, j) * dm
-                            : j > i ? s.beta[j] * decay(s, j, i) * dM[j * kPitch64 + i] : 0.0f;
+      // C's (i, j) below the diagonal, (j, i) above it: one expression on the chosen operands (as two
+      // branches, a warp whose lanes straddle i ran both)
+      const bool below = j < i;
+      const int a = below ? i : j, b = below ? j : i;
+      const float dab = below ? dm : dM[j * kPitch64 + i];
+      const float c = j != i ? s.beta[a] * decay(s, a, b) * dab : 0.0f;
       c_rk[i * kPlane64 + j] = __float2bfloat16_rn(c * m.rk[j]);
     }
     sk = m.rk[i] * warp_sum(sk);
