@@ -431,12 +431,11 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int he
 }
 
 // The chunk's rows of x [T, heads, D] L2-normalised, a warp 64 / (Threads / 32) rows (loads issued together):
-// dst[i][c] = x r scale (times mul[i] where given) with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if
-// given); zero for padding slots and columns D..padded (D <= 128).
+// dst[i][c] = x r scale with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if given); zero for padding slots
+// and columns D..padded (D <= 128).
 template <typename T, int Threads = kThreads>
 __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, int heads, int head,
-                                                int D, int padded, float scale, const Info& s, int64_t T_,
-                                                const float* mul = nullptr) {
+                                                int D, int padded, float scale, const Info& s, int64_t T_) {
   constexpr int kW = Threads / 32, R = kRows / kW;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float v[R][4];
@@ -455,11 +454,11 @@ __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm
     float ss = 0.0f;
 #pragma unroll
     for (int m = 0; m < 4; ++m) ss += v[j][m] * v[j][m];
-    const float r = rsqrtf(warp_sum(ss) + 1e-6f), e = mul != nullptr ? mul[i] : 1.0f;  // (x 1 is exact)
+    const float r = rsqrtf(warp_sum(ss) + 1e-6f);
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const int c = lane + 32 * m;
-      if (c < padded) dst[i * ld + c] = v[j][m] * r * scale * e;
+      if (c < padded) dst[i * ld + c] = v[j][m] * r * scale;
     }
     if (rnorm != nullptr && lane == 0) rnorm[i] = r;
   }
