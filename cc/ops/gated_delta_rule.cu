@@ -433,6 +433,30 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int he
 // The chunk's rows of x [T, heads, D] L2-normalised, a warp 64 / (Threads / 32) rows (loads issued together):
 // dst[i][c] = x r scale with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if given); zero for padding slots
 // and columns D..padded (D <= 128).
+//
+// normalise_rows does the second half for values already in registers: v[j][m] is row warp + j
+// (Threads / 32)'s column lane + 32 m; each stored value times mul(i) (after the product with scale:
+// the roundings of a pass that multiplies the stored rows; times 1 is exact).
+template <int Threads, int R, typename Mul>
+__device__ __forceinline__ void normalise_rows(const float (&v)[R][4], float* dst, int ld, float* rnorm, int padded,
+                                               float scale, Mul&& mul) {
+  constexpr int kW = Threads / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < R; ++j) {
+    const int i = warp + j * kW;
+    float ss = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) ss += v[j][m] * v[j][m];
+    const float r = rsqrtf(warp_sum(ss) + 1e-6f), e = mul(i);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int c = lane + 32 * m;
+      if (c < padded) dst[i * ld + c] = v[j][m] * r * scale * e;
+    }
+    if (rnorm != nullptr && lane == 0) rnorm[i] = r;
+  }
+}
 template <typename T, int Threads = kThreads>
 __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm, const T* x, int heads, int head,
                                                 int D, int padded, float scale, const Info& s, int64_t T_) {
@@ -448,20 +472,7 @@ __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm
       v[j][m] = tok < T_ && c < D ? to_float(x[(tok * heads + head) * D + c]) : 0.0f;
     }
   }
-#pragma unroll
-  for (int j = 0; j < R; ++j) {
-    const int i = warp + j * kW;
-    float ss = 0.0f;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) ss += v[j][m] * v[j][m];
-    const float r = rsqrtf(warp_sum(ss) + 1e-6f);
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int c = lane + 32 * m;
-      if (c < padded) dst[i * ld + c] = v[j][m] * r * scale;
-    }
-    if (rnorm != nullptr && lane == 0) rnorm[i] = r;
-  }
+  normalise_rows<Threads>(v, dst, ld, rnorm, padded, scale, [](int) { return 1.0f; });
 }
 
 // The backward of load_normalised for one row (a warp): with y the normalised row (row(c) gives
@@ -1315,8 +1326,8 @@ __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows,
   load_rows_split(k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
   wait_copies();
   __syncthreads();
-  {  // E Q and r_q from q's raw rows in shared memory: load_normalised's values (its sums in its order,
-     // v r scale E), without its second read of q from global memory
+  {  // E Q and r_q from q's raw rows in shared memory (load_normalised's values without its second
+     // read of q from global memory)
     constexpr int kW = kThreads / 32, R = kRows / kW;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float v[R][4];
@@ -1324,17 +1335,7 @@ __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows,
     for (int j = 0; j < R; ++j)
 #pragma unroll
       for (int m = 0; m < 4; ++m) v[j][m] = __bfloat162float(q[(warp + j * kW) * kPlaneRow + lane + 32 * m]);
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const int i = warp + j * kW;
-      float ss = 0.0f;
-#pragma unroll
-      for (int m = 0; m < 4; ++m) ss += v[j][m] * v[j][m];
-      const float r = rsqrtf(warp_sum(ss) + 1e-6f), e = s.E[i];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) QP[i * ldqp + kRows + lane + 32 * m] = v[j][m] * r * p.scale * e;
-      if (lane == 0) rn[i] = r;
-    }
+    normalise_rows<kThreads>(v, QP + kRows, ldqp, rn, DimsT::pk, p.scale, [&](int i) { return s.E[i]; });
   }
   row_rnorms(rn + kRows, k, kPlaneRow);
   __syncthreads();
