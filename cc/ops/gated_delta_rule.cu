@@ -436,10 +436,11 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int he
 //
 // normalise_rows does the second half for values already in registers: v[j][m] is row warp + j
 // (Threads / 32)'s column lane + 32 m; each stored value times mul(i) (after the product with scale:
-// the roundings of a pass that multiplies the stored rows; times 1 is exact).
-template <int Threads, int R, typename Mul>
-__device__ __forceinline__ void normalise_rows(const float (&v)[R][4], float* dst, int ld, float* rnorm, int padded,
-                                               float scale, Mul&& mul) {
+// the roundings of a pass that multiplies the stored rows; times 1 is exact); r goes to norm(i, r)
+// (callbacks, so that nothing is tested at run time: a null test cost two kernels a spill).
+template <int Threads, int R, typename Mul, typename Norm>
+__device__ __forceinline__ void normalise_rows(const float (&v)[R][4], float* dst, int ld, int padded, float scale,
+                                               Mul&& mul, Norm&& norm) {
   constexpr int kW = Threads / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
@@ -454,7 +455,7 @@ __device__ __forceinline__ void normalise_rows(const float (&v)[R][4], float* ds
       const int c = lane + 32 * m;
       if (c < padded) dst[i * ld + c] = v[j][m] * r * scale * e;
     }
-    if (rnorm != nullptr && lane == 0) rnorm[i] = r;
+    if (lane == 0) norm(i, r);
   }
 }
 template <typename T, int Threads = kThreads>
@@ -472,7 +473,9 @@ __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm
       v[j][m] = tok < T_ && c < D ? to_float(x[(tok * heads + head) * D + c]) : 0.0f;
     }
   }
-  normalise_rows<Threads>(v, dst, ld, rnorm, padded, scale, [](int) { return 1.0f; });
+  normalise_rows<Threads>(v, dst, ld, padded, scale, [](int) { return 1.0f; }, [&](int i, float r) {
+    if (rnorm != nullptr) rnorm[i] = r;
+  });
 }
 
 // The backward of load_normalised for one row (a warp): with y the normalised row (row(c) gives
@@ -1335,7 +1338,8 @@ __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows,
     for (int j = 0; j < R; ++j)
 #pragma unroll
       for (int m = 0; m < 4; ++m) v[j][m] = __bfloat162float(q[(warp + j * kW) * kPlaneRow + lane + 32 * m]);
-    normalise_rows<kThreads>(v, QP + kRows, ldqp, rn, DimsT::pk, p.scale, [&](int i) { return s.E[i]; });
+    normalise_rows<kThreads>(v, QP + kRows, ldqp, DimsT::pk, p.scale, [&](int i) { return s.E[i]; },
+                             [&](int i, float r) { rn[i] = r; });
   }
   row_rnorms(rn + kRows, k, kPlaneRow);
   __syncthreads();
@@ -2086,7 +2090,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     __syncthreads();
     for (int i = warp; i < kRows; i += kWarps) {  // v's gradient beta dR_V, and V . dR_V
       const int64_t tok = s.slot[i];
-      __nv_bfloat16* dv_row = dv + (tok * p.hv + h) * 128 + c0 + lane;  // (formed only where tok < T)
+      __nv_bfloat16* dv_row = tok < p.T ? dv + (tok * p.hv + h) * 128 + c0 + lane : nullptr;
       float sv = 0.0f;
 #pragma unroll
       for (int u = 0; u < kQ / 32; ++u) {
