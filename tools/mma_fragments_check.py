@@ -2,7 +2,8 @@
 warp's ldmatrix row addresses, as the kernels compute them, fed to an emulation of ldmatrix and
 mma.m16n8k16 (the PTX ISA's "Matrix Fragments for mma.m16n8k16" and ldmatrix's per-thread layout),
 must give every tile of the product the numpy product gives. The address lambdas below mirror the
-kernels' (plane_gemm's four operand layouts, the recurrence's two products); change both together.
+kernels' (plane_gemm's four operand layouts, the recurrence's two products and its state's lane pairs);
+change both together.
 A wrong address (the untransposed read of a transposed operand) is checked to fail, so the check can.
 
     python3 tools/mma_fragments_check.py
@@ -99,10 +100,37 @@ def recurrence(rng):
     return ok
 
 
+def h_out_pairs(rng, wrong=False):
+    """recurrence_planes_kernel's state written out 8 bytes a lane: each lane holds its S tile's
+    fragment (state[j][e] at row s0 + g + 8 (e / 2), column sc + 8 j + 2 t + e % 2); lanes t and t ^ 1
+    swap a pair (__shfl_xor_sync(.., 1)), the even one writing columns sc + 2 t.. + 3, the odd one sc +
+    8 + 2 (t - 1).. + 3. Every element of S [128, 32] written once, with its own value. wrong: the odd
+    lane's two pairs in the wrong order (the mutation delta_rule_recurrence_h_pairs_swapped)."""
+    S = rng.standard_normal((128, 32))
+    out, count = np.zeros((128, 32)), np.zeros((128, 32), dtype=int)
+    for w in range(16):
+        s0, sc = w // 2 * 16, w % 2 * 16
+        state = [[[S[s0 + l // 4 + 8 * (e // 2), sc + 8 * j + 2 * (l % 4) + e % 2] for e in range(4)]
+                  for j in range(2)] for l in range(32)]
+        for half in range(2):
+            p0 = [tuple(state[l][0][2 * half:2 * half + 2]) for l in range(32)]
+            p1 = [tuple(state[l][1][2 * half:2 * half + 2]) for l in range(32)]
+            send = [p0[l] if l % 4 % 2 else p1[l] for l in range(32)]
+            for l in range(32):
+                g, t = l // 4, l % 4
+                odd, got = t & 1, send[l ^ 1]
+                r, c = s0 + g + 8 * half, sc + (8 if odd else 0) + 2 * (t & ~1)
+                lo, hi = ((p1[l], got) if wrong else (got, p1[l])) if odd else (p0[l], got)
+                out[r, c:c + 4] = lo + hi
+                count[r, c:c + 4] += 1
+    return bool((count == 1).all() and np.array_equal(out, S))
+
+
 def main() -> int:
     rng = np.random.default_rng(0)
     checks = {
         "recurrence's two products": recurrence(rng),
+        "the recurrence's state written 8 bytes a lane (a pair swapped between lanes)": h_out_pairs(rng),
         "state_grads (A [M, K], B stored [N, K])": plane_gemm(False, True, 128, 128, 128, 4, 136, 136, rng),
         "local_grads (A stored [K, M], B [K, N])": plane_gemm(True, False, 192, 128, 64, 4, 200, 136, rng),
         "output (A [M, K] at pitch 200, B [K, N] at pitch 40)": plane_gemm(False, False, 64, 32, 192, 2, 200, 40, rng),
@@ -116,7 +144,9 @@ def main() -> int:
         print(f"{'ok  ' if ok else 'FAIL'} {name}")
     wrong = plane_gemm(False, True, 32, 32, 32, 2, 40, 40, rng, wrong_b=True)
     print(f"{'ok  ' if not wrong else 'FAIL'} a wrong B address fails the check")
-    return 0 if all(checks.values()) and not wrong else 1
+    wrong_pairs = h_out_pairs(rng, wrong=True)
+    print(f"{'ok  ' if not wrong_pairs else 'FAIL'} the odd lane's pairs swapped fail the state's check")
+    return 0 if all(checks.values()) and not wrong and not wrong_pairs else 1
 
 
 if __name__ == "__main__":
