@@ -136,7 +136,8 @@ def main() -> int:
         "output (A [M, K] at pitch 200, B [K, N] at pitch 40)": plane_gemm(False, False, 64, 32, 192, 2, 200, 40, rng),
         "intra_grads' dPL and Q K^T, wy_grads' K K^T, [P | E Q]'s Q K^T (A [M, K], B stored [N, K], pitch 136)":
             plane_gemm(False, True, 64, 64, 128, 2, 136, 136, rng),
-        "intra_grads' dq part (A [M, K] at pitch 72, B [K, N] at 136)": plane_gemm(False, False, 64, 128, 64, 4, 72, 136, rng),
+        "intra_grads' dq part (A [M, K] at pitch 72, B [K, N] at 136)":
+            plane_gemm(False, False, 64, 128, 64, 4, 72, 136, rng),
         "intra_grads' dk part (A stored [K, M] at pitch 72, B [K, N] at 136)":
             plane_gemm(True, False, 64, 128, 64, 4, 72, 136, rng),
     }
