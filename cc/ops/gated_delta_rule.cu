@@ -430,6 +430,15 @@ __device__ __forceinline__ void load_rows(float* dst, int ld, const T* x, int he
   }
 }
 
+// rsqrt(|row|^2 + 1e-6) of a warp's row, its columns lane + 32 m in v: the sums in one order wherever
+// a row's norm is taken, so that load_normalised, normalise_rows and row_rnorms give the same values.
+__device__ __forceinline__ float row_rnorm(const float (&v)[4]) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int m = 0; m < 4; ++m) ss += v[m] * v[m];
+  return rsqrtf(warp_sum(ss) + 1e-6f);
+}
+
 // The chunk's rows of x [T, heads, D] L2-normalised, a warp 64 / (Threads / 32) rows (loads issued together):
 // dst[i][c] = x r scale with r = rsqrt(|x|^2 + 1e-6) into rnorm[i] (if given); zero for padding slots
 // and columns D..padded (D <= 128).
@@ -446,10 +455,7 @@ __device__ __forceinline__ void normalise_rows(const float (&v)[R][4], float* ds
 #pragma unroll
   for (int j = 0; j < R; ++j) {
     const int i = warp + j * kW;
-    float ss = 0.0f;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) ss += v[j][m] * v[j][m];
-    const float r = rsqrtf(warp_sum(ss) + 1e-6f), e = mul(i);
+    const float r = row_rnorm(v[j]), e = mul(i);
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const int c = lane + 32 * m;
@@ -700,8 +706,7 @@ __device__ __forceinline__ void load_split(__nv_bfloat16* dst, const float* src,
         // four columns' hi and lo as one 8-byte store each (two 4-byte stores each were 2-way bank
         // conflicted: a warp's two rows 144 bytes apart)
         const uint32_t h01 = pack2<__nv_bfloat16>(a[u].x, a[u].y), h23 = pack2<__nv_bfloat16>(a[u].z, a[u].w);
-        const float2 f01 = make_float2(__uint_as_float(h01 << 16), __uint_as_float(h01 & 0xffff0000u));
-        const float2 f23 = make_float2(__uint_as_float(h23 << 16), __uint_as_float(h23 & 0xffff0000u));
+        const float2 f01 = unpack2<__nv_bfloat16>(h01), f23 = unpack2<__nv_bfloat16>(h23);
         *reinterpret_cast<uint2*>(at) = make_uint2(h01, h23);
         *reinterpret_cast<uint2*>(at + lo_off) = make_uint2(pack2<__nv_bfloat16>(a[u].x - f01.x, a[u].y - f01.y),
                                                             pack2<__nv_bfloat16>(a[u].z - f23.x, a[u].w - f23.y));
@@ -736,14 +741,14 @@ __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, 
   else rows([](__nv_bfloat16* at, const __nv_bfloat16* src) { for (int j = 0; j < 8; ++j) at[j] = src[j]; });
 }
 
-// rows x kWidth bfloat16 values at src (row stride `stride`) into dst (pitch ld), 16 bytes a copy
-// (cp.async: complete after wait_copies()); rows 16-byte aligned at both ends.
-template <int kWidth>
-__device__ __forceinline__ void copy_rows(__nv_bfloat16* dst, int ld, const __nv_bfloat16* src, int64_t stride,
-                                          int rows) {
-  constexpr int kPieces = kWidth / 8, kStep = kThreads / kPieces;  // kStep: rows a pass of the block
+// rows x kWidth values (bfloat16 or float32) at src (row stride `stride`) into dst (pitch ld), 16
+// bytes a copy (cp.async: complete after wait_copies()); rows 16-byte aligned at both ends (the plane
+// kernels' own tensors and shared tiles).
+template <int kWidth, typename E>
+__device__ __forceinline__ void copy_rows(E* dst, int ld, const E* src, int64_t stride, int rows) {
+  constexpr int kPer = 16 / sizeof(E), kPieces = kWidth / kPer, kStep = kThreads / kPieces;  // kStep: rows a pass
   static_assert(kThreads % kPieces == 0, "a thread's column the same in every pass");
-  const int r0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 8;
+  const int r0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * kPer;
   dst += r0 * ld + c;  // the thread's first piece: the passes' offsets are constants where ld, stride are
   src += r0 * stride + c;
 #pragma unroll 4
@@ -752,41 +757,31 @@ __device__ __forceinline__ void copy_rows(__nv_bfloat16* dst, int ld, const __nv
   }
 }
 
-// copy_rows for float32 rows (the plane kernels' own [chunks, Hv, 64, D] tensors: 16-byte aligned)
-template <int kWidth>
-__device__ __forceinline__ void copy_rows_f32(float* dst, int ld, const float* src, int64_t stride, int rows) {
-  constexpr int kPieces = kWidth / 4, kStep = kThreads / kPieces;
-  static_assert(kThreads % kPieces == 0, "a thread's column the same in every pass");
-  const int r0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 4;
-  dst += r0 * ld + c;
-  src += r0 * stride + c;
-#pragma unroll 4
-  for (int p0 = 0; p0 < rows; p0 += kStep) {
-    if (p0 + kStep <= rows || p0 + r0 < rows) copy16(dst + p0 * ld, src + p0 * stride);
-  }
+// A warp's rows of 128 bfloat16 values at x (pitch ld, in shared memory) in registers, as
+// normalise_rows and row_rnorm take them: v[j][m] = row warp + j (Threads / 32)'s column lane + 32 m.
+template <int Threads, int R>
+__device__ __forceinline__ void rows_of(float (&v)[R][4], const __nv_bfloat16* x, int ld) {
+  constexpr int kW = Threads / 32;
+  static_assert(kRows == R * kW, "a warp R whole rows");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < R; ++j)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[j][m] = __bfloat162float(x[(warp + j * kW) * ld + lane + 32 * m]);
 }
 
 // rnorm[i] = rsqrt(|x_i|^2 + 1e-6) of the 64 rows of 128 bfloat16 values at x (pitch ld), a warp a
-// row: the sums in load_normalised's order, so the same values. A warp's rows are summed side by side
-// (one row's shuffles after another's were 18% of prepare_planes' stall samples, ncu 2026-12-06).
+// row (row_rnorm, so load_normalised's values). A warp's rows are summed side by side (one row's
+// shuffles after another's were 18% of prepare_planes' stall samples, ncu 2026-12-06).
 template <int Threads = kThreads>
 __device__ __forceinline__ void row_rnorms(float* rnorm, const __nv_bfloat16* x, int ld) {
   constexpr int kW = Threads / 32, R = kRows / kW;
-  static_assert(kRows % kW == 0 && R > 0, "a warp R whole rows");
+  float v[R][4];
+  rows_of<Threads>(v, x, ld);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float ss[R];
 #pragma unroll
   for (int j = 0; j < R; ++j) {
-    ss[j] = 0.0f;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const float v = __bfloat162float(x[(warp + j * kW) * ld + lane + 32 * m]);
-      ss[j] += v * v;
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < R; ++j) {
-    const float r = rsqrtf(warp_sum(ss[j]) + 1e-6f);
+    const float r = row_rnorm(v[j]);
     if (lane == 0) rnorm[warp + j * kW] = r;
   }
 }
@@ -1331,13 +1326,8 @@ __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows,
   __syncthreads();
   {  // E Q and r_q from q's raw rows in shared memory (load_normalised's values without its second
      // read of q from global memory)
-    constexpr int kW = kThreads / 32, R = kRows / kW;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float v[R][4];
-#pragma unroll
-    for (int j = 0; j < R; ++j)
-#pragma unroll
-      for (int m = 0; m < 4; ++m) v[j][m] = __bfloat162float(q[(warp + j * kW) * kPlaneRow + lane + 32 * m]);
+    float v[kRows / kWarps][4];
+    rows_of<kThreads>(v, q, kPlaneRow);
     normalise_rows<kThreads>(v, QP + kRows, ldqp, DimsT::pk, p.scale, [&](int i) { return s.E[i]; },
                              [&](int i, float r) { rn[i] = r; });
   }
@@ -1825,7 +1815,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
   constexpr int kLo64 = kRows * kPlane64;
   load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
   load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
-  copy_rows_f32<kRows>(m.D, kPitch64, p.dpl + rows * kRows, kRows, kRows);
+  copy_rows<kRows>(m.D, kPitch64, p.dpl + rows * kRows, kRows, kRows);
   wait_copies();
   __syncthreads();
   row_rnorms(m.rq, m.q, kPlaneRow);
@@ -1840,7 +1830,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
     store_split2(m.pq + r * kPlane64 + c, kLo64, x0 * sq, x1 * sq);
   }
   __syncthreads();  // dPL's float32 tile is free
-  copy_rows_f32<DimsT::dk>(m.D, m.ldd, p.dq_state + rows * d.dk, d.dk, kRows);
+  copy_rows<DimsT::dk>(m.D, m.ldd, p.dq_state + rows * d.dk, d.dk, kRows);
   wait_copies();
   __syncthreads();
   // G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63), with
