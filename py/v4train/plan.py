@@ -701,15 +701,14 @@ def fp8_tensor_cores() -> frozenset[str]:
 
 
 E4M3_VARIANTS = ("transpose_global", "wide")
-E4M3_DEFAULTS = ("transpose_global", "wide")  # where the variable is unset
 
 
 def e4m3_variants() -> frozenset[str]:
     """The e4m3 experts kernel's variants, as fp8_grouped.cu e4m3_variants reads
-    V4TRAIN_FP8_E4M3_VARIANTS: words of E4M3_VARIANTS, or none; unset or empty: E4M3_DEFAULTS."""
+    V4TRAIN_FP8_E4M3_VARIANTS: words of E4M3_VARIANTS, or none; unset or empty: all of them."""
     words = env_words("V4TRAIN_FP8_E4M3_VARIANTS")
     if not words:
-        return frozenset(E4M3_DEFAULTS)
+        return frozenset(E4M3_VARIANTS)
     for word in words:
         if word not in E4M3_VARIANTS + ("none",):
             listed = f"{', '.join(E4M3_VARIANTS[:-1])} and {E4M3_VARIANTS[-1]}"  # (as env_variants lists them)
