@@ -317,6 +317,13 @@ __device__ void load_info(Info& s, const Args& p, int64_t chunk, int h) {
 
 // The start of every per-chunk kernel: its shared arrays (Smem), the chunk and value head it takes
 // (its rows of the [chunks, Hv, 64, D] tensors from `rows`; its key head), and the chunk's Info.
+// early(m, head), where given, issues the block's asynchronous copies that need no Info (complete at
+// wait_copies()) before load_info, so that their bytes are in flight during its dependent loads and
+// scan: a block's start waiting on load_info was 12% of state_grads_planes' stall samples (ncu 2026-12-06).
+struct NoEarly {
+  template <typename Smem>
+  __device__ void operator()(const Smem&, int64_t) const {}
+};
 template <typename Smem, typename DimsT>
 struct ChunkBlock {
   DimsT d;
@@ -325,9 +332,11 @@ struct ChunkBlock {
   Info& s;
   int64_t chunk, head, rows;
   int h, kh;
-  __device__ ChunkBlock(const Args& p, unsigned char* smem)
+  template <typename Early = NoEarly>
+  __device__ ChunkBlock(const Args& p, unsigned char* smem, Early early = {})
       : d(dims_of<DimsT>(p.dk, p.dv)), carve{smem}, m(carve, d), s(*m.info), chunk(blockIdx.x),
         head(chunk * p.hv + blockIdx.y), rows(head * kRows), h(blockIdx.y), kh(h / (p.hv / p.hk)) {
+    early(m, head);
     load_info(s, p, chunk, h);
   }
 };
@@ -1584,15 +1593,17 @@ template <typename DimsT>
 __global__ void __launch_bounds__(kThreads, 2) state_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<StatePlanesSmem, DimsT> b(p, smem);
+  constexpr int kState = DimsT::dk * DimsT::dv;
+  const ChunkBlock<StatePlanesSmem, DimsT> b(p, smem, [&](const StatePlanesSmem& m, int64_t head) {  // h, d_state
+    copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + head * kState, DimsT::dv, DimsT::dk);
+    copy_rows<128>(m.D, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + head * kState, DimsT::dv, DimsT::dk);
+  });
   const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t head = b.head;
   load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
   load_split(m.Y + kRows * kPlaneRow, p.dv_new + head * kRows * d.dv, kRows, -1);
-  copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + head * d.dk * d.dv, d.dv, d.dk);
-  copy_rows<128>(m.D, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + head * d.dk * d.dv, d.dv, d.dk);
   wait_copies();
   __syncthreads();
   float dot = 0.0f;  // dgamma = <h, d_state>, of their bfloat16 values in float32
@@ -1806,7 +1817,9 @@ template <typename DimsT>
 __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<IntraPlanesSmem, DimsT> b(p, smem);
+  const ChunkBlock<IntraPlanesSmem, DimsT> b(p, smem, [&](const IntraPlanesSmem& m, int64_t head) {  // dPL
+    copy_rows<kRows>(m.D, kPitch64, p.dpl + head * kRows * kRows, kRows, kRows);
+  });
   const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
@@ -1815,7 +1828,6 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
   constexpr int kLo64 = kRows * kPlane64;
   load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
   load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
-  copy_rows<kRows>(m.D, kPitch64, p.dpl + rows * kRows, kRows, kRows);
   wait_copies();
   __syncthreads();
   row_rnorms(m.rq, m.q, kPlaneRow);
