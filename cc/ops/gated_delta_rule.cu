@@ -2031,7 +2031,7 @@ struct WyPlanesSmem {
   static constexpr int kLdD = 128 + 4;
   Info* info;
   double* dG;
-  float *rk, *sv, *Y, *D;  // Y [64, 68]: Y, then Ai^T Y, then dM. D [64, kLdD]: in the value quarters
+  float *rk, *sv, *Y, *D;  // Y [64, 68]: Ai^T Y, then dM (Y in registers). D [64, kLdD]: in the value quarters
                            // v's raw rows (its first bytes) and dR's quarter [64, 68] after them; then
                            // dR_K, then k's gradient
   __nv_bfloat16 *k, *v, *ai, *p;  // k [64, kPlaneRow]; v in D's bytes; ai, p: planes [2][64, kPlane64]:
@@ -2071,6 +2071,14 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   wait_copies();
   __syncthreads();
   row_rnorms(m.rk, m.k, kPlaneRow);
+  // Y's product deals one 16 x 16 tile a warp (tile = warp): the warp keeps its tile in y across the
+  // quarters, y[j * 4 + e] the element plane_gemm hands from acc[j][e] (rows m0 + g, + 8; columns
+  // n0 + 8 j + 2 t, + 1). Each quarter's read, add and write back of Y in shared memory, one
+  // element a lane and two-way bank conflicted, with s.beta, s.E and m.rk read again for each element
+  // (a store between), were 13% of the kernel's shared-memory wavefronts (ncu26).
+  static_assert(kRows / 16 * (kRows / 16) == kWarps, "one tile of Y a warp");
+  const int y_m0 = warp / 4 * 16, y_n0 = warp % 4 * 16;
+  float y[8] = {};
   // The quarters: dv_new's two (V's), then dw's two (K's). Y's column j takes beta_j (V's) and
   // beta_j E_j r_k,j (K's: beta E K with K = k r_k) after its exact product with the raw rows.
   for (int q = 0; q < 4; ++q) {
@@ -2083,7 +2091,9 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
                                             kRows, kQ, [&](int r, int c, float val) {
                                               const float x = keys ? val * s.beta[c] * s.E[c] * m.rk[c]
                                                                    : val * s.beta[c];
-                                              m.Y[r * kPitch64 + c] = q == 0 ? x : m.Y[r * kPitch64 + c] + x;
+                                              // constant indices once inlined (y stays in registers)
+                                              float& at = y[(c >> 3 & 1) * 4 + (r >> 3 & 1) * 2 + (c & 1)];
+                                              at = q == 0 ? x : at + x;
                                             });
     // dR's quarter = Ai^T (the quarter): the values' into dr, the keys' into D's columns c0..
     plane_gemm<2, true, false, false, false, kNever, kNever, Tri::kUpperA>(
@@ -2108,9 +2118,16 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       if (lane == 0) m.sv[i] += sv;
     }
   }
-  __syncthreads();  // Y and dR_K are in; p is free
-  // Y's tile as planes into p, a pair of columns a thread (load_split's four floats in flight cost
-  // this kernel's 64 registers a spill).
+  __syncthreads();  // dR_K is in; p is free
+  // Y as planes into p: the warps' tiles from y (a lane's pairs of columns, 4 g + t a row's lanes:
+  // conflict free at kPlane64's pitch)
+#pragma unroll
+  for (int n = 0; n < 8; n += 2) {
+    const int r = y_m0 + lane / 4 + n % 4 / 2 * 8, c = y_n0 + n / 4 * 8 + lane % 4 * 2;
+    store_split2(m.p + r * kPlane64 + c, kLo64, y[n], y[n + 1]);
+  }
+  // Y's tile in shared memory as planes into p, a pair of columns a thread (load_split's four floats
+  // in flight cost this kernel's 64 registers a spill).
   const auto split_y = [&] {
 #pragma unroll
     for (int u = 0; u < kRows * kRows / 2 / kThreads; ++u) {
@@ -2118,7 +2135,6 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       store_split2(m.p + r * kPlane64 + c, kLo64, m.Y[r * kPitch64 + c], m.Y[r * kPitch64 + c + 1]);
     }
   };
-  split_y();
   __syncthreads();
   // Ai^T Y into Y (its planes are read), then its planes into p, then dM = -(Ai^T Y) Ai^T, strictly
   // lower, into Y.
