@@ -572,6 +572,16 @@ __device__ __forceinline__ void store_split2(__nv_bfloat16* p, int lo_offset, fl
   *reinterpret_cast<uint32_t*>(p + lo_offset) = pack2<__nv_bfloat16>(x0 - h.x, x1 - h.y);
 }
 
+// hi and lo of four columns at p and p + lo_offset (bfloat16 elements, 8-byte aligned) as one 8-byte
+// store each (two 4-byte stores each were 2-way bank conflicted: a warp's two rows 144 bytes apart).
+__device__ __forceinline__ void store_split4(__nv_bfloat16* p, int lo_offset, float4 x) {
+  const uint32_t h01 = pack2<__nv_bfloat16>(x.x, x.y), h23 = pack2<__nv_bfloat16>(x.z, x.w);
+  const float2 f01 = unpack2<__nv_bfloat16>(h01), f23 = unpack2<__nv_bfloat16>(h23);
+  *reinterpret_cast<uint2*>(p) = make_uint2(h01, h23);
+  *reinterpret_cast<uint2*>(p + lo_offset) =
+      make_uint2(pack2<__nv_bfloat16>(x.x - f01.x, x.y - f01.y), pack2<__nv_bfloat16>(x.z - f23.x, x.w - f23.y));
+}
+
 // hi and lo of x at p and p + lo_offset (bfloat16 elements).
 __device__ __forceinline__ void store_split1(__nv_bfloat16* p, int lo_offset, float x) {
   const __nv_bfloat16 hi = __float2bfloat16_rn(x);
@@ -712,13 +722,7 @@ __device__ __forceinline__ void load_split(__nv_bfloat16* dst, const float* src,
         *reinterpret_cast<uint2*>(at) =
             make_uint2(pack2<__nv_bfloat16>(a[u].x, a[u].y), pack2<__nv_bfloat16>(a[u].z, a[u].w));
       } else {
-        // four columns' hi and lo as one 8-byte store each (two 4-byte stores each were 2-way bank
-        // conflicted: a warp's two rows 144 bytes apart)
-        const uint32_t h01 = pack2<__nv_bfloat16>(a[u].x, a[u].y), h23 = pack2<__nv_bfloat16>(a[u].z, a[u].w);
-        const float2 f01 = unpack2<__nv_bfloat16>(h01), f23 = unpack2<__nv_bfloat16>(h23);
-        *reinterpret_cast<uint2*>(at) = make_uint2(h01, h23);
-        *reinterpret_cast<uint2*>(at + lo_off) = make_uint2(pack2<__nv_bfloat16>(a[u].x - f01.x, a[u].y - f01.y),
-                                                            pack2<__nv_bfloat16>(a[u].z - f23.x, a[u].w - f23.y));
+        store_split4(at, lo_off, a[u]);
       }
     }
   }
@@ -2066,6 +2070,16 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   auto* dv = static_cast<__nv_bfloat16*>(p.dv_out);
   load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
   load_rows_split(m.v, -1, static_cast<const __nv_bfloat16*>(p.v), p.hv, h, s, p.T);
+  // The quarters' floats are copied a quarter ahead (cp.async) into Y's bytes, free while the
+  // quarters run (Y is in y), and split into p from there after the barrier: loaded after it, the
+  // whole block waited on memory there (ncu26: the quarters' load_split, 13% of the stall samples).
+  constexpr int kQuads = kQ / 4, kStep = kThreads / kQuads, kPasses = kRows / kStep;
+  const int q_r0 = tid / kQuads, q_c = tid % kQuads * 4;
+  float* const staged = m.Y;  // [64, kPitch64]
+  const auto fetch = [&](int q) {
+    copy_rows<kQ>(staged, kPitch64, (q >= 2 ? p.dw : p.dv_new) + rows * 128 + q % 2 * kQ, 128, kRows);
+  };
+  fetch(0);
   load_split<kRows>(m.ai, p.ai + rows * kRows, kRows, kLo64, kPlane64, kRows);
   if (tid < kRows) m.sv[tid] = 0.0f;
   wait_copies();
@@ -2084,9 +2098,17 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   for (int q = 0; q < 4; ++q) {
     const bool keys = q >= 2;
     const int c0 = q % 2 * kQ;
-    __syncthreads();  // the quarter before is done with p (and the norms are in)
-    load_split<kQ>(m.p, (keys ? p.dw : p.dv_new) + rows * 128 + c0, kRows, kLo64, kPlane64, 128);
+    wait_copies();
+    __syncthreads();  // the quarter before is done with p (and the norms and this quarter's floats are in)
+    float4 x[kPasses];  // both read before either is split (a store between kept the second load after it)
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      x[u] = *reinterpret_cast<const float4*>(staged + (u * kStep + q_r0) * kPitch64 + q_c);
+    }
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) store_split4(m.p + (u * kStep + q_r0) * kPlane64 + q_c, kLo64, x[u]);
     __syncthreads();
+    if (q < 3) fetch(q + 1);  // in flight over the products (and the value row loop)
     plane_gemm<2, false, true, true, false>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
                                             kRows, kQ, [&](int r, int c, float val) {
                                               const float x = keys ? val * s.beta[c] * s.E[c] * m.rk[c]
