@@ -2032,15 +2032,18 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
 // used up at once (beta dR_V, V . dR_V), the keys' kept; then Ai^T Y and dM as the float32 kernel
 // takes them, on planes, and k's gradient (C + C^T) diag(r_k) k as one bf16 product (that site's).
 struct WyPlanesSmem {
-  static constexpr int kLdD = 128 + 4;
+  // D's and dr's pitches 8 mod 32 words: the products' epilogues store a lane's pair of columns (8
+  // bytes) in rows g, columns 2 t, so a half warp's four rows fall in distinct banks (4 mod 32, 132
+  // and 68, were two-way conflicted: ncu26, 3% of the kernel's shared wavefronts in excess).
+  static constexpr int kLdD = 128 + 8, kLdR = kRows + 8;
   Info* info;
   double* dG;
-  float *rk, *sv, *Y, *D;  // Y [64, 68]: Ai^T Y, then dM (Y in registers). D [64, kLdD]: in the value quarters
-                           // v's raw rows (its first bytes) and dR's quarter [64, 68] after them; then
-                           // dR_K, then k's gradient
+  float *rk, *sv, *Y, *D;  // Y [64, 68]: the quarters' floats staged (Y itself in registers), then Ai^T Y,
+                           // then dM. D [64, kLdD]: in the value quarters v's raw rows (its first bytes)
+                           // and dR's quarter [64, kLdR] after them; then dR_K, then k's gradient
   __nv_bfloat16 *k, *v, *ai, *p;  // k [64, kPlaneRow]; v in D's bytes; ai, p: planes [2][64, kPlane64]:
                                   // Ai (then (C + C^T) diag(r_k)), a quarter of [dv_new | dw] (then Y, Ai^T Y, Z)
-  float* dr;                      // the value quarters' dR [64, 68], in D's bytes after v
+  float* dr;                      // the value quarters' dR [64, kLdR], in D's bytes after v
   template <typename DimsT>
   __host__ __device__ WyPlanesSmem(Carve& c, const DimsT&) {
     info = c.take<Info>(1);
@@ -2048,7 +2051,7 @@ struct WyPlanesSmem {
     rk = c.take<float>(kRows);
     sv = c.take<float>(kRows);
     Y = c.take<float>(kRows * kPitch64);
-    D = c.take<float>(larger(kRows * kLdD, kRows * kPlaneRow / 2 + kRows * kPitch64));
+    D = c.take<float>(larger(kRows * kLdD, kRows * kPlaneRow / 2 + kRows * kLdR));
     v = reinterpret_cast<__nv_bfloat16*>(D);
     dr = D + kRows * kPlaneRow / 2;
     k = c.take<__nv_bfloat16>(kRows * kPlaneRow);
@@ -2066,7 +2069,8 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   Info& s = b.s;
   const int64_t rows = b.rows;
   const int h = b.h, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  constexpr int kLo64 = kRows * kPlane64, kLdD = WyPlanesSmem::kLdD, kQ = 64;  // kQ: a quarter's columns
+  constexpr int kLo64 = kRows * kPlane64, kLdD = WyPlanesSmem::kLdD, kLdR = WyPlanesSmem::kLdR;
+  constexpr int kQ = 64;  // a quarter's columns
   auto* dv = static_cast<__nv_bfloat16*>(p.dv_out);
   load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
   load_rows_split(m.v, -1, static_cast<const __nv_bfloat16*>(p.v), p.hv, h, s, p.T);
@@ -2121,7 +2125,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     plane_gemm<2, true, false, false, false, kNever, kNever, Tri::kUpperA>(
         m.ai, kPlane64, kLo64, m.p, kPlane64, kLo64, kRows, kQ, kRows, [&](int r, int c, float val) {
           if (keys) m.D[r * kLdD + c0 + c] = val;
-          else m.dr[r * kPitch64 + c] = val;
+          else m.dr[r * kLdR + c] = val;
         });
     if (keys) continue;
     __syncthreads();
@@ -2132,7 +2136,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
 #pragma unroll
       for (int u = 0; u < kQ / 32; ++u) {
         const int c = lane + 32 * u;
-        const float dr = m.dr[i * kPitch64 + c];
+        const float dr = m.dr[i * kLdR + c];
         sv += __bfloat162float(m.v[i * kPlaneRow + c0 + c]) * dr;
         if (tok < p.T) dv_row[32 * u] = __float2bfloat16_rn(s.beta[i] * dr);
       }
