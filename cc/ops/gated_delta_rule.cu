@@ -535,17 +535,19 @@ __device__ __forceinline__ void forward_substitution(float (&x)[kRows], const fl
   }
 }
 
-// G's gradient through L from Z [64, 68] in shared memory: sum_j Z_ij - Z_ji in float64 for row
+// G's gradient through L from Z [64, kLd] in shared memory: sum_j Z_ij - Z_ji in float64 for row
 // i = threadIdx.x / kRowThreads, kRowThreads threads a row (64 / kRowThreads j each, then shuffles),
 // in every thread of the row. Every thread calls it. (One thread a row, 64 dependent float64
-// additions, took 8% of wy_grads.)
+// additions, took 8% of wy_grads.) At kLd = 68 a warp's column reads Z_ji (its rows j 8 apart, the
+// same bank) are 8-way bank conflicted; at 65 two-way, its row reads one float a load.
+template <int kLd = kPitch64>
 __device__ __forceinline__ double antisymmetric_row_sum(const float* Z) {
   static_assert(kRowThreads >= 1 && kRowThreads <= 32 && kRows % kRowThreads == 0, "a row's threads in one warp");
   constexpr int kSpan = kRows / kRowThreads;
   const int i = threadIdx.x / kRowThreads, j0 = threadIdx.x % kRowThreads * kSpan;
   double acc = 0.0;
 #pragma unroll
-  for (int j = j0; j < j0 + kSpan; ++j) acc += static_cast<double>(Z[i * kPitch64 + j]) - Z[j * kPitch64 + i];
+  for (int j = j0; j < j0 + kSpan; ++j) acc += static_cast<double>(Z[i * kLd + j]) - Z[j * kLd + i];
 #pragma unroll
   for (int o = 1; o < kRowThreads; o *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   return acc;
@@ -2201,6 +2203,10 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   // (C + C^T) diag(r_k) in bfloat16 into ai's, C = beta L dM strictly lower, each row forming its
   // own row of the sum (C's (i, j) for j < i, C's (j, i) for j > i) from dM.
   float* dM = m.Y;
+  // Z [64, 65]: antisymmetric_row_sum's column reads two-way, not 8-way, bank conflicted (ncu26: its
+  // eight LDS at eight times their ideal wavefronts, 4% of the kernel's shared wavefronts in excess)
+  constexpr int kLdZ = kRows + 1;
+  static_assert(kRows * kLdZ * sizeof(float) <= 2 * kLo64 * sizeof(__nv_bfloat16), "Z in p's bytes");
   float* Z = reinterpret_cast<float*>(m.p);
   auto* c_rk = m.ai;
 #pragma unroll
@@ -2218,7 +2224,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       const int j = lane + 32 * u;
       const float dm = dM[i * kPitch64 + j], l = kl[n][u];
       sa += l * dm;
-      Z[i * kPitch64 + j] = s.beta[i] * l * dm;
+      Z[i * kLdZ + j] = s.beta[i] * l * dm;
       // C's (i, j) below the diagonal, (j, i) above it: one expression on the chosen operands (as two
       // branches, a warp whose lanes straddle i ran both)
       const bool below = j < i;
@@ -2235,7 +2241,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     }
   }
   __syncthreads();
-  if (const double z = antisymmetric_row_sum(Z); tid % kRowThreads == 0) {
+  if (const double z = antisymmetric_row_sum<kLdZ>(Z); tid % kRowThreads == 0) {
     m.dG[tid / kRowThreads] += z + p.dg_part[rows + tid / kRowThreads];
   }
   // k's gradient: dk_part + ((C + C^T) diag(r_k) k + beta E dR_K), over dR_K in D.
