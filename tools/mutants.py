@@ -283,6 +283,22 @@ MUTATIONS = (
              "first 32 columns", "cc/ops/gated_delta_rule.cu",
              "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + col0 + c);",
              "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + c);", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_y_rows_folded", "wy_grads on planes: a warp's Y tile in registers keeps rows "
+             "g and g + 8 in one register", "cc/ops/gated_delta_rule.cu",
+             "float& at = y[(c >> 3 & 1) * 4 + (r >> 3 & 1) * 2 + (c & 1)];",
+             "float& at = y[(c >> 3 & 1) * 4 + (c & 1)];", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_quarter_fetched_again", "wy_grads on planes: each quarter's prefetch copies "
+             "the quarter in hand again (every quarter after the first takes the one before's floats)",
+             "cc/ops/gated_delta_rule.cu", "if (q < 3) fetch(q + 1);", "if (q < 3) fetch(q);", PLANES_CUDA,
+             cuda=True),
+    Mutation("delta_rule_wy_planes_kkl_first_row", "wy_grads on planes: the row loop's prefetched KKL values are "
+             "the warp's first row's for all four of its rows", "cc/ops/gated_delta_rule.cu",
+             "kl[n][u] = kkl[(warp + n * kWarps) * kRows + lane + 32 * u];",
+             "kl[n][u] = kkl[warp * kRows + lane + 32 * u];", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_state_planes_early_h_for_d_state", "state_grads on planes: the copies issued before "
+             "load_info (ChunkBlock's early) take h for d_state", "cc/ops/gated_delta_rule.cu",
+             "static_cast<const __nv_bfloat16*>(p.d_state) + head * kState",
+             "static_cast<const __nv_bfloat16*>(p.h) + head * kState", PLANES_CUDA, cuda=True),
     Mutation("fp8_quantize_quarter_warp_amax", "quantize_rows takes each block's amax over a quarter-warp's 64 "
              "columns (the shuffles from offset 4)", "cc/common/fp8.cu",
              "for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax,",
