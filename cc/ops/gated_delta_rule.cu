@@ -2106,13 +2106,13 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     const int c0 = q % 2 * kQ;
     wait_copies();
     __syncthreads();  // the quarter before is done with p (and the norms and this quarter's floats are in)
-    float4 x[kPasses];  // both read before either is split (a store between kept the second load after it)
+    float4 quad[kPasses];  // both read before either is split (a store between kept the second load after it)
 #pragma unroll
     for (int u = 0; u < kPasses; ++u) {
-      x[u] = *reinterpret_cast<const float4*>(staged + (u * kStep + q_r0) * kPitch64 + q_c);
+      quad[u] = *reinterpret_cast<const float4*>(staged + (u * kStep + q_r0) * kPitch64 + q_c);
     }
 #pragma unroll
-    for (int u = 0; u < kPasses; ++u) store_split4(m.p + (u * kStep + q_r0) * kPlane64 + q_c, kLo64, x[u]);
+    for (int u = 0; u < kPasses; ++u) store_split4(m.p + (u * kStep + q_r0) * kPlane64 + q_c, kLo64, quad[u]);
     __syncthreads();
     if (q < 3) fetch(q + 1);  // in flight over the products (and the value row loop)
     plane_gemm<2, false, true, true, false>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
@@ -2167,7 +2167,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     const int r = y_m0 + lane / 4 + n % 4 / 2 * 8, c = y_n0 + n / 4 * 8 + lane % 4 * 2;
     store_split2(m.p + r * kPlane64 + c, kLo64, y[n], y[n + 1]);
   }
-  // Y's tile in shared memory as planes into p, a pair of columns a thread (load_split's four floats
+  // Ai^T Y (in Y's bytes) as planes into p, a pair of columns a thread (load_split's four floats
   // in flight cost this kernel's 64 registers a spill).
   const auto split_y = [&] {
 #pragma unroll
