@@ -2079,8 +2079,6 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   // The quarters' floats are copied a quarter ahead (cp.async) into Y's bytes, free while the
   // quarters run (Y is in y), and split into p from there after the barrier: loaded after it, the
   // whole block waited on memory there (ncu26: the quarters' load_split, 13% of the stall samples).
-  constexpr int kQuads = kQ / 4, kStep = kThreads / kQuads, kPasses = kRows / kStep;
-  const int q_r0 = tid / kQuads, q_c = tid % kQuads * 4;
   float* const staged = m.Y;  // [64, kPitch64]
   const auto fetch = [&](int q) {
     copy_rows<kQ>(staged, kPitch64, (q >= 2 ? p.dw : p.dv_new) + rows * 128 + q % 2 * kQ, 128, kRows);
@@ -2106,13 +2104,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     const int c0 = q % 2 * kQ;
     wait_copies();
     __syncthreads();  // the quarter before is done with p (and the norms and this quarter's floats are in)
-    float4 quad[kPasses];  // both read before either is split (a store between kept the second load after it)
-#pragma unroll
-    for (int u = 0; u < kPasses; ++u) {
-      quad[u] = *reinterpret_cast<const float4*>(staged + (u * kStep + q_r0) * kPitch64 + q_c);
-    }
-#pragma unroll
-    for (int u = 0; u < kPasses; ++u) store_split4(m.p + (u * kStep + q_r0) * kPlane64 + q_c, kLo64, quad[u]);
+    load_split<kQ>(m.p, staged, kRows, kLo64, kPlane64, kPitch64);  // (from the staged floats)
     __syncthreads();
     if (q < 3) fetch(q + 1);  // in flight over the products (and the value row loop)
     plane_gemm<2, false, true, true, false>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
@@ -2167,15 +2159,6 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     const int r = y_m0 + lane / 4 + n % 4 / 2 * 8, c = y_n0 + n / 4 * 8 + lane % 4 * 2;
     store_split2(m.p + r * kPlane64 + c, kLo64, y[n], y[n + 1]);
   }
-  // Ai^T Y (in Y's bytes) as planes into p, a pair of columns a thread (load_split's four floats
-  // in flight cost this kernel's 64 registers a spill).
-  const auto split_y = [&] {
-#pragma unroll
-    for (int u = 0; u < kRows * kRows / 2 / kThreads; ++u) {
-      const int idx = tid + u * kThreads, r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
-      store_split2(m.p + r * kPlane64 + c, kLo64, m.Y[r * kPitch64 + c], m.Y[r * kPitch64 + c + 1]);
-    }
-  };
   __syncthreads();
   // Ai^T Y into Y (its planes are read), then its planes into p, then dM = -(Ai^T Y) Ai^T, strictly
   // lower, into Y.
@@ -2183,7 +2166,13 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       m.ai, kPlane64, kLo64, m.p, kPlane64, kLo64, kRows, kRows, kRows,
       [&](int r, int c, float val) { m.Y[r * kPitch64 + c] = val; });
   __syncthreads();
-  split_y();
+  // Ai^T Y's planes into p, a pair of columns a thread (load_split's four floats in flight cost this
+  // kernel's 64 registers a spill).
+#pragma unroll
+  for (int u = 0; u < kRows * kRows / 2 / kThreads; ++u) {
+    const int idx = tid + u * kThreads, r = idx / (kRows / 2), c = idx % (kRows / 2) * 2;
+    store_split2(m.p + r * kPlane64 + c, kLo64, m.Y[r * kPitch64 + c], m.Y[r * kPitch64 + c + 1]);
+  }
   __syncthreads();
   plane_gemm<2, false, true, false, false, kNever, kNever, Tri::kUpperB | Tri::kLowerC>(
       m.p, kPlane64, kLo64, m.ai, kPlane64, kLo64, kRows, kRows, kRows,
