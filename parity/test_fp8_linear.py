@@ -279,6 +279,38 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
     print(f"experts' FP8 kernel, tile {tile}: max |error| / bound = {ratios[0]:.3f} (y), {ratios[1]:.3f} (dx)")
 
 
+@CUDA
+@pytest.mark.parametrize("tile", ["128x256", "256x128"])
+@pytest.mark.parametrize("inp", [IN, 128])
+def test_the_experts_fp8_kernels_ahead4_variant_equals_it_on_cuda(tile, inp, monkeypatch):
+    """V4TRAIN_FP8_GROUPED_VARIANTS=ahead4: the copying threads load a step's weights three steps before
+    converting it (one, unasked), in one stream across the tiles a block takes. The same products in
+    the same order, so y and x's gradient equal the kernel's unasked bit for bit; the profile shows
+    which of the two ran. At 384 inputs a forward tile is 6 steps, at 128 two: fewer than the loads
+    ahead, so the stream crosses into the block's next tile, or past its last."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
+    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
+    runs = {}
+    for variants, ahead in (("none", 2), ("ahead4", 4)):
+        monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", variants)
+        *_, y, dx, prof = _experts_run(43, inp=inp)
+        names = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]
+        assert len(names) == 2 and all(re.search(rf"Shape<\d+,\s*\d+>,\s*{ahead}>", n) for n in names), names
+        runs[variants] = y, dx
+    (y0, dx0), (y, dx) = runs["none"], runs["ahead4"]
+    assert torch.equal(y, y0), f"y: max difference {(y - y0).abs().max().item()}"
+    assert torch.equal(dx, dx0), f"x's gradient: max difference {(dx - dx0).abs().max().item()}"
+
+
+@CUDA
+def test_an_unknown_grouped_variant_is_refused_on_cuda(monkeypatch):
+    """A misspelt V4TRAIN_FP8_GROUPED_VARIANTS is an error naming the variable and the word."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
+    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", "ahead")
+    with pytest.raises(ValueError, match=r"V4TRAIN_FP8_GROUPED_VARIANTS=ahead: unknown variant 'ahead'"):
+        _experts_run(41)
+
+
 def _path_a_grouped_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, counts: list[int],
                           transposed: bool = False) -> Bounded:
     """Each expert's rows of x through path (a) (fp8_bound.fp8_linear) with its weight: x W_e^T, or

@@ -315,8 +315,8 @@ MUTATIONS = (
              "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
              "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_x_rows_shifted", "the experts' FP8 kernel has x's tile copied one row late (TMA at row "
-             "first + 1)", "cc/common/fp8_grouped.cu", "step * kBK, tile.first, full + slot);",
-             "step * kBK, tile.first + 1, full + slot);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
+             "first + 1)", "cc/common/fp8_grouped.cu", "step * kBK, c.tile.first, full + slot);",
+             "step * kBK, c.tile.first + 1, full + slot);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_backward_read_k_major", "backward only: the experts' FP8 kernel reads the weight's tile "
              "K-major where it lies MN-major (W^T's tile for W's)", "cc/common/fp8_grouped.cu",
              "wgmma::mma<__nv_bfloat16, BN, 0, Transposed ? 1 : 0>(",
@@ -343,6 +343,9 @@ MUTATIONS = (
              "128-byte swizzle its product reads", "cc/common/fp8_grouped.cu",
              "tile + n * 128 + ((kb / 4) ^ (n % 8)) * 16 + kb % 4 * 4", "tile + n * 128 + kb / 4 * 16 + kb % 4 * 4",
              FP8_E4M3_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_grouped_ahead_slot_reused", "the experts' FP8 kernel loads a step's weights into the registers of "
+             "one not yet converted", "cc/common/fp8_grouped.cu", "fetch(f[(j + kAhead - 1) % kAhead], load);",
+             "fetch(f[(j + kAhead - 2) % kAhead], load);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_last_step_dropped", "the experts' FP8 kernel leaves the last 64 of each sum out",
              "cc/common/fp8_grouped.cu", "steps = K / kBK;", "steps = K / kBK - 1;", FP8_GROUPED_CUDA, cuda=True,
              module="v4_linear_test"),

@@ -200,8 +200,9 @@ __device__ __forceinline__ constexpr int piece_smem(int i) {
 // A persistent block (as many as the multiprocessors): tiles blockIdx.x, + gridDim.x, .. of the
 // (row tile, column tile) grid, column tiles fastest, so that the blocks at work at once share a
 // few row tiles of x and one expert's weight through L2. The copies run on into the next tile
-// while the products write the last one out.
-template <bool Transposed, class S>
+// while the products write the last one out. kAhead: the steps of weights a copying thread holds
+// in registers, kAhead - 1 of them in flight while it converts one.
+template <bool Transposed, class S, int kAhead>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_grouped_kernel(const __grid_constant__ CUtensorMap x_map, const Args a) {
 #if defined(V4_HAS_WGMMA)
@@ -222,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<BM>(a.offsets, a.E, -1).first * col_tiles;
   // (read through a shuffle: one value a warp, so the warpgroups' products are not serialised).
   // Every warpgroup keeps the 168 registers of the launch: the products' 128 accumulators fit
-  // there, and the copies hold two steps of weights and their hoisted addresses.
+  // there, and the copies hold kAhead steps of weights and their hoisted addresses.
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
 
   if (wg == 2) {  // ---- the copies and the dequantisation
@@ -234,55 +235,85 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int lo0 = piece_offset<Transposed, BN>(r0, c0), hi0 = piece_offset<Transposed, BN>(r0, c0 + 8);
     const int64_t w_step = Transposed ? int64_t(kBK) * a.in : kBK;  // a step's move in the weight
     const int s_step = Transposed ? scale_cols : 1, s_half = Transposed ? 1 : scale_cols;  // in the scales
+    // The copies walk one stream of (tile, step) pairs, so that their loads run kAhead - 1 steps
+    // ahead of the conversion across a tile's end as within a tile. (With one step ahead, each
+    // step's weights had one step's time to come from L2 or memory, and a tile's first waited on
+    // its loads from scratch.)
+    struct Cursor {
+      int t = 0, step = 0, halves = 0;
+      Tile tile{};
+      const uint8_t* w = nullptr;
+      const float* scale = nullptr;
+    };
+    // Cursor c onto tile t's first step. The tile's scale blocks past the weight's last column
+    // (halves..) are not read: their columns' products are never written out.
+    const auto start = [&](Cursor& c, int t) {
+      c.t = t;
+      c.step = 0;
+      if (t >= tiles) return;
+      c.tile = find_tile<BM>(a.offsets, a.E, t / col_tiles);
+      const int n0 = t % col_tiles * BN;
+      c.halves = min(S::kHalves, (N - n0) / kScaleBlock);
+      const int64_t expert = int64_t(c.tile.expert) * a.out * a.in;
+      c.w = a.w + expert + (Transposed ? int64_t(r0) * a.in + n0 + c0 : int64_t(n0 + r0) * a.in + c0);
+      c.scale = a.scale + expert / (kScaleBlock * kScaleBlock) + n0 / kScaleBlock * s_half;
+    };
+    const auto advance = [&](Cursor& c) {
+      if (++c.step == steps) start(c, c.t + gridDim.x);
+    };
+    const auto fetch = [&](Pieces<S>& f, const Cursor& c) {
+      const uint8_t* ws = c.w + c.step * w_step;
+      const float* ss = c.scale + c.step * kBK / kScaleBlock * s_step;
+#pragma unroll
+      for (int h = 0; h < S::kHalves; ++h)
+        if (h < c.halves) f.s[h] = __ldg(ss + h * s_half);
+#pragma unroll
+      for (int i = 0; i < S::kPieces; ++i)
+        if (i / 4 < c.halves) f.v[i] = __ldg(reinterpret_cast<const uint4*>(ws + piece_step<Transposed>(i, a.in)));
+    };
     int it = 0;  // steps so far, over every tile: the ring's position and phase
-    Pieces<S> f0{}, f1{};  // set once: the pieces a tile leaves unread feed only its columns past N
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const Tile tile = find_tile<BM>(a.offsets, a.E, t / col_tiles);
-      // The tile's scale blocks past the weight's last column (halves..) are not read: their columns'
-      // products are never written out.
-      const int n0 = t % col_tiles * BN, halves = min(S::kHalves, (N - n0) / kScaleBlock);
-      const int64_t expert = int64_t(tile.expert) * a.out * a.in;
-      const uint8_t* w = a.w + expert + (Transposed ? int64_t(r0) * a.in + n0 + c0 : int64_t(n0 + r0) * a.in + c0);
-      const float* scale = a.scale + expert / (kScaleBlock * kScaleBlock) + n0 / kScaleBlock * s_half;
-      const auto fetch = [&](Pieces<S>& f, int step) {
-        const uint8_t* ws = w + step * w_step;
-        const float* ss = scale + step * kBK / kScaleBlock * s_step;
+    const auto put = [&](const Pieces<S>& f, const Cursor& c) {
+      const int slot = it % kStages, step = c.step;
+      wgmma::bar_wait(empty + slot, ((it / kStages) & 1) ^ 1);
+      ++it;
+      unsigned char* x_tile = smem + slot * S::kStageBytes;
+      if (p == 0) {  // x's rows first.. (past the expert's last: the next one's, or zeros), by TMA
+        wgmma::bar_arrive_expect(full + slot, S::kXTile);
+        wgmma::tma_load_2d(x_tile, &x_map, step * kBK, c.tile.first, full + slot);
+      }
+      unsigned char* w_tile = x_tile + S::kXTile;
 #pragma unroll
-        for (int h = 0; h < S::kHalves; ++h)
-          if (h < halves) f.s[h] = __ldg(ss + h * s_half);
+      for (int i = 0; i < S::kPieces; ++i) {
+        uint4 lo, hi;
+        dequantize16(f.v[i], f.s[i / 4], lo, hi);
+        *reinterpret_cast<uint4*>(w_tile + lo0 + piece_smem<Transposed>(i)) = lo;
+        *reinterpret_cast<uint4*>(w_tile + hi0 + piece_smem<Transposed>(i)) = hi;
+      }
+      wgmma::fence_shared();  // the stores, seen by the products' reads
+      wgmma::bar_arrive(full + slot);
+    };
+    // Step n's weights in f[n % kAhead], loaded when step n - kAhead + 1 is converted. Set once: the
+    // pieces a tile leaves unread feed only its columns past N.
+    Pieces<S> f[kAhead] = {};
+    Cursor load, conv;
+    start(load, blockIdx.x);
+    start(conv, blockIdx.x);
 #pragma unroll
-        for (int i = 0; i < S::kPieces; ++i)
-          if (i / 4 < halves) f.v[i] = __ldg(reinterpret_cast<const uint4*>(ws + piece_step<Transposed>(i, a.in)));
-      };
-      const auto put = [&](const Pieces<S>& f, int step) {
-        const int slot = it % kStages;
-        wgmma::bar_wait(empty + slot, ((it / kStages) & 1) ^ 1);
-        ++it;
-        unsigned char* x_tile = smem + slot * S::kStageBytes;
-        if (p == 0) {  // x's rows first.. (past the expert's last: the next one's, or zeros), by TMA
-          wgmma::bar_arrive_expect(full + slot, S::kXTile);
-          wgmma::tma_load_2d(x_tile, &x_map, step * kBK, tile.first, full + slot);
-        }
-        unsigned char* w_tile = x_tile + S::kXTile;
+    for (int j = 0; j + 1 < kAhead; ++j)
+      if (load.t < tiles) {
+        fetch(f[j], load);
+        advance(load);
+      }
+    while (conv.t < tiles) {
 #pragma unroll
-        for (int i = 0; i < S::kPieces; ++i) {
-          uint4 lo, hi;
-          dequantize16(f.v[i], f.s[i / 4], lo, hi);
-          *reinterpret_cast<uint4*>(w_tile + lo0 + piece_smem<Transposed>(i)) = lo;
-          *reinterpret_cast<uint4*>(w_tile + hi0 + piece_smem<Transposed>(i)) = hi;
+      for (int j = 0; j < kAhead; ++j) {
+        if (conv.t >= tiles) break;
+        if (load.t < tiles) {
+          fetch(f[(j + kAhead - 1) % kAhead], load);
+          advance(load);
         }
-        wgmma::fence_shared();  // the stores, seen by the products' reads
-        wgmma::bar_arrive(full + slot);
-      };
-      // Two steps' loads in registers: the next step's are in flight while this one's are converted.
-      fetch(f0, 0);
-      for (int step = 0; step < steps; step += 2) {
-        if (step + 1 < steps) fetch(f1, step + 1);
-        put(f0, step);
-        if (step + 1 < steps) {
-          if (step + 2 < steps) fetch(f0, step + 2);
-          put(f1, step + 1);
-        }
+        put(f[j], conv);
+        advance(conv);
       }
     }
     return;
@@ -698,6 +729,13 @@ void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 // can time each ("off" leaves the experts, and a dense backward asked on FP8 tensor cores, to the
 // dequantising path; the products on FP8 tensor cores have one tile, 128 x 128).
 enum class Choice { kWide, kTall, kOff };
+
+// The kernel's variants, as V4TRAIN_FP8_GROUPED_VARIANTS names them (a comma list read at each call;
+// unset or empty: none): `ahead4`, the copying threads' weights loaded three steps ahead of their
+// conversion (four steps in registers) where the kernel unasked loads one ahead. The same products
+// in the same order: the same bits (its CUDA test), at a speed to be measured.
+enum GroupedVariant : unsigned { kAhead4 = 1 };  // (bit i: env_variants' name i)
+unsigned grouped_variants() { return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"ahead4"}); }
 Choice tile_choice(int64_t rows, int64_t experts) {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
   const std::string_view s = v == nullptr ? "" : v;
@@ -722,8 +760,11 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
                int(weight.size(2))};
   const dim3 grid = persistent_grid(x, E, N, S::BM, S::BN);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (transposed) wgmma::launch(fp8_grouped_kernel<true, S>, grid, kThreads, S::kSmem, stream, x_map, a);
-  else wgmma::launch(fp8_grouped_kernel<false, S>, grid, kThreads, S::kSmem, stream, x_map, a);
+  const bool ahead = grouped_variants() & kAhead4;
+  if (transposed && ahead) wgmma::launch(fp8_grouped_kernel<true, S, 4>, grid, kThreads, S::kSmem, stream, x_map, a);
+  else if (transposed) wgmma::launch(fp8_grouped_kernel<true, S, 2>, grid, kThreads, S::kSmem, stream, x_map, a);
+  else if (ahead) wgmma::launch(fp8_grouped_kernel<false, S, 4>, grid, kThreads, S::kSmem, stream, x_map, a);
+  else wgmma::launch(fp8_grouped_kernel<false, S, 2>, grid, kThreads, S::kSmem, stream, x_map, a);
 }
 
 bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
