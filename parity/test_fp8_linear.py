@@ -297,18 +297,13 @@ def test_the_experts_fp8_kernels_ahead4_variant_equals_it_on_cuda(tile, inp, mon
         names = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]
         assert len(names) == 2 and all(re.search(rf"Shape<\d+,\s*\d+>,\s*{ahead}>", n) for n in names), names
         runs[variants] = y, dx
-    (y0, dx0), (y, dx) = runs["none"], runs["ahead4"]
-    assert torch.equal(y, y0), f"y: max difference {(y - y0).abs().max().item()}"
-    assert torch.equal(dx, dx0), f"x's gradient: max difference {(dx - dx0).abs().max().item()}"
+    _assert_same_bits(runs["ahead4"], runs["none"])
 
 
-@CUDA
-def test_an_unknown_grouped_variant_is_refused_on_cuda(monkeypatch):
-    """A misspelt V4TRAIN_FP8_GROUPED_VARIANTS is an error naming the variable and the word."""
-    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
-    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", "ahead")
-    with pytest.raises(ValueError, match=r"V4TRAIN_FP8_GROUPED_VARIANTS=ahead: unknown variant 'ahead'"):
-        _experts_run(41)
+def _assert_same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A variant's (y, x's gradient) equal the kernel's unasked bit for bit."""
+    for name, g, w in zip(("y", "x's gradient"), got, want):
+        assert torch.equal(g, w), f"{name}: max difference {(g - w).abs().max().item()}"
 
 
 def _path_a_grouped_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, counts: list[int],
@@ -430,16 +425,18 @@ def test_the_e4m3_kernels_variants_equal_it_on_cuda_fp8_tensor_cores(variants, c
     assert any(re.search(r"fp8_e4m3_kernel<false,\s*256>", e.name) for e in prof.events()) == wide
     assert_within(y.cpu(), _path_a_grouped_bound(x, q, scale, counts), "y")
     assert_within(dx.cpu(), _path_a_grouped_bound(dy, q, scale, counts, transposed=True), "x's gradient")
-    assert torch.equal(y, y0), f"y: max difference {(y - y0).abs().max().item()}"
-    assert torch.equal(dx, dx0), f"x's gradient: max difference {(dx - dx0).abs().max().item()}"
+    _assert_same_bits((y, dx), (y0, dx0))
 
 
 @CUDA
-def test_an_unknown_e4m3_variant_is_refused_on_cuda(monkeypatch):
-    """A misspelt V4TRAIN_FP8_E4M3_VARIANTS is an error naming the variable and the word."""
-    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts")
-    monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", "wide,turned")
-    with pytest.raises(ValueError, match=r"V4TRAIN_FP8_E4M3_VARIANTS=wide,turned: unknown variant 'turned'"):
+@pytest.mark.parametrize("variable, tensor_cores, value, word", [
+    ("V4TRAIN_FP8_E4M3_VARIANTS", "experts", "wide,turned", "turned"),
+    ("V4TRAIN_FP8_GROUPED_VARIANTS", "none", "ahead", "ahead")])
+def test_an_unknown_kernel_variant_is_refused_on_cuda(variable, tensor_cores, value, word, monkeypatch):
+    """A misspelt variant of the e4m3 kernel or of the exact one is an error naming the variable and the word."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", tensor_cores)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"{variable}={value}: unknown variant '{word}'"):
         _experts_run(41)
 
 
