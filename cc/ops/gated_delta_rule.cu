@@ -1592,6 +1592,22 @@ struct StatePlanesSmem {
   }
 };
 
+// This thread's share of dgamma = <h, d_state> (block_sum adds them): their bfloat16 values
+// ([dk, dv] at pitch kPlaneRow) in float32.
+template <typename DimsT>
+__device__ __forceinline__ float state_dot(const __nv_bfloat16* H, const __nv_bfloat16* D) {
+  float dot = 0.0f;
+  const int at0 = threadIdx.x / (DimsT::dv / 2) * kPlaneRow + threadIdx.x % (DimsT::dv / 2) * 2;
+#pragma unroll
+  for (int u = 0; u < DimsT::dk * DimsT::dv / 2 / kThreads; ++u) {
+    const int at = at0 + u * (2 * kThreads / DimsT::dv) * kPlaneRow;
+    const float2 x = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(H + at));
+    const float2 y = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(D + at));
+    dot += x.x * y.x + x.y * y.y;
+  }
+  return dot;
+}
+
 // state_grads_kernel on bfloat16 operands (kPlanes): each loaded tile rounded once, the products
 // through plane_gemm, one bf16 product each (the sites q S, W S and K~^T v_new, judged on the CPU:
 // tools/delta_rule_split_check.py). dgamma's dot of h and d_state stays float32.
@@ -1612,15 +1628,7 @@ __global__ void __launch_bounds__(kThreads, 2) state_grads_planes_kernel(Args p)
   load_split(m.Y + kRows * kPlaneRow, p.dv_new + head * kRows * d.dv, kRows, -1);
   wait_copies();
   __syncthreads();
-  float dot = 0.0f;  // dgamma = <h, d_state>, of their bfloat16 values in float32
-  const int at0 = threadIdx.x / (DimsT::dv / 2) * kPlaneRow + threadIdx.x % (DimsT::dv / 2) * 2;
-#pragma unroll
-  for (int u = 0; u < DimsT::dk * DimsT::dv / 2 / kThreads; ++u) {
-    const int at = at0 + u * (2 * kThreads / DimsT::dv) * kPlaneRow;
-    const float2 x = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(m.H + at));
-    const float2 y = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(m.D + at));
-    dot += x.x * y.x + x.y * y.y;
-  }
+  float dot = state_dot<DimsT>(m.H, m.D);
   dot = block_sum(dot, m.scratch);
   if (threadIdx.x == 0) p.dgamma[head] = dot;
   const auto first = [&](int r, int c, float v0, float v1) {
