@@ -1458,6 +1458,14 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
 
 // ---- Backward --------------------------------------------------------------------------------------
 
+// The delta rule's kernels written without a GPU, taken where V4TRAIN_DELTA_RULE_VARIANTS names them
+// (a comma list, read at each call so that one process can time each beside the kernels it would
+// replace; unset or `none`: none) until their CUDA parity has run and they were timed (docs/gpu.md):
+// `dqkwg`, state_grads, intra_dpl and intra_grads on planes as one kernel (dqkwg_planes_kernel). For
+// bf16 at Qwen3.5's widths (kPlanes).
+enum Variant : unsigned { kDqkwg = 1 };  // (bit i: env_variants' name i)
+unsigned variants() { return env_variants("V4TRAIN_DELTA_RULE_VARIANTS", {"dqkwg"}); }
+
 struct LocalSmem {
   Info* info;
   float *QP, *X, *rn;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4] (planes: q's and k's raw rows
@@ -1741,6 +1749,79 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
   }
 }
 
+// Steps of intra_grads on planes for dqkwg_planes_kernel (intra_grads_planes_kernel has them inline,
+// its SASS unchanged while dqkwg is a variant; they are its, to go with it once dqkwg is the default).
+//
+// dPL [64, kPitch64] (float32) as the planes of its two scalings ([64, kPlane64], lo at + kRows kPlane64):
+// pk = dPL diag(r_k), for q's gradient, and pq = diag(r_q s) dPL, for k's.
+__device__ __forceinline__ void split_dpl(__nv_bfloat16* pk, __nv_bfloat16* pq, const float* dpl, const float* rq,
+                                          const float* rk, float scale) {
+  constexpr int kLo64 = kRows * kPlane64;
+  const int r0 = threadIdx.x / (kRows / 2), c = threadIdx.x % (kRows / 2) * 2;
+#pragma unroll
+  for (int u = 0; u < kRows * kRows / 2 / kThreads; ++u) {
+    const int r = r0 + u * (2 * kThreads / kRows);
+    const float x0 = dpl[r * kPitch64 + c], x1 = dpl[r * kPitch64 + c + 1], sq = rq[r] * scale;
+    store_split2(pk + r * kPlane64 + c, kLo64, x0 * rk[c], x1 * rk[c + 1]);
+    store_split2(pq + r * kPlane64 + c, kLo64, x0 * sq, x1 * sq);
+  }
+}
+
+// G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63), with Q
+// and K as load_normalised makes them (q, k: raw rows; dq_state [64, ld]; dk_tilde(i, c)), a warp a
+// row: dG[i] = before(i) + (e - kt), t[i] = kt. Unrolled, a warp's four rows have their loads of
+// dk_tilde and before's in flight at once (rolled, each row waited on its own: 16% of intra_grads_planes'
+// stall samples, ncu 2026-12-06).
+template <int kDk, typename DkTilde, typename Before>
+__device__ __forceinline__ void e_kt_terms(double* dG, double* t, const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                           const float* rq, const float* rk, float scale, const float* dq_state, int ld,
+                                           const Info& s, DkTilde&& dk_tilde, Before&& before) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = 0; j < kRows / kWarps; ++j) {
+    const int i = warp + j * kWarps;
+    float e = 0.0f, kt = 0.0f;
+#pragma unroll
+    for (int u = 0; u < kDk / 32; ++u) {
+      const int c = lane + 32 * u;
+      e += __bfloat162float(q[i * kPlaneRow + c]) * rq[i] * scale * dq_state[i * ld + c];
+      kt += __bfloat162float(k[i * kPlaneRow + c]) * rk[i] * dk_tilde(i, c);
+    }
+    e = warp_sum(e);
+    kt = s.Kt[i] * warp_sum(kt);
+    if (lane == 0) {
+      dG[i] = before(i) + (static_cast<double>(e) - kt);
+      t[i] = kt;
+    }
+  }
+}
+
+// The end of intra_grads on planes: q's gradient through its norm from dq [64, ld] (q: raw rows) into
+// p.dq, and G's [64] into p.dg_part (dG, and at slot 63 the sum of t and dgamma() gamma).
+template <int kDk, typename Dgamma>
+__device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const __nv_bfloat16* q_rows, const float* rq,
+                                             const float* dq, int ld, const double* dG, const double* t, int h,
+                                             int64_t rows, Dgamma&& dgamma) {
+  const int tid = threadIdx.x, warp = tid / 32;
+  for (int i = warp; i < kRows; i += kWarps) {
+    const int64_t tok = s.slot[i];
+    if (tok < p.T) {
+      const __nv_bfloat16* q = q_rows + i * kPlaneRow;
+      const float r = rq[i];
+      normalised_backward(p.dq + (tok * p.hv + h) * kDk, [&](int c) { return __bfloat162float(q[c]) * r * p.scale; },
+                          r, dq + i * ld, kDk, p.scale);
+    }
+  }
+  if (tid < kRows) {
+    double v = dG[tid];
+    if (tid == kRows - 1) {
+      for (int j = 0; j < kRows; ++j) v += t[j];
+      v += static_cast<double>(dgamma()) * s.gamma;
+    }
+    p.dg_part[rows + tid] = v;
+  }
+}
+
 // intra_grads on planes (kPlanes), in two kernels of two blocks a multiprocessor each (one kernel
 // held one block: its float32 tiles, and at one block of 16 warps every kernel here waits on
 // latency, ncu 2026-12-03). q, k and d_o are read as their raw bfloat16 rows, exact in a plane's
@@ -1907,6 +1988,120 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
     }
     p.dg_part[rows + tid] = v;
   }
+}
+
+// state_grads, intra_dpl and intra_grads on planes in one kernel (V4TRAIN_DELTA_RULE_VARIANTS=dqkwg; the
+// work of fla's chunk_bwd_dqkwg): dq_state, dk_tilde and dPL stay in shared memory, and q, k, d_o,
+// v_new, dv_new, h and d_state are read once (the three kernels wrote the first three as float32 tiles
+// and read them back, and read q, k, d_o and v_new twice). Each product as those kernels take it (the
+// same plane_gemm flags on the same operands: the same roundings, the same sums). One block a
+// multiprocessor: the chunk's operands and its two float32 [64, 128] tiles (dq_state, dk_tilde) take
+// 224 KB at the phases' widest, reused as below; two blocks would need each under 113 KB (dk split over
+// a cluster of two, or tiles read twice).
+//
+// The phases (a barrier after each): 1 the loads (h and d_state before Info), the norms of q's and k's
+// rows and dgamma = <h, d_state>; 2 dq_state = E (d_o h^T) and dw = -(dv_new h^T) (one product: Y
+// against h), dPL = (d_o v_new^T) * L (d_o exact, v_new on planes); 3 dk_tilde = v_new d_state^T (v_new's
+// hi plane: rounded once) into the bytes of v's lo plane and h, dPL's two scaled plane sets after it
+// (over h and Y); 4 Z = dPL * (Q K^T) in place, G's terms through E and Kt; 5 G's through L, q's
+// gradient dq_state + (dPL diag(r_k)) k, k's part (diag(r_q s) dPL)^T q + Kt dk_tilde; 6 q's gradient
+// through its norm, G's into dg_part.
+struct DqkwgSmem {
+  static constexpr int kLdF = 128 + 8;  // dq_state's and dk_tilde's pitch (floats): an epilogue's pairs conflict free
+  // R's parts (bfloat16 elements): v [2][64, kPlaneRow], h and Y [128, kPlaneRow] each; from phase 3
+  // dk_tilde after v's hi plane, then pk and pq [2][64, kPlane64] each.
+  static constexpr int kPlanes64 = kRows * kPlaneRow, kR = 6 * kPlanes64, kDkt = kPlanes64,
+                       kPk = kDkt + 2 * kRows * kLdF, kPq = kPk + 2 * kRows * kPlane64;
+  static_assert(kPq + 2 * kRows * kPlane64 <= kR, "dk_tilde, pk and pq within R");
+  Info* info;
+  double *dG, *t;
+  float *rq, *rk, *scratch;
+  __nv_bfloat16 *q, *k, *S;  // raw rows [64, kPlaneRow]; d_state [128, kPlaneRow]
+  float *DQ, *Z;             // DQ [64, kLdF]: dq_state, then q's gradient; Z [64, kPitch64]: dPL, then Z
+  __nv_bfloat16 *v, *H, *Y, *pk, *pq;  // R's parts; Y: d_o's raw rows, then dv_new rounded
+  float* DKT;                          // dk_tilde [64, kLdF]
+  template <typename DimsT>
+  __host__ __device__ DqkwgSmem(Carve& c, const DimsT&) {
+    info = c.take<Info>(1);
+    dG = c.take<double>(kRows);
+    t = c.take<double>(kRows);
+    rq = c.take<float>(kRows);
+    rk = c.take<float>(kRows);
+    scratch = c.take<float>(kWarps);
+    q = c.take<__nv_bfloat16>(kPlanes64);
+    k = c.take<__nv_bfloat16>(kPlanes64);
+    S = c.take<__nv_bfloat16>(2 * kPlanes64);
+    DQ = c.take<float>(kRows * kLdF);
+    Z = c.take<float>(kRows * kPitch64);
+    v = c.take<__nv_bfloat16>(kR);
+    H = v + 2 * kPlanes64;
+    Y = v + 4 * kPlanes64;
+    DKT = reinterpret_cast<float*>(v + kDkt);
+    pk = v + kPk;
+    pq = v + kPq;
+  }
+};
+
+template <typename DimsT>
+__global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  // one block a multiprocessor
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kState = DimsT::dk * DimsT::dv, kLdF = DqkwgSmem::kLdF, kLo64 = kRows * kPlane64;
+  const ChunkBlock<DqkwgSmem, DimsT> b(p, smem, [&](const DqkwgSmem& m, int64_t head) {  // h, d_state
+    copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + kState * head, DimsT::dv, DimsT::dk);
+    copy_rows<128>(m.S, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head, DimsT::dv, DimsT::dk);
+  });
+  const auto& m = b.m;
+  Info& s = b.s;
+  const int64_t rows = b.rows;
+  load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
+  load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
+  load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
+  load_split(m.v, p.v_new + rows * DimsT::dv, kRows, kRows * kPlaneRow);  // (while the copies fly)
+  load_split(m.Y + kRows * kPlaneRow, p.dv_new + rows * DimsT::dv, kRows, -1);
+  wait_copies();
+  __syncthreads();
+  row_rnorms(m.rq, m.q, kPlaneRow);
+  row_rnorms(m.rk, m.k, kPlaneRow);
+  const float dgamma = block_sum(state_dot<DimsT>(m.H, m.S), m.scratch);  // (synchronises)
+  plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.H, kPlaneRow, 0, 2 * kRows, DimsT::dk, DimsT::dv,
+                                         [&](int r, int c, float v0, float v1) {
+                                           if (r < kRows) store2(m.DQ + r * kLdF + c, s.E[r] * v0, s.E[r] * v1);
+                                           else store2(p.dw + (rows + r - kRows) * DimsT::dk + c, -v0, -v1);
+                                         });
+  plane_gemm<2, false, true, false, true, kNever, kNever, Tri::kLowerC>(
+      m.Y, kPlaneRow, 0, m.v, kPlaneRow, kRows * kPlaneRow, kRows, kRows, DimsT::dv,
+      [&](int r, int c, float v0, float v1) {
+        store2(m.Z + r * kPitch64 + c, c <= r ? v0 * decay(s, r, c) : 0.0f, c + 1 <= r ? v1 * decay(s, r, c + 1) : 0.0f);
+      });
+  __syncthreads();  // h, Y and v's lo plane are free
+  plane_gemm<4, false, true, true, true>(m.v, kPlaneRow, 0, m.S, kPlaneRow, 0, kRows, DimsT::dk, DimsT::dv,
+                                         [&](int r, int c, float v0, float v1) { store2(m.DKT + r * kLdF + c, v0, v1); });
+  split_dpl(m.pk, m.pq, m.Z, m.rq, m.rk, p.scale);
+  __syncthreads();
+  plane_gemm<2, false, true, true, true>(m.q, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
+                                         [&](int r, int c, float v0, float v1) {
+                                           float2* z = reinterpret_cast<float2*>(m.Z + r * kPitch64 + c);
+                                           const float2 zz = *z;
+                                           *z = make_float2(zz.x * (v0 * m.rq[r] * p.scale * m.rk[c]),
+                                                            zz.y * (v1 * m.rq[r] * p.scale * m.rk[c + 1]));
+                                         });
+  e_kt_terms<DimsT::dk>(m.dG, m.t, m.q, m.k, m.rq, m.rk, p.scale, m.DQ, kLdF, s,
+                        [&](int i, int c) { return m.DKT[i * kLdF + c]; }, [](int) { return 0.0; });
+  __syncthreads();
+  if (const double z = antisymmetric_row_sum(m.Z); threadIdx.x % kRowThreads == 0) {
+    m.dG[threadIdx.x / kRowThreads] = z + m.dG[threadIdx.x / kRowThreads];  // (intra_dpl's term first, as summed there)
+  }
+  plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA>(
+      m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows,
+      [&](int r, int c, float v) { m.DQ[r * kLdF + c] += v; });
+  plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(
+      m.pq, kPlane64, kLo64, m.q, kPlaneRow, 0, kRows, DimsT::dk, kRows, [&](int r, int c, float v0, float v1) {
+        const float2 kt = *reinterpret_cast<const float2*>(m.DKT + r * kLdF + c);
+        store2(p.dk_part + (rows + r) * DimsT::dk + c, v0 + s.Kt[r] * kt.x, v1 + s.Kt[r] * kt.y);
+      });
+  __syncthreads();
+  q_grad_and_g<DimsT::dk>(p, s, m.q, m.rq, m.DQ, kLdF, m.dG, m.t, b.h, rows, [&] { return dgamma; });
 }
 
 struct WySmem {
@@ -2474,20 +2669,30 @@ void fused(Fused& f, bool backward) {
   eq.reset();
   a.d_state = r.state_out.data_ptr();
   a.dv_new = r.x_out.data_ptr<float>();
-  at::Tensor dq_state = rows(d.dk), dk_tilde = rows(d.dk), dgamma = at::empty({chunks, hv}, f32);
-  a.dq_state = dq_state.data_ptr<float>();
   a.dw = w.data_ptr<float>();  // W is done with: its gradient takes its place
-  a.dk_tilde = dk_tilde.data_ptr<float>();
-  a.dgamma = dgamma.data_ptr<float>();
-  if constexpr (kPlanes<kMode, DimsT>) launch<StatePlanesSmem>(state_grads_planes_kernel<DimsT>, grid, d, a);
-  else launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
-  r.state_out.reset();
+  bool dqkwg = false;          // state_grads, intra_dpl and intra_grads as one kernel (Variant)
+  if constexpr (kPlanes<kMode, DimsT>) dqkwg = variants() & kDqkwg;
+  at::Tensor dq_state, dk_tilde, dgamma;
+  if (!dqkwg) {
+    dq_state = rows(d.dk);
+    dk_tilde = rows(d.dk);
+    dgamma = at::empty({chunks, hv}, f32);
+    a.dq_state = dq_state.data_ptr<float>();
+    a.dk_tilde = dk_tilde.data_ptr<float>();
+    a.dgamma = dgamma.data_ptr<float>();
+    if constexpr (kPlanes<kMode, DimsT>) launch<StatePlanesSmem>(state_grads_planes_kernel<DimsT>, grid, d, a);
+    else launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
+    r.state_out.reset();
+  }
   at::Tensor dq = at::empty({T_, hv, d.dk}, f32), dk_part = rows(d.dk);
   at::Tensor dg_part = at::empty({chunks, hv, kRows}, f32.dtype(at::kDouble));
   a.dq = dq.data_ptr<float>();
   a.dk_part = dk_part.data_ptr<float>();
   a.dg_part = dg_part.data_ptr<double>();
-  if constexpr (kPlanes<kMode, DimsT>) {
+  if (dqkwg) {
+    if constexpr (kPlanes<kMode, DimsT>) launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a);
+    r.state_out.reset();
+  } else if constexpr (kPlanes<kMode, DimsT>) {
     at::Tensor dpl = at::empty({chunks, hv, kRows, kRows}, f32);
     a.dpl = dpl.data_ptr<float>();
     launch<IntraDplSmem>(intra_dpl_kernel<DimsT>, grid, d, a);
