@@ -1761,9 +1761,10 @@ __device__ __forceinline__ void split_dpl(__nv_bfloat16* pk, __nv_bfloat16* pq, 
 #pragma unroll
   for (int u = 0; u < kRows * kRows / 2 / kThreads; ++u) {
     const int r = r0 + u * (2 * kThreads / kRows);
-    const float x0 = dpl[r * kPitch64 + c], x1 = dpl[r * kPitch64 + c + 1], sq = rq[r] * scale;
-    store_split2(pk + r * kPlane64 + c, kLo64, x0 * rk[c], x1 * rk[c + 1]);
-    store_split2(pq + r * kPlane64 + c, kLo64, x0 * sq, x1 * sq);
+    const float2 x = *reinterpret_cast<const float2*>(dpl + r * kPitch64 + c);  // (one load: conflict free)
+    const float sq = rq[r] * scale;
+    store_split2(pk + r * kPlane64 + c, kLo64, x.x * rk[c], x.y * rk[c + 1]);
+    store_split2(pq + r * kPlane64 + c, kLo64, x.x * sq, x.y * sq);
   }
 }
 
@@ -2093,8 +2094,11 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
     m.dG[threadIdx.x / kRowThreads] = z + m.dG[threadIdx.x / kRowThreads];  // (intra_dpl's term first, as summed there)
   }
   plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA>(
-      m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows,
-      [&](int r, int c, float v) { m.DQ[r * kLdF + c] += v; });
+      m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows, [&](int r, int c, float v0, float v1) {
+        float2* dq = reinterpret_cast<float2*>(m.DQ + r * kLdF + c);  // (pairs: conflict free at kLdF)
+        const float2 x = *dq;
+        *dq = make_float2(x.x + v0, x.y + v1);
+      });
   plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(
       m.pq, kPlane64, kLo64, m.q, kPlaneRow, 0, kRows, DimsT::dk, kRows, [&](int r, int c, float v0, float v1) {
         const float2 kt = *reinterpret_cast<const float2*>(m.DKT + r * kLdF + c);
