@@ -2000,8 +2000,8 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
 // 224 KB at the phases' widest, reused as below; two blocks would need each under 113 KB (dk split over
 // a cluster of two, or tiles read twice).
 //
-// The phases (a barrier after each): 1 the loads (h and d_state before Info), the norms of q's and k's
-// rows and dgamma = <h, d_state>; 2 dq_state = E (d_o h^T) and dw = -(dv_new h^T) (one product: Y
+// The phases (a barrier after each): 1 the loads (h, d_state and v_new before Info), v_new's planes,
+// the norms of q's and k's rows and dgamma = <h, d_state>; 2 dq_state = E (d_o h^T) and dw = -(dv_new h^T) (one product: Y
 // against h), dPL = (d_o v_new^T) * L (d_o exact, v_new on planes); 3 dk_tilde = v_new d_state^T (v_new's
 // hi plane: rounded once) into the bytes of v's lo plane and h, dPL's two scaled plane sets after it
 // (over h and Y); 4 Z = dPL * (Q K^T) in place, G's terms through E and Kt; 5 G's through L, q's
@@ -2018,8 +2018,8 @@ struct DqkwgSmem {
   double *dG, *t;
   float *rq, *rk, *scratch;
   __nv_bfloat16 *q, *k, *S;  // raw rows [64, kPlaneRow]; d_state [128, kPlaneRow]
-  float *DQ, *Z;             // DQ [64, kLdF]: dq_state, then q's gradient; Z [64, kPitch64]: dPL, then Z
-  __nv_bfloat16 *v, *H, *Y, *pk, *pq;  // R's parts; Y: d_o's raw rows, then dv_new rounded
+  float *DQ, *Z;  // DQ [64, kLdF]: v_new staged [64, 128], dq_state, q's gradient; Z [64, kPitch64]: dPL, then Z
+  __nv_bfloat16 *v, *H, *Y, *pk, *pq;  // R's parts; Y: d_o's raw rows, dv_new rounded below them
   float* DKT;                          // dk_tilde [64, kLdF]
   template <typename DimsT>
   __host__ __device__ DqkwgSmem(Carve& c, const DimsT&) {
@@ -2048,9 +2048,12 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kState = DimsT::dk * DimsT::dv, kLdF = DqkwgSmem::kLdF, kLo64 = kRows * kPlane64;
-  const ChunkBlock<DqkwgSmem, DimsT> b(p, smem, [&](const DqkwgSmem& m, int64_t head) {  // h, d_state
+  // Before Info: h, d_state, and v_new's float32 rows staged in DQ's bytes (split after the wait: one
+  // round trip fewer than a second load_split from global memory).
+  const ChunkBlock<DqkwgSmem, DimsT> b(p, smem, [&](const DqkwgSmem& m, int64_t head) {
     copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + kState * head, DimsT::dv, DimsT::dk);
     copy_rows<128>(m.S, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head, DimsT::dv, DimsT::dk);
+    copy_rows<DimsT::dv>(m.DQ, DimsT::dv, p.v_new + head * kRows * DimsT::dv, DimsT::dv, kRows);
   });
   const auto& m = b.m;
   Info& s = b.s;
@@ -2058,10 +2061,10 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
   load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
   load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
-  load_split(m.v, p.v_new + rows * DimsT::dv, kRows, kRows * kPlaneRow);  // (while the copies fly)
-  load_split(m.Y + kRows * kPlaneRow, p.dv_new + rows * DimsT::dv, kRows, -1);
+  load_split(m.Y + kRows * kPlaneRow, p.dv_new + rows * DimsT::dv, kRows, -1);  // (while the copies fly)
   wait_copies();
   __syncthreads();
+  load_split(m.v, m.DQ, kRows, kRows * kPlaneRow);  // (block_sum's barriers: split before DQ is written)
   row_rnorms(m.rq, m.q, kPlaneRow);
   row_rnorms(m.rk, m.k, kPlaneRow);
   const float dgamma = block_sum(state_dot<DimsT>(m.H, m.S), m.scratch);  // (synchronises)
