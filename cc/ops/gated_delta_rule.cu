@@ -1996,21 +1996,23 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
 // v_new, dv_new, h and d_state are read once (the three kernels wrote the first three as float32 tiles
 // and read them back, and read q, k, d_o and v_new twice). Each product as those kernels take it (the
 // same plane_gemm flags on the same operands: the same roundings, the same sums). One block a
-// multiprocessor: the chunk's operands and its two float32 [64, 128] tiles (dq_state, dk_tilde) take
-// 224 KB at the phases' widest, reused as below; two blocks would need each under 113 KB (dk split over
-// a cluster of two, or tiles read twice).
+// multiprocessor: a chunk's operands whole (q, k, d_o, v_new's planes, dv_new, h, d_state: 170 KB as
+// loaded) and its two float32 tiles (dq_state, dk_tilde) take 224 KB, regions reused as below. Two
+// blocks (113 KB each) would take the products over dv in slices with register accumulators, not
+// plane_gemm's whole-K tiles, or dk split over a cluster of two with the operands indexed by dv
+// (d_o, v_new, dv_new: 68 KB) still whole in each.
 //
-// The phases (a barrier after each): 1 the loads (h, d_state and v_new before Info), v_new's planes,
-// the norms of q's and k's rows and dgamma = <h, d_state>; 2 dq_state = E (d_o h^T) and dw = -(dv_new h^T) (one product: Y
-// against h), dPL = (d_o v_new^T) * L (d_o exact, v_new on planes); 3 dk_tilde = v_new d_state^T (v_new's
-// hi plane: rounded once) into the bytes of v's lo plane and h, dPL's two scaled plane sets after it
-// (over h and Y); 4 Z = dPL * (Q K^T) in place, G's terms through E and Kt; 5 G's through L, q's
-// gradient dq_state + (dPL diag(r_k)) k, k's part (diag(r_q s) dPL)^T q + Kt dk_tilde; 6 q's gradient
-// through its norm, G's into dg_part.
+// The phases (a barrier after each): 1 the loads (h, d_state, v_new and dv_new before Info), dv_new
+// rounded, the norms of q's and k's rows; 2 v_new's planes, dgamma = <h, d_state>; 3 dq_state =
+// E (d_o h^T) and dw = -(dv_new h^T) (one product: Y against h), dPL = (d_o v_new^T) * L (d_o exact,
+// v_new on planes); 4 dk_tilde = v_new d_state^T (v_new's hi plane: rounded once) into the bytes of v's
+// lo plane and h, dPL's two scaled plane sets after it (over h and Y); 5 Z = dPL * (Q K^T) in place,
+// G's terms through E and Kt; 6 G's through L, q's gradient dq_state + (dPL diag(r_k)) k, k's part
+// (diag(r_q s) dPL)^T q + Kt dk_tilde; 7 q's gradient through its norm, G's into dg_part.
 struct DqkwgSmem {
   static constexpr int kLdF = 128 + 8;  // dq_state's and dk_tilde's pitch (floats): an epilogue's pairs conflict free
-  // R's parts (bfloat16 elements): v [2][64, kPlaneRow], h and Y [128, kPlaneRow] each; from phase 3
-  // dk_tilde after v's hi plane, then pk and pq [2][64, kPlane64] each.
+  // R's parts (bfloat16 elements): v [2][64, kPlaneRow] (dv_new's float32 rows staged there first), h
+  // and Y [128, kPlaneRow] each; from phase 4 dk_tilde after v's hi plane, then pk and pq [2][64, kPlane64].
   static constexpr int kPlanes64 = kRows * kPlaneRow, kR = 6 * kPlanes64, kDkt = kPlanes64,
                        kPk = kDkt + 2 * kRows * kLdF, kPq = kPk + 2 * kRows * kPlane64;
   static_assert(kPq + 2 * kRows * kPlane64 <= kR, "dk_tilde, pk and pq within R");
@@ -2048,12 +2050,15 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kState = DimsT::dk * DimsT::dv, kLdF = DqkwgSmem::kLdF, kLo64 = kRows * kPlane64;
-  // Before Info: h, d_state, and v_new's float32 rows staged in DQ's bytes (split after the wait: one
-  // round trip fewer than a second load_split from global memory).
+  // Before Info: h, d_state, and the float32 rows of v_new and dv_new staged in DQ's and v's bytes, split
+  // after the wait (every global load an asynchronous copy: a load_split from global memory waits a
+  // round trip).
   const ChunkBlock<DqkwgSmem, DimsT> b(p, smem, [&](const DqkwgSmem& m, int64_t head) {
     copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + kState * head, DimsT::dv, DimsT::dk);
     copy_rows<128>(m.S, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head, DimsT::dv, DimsT::dk);
     copy_rows<DimsT::dv>(m.DQ, DimsT::dv, p.v_new + head * kRows * DimsT::dv, DimsT::dv, kRows);
+    copy_rows<DimsT::dv>(reinterpret_cast<float*>(m.v), DimsT::dv, p.dv_new + head * kRows * DimsT::dv, DimsT::dv,
+                         kRows);
   });
   const auto& m = b.m;
   Info& s = b.s;
@@ -2061,12 +2066,13 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
   load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
   load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
-  load_split(m.Y + kRows * kPlaneRow, p.dv_new + rows * DimsT::dv, kRows, -1);  // (while the copies fly)
   wait_copies();
   __syncthreads();
-  load_split(m.v, m.DQ, kRows, kRows * kPlaneRow);  // (block_sum's barriers: split before DQ is written)
+  load_split(m.Y + kRows * kPlaneRow, reinterpret_cast<const float*>(m.v), kRows, -1);
   row_rnorms(m.rq, m.q, kPlaneRow);
   row_rnorms(m.rk, m.k, kPlaneRow);
+  __syncthreads();  // v's bytes are free
+  load_split(m.v, m.DQ, kRows, kRows * kPlaneRow);  // (block_sum's barriers: split before DQ is written)
   const float dgamma = block_sum(state_dot<DimsT>(m.H, m.S), m.scratch);  // (synchronises)
   plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.H, kPlaneRow, 0, 2 * kRows, DimsT::dk, DimsT::dv,
                                          [&](int r, int c, float v0, float v1) {
