@@ -43,6 +43,13 @@ def test_the_plane_kernels_fragment_addresses_give_their_products():
     assert mma_fragments_check.main() == 0
 
 
+def test_the_dqkwg_kernels_carve_and_tiles_hold():
+    # dqkwg_planes_kernel's shared-memory phases and its products' tile dealing, emulated on the CPU
+    # (it fails a region placed over a live one).
+    import dqkwg_check
+    assert dqkwg_check.main() == 0
+
+
 def test_the_fp8_kernels_transposition_places_every_byte():
     # The experts' FP8 kernel's backward tile transposition, emulated on the CPU (it fails stores
     # without the swizzle).

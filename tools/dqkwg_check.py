@@ -1,0 +1,203 @@
+"""A CPU check of dqkwg_planes_kernel's shared memory and index maps (cc/ops/gated_delta_rule.cu,
+V4TRAIN_DELTA_RULE_VARIANTS=dqkwg): its carve (DqkwgSmem, mirrored below: change both together) fits a
+block, no region is written in a phase while another in that phase reads or writes its bytes, and
+every region read finds the bytes its last writer left; each product's tile dealing (plane_gemm's
+next_tile, tile_at, skip_step) hands every element of C to its epilogue once, and skips only k-steps
+of zeros; every output row and pair is written once; the hot shared accesses' wavefronts. A region
+placed over a live one is checked to fail, so the check can. (The operands' fragment addresses:
+tools/mma_fragments_check.py, whose layouts these products share.)
+
+    python3 tools/dqkwg_check.py
+"""
+
+from __future__ import annotations
+
+import collections
+
+ROWS, THREADS, WARPS = 64, 512, 16
+PLANE_ROW, PLANE64, PITCH64, LDF = 136, 72, 68, 136  # kPlaneRow, kPlane64, kPitch64, DqkwgSmem::kLdF
+ROW_THREADS = THREADS // ROWS
+NONE, LOWER_A, UPPER_A, UPPER_B, LOWER_C = 0, 1, 2, 4, 8  # Tri
+MAX_SMEM = 227 * 1024  # a block's most on sm_90
+
+
+def carve(pk_offset: int = 0) -> tuple[dict[str, tuple[int, int]], int]:
+    """DqkwgSmem's regions (byte ranges) and its size: Carve::take's order and 16-byte alignment; R's
+    parts at their element offsets (pk_offset moves pk, for the check that the check fails)."""
+    info = 64 * 8 + 64 * 8 + 3 * 64 * 4 + 4  # Info: slot, G, beta / E / Kt, gamma
+    info = (info + 7) // 8 * 8
+    planes64 = ROWS * PLANE_ROW
+    takes = [("info", info), ("dG", 64 * 8), ("t", 64 * 8), ("rq", 64 * 4), ("rk", 64 * 4), ("scratch", WARPS * 4),
+             ("q", planes64 * 2), ("k", planes64 * 2), ("S", 2 * planes64 * 2), ("DQ", ROWS * LDF * 4),
+             ("Z", ROWS * PITCH64 * 4), ("R", 6 * planes64 * 2)]
+    at, used = {}, 0
+    for name, n in takes:
+        used = (used + 15) // 16 * 16
+        at[name] = (used, used + n)
+        used += n
+    r0, r1 = at.pop("R")
+    dkt = planes64
+    pk = dkt + 2 * ROWS * LDF + pk_offset
+    pq = pk + 2 * ROWS * PLANE64
+    parts = {"v_hi": (0, planes64), "v_lo": (planes64, 2 * planes64), "H": (2 * planes64, 4 * planes64),
+             "Y_do": (4 * planes64, 5 * planes64), "Y_dv": (5 * planes64, 6 * planes64),
+             "DKT": (dkt, dkt + 2 * ROWS * LDF), "pk": (pk, pk + 2 * ROWS * PLANE64),
+             "pq": (pq, pq + 2 * ROWS * PLANE64), "dv_staged": (0, ROWS * 128 * 2)}  # (float32: 2 elements each)
+    for name, (a, b) in parts.items():
+        at[name] = (r0 + 2 * a, r0 + 2 * b)
+        assert at[name][1] <= r1 and at[name][0] % 16 == 0, name
+    assert ROWS * 128 * 4 <= at["DQ"][1] - at["DQ"][0], "v_new's float32 rows staged in DQ"
+    return at, used
+
+
+# The kernel's phases (barriers between; block_sum's inside the third): what each reads and writes.
+PHASES = [
+    ("the loads", set(), {"q", "k", "S", "H", "Y_do", "DQ", "dv_staged", "info"}),  # DQ: v_new's float32 rows
+    ("dv_new rounded, the norms", {"dv_staged", "q", "k"}, {"Y_dv", "rq", "rk"}),
+    ("v_new's planes, dgamma", {"DQ", "H", "S", "info"}, {"v_hi", "v_lo", "scratch"}),
+    ("dq_state, dw, dPL", {"Y_do", "Y_dv", "H", "v_hi", "v_lo", "info"}, {"DQ", "Z"}),
+    ("dk_tilde, dPL's planes", {"v_hi", "S", "Z", "rq", "rk"}, {"DKT", "pk", "pq"}),
+    ("Z, the E and Kt terms", {"q", "k", "rq", "rk", "Z", "DQ", "DKT", "info"}, {"Z", "dG", "t"}),
+    ("the L term, q's gradient, k's part", {"Z", "dG", "pk", "k", "pq", "q", "DKT", "info"}, {"dG", "DQ"}),
+    ("the norm's backward, dg_part", {"q", "rq", "DQ", "dG", "t", "info"}, set()),
+]
+
+
+def check_phases(at) -> None:
+    over = lambda a, b: at[a][0] < at[b][1] and at[b][0] < at[a][1]  # noqa: E731
+    for i, (name, reads, writes) in enumerate(PHASES):
+        for w in writes:
+            for x in reads | writes:
+                assert x == w or not over(w, x), f"{name}: {w} overlaps {x}"
+        for r in reads:
+            last = max((j for j in range(i) if r in PHASES[j][2]), default=None)
+            assert last is not None, f"{name}: {r} read before written"
+            for j in range(last + 1, i):
+                for w in PHASES[j][2]:
+                    assert w == r or not over(w, r), f"{name}: {r} ({PHASES[last][0]}) overwritten by {w} ({PHASES[j][0]})"
+
+
+def plane_gemm(nt, m, n, k, tri):
+    """plane_gemm's dealing: each epilogue call's (warp, lane, row, column of the pair) and each tile's k-steps."""
+    def next_tile(tile, warp):
+        if tri == NONE:
+            return tile + WARPS
+        return tile + 2 * (WARPS - warp) - 1 if tile // WARPS % 2 == 0 else tile + 2 * warp + 1
+
+    def skip(m0, n0, k0):
+        n1, k1 = n0 + 8 * nt, k0 + 16
+        return ((tri & LOWER_A) and k0 >= m0 + 16 and k1 <= ROWS) or ((tri & UPPER_A) and k1 <= m0 < ROWS) or \
+               ((tri & UPPER_B) and k0 >= n1) or ((tri & LOWER_C) and n0 >= m0 + 16)
+    calls, steps, groups = [], {}, n // (8 * nt)
+    for warp in range(WARPS):
+        tile = warp
+        while tile < m // 16 * groups:
+            row, col = tile // groups, tile % groups
+            col = (col + groups - row % groups) % groups if tri == LOWER_C else col
+            m0, n0 = row * 16, col * 8 * nt
+            steps[(m0, n0)] = [k0 for k0 in range(0, k, 16) if not skip(m0, n0, k0)]
+            calls += [(warp, lane, m0 + lane // 4 + e * 8, n0 + 8 * j + 2 * (lane % 4))
+                      for lane in range(32) for j in range(nt) for e in range(2)]
+            tile = next_tile(tile, warp)
+    return calls, steps
+
+
+PRODUCTS = {  # (NT, M, N, K, Tri) of each plane_gemm call, every epilogue taking pairs
+    "dq_state, dw (Y h^T)": (4, 128, 128, 128, NONE),
+    "dPL (d_o v_new^T)": (2, 64, 64, 128, LOWER_C),
+    "dk_tilde (v_new d_state^T)": (4, 64, 128, 128, NONE),
+    "Q K^T": (2, 64, 64, 128, NONE),
+    "q's gradient (dPL diag(r_k) k)": (4, 64, 128, 64, LOWER_A),
+    "k's part ((diag(r_q s) dPL)^T q)": (4, 64, 128, 64, UPPER_A),
+}
+
+
+def check_products():
+    out = {}
+    for name, (nt, m, n, k, tri) in PRODUCTS.items():
+        calls, steps = plane_gemm(nt, m, n, k, tri)
+        seen = collections.Counter((r, c) for _, _, r, c in calls)
+        assert seen == collections.Counter({(r, c): 1 for r in range(m) for c in range(0, n, 2)}), name
+        every = set(range(0, k, 16))
+        for (m0, n0), ks in steps.items():  # a skipped step's terms are zeros of the triangular operand
+            dropped = every - set(ks)
+            if tri == LOWER_A:  # dPL's (r, j), j > r: row tile m0's steps from m0 + 16
+                assert dropped <= {k0 for k0 in every if k0 >= m0 + 16}, name
+            elif tri == UPPER_A:  # dPL^T's (r, j), j < r
+                assert dropped <= {k0 for k0 in every if k0 + 16 <= m0}, name
+            elif tri == LOWER_C:  # a tile wholly above the diagonal: the epilogue writes its zeros
+                assert not dropped or n0 >= m0 + 16, name
+            else:
+                assert not dropped, name
+        out[name] = calls
+    return out
+
+
+def check_rows() -> None:
+    """The loops a warp or a thread a row: q's norm backward and e_kt_terms (row warp + 16 j), the
+    antisymmetric row sum (row tid / 8, its first thread writes), split_dpl's pairs."""
+    rows = collections.Counter(w + j * WARPS for w in range(WARPS) for j in range(ROWS // WARPS))
+    assert rows == collections.Counter({i: 1 for i in range(ROWS)})
+    first = collections.Counter(tid // ROW_THREADS for tid in range(THREADS) if tid % ROW_THREADS == 0)
+    assert first == collections.Counter({i: 1 for i in range(ROWS)})
+    pairs = collections.Counter((tid // 32 + u * (2 * THREADS // ROWS), tid % 32 * 2) for tid in range(THREADS)
+                                for u in range(ROWS * ROWS // 2 // THREADS))
+    assert pairs == collections.Counter({(r, c): 1 for r in range(ROWS) for c in range(0, ROWS, 2)})
+
+
+def wavefronts(addresses, width):
+    """Shared-memory wavefronts of one warp's access of `width` bytes a lane (4 or 8): 8-byte accesses
+    in two half-warps; a wavefront serves one word a bank (a word broadcast)."""
+    halves = [addresses[:16], addresses[16:]] if width == 8 else [addresses]
+    total = 0
+    for half in halves:
+        banks = collections.defaultdict(set)
+        for a in half:
+            for w in range(width // 4):
+                banks[(a // 4 + w) % 32].add(a // 4 + w)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+def epilogue_wavefronts(calls, pitch_bytes):
+    """The most wavefronts of a warp's 8-byte epilogue access (pairs) into a float32 tile."""
+    by = collections.defaultdict(list)
+    for warp, lane, r, c in calls:
+        by[(warp, r - lane // 4, c - 2 * (lane % 4))].append((lane, r * pitch_bytes + c * 4))
+    return max(wavefronts([a for _, a in sorted(v)], 8) for v in by.values())
+
+
+def main() -> int:
+    at, size = carve()
+    assert size <= MAX_SMEM, size
+    check_phases(at)
+    try:  # pk moved 64 elements back, over dk_tilde's last row: the check must fail
+        check_phases(carve(pk_offset=-64)[0])
+    except AssertionError:
+        pass
+    else:
+        raise AssertionError("a region over a live one passed")
+    calls = check_products()
+    check_rows()
+    print(f"DqkwgSmem: {size} bytes a block ({size / 1024:.1f} KB of {MAX_SMEM // 1024}): one block a multiprocessor")
+    for name, (a, b) in sorted(at.items(), key=lambda x: x[1]):
+        print(f"  {name:10s} [{a:6d}, {b:6d})  {b - a:6d} B")
+    print("phases: no region written over another live in its phase; every read finds its writer's bytes")
+    print("products: every element of C to its epilogue once, only zero k-steps skipped; every row and pair once")
+    hot = {"dq_state's pairs into DQ": (calls["dq_state, dw (Y h^T)"], LDF * 4),
+           "dk_tilde's pairs into DKT": (calls["dk_tilde (v_new d_state^T)"], LDF * 4),
+           "q's gradient's pairs added to DQ": (calls["q's gradient (dPL diag(r_k) k)"], LDF * 4),
+           "dk_tilde's pairs read in k's part's epilogue": (calls["k's part ((diag(r_q s) dPL)^T q)"], LDF * 4),
+           "dPL's pairs into Z (pitch 68, as intra_dpl)": (calls["dPL (d_o v_new^T)"], PITCH64 * 4)}
+    print("wavefronts a warp access (8 bytes a lane: 2 is conflict free):")
+    for name, (c, pitch) in hot.items():
+        print(f"  {name}: {epilogue_wavefronts(c, pitch)}")
+    assert all(epilogue_wavefronts(c, p) == 2 for n, (c, p) in hot.items() if "Z" not in n)
+    row = [5 * LDF * 4 + lane * 4 for lane in range(32)]
+    print(f"  e_kt_terms' row reads of DQ and dk_tilde (4 bytes a lane): {wavefronts(row, 4)}")
+    print(f"  split_dpl's pairs of dPL: {wavefronts([lane * 8 for lane in range(32)], 8)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
