@@ -2074,21 +2074,25 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   __syncthreads();  // v's bytes are free
   load_split(m.v, m.DQ, kRows, kRows * kPlaneRow);  // (block_sum's barriers: split before DQ is written)
   const float dgamma = block_sum(state_dot<DimsT>(m.H, m.S), m.scratch);  // (synchronises)
+  // Y h^T, each operand bfloat16 (d_o exact, dv_new and h rounded once): one product, as state_grads.
   plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.H, kPlaneRow, 0, 2 * kRows, DimsT::dk, DimsT::dv,
                                          [&](int r, int c, float v0, float v1) {
                                            if (r < kRows) store2(m.DQ + r * kLdF + c, s.E[r] * v0, s.E[r] * v1);
                                            else store2(p.dw + (rows + r - kRows) * DimsT::dk + c, -v0, -v1);
                                          });
+  // d_o v_new^T, d_o exact, v_new on planes: two products, as intra_dpl.
   plane_gemm<2, false, true, false, true, kNever, kNever, Tri::kLowerC>(
       m.Y, kPlaneRow, 0, m.v, kPlaneRow, kRows * kPlaneRow, kRows, kRows, DimsT::dv,
       [&](int r, int c, float v0, float v1) {
         store2(m.Z + r * kPitch64 + c, c <= r ? v0 * decay(s, r, c) : 0.0f, c + 1 <= r ? v1 * decay(s, r, c + 1) : 0.0f);
       });
   __syncthreads();  // h, Y and v's lo plane are free
+  // v_new d_state^T, both rounded once (v_new's hi plane): one product, as state_grads.
   plane_gemm<4, false, true, true, true>(m.v, kPlaneRow, 0, m.S, kPlaneRow, 0, kRows, DimsT::dk, DimsT::dv,
                                          [&](int r, int c, float v0, float v1) { store2(m.DKT + r * kLdF + c, v0, v1); });
   split_dpl(m.pk, m.pq, m.Z, m.rq, m.rk, p.scale);
   __syncthreads();
+  // q k^T of the raw rows (exact): one product, the norms and the scale after it, as intra_dpl.
   plane_gemm<2, false, true, true, true>(m.q, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
                                          [&](int r, int c, float v0, float v1) {
                                            float2* z = reinterpret_cast<float2*>(m.Z + r * kPitch64 + c);
@@ -2102,6 +2106,7 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   if (const double z = antisymmetric_row_sum(m.Z); threadIdx.x % kRowThreads == 0) {
     m.dG[threadIdx.x / kRowThreads] = z + m.dG[threadIdx.x / kRowThreads];  // (intra_dpl's term first, as summed there)
   }
+  // dPL's scaled planes against the raw rows (k, then q): two products each, as intra_grads.
   plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA>(
       m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows, [&](int r, int c, float v0, float v1) {
         float2* dq = reinterpret_cast<float2*>(m.DQ + r * kLdF + c);  // (pairs: conflict free at kLdF)
