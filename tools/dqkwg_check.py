@@ -26,21 +26,21 @@ def carve(pk_offset: int = 0) -> tuple[dict[str, tuple[int, int]], int]:
     parts at their element offsets (pk_offset moves pk, for the check that the check fails)."""
     info = 64 * 8 + 64 * 8 + 3 * 64 * 4 + 4  # Info: slot, G, beta / E / Kt, gamma
     info = (info + 7) // 8 * 8
-    planes64 = ROWS * PLANE_ROW
+    plane_tile = ROWS * PLANE_ROW
     takes = [("info", info), ("dG", 64 * 8), ("t", 64 * 8), ("rq", 64 * 4), ("rk", 64 * 4), ("scratch", WARPS * 4),
-             ("q", planes64 * 2), ("k", planes64 * 2), ("S", 2 * planes64 * 2), ("DQ", ROWS * LDF * 4),
-             ("Z", ROWS * PITCH64 * 4), ("R", 6 * planes64 * 2)]
+             ("q", plane_tile * 2), ("k", plane_tile * 2), ("S", 2 * plane_tile * 2), ("DQ", ROWS * LDF * 4),
+             ("Z", ROWS * PITCH64 * 4), ("R", 6 * plane_tile * 2)]
     at, used = {}, 0
     for name, n in takes:
         used = (used + 15) // 16 * 16
         at[name] = (used, used + n)
         used += n
     r0, r1 = at.pop("R")
-    dkt = planes64
+    dkt = plane_tile
     pk = dkt + 2 * ROWS * LDF + pk_offset
     pq = pk + 2 * ROWS * PLANE64
-    parts = {"v_hi": (0, planes64), "v_lo": (planes64, 2 * planes64), "H": (2 * planes64, 4 * planes64),
-             "Y_do": (4 * planes64, 5 * planes64), "Y_dv": (5 * planes64, 6 * planes64),
+    parts = {"v_hi": (0, plane_tile), "v_lo": (plane_tile, 2 * plane_tile), "H": (2 * plane_tile, 4 * plane_tile),
+             "Y_do": (4 * plane_tile, 5 * plane_tile), "Y_dv": (5 * plane_tile, 6 * plane_tile),
              "DKT": (dkt, dkt + 2 * ROWS * LDF), "pk": (pk, pk + 2 * ROWS * PLANE64),
              "pq": (pq, pq + 2 * ROWS * PLANE64), "dv_staged": (0, ROWS * 128 * 2)}  # (float32: 2 elements each)
     for name, (a, b) in parts.items():

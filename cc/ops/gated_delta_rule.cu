@@ -2013,7 +2013,7 @@ struct DqkwgSmem {
   static constexpr int kLdF = 128 + 8;  // dq_state's and dk_tilde's pitch (floats): an epilogue's pairs conflict free
   // R's parts (bfloat16 elements): v [2][64, kPlaneRow] (dv_new's float32 rows staged there first), h
   // and Y [128, kPlaneRow] each; from phase 4 dk_tilde after v's hi plane, then pk and pq [2][64, kPlane64].
-  static constexpr int kPlanes64 = kRows * kPlaneRow, kR = 6 * kPlanes64, kDkt = kPlanes64,
+  static constexpr int kPlaneTile = kRows * kPlaneRow, kR = 6 * kPlaneTile, kDkt = kPlaneTile,  // (elements)
                        kPk = kDkt + 2 * kRows * kLdF, kPq = kPk + 2 * kRows * kPlane64;
   static_assert(kPq + 2 * kRows * kPlane64 <= kR, "dk_tilde, pk and pq within R");
   Info* info;
@@ -2031,14 +2031,14 @@ struct DqkwgSmem {
     rq = c.take<float>(kRows);
     rk = c.take<float>(kRows);
     scratch = c.take<float>(kWarps);
-    q = c.take<__nv_bfloat16>(kPlanes64);
-    k = c.take<__nv_bfloat16>(kPlanes64);
-    S = c.take<__nv_bfloat16>(2 * kPlanes64);
+    q = c.take<__nv_bfloat16>(kPlaneTile);
+    k = c.take<__nv_bfloat16>(kPlaneTile);
+    S = c.take<__nv_bfloat16>(2 * kPlaneTile);
     DQ = c.take<float>(kRows * kLdF);
     Z = c.take<float>(kRows * kPitch64);
     v = c.take<__nv_bfloat16>(kR);
-    H = v + 2 * kPlanes64;
-    Y = v + 4 * kPlanes64;
+    H = v + 2 * kPlaneTile;
+    Y = v + 4 * kPlaneTile;
     DKT = reinterpret_cast<float*>(v + kDkt);
     pk = v + kPk;
     pq = v + kPq;
