@@ -52,10 +52,10 @@ def carve(pk_offset: int = 0) -> tuple[dict[str, tuple[int, int]], int]:
 
 # The kernel's phases (barriers between; block_sum's inside the third): what each reads and writes.
 PHASES = [
-    ("the loads", set(), {"q", "k", "S", "H", "Y_do", "DQ", "dv_staged", "info"}),  # DQ: v_new's float32 rows
-    ("dv_new rounded, the norms", {"dv_staged", "q", "k"}, {"Y_dv", "rq", "rk"}),
-    ("v_new's planes, dgamma", {"DQ", "H", "S", "info"}, {"v_hi", "v_lo", "scratch"}),
-    ("dq_state, dw, dPL", {"Y_do", "Y_dv", "H", "v_hi", "v_lo", "info"}, {"DQ", "Z"}),
+    ("the loads before Info", set(), {"S", "H", "DQ", "dv_staged", "info"}),  # DQ: v_new's float32 rows
+    ("dv_new rounded", {"dv_staged"}, {"Y_dv"}),  # (q's, k's and d_o's rows in flight: written in phase 3's place)
+    ("v_new's planes, dgamma, dw", {"DQ", "H", "S", "Y_dv", "info"}, {"v_hi", "v_lo", "scratch"}),
+    ("the norms, dq_state, dPL", {"q", "k", "Y_do", "H", "v_hi", "v_lo", "info"}, {"rq", "rk", "DQ", "Z"}),
     ("dk_tilde, dPL's planes", {"v_hi", "S", "Z", "rq", "rk"}, {"DKT", "pk", "pq"}),
     ("Z, the E and Kt terms", {"q", "k", "rq", "rk", "Z", "DQ", "DKT", "info"}, {"Z", "dG", "t"}),
     ("the L term, q's gradient, k's part", {"Z", "dG", "pk", "k", "pq", "q", "DKT", "info"}, {"dG", "DQ"}),
@@ -64,17 +64,25 @@ PHASES = [
 
 
 def check_phases(at) -> None:
+    """Each phase's writes against its reads and writes; each read against the writes between it and its
+    writer. q's, k's and d_o's rows, copied while phases 1 and 2 run, are checked against theirs."""
+    in_flight = {"q", "k", "Y_do"}
+    for name, reads, writes in PHASES[:3]:
+        for x in in_flight:
+            for y in reads | writes:
+                assert not (at[x][0] < at[y][1] and at[y][0] < at[x][1]), f"{x} in flight over {y} ({name})"
+    phases = PHASES[:3] + [("q's, k's and d_o's rows land", set(), in_flight)] + PHASES[3:]
     over = lambda a, b: at[a][0] < at[b][1] and at[b][0] < at[a][1]  # noqa: E731
-    for i, (name, reads, writes) in enumerate(PHASES):
+    for i, (name, reads, writes) in enumerate(phases):
         for w in writes:
             for x in reads | writes:
                 assert x == w or not over(w, x), f"{name}: {w} overlaps {x}"
         for r in reads:
-            last = max((j for j in range(i) if r in PHASES[j][2]), default=None)
+            last = max((j for j in range(i) if r in phases[j][2]), default=None)
             assert last is not None, f"{name}: {r} read before written"
             for j in range(last + 1, i):
-                for w in PHASES[j][2]:
-                    assert w == r or not over(w, r), f"{name}: {r} ({PHASES[last][0]}) overwritten by {w} ({PHASES[j][0]})"
+                for w in phases[j][2]:
+                    assert w == r or not over(w, r), f"{name}: {r} ({phases[last][0]}) overwritten by {w} ({phases[j][0]})"
 
 
 def plane_gemm(nt, m, n, k, tri):
@@ -103,7 +111,8 @@ def plane_gemm(nt, m, n, k, tri):
 
 
 PRODUCTS = {  # (NT, M, N, K, Tri) of each plane_gemm call, every epilogue taking pairs
-    "dq_state, dw (Y h^T)": (4, 128, 128, 128, NONE),
+    "dw (dv_new h^T)": (4, 64, 128, 128, NONE),
+    "dq_state (d_o h^T)": (4, 64, 128, 128, NONE),
     "dPL (d_o v_new^T)": (2, 64, 64, 128, LOWER_C),
     "dk_tilde (v_new d_state^T)": (4, 64, 128, 128, NONE),
     "Q K^T": (2, 64, 64, 128, NONE),
@@ -184,7 +193,7 @@ def main() -> int:
         print(f"  {name:10s} [{a:6d}, {b:6d})  {b - a:6d} B")
     print("phases: no region written over another live in its phase; every read finds its writer's bytes")
     print("products: every element of C to its epilogue once, only zero k-steps skipped; every row and pair once")
-    hot = {"dq_state's pairs into DQ": (calls["dq_state, dw (Y h^T)"], LDF * 4),
+    hot = {"dq_state's pairs into DQ": (calls["dq_state (d_o h^T)"], LDF * 4),
            "dk_tilde's pairs into DKT": (calls["dk_tilde (v_new d_state^T)"], LDF * 4),
            "q's gradient's pairs added to DQ": (calls["q's gradient (dPL diag(r_k) k)"], LDF * 4),
            "dk_tilde's pairs read in k's part's epilogue": (calls["k's part ((diag(r_q s) dPL)^T q)"], LDF * 4),

@@ -353,6 +353,8 @@ __device__ __forceinline__ void copy16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::); }
+// wait_copies() but for those issued since the last commit_copies(), which may still be in flight.
+__device__ __forceinline__ void wait_copies_before() { asm volatile("cp.async.commit_group;\ncp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // dst [prows, pcols] (pitch ld) = src [rows, cols] (float32, row stride `stride`), zero outside it:
@@ -2002,13 +2004,13 @@ __global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p)
 // plane_gemm's whole-K tiles, or dk split over a cluster of two with the operands indexed by dv
 // (d_o, v_new, dv_new: 68 KB) still whole in each.
 //
-// The phases (a barrier after each): 1 the loads (h, d_state, v_new and dv_new before Info), dv_new
-// rounded, the norms of q's and k's rows; 2 v_new's planes, dgamma = <h, d_state>; 3 dq_state =
-// E (d_o h^T) and dw = -(dv_new h^T) (one product: Y against h), dPL = (d_o v_new^T) * L (d_o exact,
-// v_new on planes); 4 dk_tilde = v_new d_state^T (v_new's hi plane: rounded once) into the bytes of v's
-// lo plane and h, dPL's two scaled plane sets after it (over h and Y); 5 Z = dPL * (Q K^T) in place,
-// G's terms through E and Kt; 6 G's through L, q's gradient dq_state + (dPL diag(r_k)) k, k's part
-// (diag(r_q s) dPL)^T q + Kt dk_tilde; 7 q's gradient through its norm, G's into dg_part.
+// The phases (a barrier after each): 1 the loads (h, d_state, v_new and dv_new before Info: waited
+// for first), dv_new rounded; 2 v_new's planes, dgamma = <h, d_state>, dw = -(dv_new h^T); 3 (q's, k's
+// and d_o's rows in) the norms of q's and k's rows, dq_state = E (d_o h^T), dPL = (d_o v_new^T) * L (d_o
+// exact, v_new on planes); 4 dk_tilde = v_new d_state^T (v_new's hi plane: rounded once) into the bytes
+// of v's lo plane and h, dPL's two scaled plane sets after it (over h and Y); 5 Z = dPL * (Q K^T) in
+// place, G's terms through E and Kt; 6 G's through L, q's gradient dq_state + (dPL diag(r_k)) k, k's
+// part (diag(r_q s) dPL)^T q + Kt dk_tilde; 7 q's gradient through its norm, G's into dg_part.
 struct DqkwgSmem {
   static constexpr int kLdF = 128 + 8;  // dq_state's and dk_tilde's pitch (floats): an epilogue's pairs conflict free
   // R's parts (bfloat16 elements): v [2][64, kPlaneRow] (dv_new's float32 rows staged there first), h
@@ -2050,15 +2052,16 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kState = DimsT::dk * DimsT::dv, kLdF = DqkwgSmem::kLdF, kLo64 = kRows * kPlane64;
-  // Before Info: h, d_state, and the float32 rows of v_new and dv_new staged in DQ's and v's bytes, split
-  // after the wait (every global load an asynchronous copy: a load_split from global memory waits a
-  // round trip).
+  // Before Info: h, d_state, and the float32 rows of v_new and dv_new staged in DQ's and v's bytes (every
+  // global load an asynchronous copy: a load_split from global memory waits a round trip). Their
+  // splits, dgamma and dw take place while q's, k's and d_o's rows (which need Info) are in flight.
   const ChunkBlock<DqkwgSmem, DimsT> b(p, smem, [&](const DqkwgSmem& m, int64_t head) {
     copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + kState * head, DimsT::dv, DimsT::dk);
     copy_rows<128>(m.S, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head, DimsT::dv, DimsT::dk);
     copy_rows<DimsT::dv>(m.DQ, DimsT::dv, p.v_new + head * kRows * DimsT::dv, DimsT::dv, kRows);
     copy_rows<DimsT::dv>(reinterpret_cast<float*>(m.v), DimsT::dv, p.dv_new + head * kRows * DimsT::dv, DimsT::dv,
                          kRows);
+    commit_copies();
   });
   const auto& m = b.m;
   Info& s = b.s;
@@ -2066,19 +2069,25 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
   load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
   load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
-  wait_copies();
+  wait_copies_before();
   __syncthreads();
   load_split(m.Y + kRows * kPlaneRow, reinterpret_cast<const float*>(m.v), kRows, -1);
-  row_rnorms(m.rq, m.q, kPlaneRow);
-  row_rnorms(m.rk, m.k, kPlaneRow);
   __syncthreads();  // v's bytes are free
   load_split(m.v, m.DQ, kRows, kRows * kPlaneRow);  // (block_sum's barriers: split before DQ is written)
   const float dgamma = block_sum(state_dot<DimsT>(m.H, m.S), m.scratch);  // (synchronises)
-  // Y h^T, each operand bfloat16 (d_o exact, dv_new and h rounded once): one product, as state_grads.
-  plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.H, kPlaneRow, 0, 2 * kRows, DimsT::dk, DimsT::dv,
+  // dv_new h^T then d_o h^T, each operand bfloat16 (d_o exact, dv_new and h rounded once): one product
+  // each, as state_grads'.
+  plane_gemm<4, false, true, true, true>(m.Y + kRows * kPlaneRow, kPlaneRow, 0, m.H, kPlaneRow, 0, kRows, DimsT::dk,
+                                         DimsT::dv, [&](int r, int c, float v0, float v1) {
+                                           store2(p.dw + (rows + r) * DimsT::dk + c, -v0, -v1);
+                                         });
+  wait_copies();
+  __syncthreads();
+  row_rnorms(m.rq, m.q, kPlaneRow);
+  row_rnorms(m.rk, m.k, kPlaneRow);
+  plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.H, kPlaneRow, 0, kRows, DimsT::dk, DimsT::dv,
                                          [&](int r, int c, float v0, float v1) {
-                                           if (r < kRows) store2(m.DQ + r * kLdF + c, s.E[r] * v0, s.E[r] * v1);
-                                           else store2(p.dw + (rows + r - kRows) * DimsT::dk + c, -v0, -v1);
+                                           store2(m.DQ + r * kLdF + c, s.E[r] * v0, s.E[r] * v1);
                                          });
   // d_o v_new^T, d_o exact, v_new on planes: two products, as intra_dpl.
   plane_gemm<2, false, true, false, true, kNever, kNever, Tri::kLowerC>(
