@@ -55,6 +55,8 @@ FP8_DEQUANTIZE_CUDA = ("parity/test_fp8_linear.py", "-k", "dequantisation_on_cud
 FP8_E4M3_CUDA = ("parity/test_fp8_linear.py", "-k", "fp8_tensor_cores")
 # The delta rule's kernels on planes (bf16 at Qwen3.5's widths), judged on every gradient.
 PLANES_CUDA = ("parity/test_gated_delta_rule.py", "-k", "planes_kernels")
+# dqkwg_planes_kernel (V4TRAIN_DELTA_RULE_VARIANTS=dqkwg, which its test sets): the three kernels' bits and the judge.
+DQKWG_CUDA = ("parity/test_gated_delta_rule.py", "-k", "dqkwg")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -299,6 +301,14 @@ MUTATIONS = (
              "load_info (ChunkBlock's early) take h for d_state", "cc/ops/gated_delta_rule.cu",
              "static_cast<const __nv_bfloat16*>(p.d_state) + head * kState",
              "static_cast<const __nv_bfloat16*>(p.h) + head * kState", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_dqkwg_dw_from_v_new", "dqkwg_planes_kernel: dv_new's rows for dw rounded from v_new's "
+             "staged rows (DQ's bytes) instead of dv_new's (v's)", "cc/ops/gated_delta_rule.cu",
+             "load_split(m.Y + kRows * kPlaneRow, reinterpret_cast<const float*>(m.v), kRows, -1);",
+             "load_split(m.Y + kRows * kPlaneRow, m.DQ, kRows, -1);", DQKWG_CUDA, cuda=True),
+    Mutation("delta_rule_dqkwg_kt_from_dq_state", "dqkwg_planes_kernel: G's term through Kt takes dq_state's row "
+             "for dk_tilde's (the two float32 tiles confused)", "cc/ops/gated_delta_rule.cu",
+             "[&](int i, int c) { return m.DKT[i * kLdF + c]; }", "[&](int i, int c) { return m.DQ[i * kLdF + c]; }",
+             DQKWG_CUDA, cuda=True),
     Mutation("fp8_quantize_quarter_warp_amax", "quantize_rows takes each block's amax over a quarter-warp's 64 "
              "columns (the shuffles from offset 4)", "cc/common/fp8.cu",
              "for (int offset = 8; offset > 0; offset /= 2) amax = fmaxf(amax,",
