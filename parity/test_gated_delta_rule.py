@@ -81,7 +81,8 @@ def _ran(prof, kernel: str) -> set[str]:
 def test_the_planes_kernels_pass_the_judge_on_cuda():
     """bf16 at Qwen3.5's widths takes the kernels on planes (cc/ops/gated_delta_rule.cu kPlanes), the
     prepare's (forward and the backward's recomputation), the output's and wy_grads' among them (the UT
-    transform's backward: v's, beta's, k's and g's gradients), and the reverse recurrence forms the
+    transform's backward: v's, beta's, k's and g's gradients) and dqkwg's (state_grads and intra_grads
+    as one kernel: q's gradient, k's and G's parts, W's gradient), and the reverse recurrence forms the
     state's gradient from each chunk's outputs itself (its `true` instance, from E Q as local_grads
     wrote it): every gradient against the reference and its float64 truth over documents across chunk
     boundaries (1, 63, 64, 65 and 4,097 tokens); the profile shows the planes kernels ran, not the
@@ -93,50 +94,11 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
         check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(torch.bfloat16, "cuda", 11), seed=3)
         torch.cuda.synchronize()
     for planes, plain in (("prepare_planes_kernel", "prepare_kernel"), ("output_planes_kernel", "output_kernel"),
+                          ("dqkwg_planes_kernel", "state_grads_kernel"), ("dqkwg_planes_kernel", "intra_grads_kernel"),
                           ("wy_grads_planes_kernel", "wy_grads_kernel")):
         assert _ran(prof, planes) and not _ran(prof, plain), (planes, _ran(prof, plain))
     folded = {"true>(" in n.replace(" ", "") for n in _ran(prof, "recurrence_planes_kernel")}
     assert folded == {True, False}, _ran(prof, "recurrence_planes_kernel")  # backward, forward
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_the_one_dqkwg_kernel_passes_the_judge_and_equals_the_three_on_cuda(monkeypatch):
-    """V4TRAIN_DELTA_RULE_VARIANTS=dqkwg (cc/ops/gated_delta_rule.cu dqkwg_planes_kernel: state_grads,
-    intra_dpl and intra_grads on planes as one kernel, written without a GPU): every gradient against
-    the reference and its float64 truth over documents across chunk boundaries (1, 63, 64, 65 and
-    4,097 tokens), and along each path of g's, beta's, k's and q's (judge_path); each product takes
-    the three kernels' roundings and sums, so the output and every gradient equal theirs bit for bit;
-    the profile shows the one kernel ran and not the three."""
-    from v4train.testing.check import check_parity, forward_backward, upstream_of
-    from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
-
-    three = ("state_grads_planes_kernel", "intra_dpl_kernel", "intra_grads_planes_kernel")
-    runs = {}
-    for variants in ("none", "dqkwg"):
-        monkeypatch.setenv("V4TRAIN_DELTA_RULE_VARIANTS", variants)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            runs[variants] = forward_backward(OP, long_documents(torch.bfloat16, "cuda", 11), upstream_of(3), 3)
-            torch.cuda.synchronize()
-        one = bool(_ran(prof, "dqkwg_planes_kernel"))
-        assert one == (variants == "dqkwg") and all(bool(_ran(prof, k)) != one for k in three), (variants, one)
-    (out, grads), (out1, grads1) = runs["none"], runs["dqkwg"]
-    assert all(torch.equal(a, b) for a, b in zip(out, out1))
-    for leaf, grad in grads.items():
-        assert (grad is None) == (grads1[leaf] is None), leaf
-        assert grad is None or torch.equal(grad, grads1[leaf]), f"{leaf}'s gradient differs under dqkwg"
-    check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(torch.bfloat16, "cuda", 11), seed=3)
-    _judge_paths(OP, "cuda", torch.bfloat16)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_an_unknown_delta_rule_variant_is_refused_on_cuda(monkeypatch):
-    """A misspelt V4TRAIN_DELTA_RULE_VARIANTS is an error naming the variable and the word (read where
-    the kernels it names would run: bf16 at Qwen3.5's widths on CUDA, in the backward)."""
-    monkeypatch.setenv("V4TRAIN_DELTA_RULE_VARIANTS", "dqkwg,dqk")
-    sample = long_documents(torch.bfloat16, "cuda", 11)
-    args, kwargs = sample.build({n: t.detach().requires_grad_(t.is_floating_point()) for n, t in sample.leaves.items()})
-    with pytest.raises(ValueError, match=r"V4TRAIN_DELTA_RULE_VARIANTS=dqkwg,dqk: unknown variant 'dqk'"):
-        OP(*args, **kwargs).sum().backward()
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,5 @@
-"""A CPU check of dqkwg_planes_kernel's shared memory and index maps (cc/ops/gated_delta_rule.cu,
-V4TRAIN_DELTA_RULE_VARIANTS=dqkwg): its carve (DqkwgSmem, mirrored below: change both together) fits a
+"""A CPU check of dqkwg_planes_kernel's shared memory and index maps (cc/ops/gated_delta_rule.cu: the
+backward's state_grads and intra_grads on planes, one kernel): its carve (DqkwgSmem, mirrored below: change both together) fits a
 block, no region is written in a phase while another in that phase reads or writes its bytes, and
 every region read finds the bytes its last writer left; each product's tile dealing (plane_gemm's
 next_tile, tile_at, skip_step) hands every element of C to its epilogue once, and skips only k-steps

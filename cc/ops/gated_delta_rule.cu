@@ -18,7 +18,7 @@
 // products for one of float32's precision) where a product needs it, rounded once to bfloat16 (one
 // product) where it does not (the recurrence's, state_grads', and q S in output and local_grads; on
 // planes the reverse recurrence forms local_grads' h gradient itself, from E Q rounded); intra_grads
-// runs as two kernels on planes (intra_dpl, intra_grads_planes) that read q, k and d_o as their raw
+// and state_grads run as one kernel on planes (dqkwg_planes) that reads q, k and d_o as their raw
 // bfloat16 rows; so do prepare's and wy_grads' K K^T and the output's and local_grads' Q K^T (one
 // exact product, the norms applied after it), and prepare's [U | W] (Ai's columns scaled, two
 // products). Products by a triangular matrix (Ai, P, dPL) skip its stored
@@ -245,7 +245,6 @@ struct Args {
   float *dq_state, *dw, *dk_tilde, *dgamma;  // state_grads
   float *dq, *dk_part;                       // intra_grads (dq per value head, token layout)
   double* dg_part;
-  float* dpl;                                // between intra_grads' two kernels on planes
   float *dk_out, *dbeta;                     // wy_grads (dk per value head, token layout)
   void* dv_out;
   double* dg;
@@ -319,7 +318,8 @@ __device__ void load_info(Info& s, const Args& p, int64_t chunk, int h) {
 // (its rows of the [chunks, Hv, 64, D] tensors from `rows`; its key head), and the chunk's Info.
 // early(m, head), where given, issues the block's asynchronous copies that need no Info (complete at
 // wait_copies()) before load_info, so that their bytes are in flight during its dependent loads and
-// scan: a block's start waiting on load_info was 12% of state_grads_planes' stall samples (ncu 2026-12-06).
+// scan: a block's start waiting on load_info was 12% of the stall samples of state_grads on planes
+// (ncu 2026-12-06).
 struct NoEarly {
   template <typename Smem>
   __device__ void operator()(const Smem&, int64_t) const {}
@@ -1460,14 +1460,6 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
 
 // ---- Backward --------------------------------------------------------------------------------------
 
-// The delta rule's kernels written without a GPU, taken where V4TRAIN_DELTA_RULE_VARIANTS names them
-// (a comma list, read at each call so that one process can time each beside the kernels it would
-// replace; unset or `none`: none) until their CUDA parity has run and they were timed (docs/gpu.md):
-// `dqkwg`, state_grads, intra_dpl and intra_grads on planes as one kernel (dqkwg_planes_kernel). For
-// bf16 at Qwen3.5's widths (kPlanes).
-enum Variant : unsigned { kDqkwg = 1 };  // (bit i: env_variants' name i)
-unsigned variants() { return env_variants("V4TRAIN_DELTA_RULE_VARIANTS", {"dqkwg"}); }
-
 struct LocalSmem {
   Info* info;
   float *QP, *X, *rn;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4] (planes: q's and k's raw rows
@@ -1588,20 +1580,6 @@ __global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
   });
 }
 
-struct StatePlanesSmem {
-  Info* info;
-  __nv_bfloat16 *Y, *H, *D;  // bfloat16 [128, 128] each: Y d_o and dv_new, then v_new; h; d_state
-  float* scratch;
-  template <typename DimsT>
-  __host__ __device__ StatePlanesSmem(Carve& c, const DimsT&) {
-    info = c.take<Info>(1);
-    Y = c.take<__nv_bfloat16>(2 * kRows * kPlaneRow);
-    H = c.take<__nv_bfloat16>(2 * kRows * kPlaneRow);
-    D = c.take<__nv_bfloat16>(2 * kRows * kPlaneRow);
-    scratch = c.take<float>(kWarps);
-  }
-};
-
 // This thread's share of dgamma = <h, d_state> (block_sum adds them): their bfloat16 values
 // ([dk, dv] at pitch kPlaneRow) in float32.
 template <typename DimsT>
@@ -1616,43 +1594,6 @@ __device__ __forceinline__ float state_dot(const __nv_bfloat16* H, const __nv_bf
     dot += x.x * y.x + x.y * y.y;
   }
   return dot;
-}
-
-// state_grads_kernel on bfloat16 operands (kPlanes): each loaded tile rounded once, the products
-// through plane_gemm, one bf16 product each (the sites q S, W S and K~^T v_new, judged on the CPU:
-// tools/delta_rule_split_check.py). dgamma's dot of h and d_state stays float32.
-template <typename DimsT>
-__global__ void __launch_bounds__(kThreads, 2) state_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
-  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kState = DimsT::dk * DimsT::dv;
-  const ChunkBlock<StatePlanesSmem, DimsT> b(p, smem, [&](const StatePlanesSmem& m, int64_t head) {  // h, d_state
-    copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + head * kState, DimsT::dv, DimsT::dk);
-    copy_rows<128>(m.D, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + head * kState, DimsT::dv, DimsT::dk);
-  });
-  const DimsT& d = b.d;
-  const auto& m = b.m;
-  Info& s = b.s;
-  const int64_t head = b.head;
-  load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
-  load_split(m.Y + kRows * kPlaneRow, p.dv_new + head * kRows * d.dv, kRows, -1);
-  wait_copies();
-  __syncthreads();
-  float dot = state_dot<DimsT>(m.H, m.D);
-  dot = block_sum(dot, m.scratch);
-  if (threadIdx.x == 0) p.dgamma[head] = dot;
-  const auto first = [&](int r, int c, float v0, float v1) {
-    if (r < kRows) store2(p.dq_state + (head * kRows + r) * d.dk + c, s.E[r] * v0, s.E[r] * v1);
-    else store2(p.dw + (head * kRows + r - kRows) * d.dk + c, -v0, -v1);
-  };
-  plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.H, kPlaneRow, 0, 2 * kRows, d.dk, d.dv, first);
-  __syncthreads();  // Y is free
-  load_split(m.Y, p.v_new + head * kRows * d.dv, kRows, -1);
-  __syncthreads();
-  plane_gemm<4, false, true, true, true>(m.Y, kPlaneRow, 0, m.D, kPlaneRow, 0, kRows, d.dk, d.dv,
-                                         [&](int r, int c, float v0, float v1) {
-                                           store2(p.dk_tilde + (head * kRows + r) * d.dk + c, v0, v1);
-                                         });
 }
 
 struct IntraSmem {
@@ -1751,8 +1692,7 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
   }
 }
 
-// Steps of intra_grads on planes for dqkwg_planes_kernel (intra_grads_planes_kernel has them inline,
-// its SASS unchanged while dqkwg is a variant; they are its, to go with it once dqkwg is the default).
+// Steps of intra_grads on planes (dqkwg_planes_kernel).
 //
 // dPL [64, kPitch64] (float32) as the planes of its two scalings ([64, kPlane64], lo at + kRows kPlane64):
 // pk = dPL diag(r_k), for q's gradient, and pq = diag(r_q s) dPL, for k's.
@@ -1773,8 +1713,8 @@ __device__ __forceinline__ void split_dpl(__nv_bfloat16* pk, __nv_bfloat16* pq, 
 // G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63), with Q
 // and K as load_normalised makes them (q, k: raw rows; dq_state [64, ld]; dk_tilde(i, c)), a warp a
 // row: dG[i] = before(i) + (e - kt), t[i] = kt. Unrolled, a warp's four rows have their loads of
-// dk_tilde and before's in flight at once (rolled, each row waited on its own: 16% of intra_grads_planes'
-// stall samples, ncu 2026-12-06).
+// dk_tilde and before's in flight at once (rolled, each row waited on its own: 16% of the stall samples
+// of intra_grads on planes, ncu 2026-12-06).
 template <int kDk, typename DkTilde, typename Before>
 __device__ __forceinline__ void e_kt_terms(double* dG, double* t, const __nv_bfloat16* q, const __nv_bfloat16* k,
                                            const float* rq, const float* rk, float scale, const float* dq_state, int ld,
@@ -1825,179 +1765,12 @@ __device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const
   }
 }
 
-// intra_grads on planes (kPlanes), in two kernels of two blocks a multiprocessor each (one kernel
-// held one block: its float32 tiles, and at one block of 16 warps every kernel here waits on
-// latency, ncu 2026-12-03). q, k and d_o are read as their raw bfloat16 rows, exact in a plane's
-// hi: Q K^T = diag(r_q s) (q k^T) diag(r_k) is one product, and d_o's and the scaled dPL's with
-// the raw rows two. The first: dPL = (d_o v_new^T) * L (into p.dpl), Z = dPL * (Q K^T) over it,
-// and G's gradient through L, sum_j Z_ij - Z_ji, into dg_part.
-struct IntraDplSmem {
-  Info* info;
-  float *rq, *rk, *Z;              // Z [64, 68]: dPL, then Z
-  __nv_bfloat16 *q, *k, *d_o, *v;  // raw rows [64, kPlaneRow]; v: v_new's planes (hi, then lo)
-  template <typename DimsT>
-  __host__ __device__ IntraDplSmem(Carve& c, const DimsT&) {
-    info = c.take<Info>(1);
-    rq = c.take<float>(kRows);
-    rk = c.take<float>(kRows);
-    q = c.take<__nv_bfloat16>(kRows * kPlaneRow);
-    k = c.take<__nv_bfloat16>(kRows * kPlaneRow);
-    d_o = c.take<__nv_bfloat16>(kRows * kPlaneRow);
-    v = c.take<__nv_bfloat16>(2 * kRows * kPlaneRow);
-    Z = c.take<float>(kRows * kPitch64);
-  }
-};
-
-template <typename DimsT>
-__global__ void __launch_bounds__(kThreads, 2) intra_dpl_kernel(Args p) {  // two blocks a multiprocessor
-  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
-  extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<IntraDplSmem, DimsT> b(p, smem);
-  const auto& m = b.m;
-  Info& s = b.s;
-  const int64_t rows = b.rows;
-  const int tid = threadIdx.x;
-  load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
-  load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
-  load_rows_split(m.d_o, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
-  load_split(m.v, p.v_new + rows * DimsT::dv, kRows, kRows * kPlaneRow);
-  wait_copies();
-  __syncthreads();
-  row_rnorms(m.rq, m.q, kPlaneRow);
-  row_rnorms(m.rk, m.k, kPlaneRow);
-  // dPL = (d_o v_new^T) * L: d_o exact, v_new^T stored as v_new's rows.
-  plane_gemm<2, false, true, false, true, kNever, kNever, Tri::kLowerC>(
-      m.d_o, kPlaneRow, 0, m.v, kPlaneRow, kRows * kPlaneRow, kRows, kRows, DimsT::dv,
-      [&](int r, int c, float v0, float v1) {
-        const float dpl0 = c <= r ? v0 * decay(s, r, c) : 0.0f, dpl1 = c + 1 <= r ? v1 * decay(s, r, c + 1) : 0.0f;
-        store2(m.Z + r * kPitch64 + c, dpl0, dpl1);
-        store2(p.dpl + (rows + r) * kRows + c, dpl0, dpl1);
-      });
-  __syncthreads();
-  // Z = dPL * (Q K^T): q and k exact, one product, the norms and the scale after it.
-  plane_gemm<2, false, true, true, true>(m.q, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
-                                         [&](int r, int c, float v0, float v1) {
-                                           float2* z = reinterpret_cast<float2*>(m.Z + r * kPitch64 + c);
-                                           const float2 zz = *z;
-                                           *z = make_float2(zz.x * (v0 * m.rq[r] * p.scale * m.rk[c]),
-                                                            zz.y * (v1 * m.rq[r] * p.scale * m.rk[c + 1]));
-                                         });
-  __syncthreads();
-  if (const double z = antisymmetric_row_sum(m.Z); tid % kRowThreads == 0) p.dg_part[rows + tid / kRowThreads] = z;
-}
-
-// The second: q's gradient dq_state + (dPL diag(r_k)) k (through the norm) and k's part
-// (diag(r_q s) dPL)^T q + Kt dk_tilde, from dPL's two scaled plane sets and the raw rows (two
-// products each); G's parts from E (Q . dq_state) and Kt (Kt K . dk_tilde; their sum at slot 63 with
-// gamma's), added to the first kernel's in dg_part.
-struct IntraPlanesSmem {
-  Info* info;
-  double *dG, *t;
-  float *rq, *rk, *D;              // D [64, pk + 4]: dPL [64, 68] first, then dq_state and q's gradient
-  __nv_bfloat16 *q, *k, *pk, *pq;  // raw rows [64, kPlaneRow]; dPL diag(r_k), diag(r_q s) dPL: planes [64, 72]
-  int ldd;
-  template <typename DimsT>
-  __host__ __device__ IntraPlanesSmem(Carve& c, const DimsT& d) : ldd(d.pk + 4) {
-    info = c.take<Info>(1);
-    dG = c.take<double>(kRows);
-    t = c.take<double>(kRows);
-    rq = c.take<float>(kRows);
-    rk = c.take<float>(kRows);
-    q = c.take<__nv_bfloat16>(kRows * kPlaneRow);
-    k = c.take<__nv_bfloat16>(kRows * kPlaneRow);
-    pk = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
-    pq = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
-    D = c.take<float>(kRows * larger(ldd, kPitch64));
-  }
-};
-
-template <typename DimsT>
-__global__ void __launch_bounds__(kThreads, 2) intra_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
-  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
-  extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<IntraPlanesSmem, DimsT> b(p, smem, [&](const IntraPlanesSmem& m, int64_t head) {  // dPL
-    copy_rows<kRows>(m.D, kPitch64, p.dpl + head * kRows * kRows, kRows, kRows);
-  });
-  const DimsT& d = b.d;
-  const auto& m = b.m;
-  Info& s = b.s;
-  const int64_t rows = b.rows;
-  const int h = b.h, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  constexpr int kLo64 = kRows * kPlane64;
-  load_rows_split(m.q, -1, static_cast<const __nv_bfloat16*>(p.q), p.hk, b.kh, s, p.T);
-  load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
-  wait_copies();
-  __syncthreads();
-  row_rnorms(m.rq, m.q, kPlaneRow);
-  row_rnorms(m.rk, m.k, kPlaneRow);
-  __syncthreads();
-  const int r0 = tid / (kRows / 2), c = tid % (kRows / 2) * 2;
-#pragma unroll
-  for (int u = 0; u < kRows * kRows / 2 / kThreads; ++u) {
-    const int r = r0 + u * (2 * kThreads / kRows);
-    const float x0 = m.D[r * kPitch64 + c], x1 = m.D[r * kPitch64 + c + 1], sq = m.rq[r] * p.scale;
-    store_split2(m.pk + r * kPlane64 + c, kLo64, x0 * m.rk[c], x1 * m.rk[c + 1]);
-    store_split2(m.pq + r * kPlane64 + c, kLo64, x0 * sq, x1 * sq);
-  }
-  __syncthreads();  // dPL's float32 tile is free
-  copy_rows<DimsT::dk>(m.D, m.ldd, p.dq_state + rows * d.dk, d.dk, kRows);
-  wait_copies();
-  __syncthreads();
-  // G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63), with
-  // Q and K as load_normalised makes them. Unrolled, a warp's four rows have their loads of dk_tilde and
-  // dg_part in flight at once (rolled, each row waited on its own: 16% of the stall samples, ncu 2026-12-06).
-#pragma unroll
-  for (int j = 0; j < kRows / kWarps; ++j) {
-    const int i = warp + j * kWarps;
-    float e = 0.0f, kt = 0.0f;
-#pragma unroll
-    for (int u = 0; u < DimsT::dk / 32; ++u) {
-      const int c = lane + 32 * u;
-      e += __bfloat162float(m.q[i * kPlaneRow + c]) * m.rq[i] * p.scale * m.D[i * m.ldd + c];
-      kt += __bfloat162float(m.k[i * kPlaneRow + c]) * m.rk[i] * p.dk_tilde[(rows + i) * d.dk + c];
-    }
-    e = warp_sum(e);
-    kt = s.Kt[i] * warp_sum(kt);
-    if (lane == 0) {
-      m.dG[i] = p.dg_part[rows + i] + (static_cast<double>(e) - kt);
-      m.t[i] = kt;
-    }
-  }
-  __syncthreads();
-  plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA>(
-      m.pk, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, d.dk, kRows,
-      [&](int r, int c, float v) { m.D[r * m.ldd + c] += v; });
-  plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(
-      m.pq, kPlane64, kLo64, m.q, kPlaneRow, 0, kRows, d.dk, kRows, [&](int r, int c, float v0, float v1) {
-        const int64_t at = (rows + r) * d.dk + c;
-        const float2 kt = *reinterpret_cast<const float2*>(p.dk_tilde + at);
-        store2(p.dk_part + at, v0 + s.Kt[r] * kt.x, v1 + s.Kt[r] * kt.y);
-      });
-  __syncthreads();
-  for (int i = warp; i < kRows; i += kWarps) {
-    const int64_t tok = s.slot[i];
-    if (tok < p.T) {
-      const __nv_bfloat16* q = m.q + i * kPlaneRow;
-      const float r = m.rq[i];
-      normalised_backward(p.dq + (tok * p.hv + h) * d.dk, [&](int c) { return __bfloat162float(q[c]) * r * p.scale; },
-                          r, m.D + i * m.ldd, d.dk, p.scale);
-    }
-  }
-  if (tid < kRows) {
-    double v = m.dG[tid];
-    if (tid == kRows - 1) {
-      for (int j = 0; j < kRows; ++j) v += m.t[j];
-      v += static_cast<double>(p.dgamma[b.head]) * s.gamma;
-    }
-    p.dg_part[rows + tid] = v;
-  }
-}
-
-// state_grads, intra_dpl and intra_grads on planes in one kernel (V4TRAIN_DELTA_RULE_VARIANTS=dqkwg; the
-// work of fla's chunk_bwd_dqkwg): dq_state, dk_tilde and dPL stay in shared memory, and q, k, d_o,
-// v_new, dv_new, h and d_state are read once (the three kernels wrote the first three as float32 tiles
-// and read them back, and read q, k, d_o and v_new twice). Each product as those kernels take it (the
-// same plane_gemm flags on the same operands: the same roundings, the same sums). One block a
+// state_grads and intra_grads on planes in one kernel (the work of fla's chunk_bwd_dqkwg): dq_state,
+// dk_tilde and dPL stay in shared memory, and q, k, d_o, v_new, dv_new, h and d_state are read once.
+// It replaced three kernels (state_grads_planes, intra_dpl, intra_grads_planes: 0.914 ms at 8K on an
+// H100, this one 0.707, the same bits; docs/benchmarks.md, twenty-seventh session), which wrote the
+// first three as float32 tiles and read them back, and read q, k, d_o and v_new twice. Each product
+// keeps those kernels' roundings (one bf16 product at state_grads' sites, planes elsewhere). One block a
 // multiprocessor: a chunk's operands whole (q, k, d_o, v_new's planes, dv_new, h, d_state: 170 KB as
 // loaded) and its two float32 tiles (dq_state, dk_tilde) take 224 KB, regions reused as below. Two
 // blocks (113 KB each) would take the products over dv in slices with register accumulators, not
@@ -2089,7 +1862,7 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
                                          [&](int r, int c, float v0, float v1) {
                                            store2(m.DQ + r * kLdF + c, s.E[r] * v0, s.E[r] * v1);
                                          });
-  // d_o v_new^T, d_o exact, v_new on planes: two products, as intra_dpl.
+  // d_o v_new^T, d_o exact, v_new on planes: two products.
   plane_gemm<2, false, true, false, true, kNever, kNever, Tri::kLowerC>(
       m.Y, kPlaneRow, 0, m.v, kPlaneRow, kRows * kPlaneRow, kRows, kRows, DimsT::dv,
       [&](int r, int c, float v0, float v1) {
@@ -2101,7 +1874,7 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
                                          [&](int r, int c, float v0, float v1) { store2(m.DKT + r * kLdF + c, v0, v1); });
   split_dpl(m.pk, m.pq, m.Z, m.rq, m.rk, p.scale);
   __syncthreads();
-  // q k^T of the raw rows (exact): one product, the norms and the scale after it, as intra_dpl.
+  // q k^T of the raw rows (exact): one product, the norms and the scale after it.
   plane_gemm<2, false, true, true, true>(m.q, kPlaneRow, 0, m.k, kPlaneRow, 0, kRows, kRows, DimsT::dk,
                                          [&](int r, int c, float v0, float v1) {
                                            float2* z = reinterpret_cast<float2*>(m.Z + r * kPitch64 + c);
@@ -2113,7 +1886,7 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
                         [&](int i, int c) { return m.DKT[i * kLdF + c]; }, [](int) { return 0.0; });
   __syncthreads();
   if (const double z = antisymmetric_row_sum(m.Z); threadIdx.x % kRowThreads == 0) {
-    m.dG[threadIdx.x / kRowThreads] = z + m.dG[threadIdx.x / kRowThreads];  // (intra_dpl's term first, as summed there)
+    m.dG[threadIdx.x / kRowThreads] = z + m.dG[threadIdx.x / kRowThreads];  // (L's term first, the order the three kernels summed in)
   }
   // dPL's scaled planes against the raw rows (k, then q): two products each, as intra_grads.
   plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA>(
@@ -2697,36 +2470,22 @@ void fused(Fused& f, bool backward) {
   a.d_state = r.state_out.data_ptr();
   a.dv_new = r.x_out.data_ptr<float>();
   a.dw = w.data_ptr<float>();  // W is done with: its gradient takes its place
-  bool dqkwg = false;          // state_grads, intra_dpl and intra_grads as one kernel (Variant)
-  if constexpr (kPlanes<kMode, DimsT>) dqkwg = variants() & kDqkwg;
-  at::Tensor dq_state, dk_tilde, dgamma;
-  if (!dqkwg) {
-    dq_state = rows(d.dk);
-    dk_tilde = rows(d.dk);
-    dgamma = at::empty({chunks, hv}, f32);
-    a.dq_state = dq_state.data_ptr<float>();
-    a.dk_tilde = dk_tilde.data_ptr<float>();
-    a.dgamma = dgamma.data_ptr<float>();
-    if constexpr (kPlanes<kMode, DimsT>) launch<StatePlanesSmem>(state_grads_planes_kernel<DimsT>, grid, d, a);
-    else launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
-    r.state_out.reset();
-  }
   at::Tensor dq = at::empty({T_, hv, d.dk}, f32), dk_part = rows(d.dk);
   at::Tensor dg_part = at::empty({chunks, hv, kRows}, f32.dtype(at::kDouble));
   a.dq = dq.data_ptr<float>();
   a.dk_part = dk_part.data_ptr<float>();
   a.dg_part = dg_part.data_ptr<double>();
-  if (dqkwg) {
-    if constexpr (kPlanes<kMode, DimsT>) launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a);
-    r.state_out.reset();
-  } else if constexpr (kPlanes<kMode, DimsT>) {
-    at::Tensor dpl = at::empty({chunks, hv, kRows, kRows}, f32);
-    a.dpl = dpl.data_ptr<float>();
-    launch<IntraDplSmem>(intra_dpl_kernel<DimsT>, grid, d, a);
-    launch<IntraPlanesSmem>(intra_grads_planes_kernel<DimsT>, grid, d, a);
+  if constexpr (kPlanes<kMode, DimsT>) {
+    launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a);
   } else {
+    at::Tensor dq_state = rows(d.dk), dk_tilde = rows(d.dk), dgamma = at::empty({chunks, hv}, f32);
+    a.dq_state = dq_state.data_ptr<float>();
+    a.dk_tilde = dk_tilde.data_ptr<float>();
+    a.dgamma = dgamma.data_ptr<float>();
+    launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
     launch<IntraSmem>(intra_grads_kernel<T, kMode, DimsT>, grid, d, a);
   }
+  r.state_out.reset();
   at::Tensor dk = at::empty({T_, hv, d.dk}, f32);
   f.dv = at::empty_like(f.v);
   f.dbeta = at::empty({T_, hv}, f32);
