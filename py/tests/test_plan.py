@@ -90,12 +90,13 @@ def test_fp8_dequantize_and_no_quantization_config_keep_the_model_dtype():
     assert plan.plan(setup).weight_bytes == dequantized.weight_bytes
 
 
-# The peaks measured on one H200 (the seventeenth session's on an H100; torch 2.11.0+cu130), GiB
+# The peaks measured on one H200 (the seventeenth and twenty-seventh sessions' on an H100; torch 2.11.0+cu130), GiB
 # above the weights, copied from docs/benchmarks.md: (proxy, --finetune, tokens, checkpointing, FP8,
 # measured GiB, the section, the delta rule's path). bf16 throughout; "full": every weight trains
 # but what the family freezes (the bench's mode); "lora": r=16 on attention and experts, every other weight frozen. The path
-# (Qwen3.5; GLM-5 has no delta rule), the code's era: "all" for runs with every CUDA kernel of
-# today (the experts' SwiGLU and the combine too: 2026-12-03 on), "loss" for runs with the LM
+# (Qwen3.5; GLM-5 has no delta rule), the code's era: "dqkwg" for runs with every CUDA kernel of
+# today (the twenty-seventh session on), "all" for those before the delta rule's state and intra
+# gradients became one kernel (the experts' SwiGLU and the combine too: 2026-12-03 on), "loss" for runs with the LM
 # head's loss kernel but those on ATen (stop 31), "block" for runs with the Gated DeltaNet
 # block's (the delta rule's, the conv's and the gated norm's) but the loss on ATen, "rule" for runs
 # with the delta rule's alone (stops 27-30), None for GLM-5's runs before the loss kernel, "aten"
@@ -109,6 +110,8 @@ BLOCKS = "A checkpointed layer's MoE in blocks of tokens (2026-12-02, stop 28)"
 KERNELS = "The Gated DeltaNet block's conv and gated norm as CUDA kernels (2026-12-02, stop 31)"
 MOE_KERNELS = "RMSNorm, the experts' SwiGLU and the MoE combine as CUDA kernels (2026-12-03)"
 FP8_EXPERTS = "The delta rule's branches merged; the experts' FP8 kernel's first run (2026-12-05, seventeenth session)"
+CUTS = "The delta rule's blind instruction cuts measured: 3.27 ms on the device at 8K, fla 2.46 (2026-12-06, twenty-sixth session)"
+DQKWG = "The delta rule's state and intra gradients as one kernel: fla's wall time at 8K (2026-12-06, twenty-seventh session)"
 MEASURED = [
     ("glm5", "full", 4096, False, False, 14.5, COMBINE, None),
     ("glm5", "full", 16384, True, False, 20.3, BLOCKS, None),
@@ -132,12 +135,18 @@ MEASURED = [
     ("glm5", "lora", 4096, False, True, 8.8, FP8_EXPERTS, "all"),
     ("glm5", "lora", 4096, False, False, 8.8, FP8_EXPERTS, "all"),
     ("full_layer", "lora", 4096, False, True, 3.4, FP8_EXPERTS, "all"),
+    ("qwen3_5", "full", 65536, True, False, 19.5, CUTS, "all"),
+    ("qwen3_5", "full", 4096, False, False, 5.9, DQKWG, "dqkwg"),
+    ("qwen3_5", "full", 65536, True, False, 17.5, DQKWG, "dqkwg"),
 ]
 TOLERANCE = 0.10
 # The CUDA kernels that each era's code lacked (it ran their ATen paths): the planner leaves them out.
 MOE = ("fused_swiglu", "fused_combine")  # the experts' SwiGLU and combine kernels (2026-12-03)
-LACKED = {"rule": ("fused_conv", "fused_norm", "fused_loss") + MOE, "block": ("fused_loss",) + MOE,
-          None: ("fused_loss", "fused_fp8_experts") + MOE, "loss": MOE}
+# "all": the kernels up to the twenty-sixth session (the delta rule's state and intra gradients as three
+# kernels); "dqkwg": those as one, from the twenty-seventh.
+LACKED = {"rule": ("fused_conv", "fused_norm", "fused_loss", "fused_dqkwg") + MOE,
+          "block": ("fused_loss", "fused_dqkwg") + MOE, None: ("fused_loss", "fused_fp8_experts", "fused_dqkwg") + MOE,
+          "loss": ("fused_dqkwg",) + MOE, "all": ("fused_dqkwg",)}
 # The delta rule's two paths measured on the same code otherwise (the combine before it became
 # one node, stop 27, which both had alike): what the fused path saves is their difference.
 SAVING = [

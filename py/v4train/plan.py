@@ -644,6 +644,15 @@ def fused_conv(setup: Setup) -> bool:
     return device_kernels(setup) and setup.cfg.linear_conv_kernel_dim <= CONV_MAX_KERNEL
 
 
+def fused_dqkwg(setup: Setup) -> bool:
+    """Whether the fused delta rule's backward takes its state and intra gradients as one kernel on
+    planes (gated_delta_rule.cu dqkwg_planes_kernel, whose dq_state, dk_tilde and dgamma stay in
+    shared memory): wherever the plane kernels run (bf16 at widths 128). A switch of its own so that
+    the peaks measured before it (three kernels, those three tensors in memory) are predicted as
+    that code ran."""
+    return True
+
+
 def fused_norm(setup: Setup) -> bool:
     """Whether the Gated DeltaNet block's gated RMSNorm runs its CUDA kernels (gated_deltanet.cc's
     gated_norm picks them): CUDA, bf16 or fp32, heads at most NORM_MAX_WIDTH wide."""
@@ -808,6 +817,7 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
         return P * nv * d * FP32
 
     planes = b == 2 and dk == dv == 128  # FixedDims<128, 128> (the fused path takes fp32 or bf16: 2 bytes is bf16)
+    one_kernel = planes and fused_dqkwg(c.setup)
     state = chunks * nv * dk * dv * (b if planes else FP32)  # [chunks, value heads, dk, dv]
     gamma = chunks * nv * FP32  # the chunks' decays [chunks, value heads] fp32 (and their gradient)
     # FusedRule saves its inputs as the kernels read them: q, k, v copied by contiguous() (the
@@ -848,8 +858,9 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
             "reverse recurrence: dv_local, dv_new [.., 64, dv]; dh_local (fp32; on planes E Q [.., 64, dk]), d_state "
             "(as h) [chunks, value heads, dk, dv]", 2 * rows(dv) + dh + state)])),
         Moment("delta rule's UT-transform gradients", tuple(held + [incoming, wk, Term(
-            "state and intra gradients: dv_new [.., dv], dq_state, dk_tilde, dk_part [.., dk] (fp32), dgamma, "
-            "dg_part [chunks, value heads, 64] (float64)", rows(dv) + 3 * rows(dk) + gamma + P * nv * INT64), Term(
+            "state and intra gradients: dv_new [.., dv], dk_part [.., dk] (fp32), dg_part [chunks, value heads, 64] "
+            "(float64); off planes also dq_state, dk_tilde [.., dk] (fp32) and dgamma (on planes one kernel keeps them "
+            "in shared memory)", rows(dv) + rows(dk) + P * nv * INT64 + (0 if one_kernel else 2 * rows(dk) + gamma)), Term(
             "UT-transform gradients: dq, dk [T, value heads, dk] (fp32), dv [T, value heads, dv], dbeta (fp32), "
             "dg (float64)", T * nv * (2 * dk * FP32 + dv * b + FP32 + INT64)), Term(
             "key heads' sums: dq and dk summed over each key head's value heads [T, key heads, dk] (dk's sum in "
