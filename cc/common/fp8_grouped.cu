@@ -774,7 +774,9 @@ bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at
   const int64_t E = weight.size(0), w_out = weight.size(1), w_in = weight.size(2), rows = x.size(0);
   const int64_t K = transposed ? w_out : w_in, N = transposed ? w_in : w_out;
   // Whole scale blocks: the sum's steps never straddle a partial one.
-  if (rows == 0 || E == 0 || w_out % kScaleBlock != 0 || w_in % kScaleBlock != 0 || x.size(1) != K) return false;
+  if (rows == 0 || E == 0 || w_out == 0 || w_in == 0 || w_out % kScaleBlock != 0 || w_in % kScaleBlock != 0 ||
+      x.size(1) != K)
+    return false;
   // int indices: rows, widths, and the (row tile, column tile) pairs, at most rows / 128 + E row tiles.
   // (TMA's coordinates: the weight's rows E out, or turned E in, as one int.)
   if (rows + 256 > INT_MAX || E * w_out > INT_MAX || E * w_in > INT_MAX ||

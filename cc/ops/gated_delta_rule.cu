@@ -2470,21 +2470,26 @@ void fused(Fused& f, bool backward) {
   a.d_state = r.state_out.data_ptr();
   a.dv_new = r.x_out.data_ptr<float>();
   a.dw = w.data_ptr<float>();  // W is done with: its gradient takes its place
+  // Off planes state_grads hands intra_grads its products through memory; d_state is free after it,
+  // before intra_grads' outputs are allocated (on planes dqkwg keeps those products in shared memory).
+  at::Tensor dq_state, dk_tilde, dgamma;
+  if constexpr (!kPlanes<kMode, DimsT>) {
+    dq_state = rows(d.dk);
+    dk_tilde = rows(d.dk);
+    dgamma = at::empty({chunks, hv}, f32);
+    a.dq_state = dq_state.data_ptr<float>();
+    a.dk_tilde = dk_tilde.data_ptr<float>();
+    a.dgamma = dgamma.data_ptr<float>();
+    launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
+    r.state_out.reset();
+  }
   at::Tensor dq = at::empty({T_, hv, d.dk}, f32), dk_part = rows(d.dk);
   at::Tensor dg_part = at::empty({chunks, hv, kRows}, f32.dtype(at::kDouble));
   a.dq = dq.data_ptr<float>();
   a.dk_part = dk_part.data_ptr<float>();
   a.dg_part = dg_part.data_ptr<double>();
-  if constexpr (kPlanes<kMode, DimsT>) {
-    launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a);
-  } else {
-    at::Tensor dq_state = rows(d.dk), dk_tilde = rows(d.dk), dgamma = at::empty({chunks, hv}, f32);
-    a.dq_state = dq_state.data_ptr<float>();
-    a.dk_tilde = dk_tilde.data_ptr<float>();
-    a.dgamma = dgamma.data_ptr<float>();
-    launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
-    launch<IntraSmem>(intra_grads_kernel<T, kMode, DimsT>, grid, d, a);
-  }
+  if constexpr (kPlanes<kMode, DimsT>) launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a);
+  else launch<IntraSmem>(intra_grads_kernel<T, kMode, DimsT>, grid, d, a);
   r.state_out.reset();
   at::Tensor dk = at::empty({T_, hv, d.dk}, f32);
   f.dv = at::empty_like(f.v);
