@@ -370,6 +370,220 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// ---- The mixed-input design (V4TRAIN_FP8_GROUPED_VARIANTS=registers), forward only: the weight is
+// the product's A operand taken from registers, turned from FP8 by the multiplying warps themselves,
+// and x the B operand from shared memory ("swap AB": a block computes y^T's tile, its rows 128 output
+// features, the weight's rows, its columns BT tokens, x's rows of one expert). A producer warp has x's
+// bf16 tile and the weight's raw FP8 tile copied by TMA into a ring of stages; no warp stores a
+// converted tile. Each multiplying thread reads its A fragment's 16 bytes of a step from the FP8 tile,
+// turns each pair into bf16 exactly as dequantize16 does (float(w) * scale in fp32, rounded once), and
+// issues m64nBTk16 with A in four registers, converting the next 16 columns while the product before
+// runs. Per 64-wide step of a 128 x 256 tile, shared memory carries x's copy (32 KB) and the weight's
+// (8 KB), the two warpgroups' reads of x's tile (2 x 32 KB) and the fragments' 2-byte loads (128
+// wavefronts of 64 useful bytes: 16 KB of the pipe's time), ~120 KB against fp8_grouped_kernel's
+// ~144 KB (its products read the weight tile twice a warpgroup and x once, 96 KB, and the copies
+// store 16 KB of bf16 besides x's 32 KB). The same bf16 operands and fp32 sums in the same order of
+// 16-column products: y should equal fp8_grouped_kernel's bit for bit (its CUDA test asserts it).
+constexpr int kRsRows = 128;  // a tile's output features: two warpgroups of 64 (one scale block)
+
+template <int BT_>
+struct Rs {
+  static constexpr int BT = BT_;  // tokens a tile: the product's N
+  static constexpr int kXTile = BT * kBK * 2;  // x's rows: BT of 64 bf16, 128-byte swizzle
+  static constexpr int kWTile = kRsRows * kBK;  // the weight's: 128 rows of 64 FP8 bytes, 64-byte swizzle
+  static constexpr int kStageBytes = kXTile + kWTile;
+  static constexpr int kStages = BT == 256 ? 5 : 8;
+  // The epilogue: each warpgroup stages 32 tokens x its 64 features at a time (144 bytes a token: the
+  // 8 rows of a transposed store, and 4 rows read 128 bytes each, meet every bank the fewest times), in
+  // two buffers, so that one barrier a chunk orders its stores after the reads of the chunk before.
+  static constexpr int kChunk = 32, kPitch = 144, kChunkBytes = kChunk * kPitch;
+  static constexpr int kBarriers = 256;  // full, empty (8 bytes a stage each), the stages' scales (4 each)
+  static constexpr size_t kSmem = size_t(kStages) * kStageBytes + kBarriers + 2 * 2 * kChunkBytes + 1024;
+  static_assert(kStages * 20 <= kBarriers && kSmem <= 232448 && BT / kChunk % 2 == 0, "fp8_registers: the carve");
+};
+
+// Two e4m3 weights (columns k, k + 1 of a row: v's low 16 bits, k's the low byte) times s in fp32, each
+// rounded once to bf16: a bf16 pair, k's low (dequantize16's arithmetic, value for value). (v a 32-bit
+// register: 16-bit ones cost a byte permute each to pack.)
+[[maybe_unused]] __device__ __forceinline__ uint32_t dequantize2(uint32_t v, float s) {
+  uint32_t h;
+  asm("{\n.reg .b16 l, u;\nmov.b32 {l, u}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(h) : "r"(v));
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// Four 8 x 8 matrices of 16-bit pairs, each stored transposed (stmatrix .trans): register i holds
+// matrix i as an mma fragment (lane l: row l / 4, columns 2 (l % 4), +1); lane 8 i + r names where
+// row r of its transpose (the matrix's column r) goes, 16 bytes.
+[[maybe_unused]] __device__ __forceinline__ void stmatrix_trans4(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                                 uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// A persistent block as fp8_grouped_kernel's, the same order of tiles (feature tiles fastest). Warpgroups
+// 0 and 1 multiply (features 64 wg.. of the tile); in warpgroup 2 one thread asks for the copies and the
+// rest give their registers up.
+template <int BT>
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_registers_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                         const Args a) {
+#if defined(V4_HAS_WGMMA)
+  using S = Rs<BT>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = wgmma::sw128_aligned(smem_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kStages * S::kStageBytes);  // a stage's copies landed
+  uint64_t* empty = full + S::kStages;                                                // its products are done
+  float* scales = reinterpret_cast<float*>(empty + S::kStages);  // a stage's weight scale (one block)
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S::kStages; ++s) {
+      wgmma::bar_init(full + s, 1);   // the producer's arrival (after the scale's store) + the copies' bytes
+      wgmma::bar_init(empty + s, 8);  // lane 0 of each multiplying warp
+    }
+    wgmma::bar_init_fence();
+  }
+  __syncthreads();
+  const int steps = a.in / kBK, col_tiles = a.out / kRsRows;
+  const int tiles = find_tile<BT>(a.offsets, a.E, -1).first * col_tiles;
+  const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
+  const int lane = threadIdx.x % 32;
+
+  if (wg == 2) {  // ---- the copies: warp 0 walks the tiles (find_tile takes a warp), its lane 0 asks
+    wgmma::regs_shrink<40>();
+    if (threadIdx.x % 128 >= 32) return;
+    const int blocks_in = a.in / kScaleBlock;
+    int it = 0;  // steps so far, over every tile: the ring's position and phase
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const Tile tile = find_tile<BT>(a.offsets, a.E, t / col_tiles);
+      const int f0 = t % col_tiles * kRsRows, w_row = tile.expert * a.out + f0;
+      const float* scale = a.scale + (int64_t(tile.expert) * (a.out / kScaleBlock) + f0 / kScaleBlock) * blocks_in;
+      for (int step = 0; step < steps; ++step, ++it) {
+        if (lane != 0) continue;
+        const int slot = it % S::kStages;
+        const float s = __ldg(scale + step * kBK / kScaleBlock);  // (its trip to L2 under the wait)
+        wgmma::bar_wait(empty + slot, ((it / S::kStages) & 1) ^ 1);
+        scales[slot] = s;  // (seen by the products through full's arrival: release, acquire)
+        unsigned char* stage = smem + slot * S::kStageBytes;
+        // x's rows first.. (past the expert's last: the next one's, or zeros); the weight's rows f0.. of
+        // the expert, columns step * 64..
+        wgmma::bar_arrive_expect(full + slot, S::kStageBytes);
+        wgmma::tma_load_2d(stage, &x_map, step * kBK, tile.first, full + slot);
+        wgmma::tma_load_2d(stage + S::kXTile, &w_map, step * kBK, w_row, full + slot);
+      }
+    }
+    return;
+  }
+
+  // ---- the products: warpgroup wg, the tile's features 64 wg.. (A), all BT tokens (B)
+  wgmma::regs_grow<232>();
+  const int warp = (threadIdx.x / 32) % 4;
+  // This thread's A fragment of a 16-column slice kk (mma_rs: rows row0 = 64 wg + 16 warp + lane / 4
+  // (+8), columns 2 (lane % 4) (+1) (+8)) lies in the stage's FP8 tile (row r at 64 r, its 16-byte
+  // chunk kk at kk ^ (r / 2) % 4: (row0 / 2) % 4 = lane / 8, and the same for row0 + 8) as four
+  // 2-byte pairs at chunk[kk] + frag[i]: a[0] (row0, col), a[1] (row0 + 8, col), a[2] (row0, col + 8),
+  // a[3] (row0 + 8, col + 8). A warp's 32 loads of one of them read 16 words on 16 banks (lanes 2 j,
+  // 2 j + 1 share one): one wavefront (tools/fp8_registers_check.py).
+  const int row0 = 64 * wg + 16 * warp + lane / 4;
+  int chunk[4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) chunk[kk] = S::kXTile + row0 * kBK + ((kk ^ (lane / 8)) * 16) + 2 * (lane % 4);
+  constexpr int frag[4] = {0, 8 * kBK, 8, 8 * kBK + 8};
+  const uint64_t x_desc = wgmma::desc128(wgmma::saddr(smem), 16, 1024);  // stage 0's x, K-major, 16 columns 32 bytes
+  // The epilogue's buffers: this warpgroup's two, and where lane l's row of a transposed store goes
+  // (matrix l / 8: tokens 8 (l / 16).. of a pair of 8-token groups, features 16 warp + 8 (l / 8 % 2)..).
+  unsigned char* const epilogue = smem + S::kStages * S::kStageBytes + S::kBarriers + wg * 2 * S::kChunkBytes;
+  const uint32_t st_at =
+      wgmma::saddr(epilogue) + (8 * (lane / 16) + lane % 8) * S::kPitch + (16 * warp + 8 * (lane / 8 % 2)) * 2;
+  const int p = threadIdx.x % 128;  // the copy out: token p / 8 (+16), its 16 bytes p % 8
+
+  uint32_t raw[4][4];  // a step's fragment bytes (slice kk, register i), 2 a register
+  uint32_t af[2][4];   // the fragments of two slices: one in a product, the next converted
+  float scale = 0.0f;
+  // Step `it`'s stage, once landed: its scale and this thread's bytes.
+  const auto load = [&](int n) {
+    const int slot = n % S::kStages;
+    wgmma::bar_wait(full + slot, (n / S::kStages) & 1);
+    scale = scales[slot];
+    const unsigned char* stage = smem + slot * S::kStageBytes;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) raw[kk][i] = *reinterpret_cast<const uint16_t*>(stage + chunk[kk] + frag[i]);
+  };
+  const auto convert = [&](uint32_t (&f)[4], const uint32_t (&r)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = dequantize2(r[i], scale);
+  };
+  int it = 0;
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Tile tile = find_tile<BT>(a.offsets, a.E, t / col_tiles);
+    const int f0 = t % col_tiles * kRsRows;
+    float acc[BT / 2];
+#pragma unroll
+    for (int i = 0; i < BT / 2; ++i) acc[i] = 0.0f;
+    load(it);
+    convert(af[0], raw[0]);
+    for (int step = 0; step < steps; ++step, ++it) {
+      const uint32_t stage = (it % S::kStages) * S::kStageBytes;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma::fence_operand(acc);
+        wgmma::fence();  // (af written by this thread since the last product)
+        wgmma::mma_rs<__nv_bfloat16, 0, BT>(acc, af[kk % 2], wgmma::desc_add(x_desc, stage + 32 * kk));
+        wgmma::commit();
+        wgmma::wait<1>();  // the product before done: its fragment free, and at kk 0 the step before's stage
+        wgmma::fence_operand(acc);
+        if (kk == 0 && step > 0) {
+          __syncwarp();
+          if (lane == 0) wgmma::bar_arrive(empty + (it - 1) % S::kStages);
+        }
+        if (kk < 3) {
+          convert(af[(kk + 1) % 2], raw[kk + 1]);
+        } else if (step + 1 < steps) {  // the next step's first slice, while this one's last runs
+          load(it + 1);
+          convert(af[0], raw[0]);
+        }
+      }
+    }
+    wgmma::wait<0>();
+    wgmma::fence_operand(acc);
+    __syncwarp();
+    if (lane == 0) wgmma::bar_arrive(empty + (it - 1) % S::kStages);
+    // y^T's fragment (features 16 warp + lane / 4 (+8), tokens 8 j + 2 (lane % 4) (+1)) to y [token,
+    // feature]: 32 tokens at a time, 8 x 8 blocks stored transposed into the warpgroup's buffer (token
+    // rows of its 64 features), then each token's 128 bytes copied out whole, rows past the expert's end
+    // not written.
+#pragma unroll
+    for (int c = 0; c < BT / S::kChunk; ++c) {  // (an even count: chunk c in buffer c % 2 in every tile)
+      const int buffer = (c % 2) * S::kChunkBytes;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // tokens 32 c + 16 h..: groups j, j + 1
+        const int j = 4 * c + 2 * h;
+        stmatrix_trans4(st_at + buffer + 16 * h * S::kPitch, pack_bf16(acc[4 * j], acc[4 * j + 1]),
+                        pack_bf16(acc[4 * j + 2], acc[4 * j + 3]), pack_bf16(acc[4 * j + 4], acc[4 * j + 5]),
+                        pack_bf16(acc[4 * j + 6], acc[4 * j + 7]));
+      }
+      wgmma::named_sync(1 + wg, 128);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int r = p / 8 + 16 * u, row = tile.first + S::kChunk * c + r;
+        const uint4 v = *reinterpret_cast<const uint4*>(epilogue + buffer + r * S::kPitch + p % 8 * 16);
+        if (row < tile.end)
+          *reinterpret_cast<uint4*>(a.y + int64_t(row) * a.out + f0 + 64 * wg + p % 8 * 8) = v;
+      }
+    }
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
 // ---- The products on FP8 tensor cores (fp8_tensor_cores() names experts, lora.h): x quantised
 // per row per 128 columns (fp8.cuh's quantize_rows) times the FP8 weight as it lies, DeepGEMM's
 // design. Tiles of 128 x 128; a step of the sum is one 128-column scale block (128 bytes a row,
@@ -734,8 +948,12 @@ enum class Choice { kWide, kTall, kOff };
 // unset or empty: none): `ahead4`, the copying threads' weights loaded three steps ahead of their
 // conversion (four steps in registers) where the kernel unasked loads one ahead. The same products
 // in the same order: the same bits (its CUDA test), at a speed to be measured.
-enum GroupedVariant : unsigned { kAhead4 = 1 };  // (bit i: env_variants' name i)
-unsigned grouped_variants() { return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"ahead4"}); }
+// `registers`, the forward (y = x W_e^T) on fp8_registers_kernel (the weight turned from FP8 by the
+// multiplying warps into wgmma's A registers; x by TMA as B; BT tokens a tile, the tile's rows: 256
+// for 256 x 128, 128 for 128 x 256), the backward on fp8_grouped_kernel as unasked. It should give the
+// same bits (its CUDA test asserts it); its speed is to be measured.
+enum GroupedVariant : unsigned { kAhead4 = 1, kRegisters = 2 };  // (bit i: env_variants' name i)
+unsigned grouped_variants() { return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"ahead4", "registers"}); }
 Choice tile_choice(int64_t rows, int64_t experts) {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
   const std::string_view s = v == nullptr ? "" : v;
@@ -760,7 +978,17 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
                int(weight.size(2))};
   const dim3 grid = persistent_grid(x, E, N, S::BM, S::BN);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const bool ahead = grouped_variants() & kAhead4;
+  const unsigned variants = grouped_variants();
+  const bool ahead = variants & kAhead4;
+  using R = Rs<S::BM>;
+  if (!transposed && (variants & kRegisters) && wgmma::capable(x.get_device(), R::kSmem)) {
+    // The weight [E out, in] as bytes in boxes of 128 rows x 64 (the 64-byte swizzle).
+    const CUtensorMap w_map = wgmma::tensor_map_sw128(w.const_data_ptr(), E * weight.size(1), weight.size(2),
+                                                      weight.size(2), kRsRows, true, kBK);
+    wgmma::launch(fp8_registers_kernel<S::BM>, persistent_grid(x, E, N, S::BM, kRsRows), kThreads, R::kSmem, stream,
+                  x_map, w_map, a);
+    return;
+  }
   if (transposed && ahead) wgmma::launch(fp8_grouped_kernel<true, S, 4>, grid, kThreads, S::kSmem, stream, x_map, a);
   else if (transposed) wgmma::launch(fp8_grouped_kernel<true, S, 2>, grid, kThreads, S::kSmem, stream, x_map, a);
   else if (ahead) wgmma::launch(fp8_grouped_kernel<false, S, 4>, grid, kThreads, S::kSmem, stream, x_map, a);

@@ -41,10 +41,13 @@ inline bool capable(int device, size_t smem) {
 // The tensor-memory-accelerator map (TMA, PTX ISA 9.7.9.25) of a row-major bf16 matrix [rows, cols]
 // (row stride ld elements, 16-byte aligned) whose loads (tma_load_2d) copy boxes of box_rows rows x 64
 // columns, 128 bytes a row, into sw128_offset's layout; rows past the end land as zeros. With
-// `bytes`, a matrix of 1-byte elements (FP8) in boxes of box_rows x 128. The driver's encoder is
-// found through the runtime, so nothing links libcuda.
+// `bytes`, a matrix of 1-byte elements (FP8) in boxes of box_rows x 128. With box_bytes 64, boxes of
+// 64-byte rows (32 bf16 or 64 bytes) under the 64-byte swizzle: row r at 64 r, its 16-byte chunk c at
+// chunk c ^ (r / 2) % 4 (address bits 4-5 ^= bits 7-8; the tile on 512 bytes). The driver's encoder
+// is found through the runtime, so nothing links libcuda.
+// (`box_bytes`: a box row's bytes, 128 or, with the 64-byte swizzle, 64.)
 inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows,
-                                    bool bytes = false) {
+                                    bool bytes = false, int box_bytes = 128) {
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -58,16 +61,18 @@ inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaSetDevice(device));
+  TORCH_CHECK(box_bytes == 128 || box_bytes == 64, "tensor_map_sw128: boxes of 128- or 64-byte rows");
   CUtensorMap map;
   const int size = bytes ? 1 : 2;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(ld) * size};
-  const cuuint32_t box[2] = {cuuint32_t(128 / size), cuuint32_t(box_rows)}, unit[2] = {1, 1};
+  const cuuint32_t box[2] = {cuuint32_t(box_bytes / size), cuuint32_t(box_rows)}, unit[2] = {1, 1};
   const CUresult r = encode(&map, bytes ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
                             const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                            box_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (", int(r), ") on a [", rows, ", ", cols, "] ",
-              bytes ? "1-byte" : "bf16", " matrix of row stride ", ld, " in boxes of ", box_rows, " x ", 128 / size);
+              bytes ? "1-byte" : "bf16", " matrix of row stride ", ld, " in boxes of ", box_rows, " x ",
+              box_bytes / size);
   return map;
 }
 
@@ -245,7 +250,7 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[64], uint64_t a, uint64_t b,
                : "l"(a), "l"(b), "r"(int(accumulate)));
 }
 
-// d [64 x 256] += a [64 x 16] . b [16 x 256] with a from registers (bf16 or f16 pairs): thread
+// d [64 x N] += a [64 x 16] . b [16 x N] (N 256 or 128) with a from registers (bf16 or f16 pairs): thread
 // (warp w, lane l) holds a's rows 16w + l/4 (+8), columns 2(l%4) (+1) (+8) as a[0] (row, col),
 // a[1] (row + 8, col), a[2] (row, col + 8), a[3] (row + 8, col + 8). That is an accumulator
 // fragment's columns 16k.. packed in pairs, so a product's scores feed the next product as they lie.
@@ -257,12 +262,27 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[64], uint64_t a, uint64_t b,
                : V4_WGMMA_OUT128 \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1), "n"(TransB))
 
-template <typename T, int TransB = 1>
-__device__ __forceinline__ void mma_rs(float (&d)[128], const uint32_t* a, uint64_t b) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N256_RS("bf16");
-  else V4_WGMMA_M64N256_RS("f16");
+#define V4_WGMMA_M64N128_RS(TY) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" V4_WGMMA_REGS64 \
+               "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n" \
+               : V4_WGMMA_OUT64 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1), "n"(TransB))
+
+// N: 256 or 128 (d of N / 2).
+template <typename T, int TransB = 1, int N = 256>
+__device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t* a, uint64_t b) {
+  static_assert(N == 128 || N == 256, "v4::wgmma::mma_rs: N of 128 or 256");
+  if constexpr (N == 128) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N128_RS("bf16");
+    else V4_WGMMA_M64N128_RS("f16");
+  } else {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N256_RS("bf16");
+    else V4_WGMMA_M64N256_RS("f16");
+  }
 }
 #undef V4_WGMMA_M64N256_RS
+#undef V4_WGMMA_M64N128_RS
 #undef V4_WGMMA_REGS16
 #undef V4_WGMMA_REGS32
 #undef V4_WGMMA_REGS64
