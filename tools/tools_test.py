@@ -57,6 +57,13 @@ def test_the_fp8_kernels_transposition_places_every_byte():
     assert fp8_transpose_check.main() == 0
 
 
+def test_the_fp8_registers_kernels_fragments_and_epilogue_hold():
+    # fp8_registers_kernel's A fragments through TMA's 64-byte swizzle, its products' order, its
+    # transposing epilogue and its carve, emulated on the CPU (it fails fragments whose rows +8 are the first 8).
+    import fp8_registers_check
+    assert fp8_registers_check.main() == 0
+
+
 def test_ncu_phases_splits_a_kernel_at_its_barriers():
     import ncu_phases
     head = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
