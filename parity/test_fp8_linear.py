@@ -300,6 +300,42 @@ def test_the_experts_fp8_kernels_ahead4_variant_equals_it_on_cuda(tile, inp, mon
     _assert_same_bits(runs["ahead4"], runs["none"])
 
 
+@CUDA
+@pytest.mark.parametrize("tile", ["128x256", "256x128"])
+@pytest.mark.parametrize("inp", [IN, 128])
+def test_the_experts_fp8_kernels_registers_variant_on_cuda_is_within_the_bound_and_equals_it(tile, inp, monkeypatch):
+    """V4TRAIN_FP8_GROUPED_VARIANTS=registers: the forward on fp8_registers_kernel (the weight turned from
+    FP8 by the multiplying warps into wgmma's A registers, x's tile the B operand; tiles of y^T, 128
+    features by the tile's rows of tokens: 128 for 128x256, 256 for 256x128), the backward on
+    fp8_grouped_kernel as unasked. y within a bf16 product's bound of the float64 truth, expert by
+    expert (COUNTS: partial, empty and one-row experts; more tiles than multiprocessors, so that each
+    persistent block takes several), then equal to the unasked kernel's bit for bit: the same bf16
+    operands and fp32 sums of the same 16-column products in the same order, A and B swapped (a
+    failure there with the bound kept says the tensor core sums a product's 16 terms in an order that
+    depends on which operand is A). x's gradient the unasked kernel's. At 128 inputs a tile is two
+    steps. The profile shows which kernel ran each way."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
+    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
+    rows = int(tile.split("x")[0])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert sum(-(-n // rows) for n in COUNTS) * (OUT // 128) > sms
+    runs = {}
+    for variants in ("none", "registers"):
+        monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", variants)
+        q, scale, x, dy, y, dx, prof = _experts_run(47, inp=inp)
+        names = [e.name for e in prof.events() if re.search(r"fp8_(grouped|registers)_kernel<", e.name)]
+        kinds = sorted(re.search(r"fp8_(grouped_kernel<(?:true|false)|registers_kernel<\d+)", n).group(1)
+                       for n in names)
+        want = [f"registers_kernel<{rows}", "grouped_kernel<true"] if variants == "registers" else \
+            ["grouped_kernel<false", "grouped_kernel<true"]
+        assert kinds == sorted(want), names
+        runs[variants] = y, dx
+    w = dequantize_fp8(q, scale, torch.float64)
+    ratio = assert_within(runs["registers"][0].cpu(), _grouped_bound(x.detach(), w.transpose(1, 2)), "y")
+    print(f"registers, tile {tile}, {inp} inputs: max |error| / bound = {ratio:.3f} (y)")
+    _assert_same_bits(runs["registers"], runs["none"])
+
+
 def _assert_same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
     """A variant's (y, x's gradient) equal the kernel's unasked bit for bit."""
     for name, g, w in zip(("y", "x's gradient"), got, want):
