@@ -422,7 +422,7 @@ struct Rs {
                "r"(r1), "r"(r2), "r"(r3)
                : "memory");
 }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+[[maybe_unused]] __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&b);
 }
