@@ -295,6 +295,11 @@ MUTATIONS = (
              "the warp's first row's for all four of its rows", "cc/ops/gated_delta_rule.cu",
              "kl[n][u] = kkl[(warp + n * kWarps) * kRows + lane + 32 * u];",
              "kl[n][u] = kkl[warp * kRows + lane + 32 * u];", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_dk_part_row_tile", "wy_grads on planes: k's gradient's epilogue takes its "
+             "prefetched dk_part pair by the row tile's parity (r >> 4) for the row's half (r >> 3): rows g + 8 "
+             "of a tile take rows g's, or the reverse", "cc/ops/gated_delta_rule.cu",
+             "const float2 pr = part[c >> 3 & 3][r >> 3 & 1];", "const float2 pr = part[c >> 3 & 3][r >> 4 & 1];",
+             PLANES_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_early_h_for_d_state", "dqkwg: the copies issued before "
              "load_info (ChunkBlock's early) take h for d_state", "cc/ops/gated_delta_rule.cu",
              "static_cast<const __nv_bfloat16*>(p.d_state) + kState * head",

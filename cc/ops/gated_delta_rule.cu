@@ -2232,6 +2232,22 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       m.dG[i] = static_cast<double>(s.beta[i]) * s.E[i] * sk;
     }
   }
+  // dk_part's values for the warp's tile of k's gradient below (one 16 x 32 tile a warp, tile = warp:
+  // rows dk_m0 + g, + 8; columns dk_n0 + 8 j + 2 t, + 1), loaded before the barrier: read in the
+  // product's epilogue, each pair's store waited on memory (ncu27: 2,540 long-scoreboard samples on
+  // its FADDs, 4.5% of the kernel's). After the barrier, they were issued in the product's tile
+  // (sunk past the float64 row sums); with beta E of the tile's rows also held, 8 bytes spilled.
+  static_assert(kRows / 16 * (128 / 32) == kWarps, "one 16 x 32 tile of k's gradient a warp");
+  const int dk_m0 = warp / 4 * 16, dk_n0 = warp % 4 * 32;
+  float2 part[4][2];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      part[j][e] = *reinterpret_cast<const float2*>(p.dk_part + (rows + dk_m0 + lane / 4 + 8 * e) * 128 + dk_n0 +
+                                                    8 * j + lane % 4 * 2);
+    }
+  }
   __syncthreads();
   if (const double z = antisymmetric_row_sum<kLdZ>(Z); tid % kRowThreads == 0) {
     m.dG[tid / kRowThreads] += z + p.dg_part[rows + tid / kRowThreads];
@@ -2241,9 +2257,9 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
                                           [&](int r, int c, float v0, float v1) {
                                             float* at = m.D + r * kLdD + c;
                                             const float be = s.beta[r] * s.E[r];
-                                            const float2 part = *reinterpret_cast<const float2*>(
-                                                p.dk_part + (rows + r) * 128 + c);
-                                            store2(at, part.x + (v0 + be * at[0]), part.y + (v1 + be * at[1]));
+                                            // constant indices once inlined (part stays in registers)
+                                            const float2 pr = part[c >> 3 & 3][r >> 3 & 1];
+                                            store2(at, pr.x + (v0 + be * at[0]), pr.y + (v1 + be * at[1]));
                                           });
   __syncthreads();
   for (int i = warp; i < kRows; i += kWarps) {
