@@ -300,6 +300,20 @@ MUTATIONS = (
              "of a tile take rows g's, or the reverse", "cc/ops/gated_delta_rule.cu",
              "const float2 pr = part[c >> 3 & 3][r >> 3 & 1];", "const float2 pr = part[c >> 3 & 3][r >> 4 & 1];",
              PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_warp_sums_halves_swapped", "wy_grads on planes: warp_sums keeps the half of "
+             "its values that its partner keeps (each sum pairs one value's partial sums with another's)",
+             "cc/ops/gated_delta_rule.cu",
+             "const float keep = upper ? a[k + n / 2] : a[k], give = upper ? a[k] : a[k + n / 2];",
+             "const float keep = upper ? a[k] : a[k + n / 2], give = upper ? a[k + n / 2] : a[k];",
+             PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_row_sums_next_row", "wy_grads on planes: the row loop's KKL . dM sum taken "
+             "from lane 8 n ^ 8 (the next row's k . dR_K) for lane 8 n ^ 4", "cc/ops/gated_delta_rule.cu",
+             "sa = __shfl_xor_sync(0xffffffffu, x, 4);", "sa = __shfl_xor_sync(0xffffffffu, x, 8);", PLANES_CUDA,
+             cuda=True),
+    Mutation("delta_rule_wy_planes_value_sums_row", "wy_grads on planes: the value rows' V . dR_V sum of the "
+             "pair's second row (lane 16) added to row i0 + 1, not i0 + 16", "cc/ops/gated_delta_rule.cu",
+             "if (lane % 16 == 0) m.sv[i0 + lane / 16 * kWarps] += x;", "if (lane % 16 == 0) m.sv[i0 + lane / 16] += x;",
+             PLANES_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_early_h_for_d_state", "dqkwg: the copies issued before "
              "load_info (ChunkBlock's early) take h for d_state", "cc/ops/gated_delta_rule.cu",
              "static_cast<const __nv_bfloat16*>(p.d_state) + kState * head",

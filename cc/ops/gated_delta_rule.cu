@@ -2030,6 +2030,31 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
 }
 
+// The sums over the warp's 32 lanes of V values at once (V a power of two up to 32): value v's in
+// lanes v 32 / V .. (v + 1) 32 / V - 1, its additions warp_sum's (lane l's partial sum and lane l ^ 16's,
+// then l ^ 8's, ...: the same bits), in V + 4 - log2 V shuffles for warp_sum's 5 V. Each of the first
+// log2 V rounds keeps half the values (the upper half where the lane's bit o is set), the partner the
+// other half.
+template <int V>
+__device__ __forceinline__ float warp_sums(float (&a)[V]) {
+  static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "a power of two, at most a lane each");
+  const int lane = threadIdx.x % 32;
+  int o = 16;
+#pragma unroll
+  for (int n = V; n > 1; n /= 2, o /= 2) {
+    const bool upper = lane & o;
+#pragma unroll
+    for (int k = 0; k < n / 2; ++k) {
+      const float keep = upper ? a[k + n / 2] : a[k], give = upper ? a[k] : a[k + n / 2];
+      a[k] = keep + __shfl_xor_sync(0xffffffffu, give, o);
+    }
+  }
+  float x = a[0];
+#pragma unroll
+  for (; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
 // wy_grads_kernel on planes (kPlanes), at two blocks a multiprocessor where the float32 tiles took
 // 222 KB and one: k's and v's raw rows (exact in bfloat16), Ai and 64 columns of [dv_new | dw] at a
 // time as planes. Y = [dv_new | dw] [beta V | beta E K]^T as dv_new v^T and dw k^T, each column j
@@ -2146,12 +2171,9 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
           if (tok < p.T) dv_row[32 * u] = __float2bfloat16_rn(s.beta[i] * dr);
         }
       }
-#pragma unroll
-      for (int n = 0; n < 2; ++n) sv[n] = warp_sum(sv[n]);
-      if (lane == 0) {
-        m.sv[i0] += sv[0];
-        m.sv[i0 + kWarps] += sv[1];
-      }
+      // the two rows' sums together, row n's in lanes 16 n .. 16 n + 15 (warp_sums: 5 shuffles for 10)
+      const float x = warp_sums(sv);
+      if (lane % 16 == 0) m.sv[i0 + lane / 16 * kWarps] += x;
     }
   }
   __syncthreads();  // dR_K is in; p is free
@@ -2201,10 +2223,14 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   static_assert(kRows * kLdZ * sizeof(float) <= 2 * kLo64 * sizeof(__nv_bfloat16), "Z in p's bytes");
   float* Z = reinterpret_cast<float*>(m.p);
   auto* c_rk = m.ai;
+  // The rows' lane sums, sums[2 n] of k . dR_K and sums[2 n + 1] of KKL . dM (row warp + n kWarps),
+  // summed over the warp together after the loop (warp_sums: 10 shuffles and 9 additions): each row's
+  // two warp_sum took 40 of each a warp (ncu27: their FADDs waiting on the shuffles, 1,064
+  // short-scoreboard samples, 1.9% of the kernel's).
+  float sums[2 * (kRows / kWarps)];
 #pragma unroll
   for (int n = 0; n < kRows / kWarps; ++n) {
     const int i = warp + n * kWarps;
-    const int64_t tok = s.slot[i];
     float sk = 0.0f, sa = 0.0f;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -2225,9 +2251,16 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       const float c = j != i ? s.beta[a] * decay(s, a, b) * dab : 0.0f;
       c_rk[i * kPlane64 + j] = __float2bfloat16_rn(c * m.rk[j]);
     }
-    sk = m.rk[i] * warp_sum(sk);
-    sa = warp_sum(sa);
-    if (lane == 0) {
+    sums[2 * n] = sk;
+    sums[2 * n + 1] = sa;
+  }
+  {  // row n's sums: k . dR_K in lanes 8 n .. 8 n + 3, KKL . dM in lanes 8 n + 4 .. 8 n + 7
+    static_assert(2 * (kRows / kWarps) == 8, "a row's two sums in eight lanes");
+    const float x = warp_sums(sums), sa = __shfl_xor_sync(0xffffffffu, x, 4);
+    if (lane % 8 == 0) {
+      const int i = warp + lane / 8 * kWarps;
+      const int64_t tok = s.slot[i];
+      const float sk = m.rk[i] * x;
       if (tok < p.T) p.dbeta[tok * p.hv + h] = m.sv[i] + s.E[i] * sk + sa;
       m.dG[i] = static_cast<double>(s.beta[i]) * s.E[i] * sk;
     }
