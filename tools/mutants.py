@@ -314,6 +314,17 @@ MUTATIONS = (
              "pair's second row (lane 16) added to row i0 + 1, not i0 + 16", "cc/ops/gated_delta_rule.cu",
              "if (lane % 16 == 0) m.sv[i0 + lane / 16 * kWarps] += x;", "if (lane % 16 == 0) m.sv[i0 + lane / 16] += x;",
              PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_early_rows_first_slot", "wy_grads on planes: the copies of k's and v's rows "
+             "issued before load_info take the thread's first row's slot for its second (rows 32.. hold rows 0..'s "
+             "tokens)", "cc/ops/gated_delta_rule.cu",
+             "for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0 + u * (kThreads / kPieces)];",
+             "for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0];", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_early_ai_upper_rows", "wy_grads on planes: Ai's floats loaded before load_info "
+             "take rows tid / 16 for both of a thread's quads (Ai's rows 32.. hold rows 0..'s)",
+             "cc/ops/gated_delta_rule.cu",
+             "ai_quads[u] = *reinterpret_cast<const float4*>(p.ai + (head * kRows + threadIdx.x / 16 + 32 * u) * kRows +",
+             "ai_quads[u] = *reinterpret_cast<const float4*>(p.ai + (head * kRows + threadIdx.x / 16) * kRows +",
+             PLANES_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_early_h_for_d_state", "dqkwg: the copies issued before "
              "load_info (ChunkBlock's early) take h for d_state", "cc/ops/gated_delta_rule.cu",
              "static_cast<const __nv_bfloat16*>(p.d_state) + kState * head",

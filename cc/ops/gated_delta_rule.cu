@@ -2055,6 +2055,34 @@ __device__ __forceinline__ float warp_sums(float (&a)[V]) {
   return x;
 }
 
+// load_rows_split's hi plane alone (lo_off < 0) of the rows of k and v at once, with the chunk's slots
+// read from `slots` (its 64 in global memory, once for both), not from Info: ChunkBlock's early copies,
+// issued before load_info.
+__device__ __forceinline__ void load_rows_early(__nv_bfloat16* k_dst, const __nv_bfloat16* k, int hk, int kh,
+                                                __nv_bfloat16* v_dst, const __nv_bfloat16* v, int hv, int h,
+                                                const int64_t* slots, int64_t T_) {
+  constexpr int kPieces = 128 / 8, kPasses = kRows * kPieces / kThreads;  // 16 bytes each
+  static_assert(kThreads % kPieces == 0 && kRows % (kThreads / kPieces) == 0, "whole rows a pass");
+  const int i0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 8;
+  int64_t tok[kPasses];
+#pragma unroll
+  for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0 + u * (kThreads / kPieces)];
+  const auto rows = [&](__nv_bfloat16* dst, const __nv_bfloat16* x, int heads, int head, auto piece) {
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      __nv_bfloat16* at = dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c;
+      if (tok[u] >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+      else piece(at, x + (tok[u] * heads + head) * 128 + c);
+    }
+  };
+  const auto copy = [](__nv_bfloat16* at, const __nv_bfloat16* src) { copy16(at, src); };
+  const auto plain = [](__nv_bfloat16* at, const __nv_bfloat16* src) { for (int j = 0; j < 8; ++j) at[j] = src[j]; };
+  if (aligned16(k)) rows(k_dst, k, hk, kh, copy);
+  else rows(k_dst, k, hk, kh, plain);
+  if (aligned16(v)) rows(v_dst, v, hv, h, copy);
+  else rows(v_dst, v, hv, h, plain);
+}
+
 // wy_grads_kernel on planes (kPlanes), at two blocks a multiprocessor where the float32 tiles took
 // 222 KB and one: k's and v's raw rows (exact in bfloat16), Ai and 64 columns of [dv_new | dw] at a
 // time as planes. Y = [dv_new | dw] [beta V | beta E K]^T as dv_new v^T and dw k^T, each column j
@@ -2094,16 +2122,30 @@ template <typename DimsT>
 __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<WyPlanesSmem, DimsT> b(p, smem);
+  constexpr int kLo64 = kRows * kPlane64, kLdD = WyPlanesSmem::kLdD, kLdR = WyPlanesSmem::kLdR;
+  constexpr int kQ = 64;  // a quarter's columns
+  // Before load_info (ChunkBlock's early): k's and v's raw rows, the first quarter's floats, and Ai's
+  // floats into registers (a thread's quads of rows tid / 16 and + 32, columns tid % 16 * 4, as
+  // load_split takes them), split into planes after it. Issued after load_info, the block waited on
+  // them at the first barrier (ncu27: SASS 531 and 572, 2,400 long-scoreboard samples, 4.3%).
+  float4 ai_quads[2];
+  const ChunkBlock<WyPlanesSmem, DimsT> b(p, smem, [&](const WyPlanesSmem& m, int64_t head) {
+    copy_rows<kQ>(m.Y, kPitch64, p.dv_new + head * kRows * 128, 128, kRows);  // fetch(0) (below)
+    const int h = blockIdx.y;
+    load_rows_early(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, h / (p.hv / p.hk), m.v,
+                    static_cast<const __nv_bfloat16*>(p.v), p.hv, h, p.slots + static_cast<int64_t>(blockIdx.x) * kRows,
+                    p.T);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {  // (last: held across load_info, they spilled where loaded first)
+      ai_quads[u] = *reinterpret_cast<const float4*>(p.ai + (head * kRows + threadIdx.x / 16 + 32 * u) * kRows +
+                                                     threadIdx.x % 16 * 4);
+    }
+  });
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t rows = b.rows;
   const int h = b.h, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  constexpr int kLo64 = kRows * kPlane64, kLdD = WyPlanesSmem::kLdD, kLdR = WyPlanesSmem::kLdR;
-  constexpr int kQ = 64;  // a quarter's columns
   auto* dv = static_cast<__nv_bfloat16*>(p.dv_out);
-  load_rows_split(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
-  load_rows_split(m.v, -1, static_cast<const __nv_bfloat16*>(p.v), p.hv, h, s, p.T);
   // The quarters' floats are copied a quarter ahead (cp.async) into Y's bytes, free while the
   // quarters run (Y is in y), and split into p from there after the barrier: loaded after it, the
   // whole block waited on memory there (ncu26: the quarters' load_split, 13% of the stall samples).
@@ -2111,8 +2153,8 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   const auto fetch = [&](int q) {
     copy_rows<kQ>(staged, kPitch64, (q >= 2 ? p.dw : p.dv_new) + rows * 128 + q % 2 * kQ, 128, kRows);
   };
-  fetch(0);
-  load_split<kRows>(m.ai, p.ai + rows * kRows, kRows, kLo64, kPlane64, kRows);
+#pragma unroll
+  for (int u = 0; u < 2; ++u) store_split4(m.ai + (tid / 16 + 32 * u) * kPlane64 + tid % 16 * 4, kLo64, ai_quads[u]);
   if (tid < kRows) m.sv[tid] = 0.0f;
   wait_copies();
   __syncthreads();
