@@ -325,6 +325,10 @@ MUTATIONS = (
              "ai_quads[u] = *reinterpret_cast<const float4*>(p.ai + (head * kRows + threadIdx.x / 16 + 32 * u) * kRows +",
              "ai_quads[u] = *reinterpret_cast<const float4*>(p.ai + (head * kRows + threadIdx.x / 16) * kRows +",
              PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_norm_dot_lane", "wy_grads on planes: k's norm backward broadcasts each row's "
+             "dot from lane n (the batch's first row's) for lane 16 n", "cc/ops/gated_delta_rule.cu",
+             "const float dot = __shfl_sync(0xffffffffu, x, 32 / kB * n), r = m.rk[i];",
+             "const float dot = __shfl_sync(0xffffffffu, x, n), r = m.rk[i];", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_early_h_for_d_state", "dqkwg: the copies issued before "
              "load_info (ChunkBlock's early) take h for d_state", "cc/ops/gated_delta_rule.cu",
              "static_cast<const __nv_bfloat16*>(p.d_state) + kState * head",
