@@ -2233,6 +2233,17 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       m.ai, kPlane64, kLo64, m.p, kPlane64, kLo64, kRows, kRows, kRows,
       [&](int r, int c, float val) { m.Y[r * kPitch64 + c] = val; });
   __syncthreads();
+  // KKL's values for the warp's four rows, loaded before dM's product: read where used, each row's
+  // first products waited on memory (ncu26: 2,343 long-scoreboard samples on l's first FMUL, 3.5%);
+  // loaded after the product (before the barrier), still 463 (ncu27, 0.8%). The row loop unrolled so
+  // that they stay in registers (and its rows' instructions interleave).
+  const float* kkl = p.kkl + rows * kRows;
+  float kl[kRows / kWarps][kRows / 32];
+#pragma unroll
+  for (int n = 0; n < kRows / kWarps; ++n) {
+#pragma unroll
+    for (int u = 0; u < kRows / 32; ++u) kl[n][u] = kkl[(warp + n * kWarps) * kRows + lane + 32 * u];
+  }
   // Ai^T Y's planes into p, a pair of columns a thread (load_split's four floats in flight cost this
   // kernel's 64 registers a spill).
 #pragma unroll
@@ -2244,16 +2255,6 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   plane_gemm<2, false, true, false, false, kNever, kNever, Tri::kUpperB | Tri::kLowerC>(
       m.p, kPlane64, kLo64, m.ai, kPlane64, kLo64, kRows, kRows, kRows,
       [&](int r, int c, float val) { m.Y[r * kPitch64 + c] = c < r ? -val : 0.0f; });
-  // KKL's values for the warp's four rows, loaded before the barrier: read where used, each row's
-  // first products waited on memory (ncu26: 2,343 long-scoreboard samples on l's first FMUL, 3.5%).
-  // The row loop unrolled so that they stay in registers (and its rows' instructions interleave).
-  const float* kkl = p.kkl + rows * kRows;
-  float kl[kRows / kWarps][kRows / 32];
-#pragma unroll
-  for (int n = 0; n < kRows / kWarps; ++n) {
-#pragma unroll
-    for (int u = 0; u < kRows / 32; ++u) kl[n][u] = kkl[(warp + n * kWarps) * kRows + lane + 32 * u];
-  }
   __syncthreads();
   // Row by row: beta's and G's gradients; Z = beta KKL dM (G's gradient through L) into p's bytes;
   // (C + C^T) diag(r_k) in bfloat16 into ai's, C = beta L dM strictly lower, each row forming its
