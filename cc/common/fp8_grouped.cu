@@ -200,9 +200,8 @@ __device__ __forceinline__ constexpr int piece_smem(int i) {
 // A persistent block (as many as the multiprocessors): tiles blockIdx.x, + gridDim.x, .. of the
 // (row tile, column tile) grid, column tiles fastest, so that the blocks at work at once share a
 // few row tiles of x and one expert's weight through L2. The copies run on into the next tile
-// while the products write the last one out. kAhead: the steps of weights a copying thread holds
-// in registers, kAhead - 1 of them in flight while it converts one.
-template <bool Transposed, class S, int kAhead>
+// while the products write the last one out.
+template <bool Transposed, class S>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_grouped_kernel(const __grid_constant__ CUtensorMap x_map, const Args a) {
 #if defined(V4_HAS_WGMMA)
@@ -223,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int col_tiles = (N + BN - 1) / BN, tiles = find_tile<BM>(a.offsets, a.E, -1).first * col_tiles;
   // (read through a shuffle: one value a warp, so the warpgroups' products are not serialised).
   // Every warpgroup keeps the 168 registers of the launch: the products' 128 accumulators fit
-  // there, and the copies hold kAhead steps of weights and their hoisted addresses.
+  // there, and the copies hold two steps of weights and their hoisted addresses.
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
 
   if (wg == 2) {  // ---- the copies and the dequantisation
@@ -236,9 +235,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t w_step = Transposed ? int64_t(kBK) * a.in : kBK;  // a step's move in the weight
     const int s_step = Transposed ? scale_cols : 1, s_half = Transposed ? 1 : scale_cols;  // in the scales
     // The copies walk one stream of (tile, step) pairs, so that their loads run kAhead - 1 steps
-    // ahead of the conversion across a tile's end as within a tile. (With one step ahead, each
-    // step's weights had one step's time to come from L2 or memory, and a tile's first waited on
-    // its loads from scratch.)
+    // ahead of the conversion across a tile's end as within a tile. kAhead: the steps of weights a
+    // copying thread holds in registers. Four (three loads in flight) took the same time as two on an
+    // H100 (twenty-seventh session): the loads' latency does not bound the kernel.
+    constexpr int kAhead = 2;
     struct Cursor {
       int t = 0, step = 0, halves = 0;
       Tile tile{};
@@ -945,15 +945,12 @@ void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 enum class Choice { kWide, kTall, kOff };
 
 // The kernel's variants, as V4TRAIN_FP8_GROUPED_VARIANTS names them (a comma list read at each call;
-// unset or empty: none): `ahead4`, the copying threads' weights loaded three steps ahead of their
-// conversion (four steps in registers) where the kernel unasked loads one ahead. The same products
-// in the same order: the same bits (its CUDA test), at a speed to be measured.
-// `registers`, the forward (y = x W_e^T) on fp8_registers_kernel (the weight turned from FP8 by the
+// unset or empty: none): `registers`, the forward (y = x W_e^T) on fp8_registers_kernel (the weight turned from FP8 by the
 // multiplying warps into wgmma's A registers; x by TMA as B; BT tokens a tile, the tile's rows: 256
 // for 256 x 128, 128 for 128 x 256), the backward on fp8_grouped_kernel as unasked. It should give the
 // same bits (its CUDA test asserts it); its speed is to be measured.
-enum GroupedVariant : unsigned { kAhead4 = 1, kRegisters = 2 };  // (bit i: env_variants' name i)
-unsigned grouped_variants() { return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"ahead4", "registers"}); }
+enum GroupedVariant : unsigned { kRegisters = 1 };  // (bit i: env_variants' name i)
+unsigned grouped_variants() { return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"registers"}); }
 Choice tile_choice(int64_t rows, int64_t experts) {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
   const std::string_view s = v == nullptr ? "" : v;
@@ -978,10 +975,8 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
                int(weight.size(2))};
   const dim3 grid = persistent_grid(x, E, N, S::BM, S::BN);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const unsigned variants = grouped_variants();
-  const bool ahead = variants & kAhead4;
   using R = Rs<S::BM>;
-  if (!transposed && (variants & kRegisters) && wgmma::capable(x.get_device(), R::kSmem)) {
+  if (!transposed && (grouped_variants() & kRegisters) && wgmma::capable(x.get_device(), R::kSmem)) {
     // The weight [E out, in] as bytes in boxes of 128 rows x 64 (the 64-byte swizzle).
     const CUtensorMap w_map = wgmma::tensor_map_sw128(w.const_data_ptr(), E * weight.size(1), weight.size(2),
                                                       weight.size(2), kRsRows, true, kBK);
@@ -989,10 +984,8 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
                   x_map, w_map, a);
     return;
   }
-  if (transposed && ahead) wgmma::launch(fp8_grouped_kernel<true, S, 4>, grid, kThreads, S::kSmem, stream, x_map, a);
-  else if (transposed) wgmma::launch(fp8_grouped_kernel<true, S, 2>, grid, kThreads, S::kSmem, stream, x_map, a);
-  else if (ahead) wgmma::launch(fp8_grouped_kernel<false, S, 4>, grid, kThreads, S::kSmem, stream, x_map, a);
-  else wgmma::launch(fp8_grouped_kernel<false, S, 2>, grid, kThreads, S::kSmem, stream, x_map, a);
+  if (transposed) wgmma::launch(fp8_grouped_kernel<true, S>, grid, kThreads, S::kSmem, stream, x_map, a);
+  else wgmma::launch(fp8_grouped_kernel<false, S>, grid, kThreads, S::kSmem, stream, x_map, a);
 }
 
 bool fp8_grouped_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
