@@ -339,7 +339,7 @@ MUTATIONS = (
              "load_split(m.Y + kRows * kPlaneRow, m.DQ, kRows, -1);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_kt_from_dq_state", "dqkwg_planes_kernel: G's term through Kt takes dq_state's row "
              "for dk_tilde's (the two float32 tiles confused)", "cc/ops/gated_delta_rule.cu",
-             "[&](int i, int c) { return m.DKT[i * kLdF + c]; }", "[&](int i, int c) { return m.DQ[i * kLdF + c]; }",
+             "p.scale, m.DQ, m.DKT, kLdF, s);", "p.scale, m.DQ, m.DQ, kLdF, s);",
              PLANES_CUDA, cuda=True),
     Mutation("fp8_quantize_quarter_warp_amax", "quantize_rows takes each block's amax over a quarter-warp's 64 "
              "columns (the shuffles from offset 4)", "cc/common/fp8.cu",

@@ -1711,14 +1711,13 @@ __device__ __forceinline__ void split_dpl(__nv_bfloat16* pk, __nv_bfloat16* pq, 
 }
 
 // G's gradient through E (Q . dq_state) and Kt (Kt K . dk_tilde; the sum of those to slot 63), with Q
-// and K as load_normalised makes them (q, k: raw rows; dq_state [64, ld]; dk_tilde(i, c)), a warp a
-// row: dG[i] = before(i) + (e - kt), t[i] = kt. Unrolled, a warp's four rows have their loads of
-// dk_tilde and before's in flight at once (rolled, each row waited on its own: 16% of the stall samples
-// of intra_grads on planes, ncu 2026-12-06).
-template <int kDk, typename DkTilde, typename Before>
+// and K as load_normalised makes them (q, k: raw rows; dq_state, dk_tilde [64, ld]), a warp a row:
+// dG[i] = e - kt, t[i] = kt. Unrolled, a warp's four rows have their loads in flight at once (rolled,
+// each row waited on its own: 16% of the stall samples of intra_grads on planes, ncu 2026-12-06).
+template <int kDk>
 __device__ __forceinline__ void e_kt_terms(double* dG, double* t, const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                           const float* rq, const float* rk, float scale, const float* dq_state, int ld,
-                                           const Info& s, DkTilde&& dk_tilde, Before&& before) {
+                                           const float* rq, const float* rk, float scale, const float* dq_state,
+                                           const float* dk_tilde, int ld, const Info& s) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
   for (int j = 0; j < kRows / kWarps; ++j) {
@@ -1728,23 +1727,23 @@ __device__ __forceinline__ void e_kt_terms(double* dG, double* t, const __nv_bfl
     for (int u = 0; u < kDk / 32; ++u) {
       const int c = lane + 32 * u;
       e += __bfloat162float(q[i * kPlaneRow + c]) * rq[i] * scale * dq_state[i * ld + c];
-      kt += __bfloat162float(k[i * kPlaneRow + c]) * rk[i] * dk_tilde(i, c);
+      kt += __bfloat162float(k[i * kPlaneRow + c]) * rk[i] * dk_tilde[i * ld + c];
     }
     e = warp_sum(e);
     kt = s.Kt[i] * warp_sum(kt);
     if (lane == 0) {
-      dG[i] = before(i) + (static_cast<double>(e) - kt);
+      dG[i] = static_cast<double>(e) - kt;
       t[i] = kt;
     }
   }
 }
 
 // The end of intra_grads on planes: q's gradient through its norm from dq [64, ld] (q: raw rows) into
-// p.dq, and G's [64] into p.dg_part (dG, and at slot 63 the sum of t and dgamma() gamma).
-template <int kDk, typename Dgamma>
+// p.dq, and G's [64] into p.dg_part (dG, and at slot 63 the sum of t and dgamma gamma).
+template <int kDk>
 __device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const __nv_bfloat16* q_rows, const float* rq,
                                              const float* dq, int ld, const double* dG, const double* t, int h,
-                                             int64_t rows, Dgamma&& dgamma) {
+                                             int64_t rows, float dgamma) {
   const int tid = threadIdx.x, warp = tid / 32;
   for (int i = warp; i < kRows; i += kWarps) {
     const int64_t tok = s.slot[i];
@@ -1759,7 +1758,7 @@ __device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const
     double v = dG[tid];
     if (tid == kRows - 1) {
       for (int j = 0; j < kRows; ++j) v += t[j];
-      v += static_cast<double>(dgamma()) * s.gamma;
+      v += static_cast<double>(dgamma) * s.gamma;
     }
     p.dg_part[rows + tid] = v;
   }
@@ -1882,8 +1881,7 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
                                            *z = make_float2(zz.x * (v0 * m.rq[r] * p.scale * m.rk[c]),
                                                             zz.y * (v1 * m.rq[r] * p.scale * m.rk[c + 1]));
                                          });
-  e_kt_terms<DimsT::dk>(m.dG, m.t, m.q, m.k, m.rq, m.rk, p.scale, m.DQ, kLdF, s,
-                        [&](int i, int c) { return m.DKT[i * kLdF + c]; }, [](int) { return 0.0; });
+  e_kt_terms<DimsT::dk>(m.dG, m.t, m.q, m.k, m.rq, m.rk, p.scale, m.DQ, m.DKT, kLdF, s);
   __syncthreads();
   if (const double z = antisymmetric_row_sum(m.Z); threadIdx.x % kRowThreads == 0) {
     m.dG[threadIdx.x / kRowThreads] = z + m.dG[threadIdx.x / kRowThreads];  // (L's term first, the order the three kernels summed in)
@@ -1901,7 +1899,7 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
         store2(p.dk_part + (rows + r) * DimsT::dk + c, v0 + s.Kt[r] * kt.x, v1 + s.Kt[r] * kt.y);
       });
   __syncthreads();
-  q_grad_and_g<DimsT::dk>(p, s, m.q, m.rq, m.DQ, kLdF, m.dG, m.t, b.h, rows, [&] { return dgamma; });
+  q_grad_and_g<DimsT::dk>(p, s, m.q, m.rq, m.DQ, kLdF, m.dG, m.t, b.h, rows, dgamma);
 }
 
 struct WySmem {
