@@ -110,6 +110,18 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(uint32_t in, uint32_t& lo, uin
       : "r"(in));
 }
 
+// A bf16 pair (lo in the low half) of two floats, each rounded once.
+[[maybe_unused]] __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// An f16 pair of e4m3 weights (exact) times s in fp32, each rounded once to bf16.
+[[maybe_unused]] __device__ __forceinline__ uint32_t scaled_pair(uint32_t half2, float s) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&half2));
+  return pack_bf16(f.x * s, f.y * s);
+}
+
 // 16 FP8 weights (one 16-byte piece) times their scale in fp32, each rounded once to bf16 (fp8.cu's
 // dequantisation, value for value; e4m3 -> half -> float is exact): weights 0-7 in lo, 8-15 in hi.
 // The fp32 product cannot go: rounding q s once to bf16 differs from rounding its fp32 value in
@@ -123,11 +135,7 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(uint32_t in, uint32_t& lo, uin
     uint32_t pair[2];
     e4m3x4_to_half2x2(in[j], pair[0], pair[1]);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pair[h]));
-      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
-      out[2 * j + h] = *reinterpret_cast<const uint32_t*>(&b);
-    }
+    for (int h = 0; h < 2; ++h) out[2 * j + h] = scaled_pair(pair[h], s);
   }
   lo = make_uint4(out[0], out[1], out[2], out[3]);
   hi = make_uint4(out[4], out[5], out[6], out[7]);
@@ -408,9 +416,7 @@ struct Rs {
 [[maybe_unused]] __device__ __forceinline__ uint32_t dequantize2(uint32_t v, float s) {
   uint32_t h;
   asm("{\n.reg .b16 l, u;\nmov.b32 {l, u}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(h) : "r"(v));
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
-  return *reinterpret_cast<const uint32_t*>(&b);
+  return scaled_pair(h, s);
 }
 
 // Four 8 x 8 matrices of 16-bit pairs, each stored transposed (stmatrix .trans): register i holds
@@ -421,10 +427,6 @@ struct Rs {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
                "r"(r1), "r"(r2), "r"(r3)
                : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&b);
 }
 
 // A persistent block as fp8_grouped_kernel's, the same order of tiles (feature tiles fastest). Warpgroups
