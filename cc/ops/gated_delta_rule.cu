@@ -497,11 +497,13 @@ __device__ __forceinline__ void load_normalised(float* dst, int ld, float* rnorm
 
 // The backward of load_normalised for one row (a warp): with y the normalised row (row(c) gives
 // y_c * scale, as load_normalised stores it) and r its rsqrt, out = r (dy - y (y . dy)), dy = scale * grad.
+// In two halves, so that a caller may sum several rows' dots over the warp at once (warp_sums):
+// normalised_terms, this lane's y, dy and its share of the dot; normalised_write, out from them.
 template <typename Row>
-__device__ __forceinline__ void normalised_backward(float* out, Row&& row, float r, const float* grad, int D,
-                                                    float scale) {
+__device__ __forceinline__ float normalised_terms(float (&y)[4], float (&dy)[4], Row&& row, const float* grad, int D,
+                                                  float scale) {
   const int lane = threadIdx.x % 32;
-  float y[4], dy[4], dot = 0.0f;
+  float dot = 0.0f;
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     const int c = lane + 32 * m;
@@ -509,12 +511,23 @@ __device__ __forceinline__ void normalised_backward(float* out, Row&& row, float
     dy[m] = c < D ? scale * grad[c] : 0.0f;
     dot += y[m] * dy[m];
   }
-  dot = warp_sum(dot);
+  return dot;
+}
+__device__ __forceinline__ void normalised_write(float* out, float r, const float (&y)[4], const float (&dy)[4],
+                                                 float dot, int D) {
+  const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     const int c = lane + 32 * m;
     if (c < D) out[c] = r * (dy[m] - y[m] * dot);
   }
+}
+template <typename Row>
+__device__ __forceinline__ void normalised_backward(float* out, Row&& row, float r, const float* grad, int D,
+                                                    float scale) {
+  float y[4], dy[4];
+  const float dot = warp_sum(normalised_terms(y, dy, row, grad, D, scale));
+  normalised_write(out, r, y, dy, dot, D);
 }
 
 // x = (I + A)^-1 x for a strictly lower triangular A [64, ld] in shared memory (forward
@@ -2349,15 +2362,9 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       for (int n = 0; n < kB; ++n) {
         const int i = warp + (n0 + n) * kWarps;
         const __nv_bfloat16* k = m.k + i * kPlaneRow;
-        const float r = m.rk[i], scale = 1.0f, *grad = m.D + i * kLdD;
-        dots[n] = 0.0f;
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {  // (normalised_backward's expressions, D = 128)
-          const int c = lane + 32 * u;
-          y[n][u] = __bfloat162float(k[c]) * r / scale;
-          dy[n][u] = scale * grad[c];
-          dots[n] += y[n][u] * dy[n][u];
-        }
+        const float r = m.rk[i];
+        dots[n] = normalised_terms(y[n], dy[n], [&](int c) { return __bfloat162float(k[c]) * r; }, m.D + i * kLdD, 128,
+                                   1.0f);
       }
       const float x = warp_sums(dots);
 #pragma unroll
@@ -2365,11 +2372,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
         const int i = warp + (n0 + n) * kWarps;
         const int64_t tok = s.slot[i];
         const float dot = __shfl_sync(0xffffffffu, x, 32 / kB * n), r = m.rk[i];
-        if (tok < p.T) {
-          float* out = p.dk_out + (tok * p.hv + h) * 128;
-#pragma unroll
-          for (int u = 0; u < 4; ++u) out[lane + 32 * u] = r * (dy[n][u] - y[n][u] * dot);
-        }
+        if (tok < p.T) normalised_write(p.dk_out + (tok * p.hv + h) * 128, r, y[n], dy[n], dot, 128);
       }
     }
   }
