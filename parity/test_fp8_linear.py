@@ -256,11 +256,13 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
     it: y = x W_e^T for each expert's rows and, through autograd, x's gradient dy W_e. Both are bf16
     products of the weight dequantised as the loader does (fp32 sums, one rounding of the result),
     so each element must lie within such a product's bound of the float64 truth. More tiles than
-    multiprocessors, so that each persistent block takes several. The profile shows the kernel ran
+    multiprocessors, so that each persistent block takes several. The profile shows the kernels ran
     both ways with the tile asked for (a kernel that declined would leave the dequantised path to
-    pass alone). Unasked, the kernel takes 256 x 128 where the experts average 256 rows or more
+    pass alone): forward fp8_registers_kernel (its tokens a tile the tile's rows), backward
+    fp8_grouped_kernel. Unasked, the kernel takes 256 x 128 where the experts average 256 rows or more
     (here 2,426)."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
+    monkeypatch.delenv("V4TRAIN_FP8_GROUPED_VARIANTS", raising=False)
     if tile is None:
         monkeypatch.delenv("V4TRAIN_FP8_GROUPED_TILE", raising=False)
         tile = "256x128"
@@ -268,8 +270,8 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
         monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
     q, scale, x, dy, y, dx, prof = _experts_run(17)
     rows, cols = (int(n) for n in tile.split("x"))
+    assert _grouped_kinds(prof) == sorted([f"registers_kernel<{rows}", "grouped_kernel<true"])
     launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]  # <backward?, its tile>
-    assert sorted(re.search(r"fp8_grouped_kernel<(true|false)", n).group(1) for n in launches) == ["false", "true"]
     assert all(re.search(rf"Shape<{rows},\s*{cols}>", n) for n in launches), launches
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert sum(-(-n // rows) for n in COUNTS) * -(-IN // cols) > sms  # the launch of the fewest tiles
@@ -282,37 +284,42 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
 @CUDA
 @pytest.mark.parametrize("tile", ["128x256", "256x128"])
 @pytest.mark.parametrize("inp", [IN, 128])
-def test_the_experts_fp8_kernels_registers_variant_on_cuda_is_within_the_bound_and_equals_it(tile, inp, monkeypatch):
-    """V4TRAIN_FP8_GROUPED_VARIANTS=registers: the forward on fp8_registers_kernel (the weight turned from
-    FP8 by the multiplying warps into wgmma's A registers, x's tile the B operand; tiles of y^T, 128
-    features by the tile's rows of tokens: 128 for 128x256, 256 for 256x128), the backward on
-    fp8_grouped_kernel as unasked. y within a bf16 product's bound of the float64 truth, expert by
-    expert (COUNTS: partial, empty and one-row experts; more tiles than multiprocessors, so that each
-    persistent block takes several), then equal to the unasked kernel's bit for bit: the same bf16
-    operands and fp32 sums of the same 16-column products in the same order, A and B swapped (a
-    failure there with the bound kept says the tensor core sums a product's 16 terms in an order that
-    depends on which operand is A). x's gradient the unasked kernel's. At 128 inputs a tile is two
-    steps. The profile shows which kernel ran each way."""
+def test_the_experts_fp8_kernels_registers_forward_on_cuda_is_within_the_bound_and_equals_staged(tile, inp,
+                                                                                                 monkeypatch):
+    """The forward on fp8_registers_kernel (the weight turned from FP8 by the multiplying warps into
+    wgmma's A registers, x's tile the B operand; tiles of y^T, 128 features by the tile's rows of
+    tokens: 128 for 128x256, 256 for 256x128), unasked, against V4TRAIN_FP8_GROUPED_VARIANTS=staged (the
+    forward on fp8_grouped_kernel, the weight dequantised into shared memory). The unasked y within a
+    bf16 product's bound of the float64 truth, expert by expert (COUNTS: partial, empty and one-row
+    experts; more tiles than multiprocessors, so that each persistent block takes several), then equal
+    to staged's bit for bit: the same bf16 operands and fp32 sums of the same 16-column products in the
+    same order, A and B swapped (a failure there with the bound kept says the tensor core sums a
+    product's 16 terms in an order that depends on which operand is A). x's gradient on
+    fp8_grouped_kernel both times. At 128 inputs a tile is two steps. The profile shows which kernel
+    ran each way."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
     monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
     rows = int(tile.split("x")[0])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert sum(-(-n // rows) for n in COUNTS) * (OUT // 128) > sms
     runs = {}
-    for variants in ("none", "registers"):
+    for variants in ("none", "staged"):
         monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", variants)
         q, scale, x, dy, y, dx, prof = _experts_run(47, inp=inp)
-        names = [e.name for e in prof.events() if re.search(r"fp8_(grouped|registers)_kernel<", e.name)]
-        kinds = sorted(re.search(r"fp8_(grouped_kernel<(?:true|false)|registers_kernel<\d+)", n).group(1)
-                       for n in names)
-        want = [f"registers_kernel<{rows}", "grouped_kernel<true"] if variants == "registers" else \
-            ["grouped_kernel<false", "grouped_kernel<true"]
-        assert kinds == sorted(want), names
+        want = ["grouped_kernel<false", "grouped_kernel<true"] if variants == "staged" else \
+            [f"registers_kernel<{rows}", "grouped_kernel<true"]
+        assert _grouped_kinds(prof) == sorted(want)
         runs[variants] = y, dx
     w = dequantize_fp8(q, scale, torch.float64)
-    ratio = assert_within(runs["registers"][0].cpu(), _grouped_bound(x.detach(), w.transpose(1, 2)), "y")
-    print(f"registers, tile {tile}, {inp} inputs: max |error| / bound = {ratio:.3f} (y)")
-    _assert_same_bits(runs["registers"], runs["none"])
+    ratio = assert_within(runs["none"][0].cpu(), _grouped_bound(x.detach(), w.transpose(1, 2)), "y")
+    print(f"registers forward, tile {tile}, {inp} inputs: max |error| / bound = {ratio:.3f} (y)")
+    _assert_same_bits(runs["none"], runs["staged"])
+
+
+def _grouped_kinds(prof) -> list[str]:
+    """The exact kernels' launches, sorted: grouped_kernel<true|false (backward?) or registers_kernel<BT."""
+    names = [e.name for e in prof.events() if re.search(r"fp8_(grouped|registers)_kernel<", e.name)]
+    return sorted(re.search(r"fp8_(grouped_kernel<(?:true|false)|registers_kernel<\d+)", n).group(1) for n in names)
 
 
 def _assert_same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:

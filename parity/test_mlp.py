@@ -166,11 +166,11 @@ def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass(device):
 def test_fp8_routed_experts_on_cuda_take_the_grouped_kernel_and_equal_the_dequantised_run(monkeypatch):
     """On CUDA v4_glm5_moe's routed experts multiply their FP8 weights in cc/common/fp8_grouped.cu
     both ways (parity/test_fp8_linear.py holds that kernel alone to its bound): the profile shows
-    it for both maps, forward and backward. The output and x's gradient equal the run on the weights
-    dequantised on load (cuBLAS's grouped GEMM) as the parity judge has it, against the float64
-    truth on the same routing: the two sum in other orders, and the MoE's cancellations turn a few
-    elements' last-bit differences into more than the bf16 tolerance (compare.assert_close's truth
-    rule). Hidden 384 (three scale blocks along the sum), blocks of different sizes, an expert in
+    it for both maps, forward (fp8_registers_kernel) and backward (fp8_grouped_kernel). The output
+    and x's gradient equal the run on the weights dequantised on load (cuBLAS's grouped GEMM) as the
+    parity judge has it, against the float64 truth on the same routing: the two sum in other orders,
+    and the MoE's cancellations turn a few elements' last-bit differences into more than the bf16
+    tolerance (compare.assert_close's truth rule). Hidden 384 (three scale blocks along the sum), blocks of different sizes, an expert in
     the middle with no row. (Its products on FP8 tensor cores, V4TRAIN_FP8_TENSOR_CORES=experts, are
     not exact against the dequantised run: test_fp8_linear.py holds them to path (a)'s bound.)"""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
@@ -198,9 +198,9 @@ def test_fp8_routed_experts_on_cuda_take_the_grouped_kernel_and_equal_the_dequan
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         ours = run(OPS["v4_glm5_moe"].cpp(), fp8, torch.bfloat16, "cuda")
         torch.cuda.synchronize()
-    launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]
-    assert sorted(re.search(r"fp8_grouped_kernel<(true|false)", n).group(1) for n in launches) == \
-        ["false", "false", "true", "true"], launches
+    launches = [e.name for e in prof.events() if re.search(r"fp8_(grouped|registers)_kernel<", e.name)]
+    assert sorted(re.search(r"fp8_(grouped_kernel<(?:true|false)|registers_kernel)", n).group(1) for n in launches) == \
+        ["grouped_kernel<true", "grouped_kernel<true", "registers_kernel", "registers_kernel"], launches
     assert torch.bincount(ours[2].flatten(), minlength=E)[none] == 0
     theirs = run(OPS["v4_glm5_moe"].cpp(), dense, torch.bfloat16, "cuda")
     exact = {n: Linear(dequantize_fp8(w.weight, w.weight_scale_inv, torch.float64).cpu()) for n, w in fp8.items()}

@@ -1,5 +1,5 @@
-"""A CPU check of fp8_registers_kernel (cc/common/fp8_grouped.cu, V4TRAIN_FP8_GROUPED_VARIANTS=registers):
-the experts' forward with the FP8 weight as wgmma's A operand from registers and x's tile as B. The
+"""A CPU check of fp8_registers_kernel (cc/common/fp8_grouped.cu, the experts' forward unless
+V4TRAIN_FP8_GROUPED_VARIANTS=staged): the FP8 weight as wgmma's A operand from registers, x's tile as B. The
 index math below mirrors the kernel's (Rs<BT>, `chunk`, `frag`, `st_at`, the copy out, the consumer
 loop); change both together. Checked:
 

@@ -388,8 +388,8 @@ MUTATIONS = (
     Mutation("fp8_grouped_ahead_slot_reused", "the experts' FP8 kernel loads a step's weights into the registers of "
              "one not yet converted", "cc/common/fp8_grouped.cu", "fetch(f[(j + kAhead - 1) % kAhead], load);",
              "fetch(f[(j + kAhead - 2) % kAhead], load);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
-    Mutation("fp8_registers_rows_below", "the experts' FP8 kernel under `registers` (fp8_registers_kernel, the "
-             "forward): each A fragment's rows +8 read from the first 8", "cc/common/fp8_grouped.cu",
+    Mutation("fp8_registers_rows_below", "the experts' FP8 forward (fp8_registers_kernel): each A fragment's rows "
+             "+8 read from the first 8", "cc/common/fp8_grouped.cu",
              "constexpr int frag[4] = {0, 8 * kBK, 8, 8 * kBK + 8};", "constexpr int frag[4] = {0, 0, 8, 8};",
              FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_last_step_dropped", "the experts' FP8 kernel leaves the last 64 of each sum out",
