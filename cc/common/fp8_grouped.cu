@@ -393,6 +393,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ~144 KB (its products read the weight tile twice a warpgroup and x once, 96 KB, and the copies
 // store 16 KB of bf16 besides x's 32 KB). The same bf16 operands and fp32 sums in the same order of
 // 16-column products: y equals fp8_grouped_kernel's bit for bit (its CUDA test asserts it).
+// Transposed (the backward, V4TRAIN_FP8_GROUPED_VARIANTS=registers_backward): dx^T = W_e^T dy^T, A the
+// weight's tile turned (M the in features, K out), B dy's tile as x's. The weight's tile comes as it lies,
+// 64 rows of out by 128 bytes of in (the 128-byte swizzle), M-contiguous, so a fragment's pairs (two k
+// of a row) are not adjacent bytes: ldmatrix .trans over the tile as 16-bit pairs gives lane 4 g + t the
+// bytes (k 2t, m 2g), (2t, 2g + 1), (2t + 1, 2g), (2t + 1, 2g + 1) of an 8 x 16-byte block, and one byte
+// permute makes them k pairs of rows 2g and 2g + 1 (FlashAttention-3's FP8 V). These are the fragment's
+// rows g and g + 8: its rows are the 16 features of the warp in the order 0, 2, .., 14, 1, 3, .., 15,
+// which the epilogue undoes (features are the product's M, so nothing else moves).
 constexpr int kRsRows = 128;  // a tile's output features: two warpgroups of 64 (one scale block)
 
 template <int BT_>
@@ -430,10 +438,19 @@ struct Rs {
                : "memory");
 }
 
+// Four 8 x 8 matrices of 16-bit pairs loaded transposed (ldmatrix .trans): lane 8 i + r names row r of
+// matrix i (16 bytes); register i gets matrix i's rows 2 (l % 4), +1 of column l / 4 (lane l), the first low.
+[[maybe_unused]] __device__ __forceinline__ void ldmatrix_trans4(uint32_t addr, uint32_t& r0, uint32_t& r1,
+                                                                 uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
 // A persistent block as fp8_grouped_kernel's, the same order of tiles (feature tiles fastest). Warpgroups
 // 0 and 1 multiply (features 64 wg.. of the tile); in warpgroup 2 one thread asks for the copies and the
-// rest give their registers up.
-template <int BT>
+// rest give their registers up. Transposed: the backward (the design's note above).
+template <bool Transposed, int BT>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_registers_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                          const Args a) {
@@ -452,7 +469,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::bar_init_fence();
   }
   __syncthreads();
-  const int steps = a.in / kBK, col_tiles = a.out / kRsRows;
+  // K: the sum (in, or transposed out); N: y's columns, the features (out, or in).
+  const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out;
+  const int steps = K / kBK, col_tiles = N / kRsRows;
   const int tiles = find_tile<BT>(a.offsets, a.E, -1).first * col_tiles;
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   const int lane = threadIdx.x % 32;
@@ -464,20 +483,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     int it = 0;  // steps so far, over every tile: the ring's position and phase
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
       const Tile tile = find_tile<BT>(a.offsets, a.E, t / col_tiles);
-      const int f0 = t % col_tiles * kRsRows, w_row = tile.expert * a.out + f0;
-      const float* scale = a.scale + (int64_t(tile.expert) * (a.out / kScaleBlock) + f0 / kScaleBlock) * blocks_in;
+      const int f0 = t % col_tiles * kRsRows, w_row = tile.expert * a.out + (Transposed ? 0 : f0);
+      // The scale block of (out rows, in columns): forward (f0, the step's), transposed (the step's, f0).
+      const float* scale =
+          a.scale + (int64_t(tile.expert) * (a.out / kScaleBlock) + (Transposed ? 0 : f0 / kScaleBlock)) * blocks_in +
+          (Transposed ? f0 / kScaleBlock : 0);
+      const int s_step = Transposed ? blocks_in : 1;
       for (int step = 0; step < steps; ++step, ++it) {
         if (lane != 0) continue;
         const int slot = it % S::kStages;
-        const float s = __ldg(scale + step * kBK / kScaleBlock);  // (its trip to L2 under the wait)
+        const float s = __ldg(scale + step * kBK / kScaleBlock * s_step);  // (its trip to L2 under the wait)
         wgmma::bar_wait(empty + slot, ((it / S::kStages) & 1) ^ 1);
         scales[slot] = s;  // (seen by the products through full's arrival: release, acquire)
         unsigned char* stage = smem + slot * S::kStageBytes;
         // x's rows first.. (past the expert's last: the next one's, or zeros); the weight's rows f0.. of
-        // the expert, columns step * 64..
+        // the expert, columns step * 64.., or transposed its rows step * 64.., columns f0..
         wgmma::bar_arrive_expect(full + slot, S::kStageBytes);
         wgmma::tma_load_2d(stage, &x_map, step * kBK, tile.first, full + slot);
-        wgmma::tma_load_2d(stage + S::kXTile, &w_map, step * kBK, w_row, full + slot);
+        if (Transposed) wgmma::tma_load_2d(stage + S::kXTile, &w_map, f0, w_row + step * kBK, full + slot);
+        else wgmma::tma_load_2d(stage + S::kXTile, &w_map, step * kBK, w_row, full + slot);
       }
     }
     return;
@@ -497,6 +521,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) chunk[kk] = S::kXTile + row0 * kBK + ((kk ^ (lane / 8)) * 16) + 2 * (lane % 4);
   constexpr int frag[4] = {0, 8 * kBK, 8, 8 * kBK + 8};
+  // Transposed: the tile's row k (of out) at 128 k, its 16-byte chunk c (bytes 16 c.. of in) at c ^ k % 8. A
+  // step's fragments are 8 ldmatrix matrices, two .x4: matrix i of load q is rows 32 q + 8 i.. (slice
+  // 2 q + i / 2, its k 8 (i % 2)..), the warp's 16 features (chunk 4 wg + warp): lane l names row 32 q + l.
+  // Each matrix's 8 rows of 16 bytes meet every bank once (tools/fp8_registers_check.py).
+  const uint32_t ld_at = wgmma::saddr(smem) + S::kXTile + lane * 128 + (((4 * wg + warp) ^ (lane % 8)) * 16);
   const uint64_t x_desc = wgmma::desc128(wgmma::saddr(smem), 16, 1024);  // stage 0's x, K-major, 16 columns 32 bytes
   // The epilogue's buffers: this warpgroup's two, and where lane l's row of a transposed store goes
   // (matrix l / 8: tokens 8 (l / 16).. of a pair of 8-token groups, features 16 warp + 8 (l / 8 % 2)..).
@@ -505,7 +534,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::saddr(epilogue) + (8 * (lane / 16) + lane % 8) * S::kPitch + (16 * warp + 8 * (lane / 8 % 2)) * 2;
   const int p = threadIdx.x % 128;  // the copy out: token p / 8 (+16), its 16 bytes p % 8
 
-  uint32_t raw[4][4];  // a step's fragment bytes (slice kk, register i), 2 a register
+  // A step's fragment bytes (slice kk, register i): 2 a register, or transposed 4 (k pairs of two rows).
+  constexpr int kRaw = Transposed ? 2 : 4;
+  uint32_t raw[4][kRaw];
   uint32_t af[2][4];   // the fragments of two slices: one in a product, the next converted
   float scale = 0.0f;
   // Step `it`'s stage, once landed: its scale and this thread's bytes.
@@ -513,15 +544,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int slot = n % S::kStages;
     wgmma::bar_wait(full + slot, (n / S::kStages) & 1);
     scale = scales[slot];
-    const unsigned char* stage = smem + slot * S::kStageBytes;
+    if constexpr (Transposed) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
+      for (int q = 0; q < 2; ++q)
+        ldmatrix_trans4(ld_at + slot * S::kStageBytes + q * 32 * 128, raw[2 * q][0], raw[2 * q][1],
+                        raw[2 * q + 1][0], raw[2 * q + 1][1]);
+    } else {
+      const unsigned char* stage = smem + slot * S::kStageBytes;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) raw[kk][i] = *reinterpret_cast<const uint16_t*>(stage + chunk[kk] + frag[i]);
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) raw[kk][i] = *reinterpret_cast<const uint16_t*>(stage + chunk[kk] + frag[i]);
+    }
   };
-  const auto convert = [&](uint32_t (&f)[4], const uint32_t (&r)[4]) {
+  const auto convert = [&](uint32_t (&f)[4], const uint32_t (&r)[kRaw]) {
+    if constexpr (Transposed) {
+      // r[h]: bytes (k, m), (k, m + 1), (k + 1, m), (k + 1, m + 1), k = 8 h + 2 (lane % 4), m = 2 (lane / 4);
+      // permuted to (k, m), (k + 1, m), (k, m + 1), (k + 1, m + 1): fragment rows g (feature m), g + 8 (m + 1).
 #pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = dequantize2(r[i], scale);
+      for (int h = 0; h < 2; ++h) {
+        uint32_t lo, hi;
+        e4m3x4_to_half2x2(__byte_perm(r[h], 0, 0x3120), lo, hi);
+        f[2 * h] = scaled_pair(lo, scale);
+        f[2 * h + 1] = scaled_pair(hi, scale);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f[i] = dequantize2(r[i], scale);
+    }
   };
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -565,12 +615,24 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int c = 0; c < BT / S::kChunk; ++c) {  // (an even count: chunk c in buffer c % 2 in every tile)
       const int buffer = (c % 2) * S::kChunkBytes;
+      if constexpr (Transposed) {
+        // Fragment rows g, g + 8 are features 2 g, 2 g + 1: a thread holds both of tokens 8 j + 2 (lane % 4)
+        // (+1), one 4-byte word a token (a register's 32 words meet every bank once at the pitch of 144).
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // tokens 32 c + 16 h..: groups j, j + 1
-        const int j = 4 * c + 2 * h;
-        stmatrix_trans4(st_at + buffer + 16 * h * S::kPitch, pack_bf16(acc[4 * j], acc[4 * j + 1]),
-                        pack_bf16(acc[4 * j + 2], acc[4 * j + 3]), pack_bf16(acc[4 * j + 4], acc[4 * j + 5]),
-                        pack_bf16(acc[4 * j + 6], acc[4 * j + 7]));
+        for (int j = 4 * c; j < 4 * c + 4; ++j) {
+          unsigned char* at = epilogue + buffer + (8 * j - S::kChunk * c + 2 * (lane % 4)) * S::kPitch +
+                              (16 * warp + 2 * (lane / 4)) * 2;
+          *reinterpret_cast<uint32_t*>(at) = pack_bf16(acc[4 * j], acc[4 * j + 2]);
+          *reinterpret_cast<uint32_t*>(at + S::kPitch) = pack_bf16(acc[4 * j + 1], acc[4 * j + 3]);
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // tokens 32 c + 16 h..: groups j, j + 1
+          const int j = 4 * c + 2 * h;
+          stmatrix_trans4(st_at + buffer + 16 * h * S::kPitch, pack_bf16(acc[4 * j], acc[4 * j + 1]),
+                          pack_bf16(acc[4 * j + 2], acc[4 * j + 3]), pack_bf16(acc[4 * j + 4], acc[4 * j + 5]),
+                          pack_bf16(acc[4 * j + 6], acc[4 * j + 7]));
+        }
       }
       wgmma::named_sync(1 + wg, 128);
 #pragma unroll
@@ -578,7 +640,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int r = p / 8 + 16 * u, row = tile.first + S::kChunk * c + r;
         const uint4 v = *reinterpret_cast<const uint4*>(epilogue + buffer + r * S::kPitch + p % 8 * 16);
         if (row < tile.end)
-          *reinterpret_cast<uint4*>(a.y + int64_t(row) * a.out + f0 + 64 * wg + p % 8 * 8) = v;
+          *reinterpret_cast<uint4*>(a.y + int64_t(row) * N + f0 + 64 * wg + p % 8 * 8) = v;
       }
     }
   }
@@ -941,7 +1003,7 @@ void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 // that a tile's rows past its expert's end (multiplied, not stored) stay under half of it. On the
 // H100 at 1,024 rows an expert (tools/benchmark.py's FP8 case of v4_glm5_moe) Tall's two forward
 // launches took 4.61 ms against Wide's 5.15 and the dequantising path's 7.0 (fp8_grouped_kernel's
-// forward, now `staged`; fp8_registers_kernel<256>'s took 3.82 ms, its tile by Tall's); Wide at 128 rows an
+// forward, now `staged`; fp8_registers_kernel<false, 256>'s took 3.82 ms, its tile by Tall's); Wide at 128 rows an
 // expert (GLM-5's 256 experts at 4,096 tokens on one GPU) is chosen by that count, not timed.
 // V4TRAIN_FP8_GROUPED_TILE=128x256|256x128|off overrides it, read at each call so that one process
 // can time each ("off" leaves the experts, and a dense backward asked on FP8 tensor cores, to the
@@ -954,9 +1016,12 @@ enum class Choice { kWide, kTall, kOff };
 // rows: 256 for 256 x 128, 128 for 128 x 256): on the H100 its two launches of the GLM-5 proxy's MoE
 // op took 3.82 ms against fp8_grouped_kernel's 4.48, the same bits. `staged` names the forward on
 // fp8_grouped_kernel<false> instead, kept so that the CUDA test compares two independent forwards bit
-// for bit. The backward runs on fp8_grouped_kernel<true>.
-enum GroupedVariant : unsigned { kStaged = 1 };  // (bit i: env_variants' name i)
-unsigned grouped_variants() { return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"staged"}); }
+// for bit. The backward runs on fp8_grouped_kernel<true>, or with `registers_backward` on
+// fp8_registers_kernel<true> (the weight's tile turned by ldmatrix .trans; its speed is to be measured).
+enum GroupedVariant : unsigned { kStaged = 1, kRegistersBackward = 2 };  // (bit i: env_variants' name i)
+unsigned grouped_variants() {
+  return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"staged", "registers_backward"});
+}
 Choice tile_choice(int64_t rows, int64_t experts) {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
   const std::string_view s = v == nullptr ? "" : v;
@@ -982,12 +1047,20 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
   const dim3 grid = persistent_grid(x, E, N, S::BM, S::BN);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   using R = Rs<S::BM>;
-  if (!transposed && !(grouped_variants() & kStaged) && wgmma::capable(x.get_device(), R::kSmem)) {
-    // The weight [E out, in] as bytes in boxes of 128 rows x 64 (the 64-byte swizzle).
-    const CUtensorMap w_map = wgmma::tensor_map_sw128(w.const_data_ptr(), E * weight.size(1), weight.size(2),
-                                                      weight.size(2), kRsRows, true, kBK);
-    wgmma::launch(fp8_registers_kernel<S::BM>, persistent_grid(x, E, N, S::BM, kRsRows), kThreads, R::kSmem, stream,
-                  x_map, w_map, a);
+  const unsigned variants = grouped_variants();
+  const bool registers = transposed ? (variants & kRegistersBackward) != 0 : !(variants & kStaged);
+  if (registers && wgmma::capable(x.get_device(), R::kSmem)) {
+    // The weight [E out, in] as bytes: forward in boxes of 128 rows x 64 (the 64-byte swizzle), transposed
+    // of 64 rows (out, the sum) x 128 (in, the features; the 128-byte swizzle, whose box row is 128 bytes).
+    const CUtensorMap w_map =
+        transposed ? wgmma::tensor_map_sw128(w.const_data_ptr(), E * weight.size(1), weight.size(2), weight.size(2),
+                                             kBK, true)
+                   : wgmma::tensor_map_sw128(w.const_data_ptr(), E * weight.size(1), weight.size(2), weight.size(2),
+                                             kRsRows, true, kBK);
+    const dim3 rs_grid = persistent_grid(x, E, N, S::BM, kRsRows);
+    if (transposed)
+      wgmma::launch(fp8_registers_kernel<true, S::BM>, rs_grid, kThreads, R::kSmem, stream, x_map, w_map, a);
+    else wgmma::launch(fp8_registers_kernel<false, S::BM>, rs_grid, kThreads, R::kSmem, stream, x_map, w_map, a);
     return;
   }
   if (transposed) wgmma::launch(fp8_grouped_kernel<true, S>, grid, kThreads, S::kSmem, stream, x_map, a);
