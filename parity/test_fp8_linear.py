@@ -270,7 +270,7 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
         monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
     q, scale, x, dy, y, dx, prof = _experts_run(17)
     rows, cols = (int(n) for n in tile.split("x"))
-    assert _grouped_kinds(prof) == sorted([f"registers_kernel<{rows}", "grouped_kernel<true"])
+    assert _grouped_kinds(prof) == sorted([f"registers_kernel<false,{rows}", "grouped_kernel<true"])
     launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]  # <backward?, its tile>
     assert all(re.search(rf"Shape<{rows},\s*{cols}>", n) for n in launches), launches
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -307,7 +307,7 @@ def test_the_experts_fp8_kernels_registers_forward_on_cuda_is_within_the_bound_a
         monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", variants)
         q, scale, x, dy, y, dx, prof = _experts_run(47, inp=inp)
         want = ["grouped_kernel<false", "grouped_kernel<true"] if variants == "staged" else \
-            [f"registers_kernel<{rows}", "grouped_kernel<true"]
+            [f"registers_kernel<false,{rows}", "grouped_kernel<true"]
         assert _grouped_kinds(prof) == sorted(want)
         runs[variants] = y, dx
     w = dequantize_fp8(q, scale, torch.float64)
@@ -316,10 +316,45 @@ def test_the_experts_fp8_kernels_registers_forward_on_cuda_is_within_the_bound_a
     _assert_same_bits(runs["none"], runs["staged"])
 
 
+@CUDA
+@pytest.mark.parametrize("tile", ["128x256", "256x128"])
+@pytest.mark.parametrize("out", [OUT, 128])
+def test_the_experts_fp8_kernels_registers_backward_on_cuda_is_within_the_bound_and_equals_the_default(tile, out,
+                                                                                                  monkeypatch):
+    """V4TRAIN_FP8_GROUPED_VARIANTS=registers_backward: x's gradient dx = dy W_e on fp8_registers_kernel<true>
+    (dx^T = W_e^T dy^T: the weight's tile as it lies, turned into wgmma's A registers by ldmatrix .trans
+    and a byte permute, its rows the features in a permuted order the epilogue undoes; dy's tile the B
+    operand), against the unasked backward on fp8_grouped_kernel<true>. dx within a bf16 product's bound
+    of the float64 truth, expert by expert (COUNTS: partial, empty and one-row experts; more tiles than
+    multiprocessors), then equal to fp8_grouped_kernel's bit for bit: the same bf16 operands and fp32
+    sums of the same 16-row slices of the weight in the same order, A and B swapped (a failure there
+    with the bound kept says the tensor core sums a product's 16 terms in an order that depends on which
+    operand is A; the forward's test found the same bits). y on the forward's kernel both times. At 128
+    outputs the backward's tile is two steps. The profile shows which kernel ran each way."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
+    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
+    rows = int(tile.split("x")[0])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert sum(-(-n // rows) for n in COUNTS) * (IN // 128) > sms
+    runs = {}
+    for variants in ("none", "registers_backward"):
+        monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", variants)
+        q, scale, x, dy, y, dx, prof = _experts_run(53, out=out)
+        backward = f"registers_kernel<true,{rows}" if variants == "registers_backward" else "grouped_kernel<true"
+        assert _grouped_kinds(prof) == sorted([f"registers_kernel<false,{rows}", backward])
+        runs[variants] = y, dx
+    w = dequantize_fp8(q, scale, torch.float64)
+    ratio = assert_within(runs["registers_backward"][1].cpu(), _grouped_bound(dy, w), "x's gradient")
+    print(f"registers backward, tile {tile}, {out} outputs: max |error| / bound = {ratio:.3f} (dx)")
+    _assert_same_bits(runs["registers_backward"], runs["none"])
+
+
 def _grouped_kinds(prof) -> list[str]:
-    """The exact kernels' launches, sorted: grouped_kernel<true|false (backward?) or registers_kernel<BT."""
-    names = [e.name for e in prof.events() if re.search(r"fp8_(grouped|registers)_kernel<", e.name)]
-    return sorted(re.search(r"fp8_(grouped_kernel<(?:true|false)|registers_kernel<\d+)", n).group(1) for n in names)
+    """The exact kernels' launches, sorted, spaces dropped: grouped_kernel<true|false (backward?) or
+    registers_kernel<true|false,BT."""
+    names = [re.sub(r"\s", "", e.name) for e in prof.events() if re.search(r"fp8_(grouped|registers)_kernel<", e.name)]
+    return sorted(re.search(r"fp8_(grouped_kernel<(?:true|false)|registers_kernel<(?:true|false),\d+)", n).group(1)
+                  for n in names)
 
 
 def _assert_same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
