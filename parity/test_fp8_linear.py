@@ -488,7 +488,7 @@ def test_the_e4m3_kernels_variants_equal_it_on_cuda_fp8_tensor_cores(variants, c
 @CUDA
 @pytest.mark.parametrize("variable, tensor_cores, value, word", [
     ("V4TRAIN_FP8_E4M3_VARIANTS", "experts", "wide,turned", "turned"),
-    ("V4TRAIN_FP8_GROUPED_VARIANTS", "none", "register", "register")])
+    ("V4TRAIN_FP8_GROUPED_VARIANTS", "none", "registers", "registers")])  # (the forward's, retired: the default)
 def test_an_unknown_kernel_variant_is_refused_on_cuda(variable, tensor_cores, value, word, monkeypatch):
     """A misspelt variant of the e4m3 kernel or of the exact one is an error naming the variable and the word."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", tensor_cores)

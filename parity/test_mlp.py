@@ -174,6 +174,7 @@ def test_fp8_routed_experts_on_cuda_take_the_grouped_kernel_and_equal_the_dequan
     the middle with no row. (Its products on FP8 tensor cores, V4TRAIN_FP8_TENSOR_CORES=experts, are
     not exact against the dequantised run: test_fp8_linear.py holds them to path (a)'s bound.)"""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
+    monkeypatch.delenv("V4TRAIN_FP8_GROUPED_VARIANTS", raising=False)  # (the kernels asserted are the defaults)
     gen = torch.Generator().manual_seed(3)
     E, H, inter, tokens, top_k, none = 6, 384, 256, 2000, 3, 2
     fp8, dense = _quantised({"gate_up_proj": (E, 2 * inter, H), "down_proj": (E, H, inter)}, gen, "cuda",

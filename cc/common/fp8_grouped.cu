@@ -11,7 +11,7 @@
 // copying warps bound the kernel (ncu, 2026-12-05: the products waited on them three quarters of the
 // time while x's copies and the addresses were over half their instructions); so x goes by TMA and
 // every address a step is its first plus a constant. The forward now runs on fp8_registers_kernel
-// (below; this kernel's forward is the variant `staged`).
+// (below; this kernel's forward is the variant `staged`), and so may the backward (`registers_backward`).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -407,7 +407,7 @@ template <int BT_>
 struct Rs {
   static constexpr int BT = BT_;  // tokens a tile: the product's N
   static constexpr int kXTile = BT * kBK * 2;  // x's rows: BT of 64 bf16, 128-byte swizzle
-  static constexpr int kWTile = kRsRows * kBK;  // the weight's: 128 rows of 64 FP8 bytes, 64-byte swizzle
+  static constexpr int kWTile = kRsRows * kBK;  // the weight's: 128 rows of 64 FP8 bytes, 64-byte swizzle (transposed: 64 x 128, 128-byte)
   static constexpr int kStageBytes = kXTile + kWTile;
   static constexpr int kStages = BT == 256 ? 5 : 8;
   // The epilogue: each warpgroup stages 32 tokens x its 64 features at a time (144 bytes a token: the
