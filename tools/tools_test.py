@@ -50,6 +50,12 @@ def test_the_dqkwg_kernels_carve_and_tiles_hold():
     assert dqkwg_check.main() == 0
 
 
+def test_the_forward_plane_kernels_hand_offs_hold():
+    # recurrence_planes' decay read a step ahead, emulated on the CPU (it fails a hand-off a step off).
+    import delta_rule_forward_check
+    assert delta_rule_forward_check.main() == 0
+
+
 def test_the_fp8_kernels_transposition_places_every_byte():
     # The experts' FP8 kernel's backward tile transposition, emulated on the CPU (it fails stores
     # without the swizzle).
