@@ -1,15 +1,25 @@
-"""A CPU check of the forward's plane kernels' hand-offs (cc/ops/gated_delta_rule.cu):
+"""A CPU check of the forward's plane kernels' hand-offs and carve (cc/ops/gated_delta_rule.cu):
 
 - recurrence_planes_kernel<_, false> reads each chunk's decay a step ahead, as it reads the base: over
   over_chunks' order of calls (ahead, load, then per step turn, load of the next chunk, step), step i
-  must take chunk i's decay and base, for any number of chunks.
+  must take chunk i's decay and base, for any number of chunks;
+- output_planes_kernel copies q's and k's raw rows and the first pass's h before load_info
+  (ChunkBlock's early): its carve (OutputPlanesSmem, mirrored below: change both together) fits two
+  blocks a multiprocessor, no region in flight or written in a phase overlaps another that phase reads
+  or writes, each pass's B rows 0..191 (v_new's hi then h's) and v_new's lo rows find the bytes their
+  copies left, and every element of h's rows is copied once, where plane_gemm reads it.
 
-A hand-off a step late is checked to fail, so the check can.
+A hand-off a step late and a carve with q's rows over h's are checked to fail, so the check can.
 
     python3 tools/delta_rule_forward_check.py
 """
 
 from __future__ import annotations
+
+ROWS, THREADS, PK, DV = 64, 512, 128, 128
+PLANE_ROW = 136  # kPlaneRow
+OUT_COLS, PITCH = 64, 72  # OutputPlanesSmem::kOutCols, kPitch
+SM_SMEM, RESERVED = 228 * 1024, 1024  # an sm_90 multiprocessor's shared memory; the system's share a block
 
 
 def recurrence_steps(chunks: int, late: bool = False, next_taken: bool = False) -> list[tuple[int, int]]:
@@ -44,6 +54,89 @@ def check_recurrence(**mutation: bool) -> None:
         assert got == [(i, i) for i in range(chunks)], (chunks, got)
 
 
+def output_carve(rows_at_hi: bool = True) -> tuple[dict[str, tuple[int, int]], int]:
+    """OutputPlanesSmem's regions (byte ranges) and its size (Carve::take's order and 16-byte
+    alignment). rows_at_hi=False: q's and k's rows at X's start (over h's rows: must fail)."""
+    info = 64 * 8 + 64 * 8 + 3 * 64 * 4 + 4
+    ldqp = ROWS + PK + 8
+    k_hi = (ROWS + 128) * PITCH // 2  # floats
+    takes = [("info", info), ("QP", ROWS * ldqp * 4),
+             ("X", 4 * max(k_hi + ROWS * PLANE_ROW, (ROWS + PK + ROWS) * PITCH // 2))]
+    at, used = {}, 0
+    for name, n in takes:
+        used = (used + 15) // 16 * 16
+        at[name] = (used, used + n)
+        used += n
+    x = at["X"][0]
+    rows = x + (4 * k_hi if rows_at_hi else 0)
+    bf = 2  # bytes a bfloat16
+    at["q"] = (rows, rows + ROWS * PLANE_ROW * bf)
+    at["k"] = (at["q"][1], at["q"][1] + ROWS * PLANE_ROW * bf)
+    at["rn"] = (x, x + 2 * ROWS * 4)
+    at["v_hi"] = (x, x + ROWS * PITCH * bf)
+    at["h"] = (at["v_hi"][1], at["v_hi"][1] + PK * PITCH * bf)
+    lo = x + (ROWS + PK) * PITCH * bf  # kLo
+    at["v_lo"] = (lo, lo + ROWS * PITCH * bf)
+    for name in ("q", "k", "rn", "v_hi", "h", "v_lo"):
+        assert at["X"][0] <= at[name][0] and at[name][1] <= at["X"][1] and at[name][0] % 16 == 0, name
+    return at, used
+
+
+# The output kernel's phases (barriers between), with the copies in flight across them: what each reads
+# and writes. The early copies (h of pass 0, q, k) land at build_qp_planes' wait.
+OUT_EARLY = {"h", "q", "k"}
+OUT_PHASES = [
+    ("load_info", {"info"}, {"info"}),
+    ("the norms (E Q, rn)", {"q", "k", "info"}, {"QP", "rn"}),
+    ("Q K^T", {"q", "k", "rn", "info"}, {"QP"}),
+    ("split in place, pass 0's v_new", {"QP"}, {"QP", "v_hi", "v_lo"}),
+    ("pass 0's product", {"QP", "v_hi", "h", "v_lo", "info"}, set()),
+    ("pass 1's loads", set(), {"v_hi", "v_lo", "h"}),
+    ("pass 1's product", {"QP", "v_hi", "h", "v_lo", "info"}, set()),
+]
+
+
+def check_output_phases(at) -> None:
+    over = lambda a, b: at[a][0] < at[b][1] and at[b][0] < at[a][1]  # noqa: E731
+    for name, reads, writes in OUT_PHASES[:1]:  # the early copies in flight during load_info
+        for x in OUT_EARLY:
+            for y in reads | writes:
+                assert not over(x, y), f"{x} in flight over {y} ({name})"
+    assert not any(over(a, b) for a in OUT_EARLY for b in OUT_EARLY if a != b), "the early copies overlap"
+    last = {x: "early" for x in OUT_EARLY} | {"info": "load_info"}
+    for name, reads, writes in OUT_PHASES:
+        for w in writes:
+            for x in reads | writes:
+                assert x == w or not over(w, x), f"{name}: {w} overlaps {x}"
+        for r in reads:  # nothing written over r since its writer
+            assert r in last, f"{name} reads {r} before any writer"
+        for w in writes:
+            for r in list(last):
+                if r != w and over(w, r):
+                    del last[r]  # r's bytes gone: a later read of r fails above
+            last[w] = name
+
+
+def check_output_h_rows(at) -> None:
+    """copy_rows<64>'s pieces of the first pass's h (early) and plane_gemm's B rows 64..191: every
+    element h[k][n] (n < 64) lands once at B's (64 + k, n), inside the h region."""
+    per, pieces = 8, OUT_COLS // 8
+    step = THREADS // pieces
+    landed = {}
+    for tid in range(THREADS):
+        r0, c = tid // pieces, tid % pieces * per
+        for p0 in range(0, PK, step):
+            for j in range(per):
+                dst = at["X"][0] + 2 * ((ROWS + p0 + r0) * PITCH + c + j)  # x + kRows * kPitch, pitch kPitch
+                src = (p0 + r0, c + j)
+                assert src not in landed, src
+                landed[src] = dst
+    for k in range(PK):
+        for n in range(OUT_COLS):
+            b = at["X"][0] + 2 * ((ROWS + k) * PITCH + n)  # plane_gemm's B (kTB false): (k, n) at k * ldb + n
+            assert landed[(k, n)] == b and at["h"][0] <= b < at["h"][1], (k, n)
+
+
 def main() -> int:
     check_recurrence()
     for mutation in ({"late": True}, {"next_taken": True}):
@@ -53,7 +146,21 @@ def main() -> int:
             pass
         else:
             raise AssertionError(f"a hand-off a step off passed: {mutation}")
+    at, size = output_carve()
+    assert 2 * (size + RESERVED) <= SM_SMEM, size
+    check_output_phases(at)
+    check_output_h_rows(at)
+    try:  # q's and k's rows at X's start, over h's in flight: the check must fail
+        check_output_phases(output_carve(rows_at_hi=False)[0])
+    except AssertionError:
+        pass
+    else:
+        raise AssertionError("a region over a live one passed")
     print("recurrence_planes: step i takes chunk i's decay and base (0 to 6 chunks)")
+    print(f"OutputPlanesSmem: {size} bytes a block, two a multiprocessor ({2 * (size + RESERVED)} of {SM_SMEM})")
+    for name, (a, b) in sorted(at.items(), key=lambda x: x[1]):
+        print(f"  {name:6s} [{a:6d}, {b:6d})  {b - a:6d} B")
+    print("phases: the early copies overlap nothing live before they land; every read finds its writer's bytes")
     return 0
 
 

@@ -244,9 +244,12 @@ MUTATIONS = (
              "((kTri & Tri::kUpperA) && k1 <= m0 && m0 < kRows)",
              "((kTri & Tri::kUpperA) && k1 <= m0 + 16 && m0 < kRows)", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_h_rows", "the output's h (rounded to bf16) loaded over v_new's rows (offset 0, "
-             "not 64)",
-             "cc/ops/gated_delta_rule.cu", "copy_rows<kOutCols>(x + kRows * kPitch, kPitch, h_rows,",
-             "copy_rows<kOutCols>(x, kPitch, h_rows,", DELTA_RULE_CUDA, cuda=True),
+             "not 64; the second pass's: the first's is copied before load_info)",
+             "cc/ops/gated_delta_rule.cu", "if (c0 > 0) copy_rows<kOutCols>(x + kRows * kPitch, kPitch,",
+             "if (c0 > 0) copy_rows<kOutCols>(x, kPitch,", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_output_planes_early_h_columns", "the output on planes: the first pass's h, copied before "
+             "load_info, taken from the second pass's columns", "cc/ops/gated_delta_rule.cu",
+             "h_in + head * 128 * 128, 128,", "h_in + head * 128 * 128 + kOutCols, 128,", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_c_upper_dropped", "wy_grads on planes: each row's (C + C^T) takes C^T's entries "
              "from its own row of dM (zeros above the diagonal), not from dM's column", "cc/ops/gated_delta_rule.cu",
              "const float dab = below ? dm : dM[j * kPitch64 + i];",

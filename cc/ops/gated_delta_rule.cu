@@ -771,6 +771,34 @@ __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, 
   else rows([](__nv_bfloat16* at, const __nv_bfloat16* src) { for (int j = 0; j < 8; ++j) at[j] = src[j]; });
 }
 
+// load_rows_split's hi plane alone (lo_off < 0) of the rows of two inputs at once (wy_grads' k and v, the
+// output's q and k), with the chunk's slots read from `slots` (its 64 in global memory, once for both),
+// not from Info: ChunkBlock's early copies, issued before load_info.
+__device__ __forceinline__ void load_rows_early(__nv_bfloat16* k_dst, const __nv_bfloat16* k, int hk, int kh,
+                                                __nv_bfloat16* v_dst, const __nv_bfloat16* v, int hv, int h,
+                                                const int64_t* slots, int64_t T_) {
+  constexpr int kPieces = 128 / 8, kPasses = kRows * kPieces / kThreads;  // 16 bytes each
+  static_assert(kThreads % kPieces == 0 && kRows % (kThreads / kPieces) == 0, "whole rows a pass");
+  const int i0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 8;
+  int64_t tok[kPasses];
+#pragma unroll
+  for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0 + u * (kThreads / kPieces)];
+  const auto rows = [&](__nv_bfloat16* dst, const __nv_bfloat16* x, int heads, int head, auto piece) {
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      __nv_bfloat16* at = dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c;
+      if (tok[u] >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+      else piece(at, x + (tok[u] * heads + head) * 128 + c);
+    }
+  };
+  const auto copy = [](__nv_bfloat16* at, const __nv_bfloat16* src) { copy16(at, src); };
+  const auto plain = [](__nv_bfloat16* at, const __nv_bfloat16* src) { for (int j = 0; j < 8; ++j) at[j] = src[j]; };
+  if (aligned16(k)) rows(k_dst, k, hk, kh, copy);
+  else rows(k_dst, k, hk, kh, plain);
+  if (aligned16(v)) rows(v_dst, v, hv, h, copy);
+  else rows(v_dst, v, hv, h, plain);
+}
+
 // rows x kWidth values (bfloat16 or float32) at src (row stride `stride`) into dst (pitch ld), 16
 // bytes a copy (cp.async: complete after wait_copies()); rows 16-byte aligned at both ends (the plane
 // kernels' own tensors and shared tiles).
@@ -1350,16 +1378,18 @@ __device__ void build_qp(float* QP, int ldqp, float* keys, const Info& s, const 
 // ldmatrix rows 16-byte aligned). Q K^T = diag(r_q s) (q k^T) diag(r_k) from q's and k's raw bfloat16
 // rows (exact: one product for block_gemm's six), which take the keys' region (`rows`, [2][64,
 // kPlaneRow]); rn [128] their rsqrt norms. `rows` is free after it, and the planes are read after the
-// caller's next barrier.
-template <typename DimsT>
+// caller's next barrier. kIssued: the caller issued the rows' copies (ChunkBlock's early).
+template <typename DimsT, bool kIssued = false>
 __device__ const __nv_bfloat16* build_qp_planes(float* QP, int ldqp, void* rows, float* rn, const Info& s,
                                                 const Args& p, const DimsT& d, int h) {
   const int kh = h / (p.hv / p.hk);
   auto* q = static_cast<__nv_bfloat16*>(rows);
   auto* k = q + kRows * kPlaneRow;
   const auto* q_in = static_cast<const __nv_bfloat16*>(p.q);
-  load_rows_split(q, -1, q_in, p.hk, kh, s, p.T);
-  load_rows_split(k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
+  if constexpr (!kIssued) {
+    load_rows_split(q, -1, q_in, p.hk, kh, s, p.T);
+    load_rows_split(k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, s, p.T);
+  }
   wait_copies();
   __syncthreads();
   {  // E Q and r_q from q's raw rows in shared memory (load_normalised's values without its second
@@ -1425,21 +1455,30 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 // pitch of 200: ldmatrix rows 16-byte aligned), each block of kOutCols value columns of v_new split
 // and of h (bfloat16 as the recurrence stored it) copied as it loads (P v_new on planes, E Q h one
 // bf16 product). 64 columns a pass keep all 16 warps busy (32 kept 8 of them, in twice the passes and
-// barriers), at 108.9 KB of shared memory: still two blocks a multiprocessor.
+// barriers). q's and k's raw rows and the first pass's h are copied before load_info (ChunkBlock's
+// early; q's and k's slots read from global memory): issued after it, a block's dependent loads were
+// five round trips in a row (slots, g, q and k, then each pass), at 17 us a block (1.081 ms at 32K
+// tokens, 62 waves of 264 blocks). So q's and k's rows lie past [v_new; h]'s hi plane (h's rows in
+// flight during load_info and the Q K^T product), and rn in v_new's hi rows (read only before
+// them): 112.8 KB, still two blocks a multiprocessor (2 x (112.8 + 1) of 228 KB).
 struct OutputPlanesSmem {
   static constexpr int kOutCols = 64;
   static constexpr int kPitch = kOutCols + 8;  // ldmatrix rows 16-byte aligned, 16 bytes apart in the banks
   Info* info;
-  float *QP, *X, *rn;  // QP [64, 200]; X: q's and k's raw rows [2][64, kPlaneRow] bfloat16, then
-                       // [v_new; h] [2][64 + pk, kPitch] (v_new's planes, h's hi alone); rn: q's and
-                       // k's rsqrt norms [2][64]
+  float *QP, *X, *rows, *rn;  // QP [64, 200]; X: [v_new; h] bfloat16, hi [64 + pk, kPitch] (v_new's
+                              // then h's rows) then v_new's lo [64, kPitch]; `rows`: q's and k's raw rows
+                              // [2][64, kPlaneRow] bfloat16 from the hi plane's end (over the lo plane);
+                              // rn: q's and k's rsqrt norms [2][64] (X's first bytes)
   int ldqp;
   template <typename DimsT>
   __host__ __device__ OutputPlanesSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8) {
     info = c.take<Info>(1);
     QP = c.take<float>(kRows * ldqp);
-    X = c.take<float>(larger(kRows * kPlaneRow, (kRows + d.pk) * kPitch));
-    rn = c.take<float>(2 * kRows);
+    constexpr int kHi = (kRows + 128) * kPitch / 2;  // floats: the hi plane at pk = 128 (the kernel's)
+    static_assert(kRows * kPitch / 2 >= 2 * kRows && kHi % 4 == 0, "rn in v_new's hi rows; rows 16-byte aligned");
+    X = c.take<float>(larger(kHi + kRows * kPlaneRow, (kRows + d.pk + kRows) * kPitch / 2));
+    rows = X + kHi;
+    rn = X;
   }
 };
 
@@ -1450,20 +1489,28 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   using Smem = OutputPlanesSmem;
   constexpr int kOutCols = Smem::kOutCols, kPitch = Smem::kPitch;
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<Smem, DimsT> b(p, smem);
+  const auto* h_in = static_cast<const __nv_bfloat16*>(p.h);
+  const ChunkBlock<Smem, DimsT> b(p, smem, [&](const Smem& m, int64_t head) {
+    const int h = blockIdx.y, kh = h / (p.hv / p.hk);
+    copy_rows<kOutCols>(reinterpret_cast<__nv_bfloat16*>(m.X) + kRows * kPitch, kPitch, h_in + head * 128 * 128, 128,
+                        128);  // the first pass's h (c0 = 0, below)
+    auto* q = reinterpret_cast<__nv_bfloat16*>(m.rows);
+    load_rows_early(q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh, q + kRows * kPlaneRow,
+                    static_cast<const __nv_bfloat16*>(p.k), p.hk, kh,
+                    p.slots + static_cast<int64_t>(blockIdx.x) * kRows, p.T);
+  });
   const DimsT& d = b.d;
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t head = b.head;
   const int h = b.h;
-  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, m.rn, s, p, d, h);
+  const __nv_bfloat16* qp = build_qp_planes<DimsT, true>(m.QP, m.ldqp, m.rows, m.rn, s, p, d, h);
   auto* x = reinterpret_cast<__nv_bfloat16*>(m.X);
   constexpr int kLo = (kRows + DimsT::pk) * kPitch;
   auto* o = static_cast<__nv_bfloat16*>(p.o);
   for (int c0 = 0; c0 < d.dv; c0 += kOutCols) {
     load_split<kOutCols>(x, p.v_new + head * kRows * d.dv + c0, kRows, kLo, kPitch, d.dv);
-    const auto* h_rows = static_cast<const __nv_bfloat16*>(p.h) + head * d.dk * d.dv + c0;
-    copy_rows<kOutCols>(x + kRows * kPitch, kPitch, h_rows, d.dv, d.dk);
+    if (c0 > 0) copy_rows<kOutCols>(x + kRows * kPitch, kPitch, h_in + head * d.dk * d.dv + c0, d.dv, d.dk);
     wait_copies();
     __syncthreads();
     // P v_new on planes, E Q h on bfloat16 operands (k from 64 on: the site q S, one product)
@@ -2072,34 +2119,6 @@ __device__ __forceinline__ float warp_sums(float (&a)[V]) {
 #pragma unroll
   for (; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
-}
-
-// load_rows_split's hi plane alone (lo_off < 0) of the rows of k and v at once, with the chunk's slots
-// read from `slots` (its 64 in global memory, once for both), not from Info: ChunkBlock's early copies,
-// issued before load_info.
-__device__ __forceinline__ void load_rows_early(__nv_bfloat16* k_dst, const __nv_bfloat16* k, int hk, int kh,
-                                                __nv_bfloat16* v_dst, const __nv_bfloat16* v, int hv, int h,
-                                                const int64_t* slots, int64_t T_) {
-  constexpr int kPieces = 128 / 8, kPasses = kRows * kPieces / kThreads;  // 16 bytes each
-  static_assert(kThreads % kPieces == 0 && kRows % (kThreads / kPieces) == 0, "whole rows a pass");
-  const int i0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 8;
-  int64_t tok[kPasses];
-#pragma unroll
-  for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0 + u * (kThreads / kPieces)];
-  const auto rows = [&](__nv_bfloat16* dst, const __nv_bfloat16* x, int heads, int head, auto piece) {
-#pragma unroll
-    for (int u = 0; u < kPasses; ++u) {
-      __nv_bfloat16* at = dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c;
-      if (tok[u] >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
-      else piece(at, x + (tok[u] * heads + head) * 128 + c);
-    }
-  };
-  const auto copy = [](__nv_bfloat16* at, const __nv_bfloat16* src) { copy16(at, src); };
-  const auto plain = [](__nv_bfloat16* at, const __nv_bfloat16* src) { for (int j = 0; j < 8; ++j) at[j] = src[j]; };
-  if (aligned16(k)) rows(k_dst, k, hk, kh, copy);
-  else rows(k_dst, k, hk, kh, plain);
-  if (aligned16(v)) rows(v_dst, v, hv, h, copy);
-  else rows(v_dst, v, hv, h, plain);
 }
 
 // wy_grads_kernel on planes (kPlanes), at two blocks a multiprocessor where the float32 tiles took
