@@ -60,7 +60,7 @@ struct Shape {
 using Wide = Shape<128, 256>;
 using Tall = Shape<256, 128>;
 
-// x [rows, K], rows grouped by expert, comes as a TMA map (wgmma::tensor_map_sw128: boxes of BM x 64).
+// x [rows, K], rows grouped by expert, comes as a TMA map (wgmma::tensor_map_swizzled: boxes of BM x 64).
 struct Args {
   const uint8_t* w;        // [E, out, in] row-major
   const float* scale;      // [E, out / 128, in / 128]
@@ -677,7 +677,7 @@ struct E4m3 {
       size_t(kE4m3Stages) * kStageBytes + 128 + kEpilogueBytes + kE4m3Offsets * sizeof(int) + 1024;
 };
 
-// x and the weight come as TMA maps of bytes (wgmma::tensor_map_sw128: boxes of 128 x 128): x
+// x and the weight come as TMA maps of bytes (wgmma::tensor_map_swizzled: boxes of 128 x 128): x
 // quantised [padded, K], the weight [E out, in].
 struct E4m3Args {
   const float* x_scale;  // [K / 128, padded]: quantize_rows' scales, x's row r in block b at b padded + r
@@ -966,14 +966,14 @@ void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const unsigned variants = e4m3_variants();
-  const CUtensorMap x_map = wgmma::tensor_map_sw128(q.const_data_ptr(), q.size(0), q.size(1), q.size(1), kT, true);
+  const CUtensorMap x_map = wgmma::tensor_map_swizzled(q.const_data_ptr(), q.size(0), q.size(1), q.size(1), kT, true);
   // Experts first.. first + n: their weight `we` [n, rows, cols] and scales `se` [n, rows / 128,
   // cols / 128], forward, or (`back`) backward with each tile transposed in the kernel.
   const auto multiply = [&](const at::Tensor& we, const float* se, int64_t first, int64_t n, bool back) {
     const int64_t rows = we.size(1), cols = we.size(2);
     const bool wide = !back && (variants & kWide) && N >= 2 * kT;
     const int bn = wide ? 2 * kT : kT;  // (the weight's box: the tile's columns)
-    const CUtensorMap w_map = wgmma::tensor_map_sw128(we.const_data_ptr(), n * rows, cols, cols, bn, true);
+    const CUtensorMap w_map = wgmma::tensor_map_swizzled(we.const_data_ptr(), n * rows, cols, cols, bn, true);
     const E4m3Args a{x_scale.const_data_ptr<float>(), se, off.const_data_ptr<int>(),
                      reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(n), int(rows), int(cols),
                      int(q.size(0)), int(first)};
@@ -1040,7 +1040,7 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
   const int64_t E = weight.size(0), rows = x.size(0), N = out.size(1);
   const at::Tensor w = dense16(weight), s = scale.to(at::kFloat).contiguous(), off = offsets.contiguous();
   const at::Tensor xs = dense16(x);
-  const CUtensorMap x_map = wgmma::tensor_map_sw128(xs.const_data_ptr(), rows, xs.size(1), xs.size(1), S::BM);
+  const CUtensorMap x_map = wgmma::tensor_map_swizzled(xs.const_data_ptr(), rows, xs.size(1), xs.size(1), S::BM);
   const Args a{static_cast<const uint8_t*>(w.const_data_ptr()), s.const_data_ptr<float>(), off.const_data_ptr<int>(),
                reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), int(E), int(weight.size(1)),
                int(weight.size(2))};
@@ -1053,9 +1053,9 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
     // The weight [E out, in] as bytes: forward in boxes of 128 rows x 64 (the 64-byte swizzle), transposed
     // of 64 rows (out, the sum) x 128 (in, the features; the 128-byte swizzle, whose box row is 128 bytes).
     const CUtensorMap w_map =
-        transposed ? wgmma::tensor_map_sw128(w.const_data_ptr(), E * weight.size(1), weight.size(2), weight.size(2),
+        transposed ? wgmma::tensor_map_swizzled(w.const_data_ptr(), E * weight.size(1), weight.size(2), weight.size(2),
                                              kBK, true)
-                   : wgmma::tensor_map_sw128(w.const_data_ptr(), E * weight.size(1), weight.size(2), weight.size(2),
+                   : wgmma::tensor_map_swizzled(w.const_data_ptr(), E * weight.size(1), weight.size(2), weight.size(2),
                                              kRsRows, true, kBK);
     const dim3 rs_grid = persistent_grid(x, E, N, S::BM, kRsRows);
     if (transposed)

@@ -45,8 +45,8 @@ inline bool capable(int device, size_t smem) {
 // 64-byte rows (32 bf16 or 64 bytes) under the 64-byte swizzle: row r at 64 r, its 16-byte chunk c at
 // chunk c ^ (r / 2) % 4 (address bits 4-5 ^= bits 7-8; the tile on 512 bytes). The driver's encoder
 // is found through the runtime, so nothing links libcuda.
-// (`box_bytes`: a box row's bytes, 128 or, with the 64-byte swizzle, 64.)
-inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows,
+// (`box_bytes`: a box row's bytes, 128 or 64, and the swizzle's width with it.)
+inline CUtensorMap tensor_map_swizzled(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows,
                                     bool bytes = false, int box_bytes = 128) {
   static const auto encode = [] {
     void* fn = nullptr;
@@ -61,7 +61,7 @@ inline CUtensorMap tensor_map_sw128(const void* base, int64_t rows, int64_t cols
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaSetDevice(device));
-  TORCH_CHECK(box_bytes == 128 || box_bytes == 64, "tensor_map_sw128: boxes of 128- or 64-byte rows");
+  TORCH_CHECK(box_bytes == 128 || box_bytes == 64, "tensor_map_swizzled: boxes of 128- or 64-byte rows");
   CUtensorMap map;
   const int size = bytes ? 1 : 2;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)}, strides[1] = {cuuint64_t(ld) * size};
