@@ -281,6 +281,23 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
     print(f"experts' FP8 kernel, tile {tile}: max |error| / bound = {ratios[0]:.3f} (y), {ratios[1]:.3f} (dx)")
 
 
+def _variant_runs(monkeypatch, tile, cols, seed, kernels, **shape):
+    """(y, dx) of _experts_run under each V4TRAIN_FP8_GROUPED_VARIANTS value of `kernels` (value -> the
+    kernels its profile must show), on exact products of one tile, with more tiles of `cols` columns
+    than multiprocessors (each persistent block takes several); and the run's q, scale, x, dy."""
+    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
+    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
+    rows = int(tile.split("x")[0])
+    assert sum(-(-n // rows) for n in COUNTS) * (cols // 128) > torch.cuda.get_device_properties(0).multi_processor_count
+    runs = {}
+    for variants, want in kernels.items():
+        monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", variants)
+        q, scale, x, dy, y, dx, prof = _experts_run(seed, **shape)
+        assert _grouped_kinds(prof) == sorted(want), variants
+        runs[variants] = y, dx
+    return runs, (q, scale, x, dy)
+
+
 @CUDA
 @pytest.mark.parametrize("tile", ["128x256", "256x128"])
 @pytest.mark.parametrize("inp", [IN, 128])
@@ -297,19 +314,10 @@ def test_the_experts_fp8_kernels_registers_forward_on_cuda_is_within_the_bound_a
     product's 16 terms in an order that depends on which operand is A). x's gradient on
     fp8_grouped_kernel both times. At 128 inputs a tile is two steps. The profile shows which kernel
     ran each way."""
-    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
-    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
     rows = int(tile.split("x")[0])
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert sum(-(-n // rows) for n in COUNTS) * (OUT // 128) > sms
-    runs = {}
-    for variants in ("none", "staged"):
-        monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", variants)
-        q, scale, x, dy, y, dx, prof = _experts_run(47, inp=inp)
-        want = ["grouped_kernel<false", "grouped_kernel<true"] if variants == "staged" else \
-            [f"registers_kernel<false,{rows}", "grouped_kernel<true"]
-        assert _grouped_kinds(prof) == sorted(want)
-        runs[variants] = y, dx
+    runs, (q, scale, x, dy) = _variant_runs(monkeypatch, tile, OUT, 47, {
+        "none": [f"registers_kernel<false,{rows}", "grouped_kernel<true"],
+        "staged": ["grouped_kernel<false", "grouped_kernel<true"]}, inp=inp)
     w = dequantize_fp8(q, scale, torch.float64)
     ratio = assert_within(runs["none"][0].cpu(), _grouped_bound(x.detach(), w.transpose(1, 2)), "y")
     print(f"registers forward, tile {tile}, {inp} inputs: max |error| / bound = {ratio:.3f} (y)")
@@ -331,18 +339,10 @@ def test_the_experts_fp8_kernels_registers_backward_on_cuda_is_within_the_bound_
     with the bound kept says the tensor core sums a product's 16 terms in an order that depends on which
     operand is A; the forward's test found the same bits). y on the forward's kernel both times. At 128
     outputs the backward's tile is two steps. The profile shows which kernel ran each way."""
-    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
-    monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
     rows = int(tile.split("x")[0])
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert sum(-(-n // rows) for n in COUNTS) * (IN // 128) > sms
-    runs = {}
-    for variants in ("none", "registers_backward"):
-        monkeypatch.setenv("V4TRAIN_FP8_GROUPED_VARIANTS", variants)
-        q, scale, x, dy, y, dx, prof = _experts_run(53, out=out)
-        backward = f"registers_kernel<true,{rows}" if variants == "registers_backward" else "grouped_kernel<true"
-        assert _grouped_kinds(prof) == sorted([f"registers_kernel<false,{rows}", backward])
-        runs[variants] = y, dx
+    runs, (q, scale, x, dy) = _variant_runs(monkeypatch, tile, IN, 53, {
+        "none": [f"registers_kernel<false,{rows}", "grouped_kernel<true"],
+        "registers_backward": [f"registers_kernel<false,{rows}", f"registers_kernel<true,{rows}"]}, out=out)
     w = dequantize_fp8(q, scale, torch.float64)
     ratio = assert_within(runs["registers_backward"][1].cpu(), _grouped_bound(dy, w), "x's gradient")
     print(f"registers backward, tile {tile}, {out} outputs: max |error| / bound = {ratio:.3f} (dx)")
