@@ -1,8 +1,10 @@
 """A CPU check of the forward's plane kernels' hand-offs and carve (cc/ops/gated_delta_rule.cu):
 
-- recurrence_planes_kernel<_, false> reads each chunk's decay a step ahead, as it reads the base: over
-  over_chunks' order of calls (ahead, load, then per step turn, load of the next chunk, step), step i
-  must take chunk i's decay and base, for any number of chunks;
+- recurrence_planes_kernel (both instances) reads each chunk's decay a step ahead, as it reads the
+  base: over over_chunks' order of calls (ahead, load, then per step turn, load of the next chunk,
+  ahead of the one after, step), step i must take chunk i's tiles, decay and base, and the folded
+  backward's (reverse, kFold) its d_o rows by the token that ahead() read for that chunk, for any
+  number of chunks;
 - output_planes_kernel copies q's and k's raw rows and the first pass's h before load_info
   (ChunkBlock's early): its carve (OutputPlanesSmem, mirrored below: change both together) fits two
   blocks a multiprocessor, no region in flight or written in a phase overlaps another that phase reads
@@ -22,36 +24,59 @@ OUT_COLS, PITCH = 64, 72  # OutputPlanesSmem::kOutCols, kPitch
 SM_SMEM, RESERVED = 228 * 1024, 1024  # an sm_90 multiprocessor's shared memory; the system's share a block
 
 
-def recurrence_steps(chunks: int, late: bool = False, next_taken: bool = False) -> list[tuple[int, int]]:
-    """The (decay, base) each step takes: chunk i's decay and base are i. late: turn() after the next
-    load (the mutation delta_rule_recurrence_base_a_step_late); next_taken: the step reads next_dec
+def recurrence_steps(chunks: int, reverse: bool = False, late: bool = False,
+                     next_taken: bool = False) -> list[tuple[int, ...]]:
+    """over_chunks' calls as the kernel makes them: what each step takes, (chunk, its stage's tiles,
+    decay, base, d_o's token's chunk), all the chunk's own. reverse: the folded backward's order (last
+    chunk first; ahead() reads the slot token load() takes next). late: turn() after the next load
+    (the mutation delta_rule_recurrence_base_a_step_late); next_taken: the step reads next_dec
     (delta_rule_recurrence_decay_of_next_chunk)."""
-    reg = {"next_base": None, "base": None, "next_dec": None, "dec_ahead": None}
+    offset = [10 * i for i in range(chunks)]  # chunk_at's p.offset (documents: + doc)
+    reg = {"next_base": None, "base": None, "next_dec": None, "dec_ahead": None, "tok": None}
+    stages: list[dict] = [{}, {}]
 
-    def load(chunk: int) -> None:
-        reg["next_base"], reg["next_dec"] = chunk, chunk
+    def chunk_at(i: int) -> int:
+        return offset[chunks - 1 - i if reverse else i] if i < chunks else 0
+
+    def ahead(chunk: int) -> None:
+        reg["tok"] = chunk  # p.slots[chunk * 64 + ...]
+
+    def load(stage: int, chunk: int) -> None:
+        stages[stage] = {"tiles": chunk, "tok": reg["tok"]}  # cp.async: a, b (eq, d_o by tok)
+        reg["next_base"], reg["next_dec"] = chunk, chunk  # registers, a step ahead
 
     def turn() -> None:
         reg["base"], reg["dec_ahead"] = reg["next_base"], reg["next_dec"]
 
     taken = []
+    chunk, nxt = chunk_at(0), chunk_at(1)
     if chunks > 0:
-        load(0)
+        ahead(chunk)
+        load(0, chunk)
+    if chunks > 1:
+        ahead(nxt)
     for i in range(chunks):
+        after, stage = chunk_at(i + 2), i % 2
         if not late:
             turn()
         if i + 1 < chunks:
-            load(i + 1)
+            load(1 - stage, nxt)
         if late:
             turn()
-        taken.append((reg["next_dec"] if next_taken else reg["dec_ahead"], reg["base"]))
+        if i + 2 < chunks:
+            ahead(after)
+        dec = reg["next_dec"] if next_taken else reg["dec_ahead"]
+        taken.append((chunk, stages[stage]["tiles"], dec, reg["base"], stages[stage]["tok"]))
+        chunk, nxt = nxt, after
     return taken
 
 
 def check_recurrence(**mutation: bool) -> None:
-    for chunks in range(7):
-        got = recurrence_steps(chunks, **mutation)
-        assert got == [(i, i) for i in range(chunks)], (chunks, got)
+    for reverse in (False, True):
+        for chunks in range(7):
+            got = recurrence_steps(chunks, reverse, **mutation)
+            order = [10 * (chunks - 1 - i if reverse else i) for i in range(chunks)]
+            assert got == [(c,) * 5 for c in order], (reverse, chunks, got)
 
 
 def output_carve(rows_at_hi: bool = True) -> tuple[dict[str, tuple[int, int]], int]:
@@ -156,7 +181,8 @@ def main() -> int:
         pass
     else:
         raise AssertionError("a region over a live one passed")
-    print("recurrence_planes: step i takes chunk i's decay and base (0 to 6 chunks)")
+    print("recurrence_planes (forward, folded reverse): step i takes its chunk's tiles, decay, base and d_o "
+          "token (0 to 6 chunks)")
     print(f"OutputPlanesSmem: {size} bytes a block, two a multiprocessor ({2 * (size + RESERVED)} of {SM_SMEM})")
     for name, (a, b) in sorted(at.items(), key=lambda x: x[1]):
         print(f"  {name:6s} [{a:6d}, {b:6d})  {b - a:6d} B")

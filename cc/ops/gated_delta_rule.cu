@@ -1235,10 +1235,9 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   // x0 + g and + 8, columns xc + 2 t and + 1), read a step ahead into `next_base`, turned into `base`.
   const int base_at = (x0 + g) * DimsT::dv + col0 + xc + 2 * t;
   float2 base[2] = {}, next_base[2] = {};
-  // The forward's chunk decay, read a step ahead like the base: read by over_chunks at the step's
-  // start, its load (a line that all 128 blocks miss together each step) was on the critical path,
-  // consumed by the state's update after both products (SASS of 0feb045). The folded backward's
-  // kernel keeps over_chunks' (unchanged).
+  // The chunk decay, read a step ahead like the base: read by over_chunks at the step's start, its load
+  // (a line that all 128 blocks miss together each step) was on the critical path, consumed by the
+  // state's update after both products (SASS of 0feb045; of 1a45619 for the folded backward).
   float dec_ahead = 0.0f, next_dec = 0.0f;
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
@@ -1263,7 +1262,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
     const float* from = p.base + head * kRows * d.dv + base_at;  // (p.add null on planes)
     next_base[0] = *reinterpret_cast<const float2*>(from);
     next_base[1] = *reinterpret_cast<const float2*>(from + 8 * DimsT::dv);
-    if constexpr (!kFold) next_dec = p.decay[head];
+    next_dec = p.decay[head];
     commit_copies();
   };
   // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
@@ -1271,8 +1270,8 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
     if (kFold && tid < kRows * kCols / 8) tok = p.slots[chunk * kRows + tid / (kCols / 8)];
   };
   // (over_chunks' barrier also makes the last step's bfloat16 S visible.)
-  over_chunks(p, h, load, [&](int64_t head, int stage, float dec_now) {
-    const float dec = kFold ? dec_now : dec_ahead;
+  over_chunks(p, h, load, [&](int64_t head, int stage, float) {  // (over_chunks' decay: dec_ahead's)
+    const float dec = dec_ahead;
     // The state out rounded to bfloat16 as the products take it (and dgamma's dot reads it).
     // Eight bytes a lane (half sectors were written four bytes a lane): lanes t and t ^ 1 swap a pair,
     // so that the even one holds columns sc + 2 t.. + 3 and the odd one sc + 8 + 2 (t - 1).. + 3.
