@@ -11,7 +11,13 @@
   or writes, each pass's B rows 0..191 (v_new's hi then h's) and v_new's lo rows find the bytes their
   copies left, and every element of h's rows is copied once, where plane_gemm reads it.
 
-A hand-off a step late and a carve with q's rows over h's are checked to fail, so the check can.
+- local_grads_planes_kernel (the backward's) copies q's, k's and d_o's raw rows before load_info: its
+  carve (LocalPlanesSmem, mirrored below) fits two blocks a multiprocessor, the three copies in
+  flight overlap nothing live, every read finds its writer's bytes, each row lands once where its
+  reader takes it (d_o's where plane_gemm reads B), and padding slots' rows are zero (the zero fill).
+
+A hand-off a step late, a carve with q's rows over h's and one with d_o's rows over k's are checked
+to fail, so the check can.
 
     python3 tools/delta_rule_forward_check.py
 """
@@ -121,25 +127,29 @@ OUT_PHASES = [
 ]
 
 
-def check_output_phases(at) -> None:
+def check_phases(at, early, phases) -> None:
     over = lambda a, b: at[a][0] < at[b][1] and at[b][0] < at[a][1]  # noqa: E731
-    for name, reads, writes in OUT_PHASES[:1]:  # the early copies in flight during load_info
-        for x in OUT_EARLY:
+    for name, reads, writes in phases[:1]:  # the early copies in flight during load_info
+        for x in early:
             for y in reads | writes:
                 assert not over(x, y), f"{x} in flight over {y} ({name})"
-    assert not any(over(a, b) for a in OUT_EARLY for b in OUT_EARLY if a != b), "the early copies overlap"
-    last = {x: "early" for x in OUT_EARLY} | {"info": "load_info"}
-    for name, reads, writes in OUT_PHASES:
+    assert not any(over(a, b) for a in early for b in early if a != b), "the early copies overlap"
+    last = {x: "early" for x in early} | {"info": "load_info"}
+    for name, reads, writes in phases:
         for w in writes:
             for x in reads | writes:
                 assert x == w or not over(w, x), f"{name}: {w} overlaps {x}"
-        for r in reads:  # nothing written over r since its writer
+        for r in reads:
             assert r in last, f"{name} reads {r} before any writer"
         for w in writes:
             for r in list(last):
                 if r != w and over(w, r):
-                    del last[r]  # r's bytes gone: a later read of r fails above
+                    del last[r]
             last[w] = name
+
+
+def check_output_phases(at) -> None:
+    check_phases(at, OUT_EARLY, OUT_PHASES)
 
 
 def check_output_h_rows(at) -> None:
@@ -162,6 +172,62 @@ def check_output_h_rows(at) -> None:
             assert landed[(k, n)] == b and at["h"][0] <= b < at["h"][1], (k, n)
 
 
+def local_carve(do_rows: int = 2) -> tuple[dict[str, tuple[int, int]], int]:
+    """LocalPlanesSmem's regions (byte ranges) and size. do_rows: d_o's rows after that many of X's
+    64-row blocks (kDo = 2 * kRows * kPlaneRow; 1: over k's rows, must fail)."""
+    info = 64 * 8 + 64 * 8 + 3 * 64 * 4 + 4
+    ldqp = ROWS + PK + 8
+    takes = [("info", info), ("QP", ROWS * ldqp * 4), ("X", 3 * ROWS * PLANE_ROW * 2), ("rn", 2 * ROWS * 4)]
+    at, used = {}, 0
+    for name, n in takes:
+        used = (used + 15) // 16 * 16
+        at[name] = (used, used + n)
+        used += n
+    block = ROWS * PLANE_ROW * 2
+    x = at["X"][0]
+    at["q"], at["k"] = (x, x + block), (x + block, x + 2 * block)
+    at["d_o"] = (x + do_rows * block, x + (do_rows + 1) * block)
+    for name in ("q", "k", "d_o"):
+        assert at["X"][0] <= at[name][0] and at[name][1] <= at["X"][1] and at[name][0] % 16 == 0, name
+    return at, used
+
+
+# local_grads_planes' phases: the early copies (q, k, d_o) land at build_qp_planes' wait.
+LOCAL_EARLY = {"q", "k", "d_o"}
+LOCAL_PHASES = [
+    ("load_info", {"info"}, {"info"}),
+    ("the norms (E Q, rn)", {"q", "k", "info"}, {"QP", "rn"}),
+    ("Q K^T", {"q", "k", "rn", "info"}, {"QP"}),
+    ("split in place", {"QP"}, {"QP"}),
+    ("E Q out, P^T d_o", {"QP", "d_o"}, set()),
+]
+
+
+def check_local_rows(at, T: int = 40) -> None:
+    """load_rows_early<true>'s pieces (thread i0 = tid / 16 rows i0 and + 32, 8 values from c = tid %
+    16 * 8) for q, k and d_o: element (i, n) of each lands once at its region's i * kPlaneRow + n, where
+    build_qp_planes (q, k) and plane_gemm (B = d_o, kTB false: (k, n) at k * ldb + n) read it; padding
+    slots (token >= T) copy nothing and land zeros (the zero fill's src-size 0)."""
+    slots = [5 * i if 5 * i < T else T + 3 for i in range(ROWS)]  # tokens; padding past T
+    pieces, passes = 16, ROWS * 16 // THREADS
+    for name in ("q", "k", "d_o"):
+        landed = {}
+        for tid in range(THREADS):
+            i0, c = tid // pieces, tid % pieces * 8
+            for u in range(passes):
+                i = i0 + u * (THREADS // pieces)
+                tok = slots[i]
+                in_doc = tok < T
+                for j in range(8):
+                    dst = at[name][0] + 2 * (i * PLANE_ROW + c + j)
+                    assert dst not in landed, (name, i, c + j)
+                    landed[dst] = (tok, c + j) if in_doc else 0  # (the source: token's row, column), or zero
+        for i in range(ROWS):
+            for n in range(128):
+                got = landed[at[name][0] + 2 * (i * PLANE_ROW + n)]
+                assert got == ((slots[i], n) if slots[i] < T else 0), (name, i, n, got)
+
+
 def main() -> int:
     check_recurrence()
     for mutation in ({"late": True}, {"next_taken": True}):
@@ -181,12 +247,26 @@ def main() -> int:
         pass
     else:
         raise AssertionError("a region over a live one passed")
+    at_l, size_l = local_carve()
+    assert 2 * (size_l + RESERVED) <= SM_SMEM, size_l
+    check_phases(at_l, LOCAL_EARLY, LOCAL_PHASES)
+    check_local_rows(at_l)
+    try:  # d_o's rows over k's, both in flight: the check must fail
+        check_phases(local_carve(do_rows=1)[0], LOCAL_EARLY, LOCAL_PHASES)
+    except AssertionError:
+        pass
+    else:
+        raise AssertionError("d_o's rows over k's passed")
     print("recurrence_planes (forward, folded reverse): step i takes its chunk's tiles, decay, base and d_o "
           "token (0 to 6 chunks)")
     print(f"OutputPlanesSmem: {size} bytes a block, two a multiprocessor ({2 * (size + RESERVED)} of {SM_SMEM})")
     for name, (a, b) in sorted(at.items(), key=lambda x: x[1]):
         print(f"  {name:6s} [{a:6d}, {b:6d})  {b - a:6d} B")
     print("phases: the early copies overlap nothing live before they land; every read finds its writer's bytes")
+    print(f"LocalPlanesSmem: {size_l} bytes a block, two a multiprocessor ({2 * (size_l + RESERVED)} of {SM_SMEM})")
+    for name, (a, b) in sorted(at_l.items(), key=lambda x: x[1]):
+        print(f"  {name:6s} [{a:6d}, {b:6d})  {b - a:6d} B")
+    print("local_grads: q's, k's and d_o's rows land once where read, padding rows zero")
     return 0
 
 

@@ -250,6 +250,13 @@ MUTATIONS = (
     Mutation("delta_rule_output_planes_early_h_columns", "the output on planes: the first pass's h, copied before "
              "load_info, taken from the second pass's columns", "cc/ops/gated_delta_rule.cu",
              "h_in + head * 128 * 128, 128,", "h_in + head * 128 * 128 + kOutCols, 128,", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_local_planes_early_d_o_over_k", "local_grads on planes: d_o's rows, copied before "
+             "load_info, placed over k's (both in flight until Q K^T)", "cc/ops/gated_delta_rule.cu",
+             "static constexpr int kDo = 2 * kRows * kPlaneRow;", "static constexpr int kDo = kRows * kPlaneRow;",
+             PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_local_planes_padding_copied", "local_grads on planes: the early copies' padding slots "
+             "(token >= T) take token 0's row instead of the zero fill", "cc/ops/gated_delta_rule.cu",
+             '"r"(valid ? 16 : 0)', '"r"(16)', PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_c_upper_dropped", "wy_grads on planes: each row's (C + C^T) takes C^T's entries "
              "from its own row of dM (zeros above the diagonal), not from dM's column", "cc/ops/gated_delta_rule.cu",
              "const float dab = below ? dm : dM[j * kPitch64 + i];",

@@ -355,6 +355,11 @@ __device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::); }
 // wait_copies() but for those issued since the last commit_copies(), which may still be in flight.
 __device__ __forceinline__ void wait_copies_before() { asm volatile("cp.async.commit_group;\ncp.async.wait_group 1;\n" ::); }
+// copy16, or 16 zero bytes where !valid (cp.async's zero fill; src not read).
+__device__ __forceinline__ void copy16_fill(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // dst [prows, pcols] (pitch ld) = src [rows, cols] (float32, row stride `stride`), zero outside it:
@@ -771,12 +776,16 @@ __device__ __forceinline__ void load_rows_split(__nv_bfloat16* dst, int lo_off, 
   else rows([](__nv_bfloat16* at, const __nv_bfloat16* src) { for (int j = 0; j < 8; ++j) at[j] = src[j]; });
 }
 
-// load_rows_split's hi plane alone (lo_off < 0) of the rows of two inputs at once (wy_grads' k and v, the
-// output's q and k), with the chunk's slots read from `slots` (its 64 in global memory, once for both),
-// not from Info: ChunkBlock's early copies, issued before load_info.
-__device__ __forceinline__ void load_rows_early(__nv_bfloat16* k_dst, const __nv_bfloat16* k, int hk, int kh,
-                                                __nv_bfloat16* v_dst, const __nv_bfloat16* v, int hv, int h,
-                                                const int64_t* slots, int64_t T_) {
+// load_rows_split's hi plane alone (lo_off < 0) of the rows of N inputs at once (wy_grads' k and v, the
+// output's q and k, local_grads' q, k and d_o), with the chunk's slots read from `slots` (its 64 in
+// global memory, once for all), not from Info: ChunkBlock's early copies, issued before load_info.
+struct EarlyRows {
+  __nv_bfloat16* dst;
+  const __nv_bfloat16* x;
+  int heads, head;
+};
+template <bool kFill = false, typename... Rows>
+__device__ __forceinline__ void load_rows_early(const int64_t* slots, int64_t T_, Rows... in) {
   constexpr int kPieces = 128 / 8, kPasses = kRows * kPieces / kThreads;  // 16 bytes each
   static_assert(kThreads % kPieces == 0 && kRows % (kThreads / kPieces) == 0, "whole rows a pass");
   const int i0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 8;
@@ -793,10 +802,40 @@ __device__ __forceinline__ void load_rows_early(__nv_bfloat16* k_dst, const __nv
   };
   const auto copy = [](__nv_bfloat16* at, const __nv_bfloat16* src) { copy16(at, src); };
   const auto plain = [](__nv_bfloat16* at, const __nv_bfloat16* src) { for (int j = 0; j < 8; ++j) at[j] = src[j]; };
-  if (aligned16(k)) rows(k_dst, k, hk, kh, copy);
-  else rows(k_dst, k, hk, kh, plain);
-  if (aligned16(v)) rows(v_dst, v, hv, h, copy);
-  else rows(v_dst, v, hv, h, plain);
+  // kFill: padding rows zero without a branch by token (cp.async's zero fill; plain: a select): under
+  // one, local_grads' smem base left the uniform registers and its product spilled (64 registers).
+  const auto filled = [&](__nv_bfloat16* dst, const __nv_bfloat16* x, int heads, int head) {
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      const bool in_doc = tok[u] < T_;
+      copy16_fill(dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c,
+                  x + ((in_doc ? tok[u] : 0) * heads + head) * 128 + c, in_doc);
+    }
+  };
+  const auto filled_plain = [&](__nv_bfloat16* dst, const __nv_bfloat16* x, int heads, int head) {
+#pragma unroll
+    for (int u = 0; u < kPasses; ++u) {
+      const bool in_doc = tok[u] < T_;
+      const __nv_bfloat16* src = x + ((in_doc ? tok[u] : 0) * heads + head) * 128 + c;
+      __nv_bfloat16* at = dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c;
+      for (int j = 0; j < 8; ++j) at[j] = in_doc ? src[j] : __nv_bfloat16();
+    }
+  };
+  const auto one = [&](const EarlyRows& r) {
+    if (aligned16(r.x)) {
+      if constexpr (kFill) filled(r.dst, r.x, r.heads, r.head);
+      else rows(r.dst, r.x, r.heads, r.head, copy);
+    } else {
+      if constexpr (kFill) filled_plain(r.dst, r.x, r.heads, r.head);
+      else rows(r.dst, r.x, r.heads, r.head, plain);
+    }
+  };
+  (one(in), ...);
+}
+__device__ __forceinline__ void load_rows_early(__nv_bfloat16* k_dst, const __nv_bfloat16* k, int hk, int kh,
+                                                __nv_bfloat16* v_dst, const __nv_bfloat16* v, int hv, int h,
+                                                const int64_t* slots, int64_t T_) {
+  load_rows_early(slots, T_, EarlyRows{k_dst, k, hk, kh}, EarlyRows{v_dst, v, hv, h});
 }
 
 // rows x kWidth values (bfloat16 or float32) at src (row stride `stride`) into dst (pitch ld), 16
@@ -1529,15 +1568,13 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
 
 struct LocalSmem {
   Info* info;
-  float *QP, *X, *rn;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4] (planes: q's and k's raw rows
-                       // [2][64, kPlaneRow] bfloat16), then d_o [64, pv + 8]; rn: (planes) q's and k's rsqrt norms
+  float *QP, *X;  // QP [64, 64 + pk + 8]; X: the keys [64, pk + 4], then d_o [64, pv + 8]
   int ldqp, ldo;
   template <typename DimsT>
   __host__ __device__ LocalSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8), ldo(d.pv + 8) {
     info = c.take<Info>(1);
     QP = c.take<float>(kRows * ldqp);
     X = c.take<float>(kRows * larger(d.pk + 4, ldo));
-    rn = c.take<float>(2 * kRows);
   }
 };
 
@@ -1567,22 +1604,46 @@ __global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
 // recurrence (recurrence_planes_kernel<DimsT, true>), which forms each chunk's (E Q)^T d_o from E Q's
 // hi plane (E Q rounded, the one product it was here) written to p.eq: a quarter of float32
 // dh_local's bytes, and this kernel's product a third of what it was (H100, 8,192 tokens: 0.385 ->
-// 0.264 ms, the reverse recurrence 0.338 -> 0.394).
+// 0.264 ms, the reverse recurrence 0.338 -> 0.394). q's, k's and d_o's raw rows are copied before
+// load_info (ChunkBlock's early; their slots read from global memory): issued after it, a block's
+// dependent loads were four round trips in a row (slots, g and beta, q and k, then d_o after the
+// Q K^T product), at two blocks a multiprocessor (0.780 ms at 32K tokens against fla's 0.351). So
+// d_o has its own rows (hi alone: the product does not read lo), 105.7 KB a block, still two.
+struct LocalPlanesSmem {
+  Info* info;
+  float *QP, *X, *rn;  // QP [64, 200]; X: q's, k's and d_o's raw rows [3][64, kPlaneRow] bfloat16 (d_o's at
+                       // kDo); rn: q's and k's rsqrt norms [2][64]
+  static constexpr int kDo = 2 * kRows * kPlaneRow;  // bfloat16 elements
+  int ldqp;
+  template <typename DimsT>
+  __host__ __device__ LocalPlanesSmem(Carve& c, const DimsT& d) : ldqp(kRows + d.pk + 8) {
+    info = c.take<Info>(1);
+    QP = c.take<float>(kRows * ldqp);
+    X = c.take<float>(3 * kRows * kPlaneRow / 2);
+    rn = c.take<float>(2 * kRows);
+  }
+};
+
 template <typename DimsT>
 __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p) {  // two blocks a multiprocessor
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<LocalSmem, DimsT> b(p, smem);
+  using Smem = LocalPlanesSmem;
+  const ChunkBlock<Smem, DimsT> b(p, smem, [&](const Smem& m, int64_t) {
+    const int h = blockIdx.y, kh = h / (p.hv / p.hk);
+    const auto* q_in = static_cast<const __nv_bfloat16*>(p.q);
+    auto* q = reinterpret_cast<__nv_bfloat16*>(m.X);
+    load_rows_early<true>(p.slots + static_cast<int64_t>(blockIdx.x) * kRows, p.T, EarlyRows{q, q_in, p.hk, kh},
+                          EarlyRows{q + kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh},
+                          EarlyRows{q + Smem::kDo, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, h});
+  });
   const DimsT& d = b.d;
   const auto& m = b.m;
-  Info& s = b.s;
   const int64_t head = b.head;
-  static_assert(kRows + DimsT::pk + 8 == 200 && DimsT::pv + 8 == kPlaneRow,
-                "LocalSmem's pitches: its planes (and q's and k's raw rows) take the bytes of its float32 tiles");
-  const __nv_bfloat16* qp = build_qp_planes(m.QP, m.ldqp, m.X, m.rn, s, p, d, b.h);
-  auto* d_o = reinterpret_cast<__nv_bfloat16*>(m.X);
-  load_rows_split(d_o, kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
-  wait_copies();
+  static_assert(kRows + DimsT::pk + 8 == 200 && DimsT::pv + 8 == kPlaneRow, "LocalPlanesSmem's pitches");
+  // (its wait_copies() takes d_o's rows in too)
+  const __nv_bfloat16* qp = build_qp_planes<DimsT, true>(m.QP, m.ldqp, m.X, m.rn, b.s, p, d, b.h);
+  const auto* d_o = reinterpret_cast<const __nv_bfloat16*>(m.X) + Smem::kDo;
   __syncthreads();
   // E Q's hi plane (the site q S's backward, one product) out, 16 bytes a thread.
   const int r0 = threadIdx.x / (DimsT::dk / 8), c = threadIdx.x % (DimsT::dk / 8) * 8;
@@ -1592,7 +1653,7 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
     *reinterpret_cast<uint4*>(p.eq + (head * kRows + r) * d.dk + c) =
         *reinterpret_cast<const uint4*>(qp + r * m.ldqp + kRows + c);
   }
-  plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(
+  plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(  // (kBExact: d_o's lo not read)
       qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, kRows * kPlaneRow, kRows, d.dv, kRows,
       [&](int r, int c, float v0, float v1) { store2(p.dv_local + (head * kRows + r) * d.dv + c, v0, v1); });
 }
@@ -2602,7 +2663,7 @@ void fused(Fused& f, bool backward) {
   a.dv_local = r.base.data_ptr<float>();
   if constexpr (fold) {
     a.eq = static_cast<__nv_bfloat16*>(eq.data_ptr());
-    launch<LocalSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
+    launch<LocalPlanesSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
   } else {
     a.dh_local = r.add.data_ptr<float>();
     launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
