@@ -1654,7 +1654,7 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
         *reinterpret_cast<const uint4*>(qp + r * m.ldqp + kRows + c);
   }
   plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(  // (kBExact: d_o's lo not read)
-      qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, kRows * kPlaneRow, kRows, d.dv, kRows,
+      qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, 0, kRows, d.dv, kRows,
       [&](int r, int c, float v0, float v1) { store2(p.dv_local + (head * kRows + r) * d.dv + c, v0, v1); });
 }
 
