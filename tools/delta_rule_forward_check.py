@@ -16,13 +16,20 @@
   flight overlap nothing live, every read finds its writer's bytes, each row lands once where its
   reader takes it (d_o's where plane_gemm reads B), and padding slots' rows are zero (the zero fill).
 
-A hand-off a step late, a carve with q's rows over h's and one with d_o's rows over k's are checked
-to fail, so the check can.
+The two carves are mirrored here and checked against the .cu's own structs, cut from it and
+compiled by g++ (where there is one), so an edit of the kernel's carve alone fails too. A hand-off
+a step late, a carve with q's rows over h's and one with d_o's rows over k's are checked to fail,
+so the check can.
 
     python3 tools/delta_rule_forward_check.py
 """
 
 from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 ROWS, THREADS, PK, DV = 64, 512, 128, 128
 PLANE_ROW = 136  # kPlaneRow
@@ -228,7 +235,76 @@ def check_local_rows(at, T: int = 40) -> None:
                 assert got == ((slots[i], n) if slots[i] < T else 0), (name, i, n, got)
 
 
+CU = Path(__file__).resolve().parent.parent / "cc" / "ops" / "gated_delta_rule.cu"
+
+
+def _cut(src: str, start: str) -> str:
+    """The text of the .cu from the line starting `start` to the end of its statement (a struct: its
+    closing brace at depth 0 and the semicolon)."""
+    i = src.index("\n" + start) + 1
+    if not start.startswith("struct"):
+        return src[i:src.index("\n", i)]
+    depth, j = 0, src.index("{", i)
+    while True:
+        depth += {"{": 1, "}": -1}.get(src[j], 0)
+        j += 1
+        if depth == 0:
+            return src[i:src.index(";", j) + 1]
+
+
+def cuda_carves() -> dict[str, dict[str, int]] | None:
+    """The two carves as the .cu's own structs lay them out: those structs and the constants they use,
+    cut from cc/ops/gated_delta_rule.cu and compiled for the host by g++ (the mirrors above are checked
+    against them, so an edit of either alone fails). None where there is no g++."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        return None
+    src = CU.read_text()
+    cut = [_cut(src, s) for s in ("constexpr int kThreads", "__host__ __device__ constexpr int round16",
+                                  "__host__ __device__ constexpr int larger", "struct Carve", "struct Info",
+                                  "struct Dims", "constexpr int kPlaneRow", "struct OutputPlanesSmem",
+                                  "struct LocalPlanesSmem")]
+    text = "\n".join([
+        "#include <cstdint>", "#include <cstddef>", "#include <cstdio>", "#define __host__", "#define __device__",
+        "using __nv_bfloat16 = uint16_t;", "constexpr int64_t kChunk = 64;  // (gated_delta_rule.h)", *cut,
+        "struct D128 { int dk = 128, dv = 128, pk = 128, pv = 128; };",
+        "alignas(16) static unsigned char base[1 << 20];",
+        "#define AT(k, x) printf(\"%s %s %ld\\n\", #k, #x, (long)((unsigned char*)m.x - base))",
+        "int main() {",
+        "  { Carve c{base}; OutputPlanesSmem m(c, D128{}); AT(output, info); AT(output, QP); AT(output, X);",
+        "    AT(output, rows); AT(output, rn); printf(\"output size %ld\\n\", (long)c.used); }",
+        "  { Carve c{base}; LocalPlanesSmem m(c, D128{}); AT(local, info); AT(local, QP); AT(local, X); AT(local, rn);",
+        "    printf(\"local size %ld\\nlocal d_o %ld\\n\", (long)c.used, (long)((unsigned char*)((uint16_t*)m.X + LocalPlanesSmem::kDo) - base)); }",
+        "}"])
+    with tempfile.TemporaryDirectory() as d:
+        cc, exe = Path(d) / "carve.cc", Path(d) / "carve"
+        cc.write_text(text)
+        subprocess.run([gxx, "-std=c++17", "-o", str(exe), str(cc)], check=True, capture_output=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    got: dict[str, dict[str, int]] = {}
+    for line in out.splitlines():
+        kernel, name, value = line.split()
+        got.setdefault(kernel, {})[name] = int(value)
+    return got
+
+
+def check_against_cuda(carves) -> None:
+    """The mirrors' regions start where the .cu's structs put them, and their sizes agree."""
+    at, size = output_carve()
+    want = {"info": at["info"][0], "QP": at["QP"][0], "X": at["X"][0], "rows": at["q"][0], "rn": at["rn"][0],
+            "size": size}
+    assert carves["output"] == want, (carves["output"], want)
+    at, size = local_carve()
+    want = {"info": at["info"][0], "QP": at["QP"][0], "X": at["X"][0], "rn": at["rn"][0], "size": size,
+            "d_o": at["d_o"][0]}
+    assert carves["local"] == want, (carves["local"], want)
+
+
 def main() -> int:
+    carves = cuda_carves()
+    if carves is not None:
+        check_against_cuda(carves)
+        print("the mirrored carves equal the .cu's structs (compiled by g++)")
     check_recurrence()
     for mutation in ({"late": True}, {"next_taken": True}):
         try:
