@@ -92,19 +92,31 @@ def check_recurrence(**mutation: bool) -> None:
             assert got == [(c,) * 5 for c in order], (reverse, chunks, got)
 
 
-def output_carve(rows_at_hi: bool = True) -> tuple[dict[str, tuple[int, int]], int]:
-    """OutputPlanesSmem's regions (byte ranges) and its size (Carve::take's order and 16-byte
-    alignment). rows_at_hi=False: q's and k's rows at X's start (over h's rows: must fail)."""
-    info = 64 * 8 + 64 * 8 + 3 * 64 * 4 + 4
-    ldqp = ROWS + PK + 8
-    k_hi = (ROWS + 128) * PITCH // 2  # floats
-    takes = [("info", info), ("QP", ROWS * ldqp * 4),
-             ("X", 4 * max(k_hi + ROWS * PLANE_ROW, (ROWS + PK + ROWS) * PITCH // 2))]
+INFO = 64 * 8 + 64 * 8 + 3 * 64 * 4 + 4  # Info's bytes (sizeof pads it to 1,800; the next take aligns either way)
+LDQP = ROWS + PK + 8  # QP's pitch (floats)
+
+
+def carve(takes: list[tuple[str, int]]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Carve::take's regions (byte ranges), each on 16 bytes, and the bytes used."""
     at, used = {}, 0
     for name, n in takes:
         used = (used + 15) // 16 * 16
         at[name] = (used, used + n)
         used += n
+    return at, used
+
+
+def assert_in_x(at, names) -> None:
+    for name in names:
+        assert at["X"][0] <= at[name][0] and at[name][1] <= at["X"][1] and at[name][0] % 16 == 0, name
+
+
+def output_carve(rows_at_hi: bool = True) -> tuple[dict[str, tuple[int, int]], int]:
+    """OutputPlanesSmem's regions (byte ranges) and its size (Carve::take's order and 16-byte
+    alignment). rows_at_hi=False: q's and k's rows at X's start (over h's rows: must fail)."""
+    k_hi = (ROWS + 128) * PITCH // 2  # floats
+    at, used = carve([("info", INFO), ("QP", ROWS * LDQP * 4),
+                      ("X", 4 * max(k_hi + ROWS * PLANE_ROW, (ROWS + PK + ROWS) * PITCH // 2))])
     x = at["X"][0]
     rows = x + (4 * k_hi if rows_at_hi else 0)
     bf = 2  # bytes a bfloat16
@@ -115,8 +127,7 @@ def output_carve(rows_at_hi: bool = True) -> tuple[dict[str, tuple[int, int]], i
     at["h"] = (at["v_hi"][1], at["v_hi"][1] + PK * PITCH * bf)
     lo = x + (ROWS + PK) * PITCH * bf  # kLo
     at["v_lo"] = (lo, lo + ROWS * PITCH * bf)
-    for name in ("q", "k", "rn", "v_hi", "h", "v_lo"):
-        assert at["X"][0] <= at[name][0] and at[name][1] <= at["X"][1] and at[name][0] % 16 == 0, name
+    assert_in_x(at, ("q", "k", "rn", "v_hi", "h", "v_lo"))
     return at, used
 
 
@@ -182,20 +193,12 @@ def check_output_h_rows(at) -> None:
 def local_carve(do_rows: int = 2) -> tuple[dict[str, tuple[int, int]], int]:
     """LocalPlanesSmem's regions (byte ranges) and size. do_rows: d_o's rows after that many of X's
     64-row blocks (kDo = 2 * kRows * kPlaneRow; 1: over k's rows, must fail)."""
-    info = 64 * 8 + 64 * 8 + 3 * 64 * 4 + 4
-    ldqp = ROWS + PK + 8
-    takes = [("info", info), ("QP", ROWS * ldqp * 4), ("X", 3 * ROWS * PLANE_ROW * 2), ("rn", 2 * ROWS * 4)]
-    at, used = {}, 0
-    for name, n in takes:
-        used = (used + 15) // 16 * 16
-        at[name] = (used, used + n)
-        used += n
+    at, used = carve([("info", INFO), ("QP", ROWS * LDQP * 4), ("X", 3 * ROWS * PLANE_ROW * 2), ("rn", 2 * ROWS * 4)])
     block = ROWS * PLANE_ROW * 2
     x = at["X"][0]
     at["q"], at["k"] = (x, x + block), (x + block, x + 2 * block)
     at["d_o"] = (x + do_rows * block, x + (do_rows + 1) * block)
-    for name in ("q", "k", "d_o"):
-        assert at["X"][0] <= at[name][0] and at[name][1] <= at["X"][1] and at[name][0] % 16 == 0, name
+    assert_in_x(at, ("q", "k", "d_o"))
     return at, used
 
 
