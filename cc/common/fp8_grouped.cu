@@ -407,7 +407,8 @@ template <int BT_>
 struct Rs {
   static constexpr int BT = BT_;  // tokens a tile: the product's N
   static constexpr int kXTile = BT * kBK * 2;  // x's rows: BT of 64 bf16, 128-byte swizzle
-  static constexpr int kWTile = kRsRows * kBK;  // the weight's: 128 rows of 64 FP8 bytes, 64-byte swizzle (transposed: 64 x 128, 128-byte)
+  // The weight's: 128 rows of 64 FP8 bytes, 64-byte swizzle (transposed: 64 x 128, 128-byte).
+  static constexpr int kWTile = kRsRows * kBK;
   static constexpr int kStageBytes = kXTile + kWTile;
   static constexpr int kStages = BT == 256 ? 5 : 8;
   // The epilogue: each warpgroup stages 32 tokens x its 64 features at a time (144 bytes a token: the
@@ -1052,11 +1053,12 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
   if (registers && wgmma::capable(x.get_device(), R::kSmem)) {
     // The weight [E out, in] as bytes: forward in boxes of 128 rows x 64 (the 64-byte swizzle), transposed
     // of 64 rows (out, the sum) x 128 (in, the features; the 128-byte swizzle, whose box row is 128 bytes).
-    const CUtensorMap w_map =
-        transposed ? wgmma::tensor_map_swizzled(w.const_data_ptr(), E * weight.size(1), weight.size(2), weight.size(2),
-                                             kBK, true)
-                   : wgmma::tensor_map_swizzled(w.const_data_ptr(), E * weight.size(1), weight.size(2), weight.size(2),
-                                             kRsRows, true, kBK);
+    // Either box is the stage's kWTile bytes, which its barrier expects (another size hangs the kernel).
+    static_assert(kRsRows * kBK == R::kWTile && kBK * 128 == R::kWTile, "fp8_registers: a weight box of kWTile bytes");
+    const int64_t w_rows = E * weight.size(1), in = weight.size(2);
+    const void* w0 = w.const_data_ptr();
+    const CUtensorMap w_map = transposed ? wgmma::tensor_map_swizzled(w0, w_rows, in, in, kBK, true)
+                                         : wgmma::tensor_map_swizzled(w0, w_rows, in, in, kRsRows, true, kBK);
     const dim3 rs_grid = persistent_grid(x, E, N, S::BM, kRsRows);
     if (transposed)
       wgmma::launch(fp8_registers_kernel<true, S::BM>, rs_grid, kThreads, R::kSmem, stream, x_map, w_map, a);
