@@ -1,8 +1,8 @@
 """A CPU check of the forward's plane kernels' hand-offs and carve (cc/ops/gated_delta_rule.cu):
 
-- recurrence_planes_kernel (both instances) reads each chunk's decay a step ahead, as it reads the
-  base: over over_chunks' order of calls (ahead, load, then per step turn, load of the next chunk,
-  ahead of the one after, step), step i must take chunk i's tiles, decay and base, and the folded
+- over_chunks (the recurrence kernels' loop) reads each chunk's decay a step ahead, as
+  recurrence_planes_kernel (both instances) reads the base: over its order of calls (ahead, load,
+  then per step the next decay, turn, load of the next chunk, ahead of the one after, step), step i must take chunk i's tiles, decay and base, and the folded
   backward's (reverse, kFold) its d_o rows by the token that ahead() read for that chunk, for any
   number of chunks;
 - output_planes_kernel copies q's and k's raw rows and the first pass's h before load_info
@@ -42,10 +42,10 @@ def recurrence_steps(chunks: int, reverse: bool = False, late: bool = False,
     """over_chunks' calls as the kernel makes them: what each step takes, (chunk, its stage's tiles,
     decay, base, d_o's token's chunk), all the chunk's own. reverse: the folded backward's order (last
     chunk first; ahead() reads the slot token load() takes next). late: turn() after the next load
-    (the mutation delta_rule_recurrence_base_a_step_late); next_taken: the step reads next_dec
-    (delta_rule_recurrence_decay_of_next_chunk)."""
+    (the mutation delta_rule_recurrence_base_a_step_late); next_taken: the decay read a step ahead is
+    the chunk after next's (delta_rule_recurrence_decay_of_next_chunk)."""
     offset = [10 * i for i in range(chunks)]  # chunk_at's p.offset (documents: + doc)
-    reg = {"next_base": None, "base": None, "next_dec": None, "dec_ahead": None, "tok": None}
+    reg = {"next_base": None, "base": None, "tok": None}
     stages: list[dict] = [{}, {}]
 
     def chunk_at(i: int) -> int:
@@ -56,20 +56,25 @@ def recurrence_steps(chunks: int, reverse: bool = False, late: bool = False,
 
     def load(stage: int, chunk: int) -> None:
         stages[stage] = {"tiles": chunk, "tok": reg["tok"]}  # cp.async: a, b (eq, d_o by tok)
-        reg["next_base"], reg["next_dec"] = chunk, chunk  # registers, a step ahead
+        reg["next_base"] = chunk  # registers, a step ahead
 
     def turn() -> None:
-        reg["base"], reg["dec_ahead"] = reg["next_base"], reg["next_dec"]
+        reg["base"] = reg["next_base"]
 
     taken = []
     chunk, nxt = chunk_at(0), chunk_at(1)
+    dec_next = None
     if chunks > 0:
         ahead(chunk)
         load(0, chunk)
+        dec_next = chunk  # p.decay[chunk * heads + h]
     if chunks > 1:
         ahead(nxt)
     for i in range(chunks):
         after, stage = chunk_at(i + 2), i % 2
+        dec = dec_next
+        if i + 1 < chunks:
+            dec_next = after if next_taken else nxt  # over_chunks' decay, read a step ahead
         if not late:
             turn()
         if i + 1 < chunks:
@@ -78,7 +83,6 @@ def recurrence_steps(chunks: int, reverse: bool = False, late: bool = False,
             turn()
         if i + 2 < chunks:
             ahead(after)
-        dec = reg["next_dec"] if next_taken else reg["dec_ahead"]
         taken.append((chunk, stages[stage]["tiles"], dec, reg["base"], stages[stage]["tok"]))
         chunk, nxt = nxt, after
     return taken

@@ -1133,22 +1133,28 @@ __device__ __forceinline__ void load_base_add(float* base, float* add, const Rec
 // called a step before load(stage, chunk), for what load needs read from global memory first (so
 // that its latency passes under a step, not on the critical path); the chunk after next's index is
 // read with the next one's. turn() is called at each step before load(), for what load hands over in
-// registers (a thread's values of the next chunk, read a step ahead).
+// registers (a thread's values of the next chunk, read a step ahead). The chunk decay is read a step
+// ahead too: read at its own step's start, its load (a line that all the blocks miss together each
+// step) was on the critical path, consumed by the state's update after both products (SASS of the
+// plane kernels at 0feb045 and 1a45619).
 template <typename Load, typename Step, typename Ahead, typename Turn>
 __device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step, Ahead&& ahead,
                                             Turn&& turn) {
   const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
   const auto chunk_at = [&](int64_t i) { return i < chunks ? p.offset[p.reverse ? chunks - 1 - i : i] + doc : 0; };
   int64_t chunk = chunk_at(0), next = chunk_at(1);
+  float dec_next = 0.0f;
   if (chunks > 0) {
     ahead(chunk);
     load(0, chunk);
+    dec_next = p.decay[chunk * p.heads + h];
   }
   if (chunks > 1) ahead(next);
   for (int64_t i = 0; i < chunks; ++i) {
     const int64_t head = chunk * p.heads + h, after = chunk_at(i + 2);
     const int stage = i % 2;
-    const float dec = p.decay[head];
+    const float dec = dec_next;
+    if (i + 1 < chunks) dec_next = p.decay[next * p.heads + h];
     wait_copies();
     __syncthreads();  // this step's tiles are in; the last step's reads of the other stage are done
     turn();
@@ -1274,10 +1280,6 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   // x0 + g and + 8, columns xc + 2 t and + 1), read a step ahead into `next_base`, turned into `base`.
   const int base_at = (x0 + g) * DimsT::dv + col0 + xc + 2 * t;
   float2 base[2] = {}, next_base[2] = {};
-  // The chunk decay, read a step ahead like the base: read by over_chunks at the step's start, its load
-  // (a line that all 128 blocks miss together each step) was on the critical path, consumed by the
-  // state's update after both products (SASS of 0feb045; of 1a45619 for the folded backward).
-  float dec_ahead = 0.0f, next_dec = 0.0f;
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
     const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk) + to_rows;
@@ -1301,7 +1303,6 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
     const float* from = p.base + head * kRows * d.dv + base_at;  // (p.add null on planes)
     next_base[0] = *reinterpret_cast<const float2*>(from);
     next_base[1] = *reinterpret_cast<const float2*>(from + 8 * DimsT::dv);
-    next_dec = p.decay[head];
     commit_copies();
   };
   // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
@@ -1309,8 +1310,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
     if (kFold && tid < kRows * kCols / 8) tok = p.slots[chunk * kRows + tid / (kCols / 8)];
   };
   // (over_chunks' barrier also makes the last step's bfloat16 S visible.)
-  over_chunks(p, h, load, [&](int64_t head, int stage, float) {  // (over_chunks' decay: dec_ahead's)
-    const float dec = dec_ahead;
+  over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
     // The state out rounded to bfloat16 as the products take it (and dgamma's dot reads it).
     // Eight bytes a lane (half sectors were written four bytes a lane): lanes t and t ^ 1 swap a pair,
     // so that the even one holds columns sc + 2 t.. + 3 and the odd one sc + 8 + 2 (t - 1).. + 3.
@@ -1387,7 +1387,6 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   }, ahead, [&] {
     base[0] = next_base[0];
     base[1] = next_base[1];
-    dec_ahead = next_dec;
   });
 }
 
