@@ -792,50 +792,36 @@ __device__ __forceinline__ void load_rows_early(const int64_t* slots, int64_t T_
   int64_t tok[kPasses];
 #pragma unroll
   for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0 + u * (kThreads / kPieces)];
-  const auto rows = [&](__nv_bfloat16* dst, const __nv_bfloat16* x, int heads, int head, auto piece) {
+  // kFill: padding rows zero without a branch by token (cp.async's zero fill; plain: a select), from
+  // token 0's row: under one, local_grads' smem base left the uniform registers and its product
+  // spilled (64 registers). Else a padding row's 16 bytes are stored as zeros.
+  const auto rows = [&](const EarlyRows& r, auto piece) {
 #pragma unroll
     for (int u = 0; u < kPasses; ++u) {
-      __nv_bfloat16* at = dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c;
-      if (tok[u] >= T_) *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
-      else piece(at, x + (tok[u] * heads + head) * 128 + c);
+      __nv_bfloat16* at = r.dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c;
+      const auto row = [&](int64_t t) { return r.x + (t * r.heads + r.head) * 128 + c; };
+      if constexpr (kFill) {
+        const bool in_doc = tok[u] < T_;
+        piece(at, row(in_doc ? tok[u] : 0), in_doc);
+      } else if (tok[u] >= T_) {
+        *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+      } else {
+        piece(at, row(tok[u]), true);
+      }
     }
   };
-  const auto copy = [](__nv_bfloat16* at, const __nv_bfloat16* src) { copy16(at, src); };
-  const auto plain = [](__nv_bfloat16* at, const __nv_bfloat16* src) { for (int j = 0; j < 8; ++j) at[j] = src[j]; };
-  // kFill: padding rows zero without a branch by token (cp.async's zero fill; plain: a select): under
-  // one, local_grads' smem base left the uniform registers and its product spilled (64 registers).
-  const auto filled = [&](__nv_bfloat16* dst, const __nv_bfloat16* x, int heads, int head) {
-#pragma unroll
-    for (int u = 0; u < kPasses; ++u) {
-      const bool in_doc = tok[u] < T_;
-      copy16_fill(dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c,
-                  x + ((in_doc ? tok[u] : 0) * heads + head) * 128 + c, in_doc);
-    }
+  const auto copy = [](__nv_bfloat16* at, const __nv_bfloat16* src, bool valid) {
+    if constexpr (kFill) copy16_fill(at, src, valid);
+    else copy16(at, src);
   };
-  const auto filled_plain = [&](__nv_bfloat16* dst, const __nv_bfloat16* x, int heads, int head) {
-#pragma unroll
-    for (int u = 0; u < kPasses; ++u) {
-      const bool in_doc = tok[u] < T_;
-      const __nv_bfloat16* src = x + ((in_doc ? tok[u] : 0) * heads + head) * 128 + c;
-      __nv_bfloat16* at = dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c;
-      for (int j = 0; j < 8; ++j) at[j] = in_doc ? src[j] : __nv_bfloat16();
-    }
+  const auto plain = [](__nv_bfloat16* at, const __nv_bfloat16* src, bool valid) {
+    for (int j = 0; j < 8; ++j) at[j] = valid ? src[j] : __nv_bfloat16();
   };
   const auto one = [&](const EarlyRows& r) {
-    if (aligned16(r.x)) {
-      if constexpr (kFill) filled(r.dst, r.x, r.heads, r.head);
-      else rows(r.dst, r.x, r.heads, r.head, copy);
-    } else {
-      if constexpr (kFill) filled_plain(r.dst, r.x, r.heads, r.head);
-      else rows(r.dst, r.x, r.heads, r.head, plain);
-    }
+    if (aligned16(r.x)) rows(r, copy);
+    else rows(r, plain);
   };
   (one(in), ...);
-}
-__device__ __forceinline__ void load_rows_early(__nv_bfloat16* k_dst, const __nv_bfloat16* k, int hk, int kh,
-                                                __nv_bfloat16* v_dst, const __nv_bfloat16* v, int hv, int h,
-                                                const int64_t* slots, int64_t T_) {
-  load_rows_early(slots, T_, EarlyRows{k_dst, k, hk, kh}, EarlyRows{v_dst, v, hv, h});
 }
 
 // rows x kWidth values (bfloat16 or float32) at src (row stride `stride`) into dst (pitch ld), 16
@@ -1532,9 +1518,9 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
     copy_rows<kOutCols>(reinterpret_cast<__nv_bfloat16*>(m.X) + kRows * kPitch, kPitch, h_in + head * 128 * 128, 128,
                         128);  // the first pass's h (c0 = 0, below)
     auto* q = reinterpret_cast<__nv_bfloat16*>(m.rows);
-    load_rows_early(q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh, q + kRows * kPlaneRow,
-                    static_cast<const __nv_bfloat16*>(p.k), p.hk, kh,
-                    p.slots + static_cast<int64_t>(blockIdx.x) * kRows, p.T);
+    load_rows_early(p.slots + static_cast<int64_t>(blockIdx.x) * kRows, p.T,
+                    EarlyRows{q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh},
+                    EarlyRows{q + kRows * kPlaneRow, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh});
   });
   const DimsT& d = b.d;
   const auto& m = b.m;
@@ -2229,9 +2215,9 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   const ChunkBlock<WyPlanesSmem, DimsT> b(p, smem, [&](const WyPlanesSmem& m, int64_t head) {
     copy_rows<kQ>(m.Y, kPitch64, p.dv_new + head * kRows * 128, 128, kRows);  // fetch(0) (below)
     const int h = blockIdx.y;
-    load_rows_early(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, h / (p.hv / p.hk), m.v,
-                    static_cast<const __nv_bfloat16*>(p.v), p.hv, h, p.slots + static_cast<int64_t>(blockIdx.x) * kRows,
-                    p.T);
+    load_rows_early(p.slots + static_cast<int64_t>(blockIdx.x) * kRows, p.T,
+                    EarlyRows{m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, h / (p.hv / p.hk)},
+                    EarlyRows{m.v, static_cast<const __nv_bfloat16*>(p.v), p.hv, h});
 #pragma unroll
     for (int u = 0; u < 2; ++u) {  // (last: held across load_info, they spilled where loaded first)
       ai_quads[u] = *reinterpret_cast<const float4*>(p.ai + (head * kRows + threadIdx.x / 16 + 32 * u) * kRows +
