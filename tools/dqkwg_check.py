@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 
+from smem_model import wavefronts
+
 ROWS, THREADS, WARPS = 64, 512, 16
 PLANE_ROW, PLANE64, PITCH64, LDF = 136, 72, 68, 136  # kPlaneRow, kPlane64, kPitch64, DqkwgSmem::kLdF
 ROW_THREADS = THREADS // ROWS
@@ -152,20 +154,6 @@ def check_rows() -> None:
     pairs = collections.Counter((tid // 32 + u * (2 * THREADS // ROWS), tid % 32 * 2) for tid in range(THREADS)
                                 for u in range(ROWS * ROWS // 2 // THREADS))
     assert pairs == collections.Counter({(r, c): 1 for r in range(ROWS) for c in range(0, ROWS, 2)})
-
-
-def wavefronts(addresses, width):
-    """Shared-memory wavefronts of one warp's access of `width` bytes a lane (4 or 8): 8-byte accesses
-    in two half-warps; a wavefront serves one word a bank (a word broadcast)."""
-    halves = [addresses[:16], addresses[16:]] if width == 8 else [addresses]
-    total = 0
-    for half in halves:
-        banks = collections.defaultdict(set)
-        for a in half:
-            for w in range(width // 4):
-                banks[(a // 4 + w) % 32].add(a // 4 + w)
-        total += max(len(v) for v in banks.values())
-    return total
 
 
 def epilogue_wavefronts(calls, pitch_bytes):

@@ -42,6 +42,8 @@ from __future__ import annotations
 import collections
 import itertools
 
+from smem_model import sw64, sw128, wavefronts
+
 BK, ROWS, THREADS = 64, 128, 384  # kBK, kRsRows, kThreads
 MAX_SMEM = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on the H100 (227 KB)
 
@@ -91,11 +93,6 @@ def check_carve(s: Rs) -> dict[str, tuple[int, int]]:
     return at
 
 
-def sw64(offset: int) -> int:
-    """TMA's 64-byte swizzle of a linear byte offset in a tile on 512 bytes: bits 4-5 ^= bits 7-8."""
-    return offset ^ (((offset >> 7) & 3) << 4)
-
-
 def tma_weight_tile() -> dict[int, tuple[int, int]]:
     """Where TMA puts the box of 128 rows x 64 bytes: physical offset -> (row, byte)."""
     return {sw64(r * BK + c): (r, c) for r in range(ROWS) for c in range(BK)}
@@ -118,21 +115,6 @@ def wanted(wg: int, warp: int, lane: int, kk: int) -> list[tuple[int, int]]:
     slice; each register's low half the pair's first column."""
     row, col = 64 * wg + 16 * warp + lane // 4, 16 * kk + 2 * (lane % 4)
     return [(row, col), (row + 8, col), (row, col + 8), (row + 8, col + 8)]
-
-
-def wavefronts(addresses: list[int], width: int) -> int:
-    """Shared-memory wavefronts of a warp's access of `width` bytes a lane: up to 4 bytes the whole
-    warp at once, 16 in quarter-warps (8 lanes); a wavefront serves one 4-byte word a bank (a word
-    broadcast to every lane reading it)."""
-    groups = [addresses[i:i + 8] for i in range(0, len(addresses), 8)] if width == 16 else [addresses]
-    total = 0
-    for g in groups:
-        banks = collections.defaultdict(set)
-        for a in g:
-            for w in range(max(width, 4) // 4):
-                banks[(a // 4 + w) % 32].add(a // 4 + w)
-        total += max(len(v) for v in banks.values())
-    return total
 
 
 def check_fragments(frag=FRAG) -> int:
@@ -284,11 +266,6 @@ def check_epilogue(s: Rs, transposed: bool = False, permuted: bool = True) -> tu
 
 
 # ---- The transposed instance: the weight's tile [64 k (out) x 128 m (in)] as A = its transpose.
-def sw128(offset: int) -> int:
-    """TMA's 128-byte swizzle of a linear byte offset in a tile on 1,024 bytes: bits 4-6 ^= bits 7-9."""
-    return offset ^ (((offset >> 7) & 7) << 4)
-
-
 def tma_weight_tile_t() -> dict[int, tuple[int, int]]:
     """Where TMA puts the box of 64 rows (k: out) x 128 bytes (m: in): physical offset -> (k, m)."""
     return {sw128(k * 128 + m): (k, m) for k in range(BK) for m in range(ROWS)}

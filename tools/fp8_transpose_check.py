@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import random
 
+from smem_model import sw128
+
 
 def swizzled(row: int, byte: int) -> int:
     """Byte (row, byte) of a tile of 128-byte rows with the 128-byte swizzle (chunk ^= row % 8)."""
-    return row * 128 + ((byte // 16) ^ (row % 8)) * 16 + byte % 16
+    return sw128(row * 128 + byte)
 
 
 def blocks(t: int):
