@@ -276,11 +276,6 @@ MUTATIONS = (
              "next chunk's load (each step takes the next chunk's base)", "cc/ops/gated_delta_rule.cu",
              "    turn();\n    if (i + 1 < chunks) load(1 - stage, next);",
              "    if (i + 1 < chunks) load(1 - stage, next);\n    turn();", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_recurrence_decay_of_next_chunk", "the recurrence (over_chunks: forward and folded "
-             "backward): each step's state after the first decayed by the next chunk's decay (the chunk after "
-             "next's read a step ahead)", "cc/ops/gated_delta_rule.cu",
-             "if (i + 1 < chunks) dec_next = p.decay[next * p.heads + h];",
-             "if (i + 1 < chunks) dec_next = p.decay[after * p.heads + h];", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_prepare_planes_kk_rk_by_row", "prepare on planes: A's K K^T from k's raw rows scaled by "
              "the row's key norm twice (r_k of i, not of j)", "cc/ops/gated_delta_rule.cu",
              "v0 * m.rk[r] * m.rk[c] * decay(s, r, c)", "v0 * m.rk[r] * m.rk[r] * decay(s, r, c)", PLANES_CUDA,
