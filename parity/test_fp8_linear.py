@@ -258,9 +258,8 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
     so each element must lie within such a product's bound of the float64 truth. More tiles than
     multiprocessors, so that each persistent block takes several. The profile shows the kernels ran
     both ways with the tile asked for (a kernel that declined would leave the dequantised path to
-    pass alone): forward fp8_registers_kernel (its tokens a tile the tile's rows), backward
-    fp8_grouped_kernel. Unasked, the kernel takes 256 x 128 where the experts average 256 rows or more
-    (here 2,426)."""
+    pass alone): fp8_registers_kernel both ways, its tokens a tile the tile's rows. Unasked, the kernel
+    takes 256 x 128 where the experts average 256 rows or more (here 2,426)."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
     monkeypatch.delenv("V4TRAIN_FP8_GROUPED_VARIANTS", raising=False)
     if tile is None:
@@ -270,9 +269,7 @@ def test_the_experts_fp8_kernel_on_cuda_is_within_a_bf16_products_bound(tile, mo
         monkeypatch.setenv("V4TRAIN_FP8_GROUPED_TILE", tile)
     q, scale, x, dy, y, dx, prof = _experts_run(17)
     rows, cols = (int(n) for n in tile.split("x"))
-    assert _grouped_kinds(prof) == sorted([f"registers_kernel<false,{rows}", "grouped_kernel<true"])
-    launches = [e.name for e in prof.events() if "fp8_grouped_kernel<" in e.name]  # <backward?, its tile>
-    assert all(re.search(rf"Shape<{rows},\s*{cols}>", n) for n in launches), launches
+    assert _grouped_kinds(prof) == sorted([f"registers_kernel<false,{rows}", f"registers_kernel<true,{rows}"])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert sum(-(-n // rows) for n in COUNTS) * -(-IN // cols) > sms  # the launch of the fewest tiles
     w = dequantize_fp8(q, scale, torch.float64)
@@ -300,53 +297,30 @@ def _variant_runs(monkeypatch, tile, cols, seed, kernels, **shape):
 
 @CUDA
 @pytest.mark.parametrize("tile", ["128x256", "256x128"])
-@pytest.mark.parametrize("inp", [IN, 128])
-def test_the_experts_fp8_kernels_registers_forward_on_cuda_is_within_the_bound_and_equals_staged(tile, inp,
-                                                                                                 monkeypatch):
-    """The forward on fp8_registers_kernel (the weight turned from FP8 by the multiplying warps into
-    wgmma's A registers, x's tile the B operand; tiles of y^T, 128 features by the tile's rows of
-    tokens: 128 for 128x256, 256 for 256x128), unasked, against V4TRAIN_FP8_GROUPED_VARIANTS=staged (the
-    forward on fp8_grouped_kernel, the weight dequantised into shared memory). The unasked y within a
-    bf16 product's bound of the float64 truth, expert by expert (COUNTS: partial, empty and one-row
-    experts; more tiles than multiprocessors, so that each persistent block takes several), then equal
-    to staged's bit for bit: the same bf16 operands and fp32 sums of the same 16-column products in the
-    same order, A and B swapped (a failure there with the bound kept says the tensor core sums a
-    product's 16 terms in an order that depends on which operand is A). x's gradient on
-    fp8_grouped_kernel both times. At 128 inputs a tile is two steps. The profile shows which kernel
-    ran each way."""
+@pytest.mark.parametrize("shape", [{}, {"inp": 128}, {"out": 128}], ids=["640x384", "640x128", "128x384"])
+def test_the_experts_fp8_registers_kernel_on_cuda_is_within_the_bound_and_equals_staged(tile, shape, monkeypatch):
+    """Both ways on fp8_registers_kernel, unasked: the forward y = x W_e^T (y^T's tiles, 128 features by
+    the tile's rows of tokens: 128 for 128x256, 256 for 256x128; the weight turned from FP8 by the
+    multiplying warps into wgmma's A registers, x's tile the B operand) and x's gradient dx = dy W_e
+    (dx^T = W_e^T dy^T: the weight's tile as it lies, turned into A's registers by ldmatrix .trans and a
+    byte permute, its rows the features in a permuted order the epilogue undoes), against
+    V4TRAIN_FP8_GROUPED_VARIANTS=staged (fp8_grouped_kernel both ways, the weight dequantised into shared
+    memory). The unasked y and dx within a bf16 product's bound of the float64 truth, expert by expert
+    (COUNTS: partial, empty and one-row experts; the wider way more tiles than multiprocessors, so that
+    each persistent block takes several), then equal to staged's bit for bit: the same bf16 operands and fp32 sums of the
+    same 16-wide slices in the same order, A and B swapped (a failure there with the bound kept says the
+    tensor core sums a product's 16 terms in an order that depends on which operand is A). At 128 inputs
+    the forward's tile is two steps, at 128 outputs the backward's. The profile shows which kernel ran
+    each way."""
     rows = int(tile.split("x")[0])
-    runs, (q, scale, x, dy) = _variant_runs(monkeypatch, tile, OUT, 47, {
-        "none": [f"registers_kernel<false,{rows}", "grouped_kernel<true"],
-        "staged": ["grouped_kernel<false", "grouped_kernel<true"]}, inp=inp)
+    runs, (q, scale, x, dy) = _variant_runs(monkeypatch, tile, max(shape.get("out", OUT), shape.get("inp", IN)), 47, {
+        "none": [f"registers_kernel<false,{rows}", f"registers_kernel<true,{rows}"],
+        "staged": ["grouped_kernel<false", "grouped_kernel<true"]}, **shape)
     w = dequantize_fp8(q, scale, torch.float64)
-    ratio = assert_within(runs["none"][0].cpu(), _grouped_bound(x.detach(), w.transpose(1, 2)), "y")
-    print(f"registers forward, tile {tile}, {inp} inputs: max |error| / bound = {ratio:.3f} (y)")
+    ratios = (assert_within(runs["none"][0].cpu(), _grouped_bound(x.detach(), w.transpose(1, 2)), "y"),
+              assert_within(runs["none"][1].cpu(), _grouped_bound(dy, w), "x's gradient"))
+    print(f"registers kernel, tile {tile}, {shape}: max |error| / bound = {ratios[0]:.3f} (y), {ratios[1]:.3f} (dx)")
     _assert_same_bits(runs["none"], runs["staged"])
-
-
-@CUDA
-@pytest.mark.parametrize("tile", ["128x256", "256x128"])
-@pytest.mark.parametrize("out", [OUT, 128])
-def test_the_experts_fp8_kernels_registers_backward_on_cuda_is_within_the_bound_and_equals_the_default(tile, out,
-                                                                                                  monkeypatch):
-    """V4TRAIN_FP8_GROUPED_VARIANTS=registers_backward: x's gradient dx = dy W_e on fp8_registers_kernel<true>
-    (dx^T = W_e^T dy^T: the weight's tile as it lies, turned into wgmma's A registers by ldmatrix .trans
-    and a byte permute, its rows the features in a permuted order the epilogue undoes; dy's tile the B
-    operand), against the unasked backward on fp8_grouped_kernel<true>. dx within a bf16 product's bound
-    of the float64 truth, expert by expert (COUNTS: partial, empty and one-row experts; more tiles than
-    multiprocessors), then equal to fp8_grouped_kernel's bit for bit: the same bf16 operands and fp32
-    sums of the same 16-row slices of the weight in the same order, A and B swapped (a failure there
-    with the bound kept says the tensor core sums a product's 16 terms in an order that depends on which
-    operand is A; the forward's test found the same bits). y on the forward's kernel both times. At 128
-    outputs the backward's tile is two steps. The profile shows which kernel ran each way."""
-    rows = int(tile.split("x")[0])
-    runs, (q, scale, x, dy) = _variant_runs(monkeypatch, tile, IN, 53, {
-        "none": [f"registers_kernel<false,{rows}", "grouped_kernel<true"],
-        "registers_backward": [f"registers_kernel<false,{rows}", f"registers_kernel<true,{rows}"]}, out=out)
-    w = dequantize_fp8(q, scale, torch.float64)
-    ratio = assert_within(runs["registers_backward"][1].cpu(), _grouped_bound(dy, w), "x's gradient")
-    print(f"registers backward, tile {tile}, {out} outputs: max |error| / bound = {ratio:.3f} (dx)")
-    _assert_same_bits(runs["registers_backward"], runs["none"])
 
 
 def _grouped_kinds(prof) -> list[str]:
@@ -504,7 +478,7 @@ def test_the_experts_forward_alone_on_cuda_fp8_tensor_cores(monkeypatch):
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "experts_forward")
     q, scale, x, dy, y, dx, prof = _experts_run(37)
     assert _kernel_launches(prof, "fp8_e4m3_kernel") == ["false"]
-    assert _kernel_launches(prof, "fp8_grouped_kernel") == ["true"]
+    assert _kernel_launches(prof, "fp8_registers_kernel") == ["true"]
     assert_within(y.cpu(), _path_a_grouped_bound(x, q, scale, COUNTS), "y")
     assert_within(dx.cpu(), _grouped_bound(dy, dequantize_fp8(q, scale, torch.float64)), "x's gradient")
 

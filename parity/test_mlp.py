@@ -166,7 +166,7 @@ def test_fp8_routed_experts_keep_no_dense_copy_for_the_backward_pass(device):
 def test_fp8_routed_experts_on_cuda_take_the_grouped_kernel_and_equal_the_dequantised_run(monkeypatch):
     """On CUDA v4_glm5_moe's routed experts multiply their FP8 weights in cc/common/fp8_grouped.cu
     both ways (parity/test_fp8_linear.py holds that kernel alone to its bound): the profile shows
-    it for both maps, forward (fp8_registers_kernel) and backward (fp8_grouped_kernel). The output
+    it for both maps, forward and backward (fp8_registers_kernel<false>, <true>). The output
     and x's gradient equal the run on the weights dequantised on load (cuBLAS's grouped GEMM) as the
     parity judge has it, against the float64 truth on the same routing: the two sum in other orders,
     and the MoE's cancellations turn a few elements' last-bit differences into more than the bf16
@@ -200,8 +200,8 @@ def test_fp8_routed_experts_on_cuda_take_the_grouped_kernel_and_equal_the_dequan
         ours = run(OPS["v4_glm5_moe"].cpp(), fp8, torch.bfloat16, "cuda")
         torch.cuda.synchronize()
     launches = [e.name for e in prof.events() if re.search(r"fp8_(grouped|registers)_kernel<", e.name)]
-    assert sorted(re.search(r"fp8_(grouped_kernel<(?:true|false)|registers_kernel)", n).group(1) for n in launches) == \
-        ["grouped_kernel<true", "grouped_kernel<true", "registers_kernel", "registers_kernel"], launches
+    assert sorted(re.search(r"fp8_((?:grouped|registers)_kernel<(?:true|false))", n).group(1) for n in launches) == \
+        ["registers_kernel<false"] * 2 + ["registers_kernel<true"] * 2, launches
     assert torch.bincount(ours[2].flatten(), minlength=E)[none] == 0
     theirs = run(OPS["v4_glm5_moe"].cpp(), dense, torch.bfloat16, "cuda")
     exact = {n: Linear(dequantize_fp8(w.weight, w.weight_scale_inv, torch.float64).cpu()) for n, w in fp8.items()}

@@ -1,5 +1,5 @@
-"""A CPU check of fp8_registers_kernel (cc/common/fp8_grouped.cu, the experts' forward unless
-V4TRAIN_FP8_GROUPED_VARIANTS=staged): the FP8 weight as wgmma's A operand from registers, x's tile as B. The
+"""A CPU check of fp8_registers_kernel (cc/common/fp8_grouped.cu, the experts' forward and backward
+unless V4TRAIN_FP8_GROUPED_VARIANTS=staged): the FP8 weight as wgmma's A operand from registers, x's tile as B. The
 index math below mirrors the kernel's (Rs<BT>, `chunk`, `frag`, `st_at`, the copy out, the consumer
 loop); change both together. Checked:
 
@@ -21,8 +21,8 @@ loop); change both together. Checked:
   wavefronts; and over experts of 3000, 0, 1, 129 and 9000 rows, the persistent blocks' tiles
   (find_tile's order, feature tiles fastest) write every element of y once.
 
-And its transposed instance (fp8_registers_kernel<true>, the backward dx = dy W_e under
-V4TRAIN_FP8_GROUPED_VARIANTS=registers_backward: A = W_e^T, M the in features, K out):
+And its transposed instance (fp8_registers_kernel<true>, the backward dx = dy W_e:
+A = W_e^T, M the in features, K out):
 
 - the weight's box as TMA lays it (64 rows of out x 128 bytes of in, the 128-byte swizzle: address bits
   4-6 ^= bits 7-9), its coordinates and the scale block each step reads;

@@ -10,8 +10,8 @@
 // fp8.cu does: the products are dequantise-then-grouped-GEMM's up to the order of their sums. The
 // copying warps bound the kernel (ncu, 2026-12-05: the products waited on them three quarters of the
 // time while x's copies and the addresses were over half their instructions); so x goes by TMA and
-// every address a step is its first plus a constant. The forward now runs on fp8_registers_kernel
-// (below; this kernel's forward is the variant `staged`), and so may the backward (`registers_backward`).
+// every address a step is its first plus a constant. Both ways now run on fp8_registers_kernel
+// (below); this kernel is the variant `staged`, kept as the registers kernel's bit-for-bit reference.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// ---- The mixed-input design (the forward unless V4TRAIN_FP8_GROUPED_VARIANTS=staged): the weight is
+// ---- The mixed-input design (both ways unless V4TRAIN_FP8_GROUPED_VARIANTS=staged): the weight is
 // the product's A operand taken from registers, turned from FP8 by the multiplying warps themselves,
 // and x the B operand from shared memory ("swap AB": a block computes y^T's tile, its rows 128 output
 // features, the weight's rows, its columns BT tokens, x's rows of one expert). A producer warp has x's
@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ~144 KB (its products read the weight tile twice a warpgroup and x once, 96 KB, and the copies
 // store 16 KB of bf16 besides x's 32 KB). The same bf16 operands and fp32 sums in the same order of
 // 16-column products: y equals fp8_grouped_kernel's bit for bit (its CUDA test asserts it).
-// Transposed (the backward, V4TRAIN_FP8_GROUPED_VARIANTS=registers_backward): dx^T = W_e^T dy^T, A the
+// Transposed (the backward): dx^T = W_e^T dy^T, A the
 // weight's tile turned (M the in features, K out), B dy's tile as x's. The weight's tile comes as it lies,
 // 64 rows of out by 128 bytes of in (the 128-byte swizzle), M-contiguous, so a fragment's pairs (two k
 // of a row) are not adjacent bytes: ldmatrix .trans over the tile as 16-bit pairs gives lane 4 g + t the
@@ -1012,17 +1012,15 @@ void launch_e4m3(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 enum class Choice { kWide, kTall, kOff };
 
 // The kernel's variants, as V4TRAIN_FP8_GROUPED_VARIANTS names them (a comma list read at each call;
-// unset or empty: none). The forward (y = x W_e^T) runs on fp8_registers_kernel (the weight turned from
-// FP8 by the multiplying warps into wgmma's A registers; x by TMA as B; BT tokens a tile, the tile's
-// rows: 256 for 256 x 128, 128 for 128 x 256): on the H100 its two launches of the GLM-5 proxy's MoE
-// op took 3.82 ms against fp8_grouped_kernel's 4.48, the same bits. `staged` names the forward on
-// fp8_grouped_kernel<false> instead, kept so that the CUDA test compares two independent forwards bit
-// for bit. The backward runs on fp8_grouped_kernel<true>, or with `registers_backward` on
-// fp8_registers_kernel<true> (the weight's tile turned by ldmatrix .trans; its speed is to be measured).
-enum GroupedVariant : unsigned { kStaged = 1, kRegistersBackward = 2 };  // (bit i: env_variants' name i)
-unsigned grouped_variants() {
-  return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"staged", "registers_backward"});
-}
+// unset or empty: none). Both ways run on fp8_registers_kernel (the weight turned from FP8 by the
+// multiplying warps into wgmma's A registers, through ldmatrix .trans for the backward; x or dy by TMA
+// as B; BT tokens a tile, the tile's rows: 256 for 256 x 128, 128 for 128 x 256): on the H100 the
+// GLM-5 proxy's MoE op took 5.90 / 6.85 ms forward / backward against fp8_grouped_kernel's 6.73 / 7.48,
+// the same bits (twenty-ninth session). `staged` names fp8_grouped_kernel both ways instead (the
+// weight dequantised into shared memory), kept so that the CUDA test compares two independent kernels
+// bit for bit.
+enum GroupedVariant : unsigned { kStaged = 1 };  // (bit i: env_variants' name i)
+unsigned grouped_variants() { return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"staged"}); }
 Choice tile_choice(int64_t rows, int64_t experts) {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
   const std::string_view s = v == nullptr ? "" : v;
@@ -1048,9 +1046,7 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
   const dim3 grid = persistent_grid(x, E, N, S::BM, S::BN);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   using R = Rs<S::BM>;
-  const unsigned variants = grouped_variants();
-  const bool registers = transposed ? (variants & kRegistersBackward) != 0 : !(variants & kStaged);
-  if (registers && wgmma::capable(x.get_device(), R::kSmem)) {
+  if (!(grouped_variants() & kStaged) && wgmma::capable(x.get_device(), R::kSmem)) {
     // The weight [E out, in] as bytes: forward in boxes of 128 rows x 64 (the 64-byte swizzle), transposed
     // of 64 rows (out, the sum) x 128 (in, the features; the 128-byte swizzle, whose box row is 128 bytes).
     // Either box is the stage's kWTile bytes, which its barrier expects (another size hangs the kernel).
