@@ -4,6 +4,7 @@ a packed batch equals each document run alone, so no state leaks from one docume
 (the Qwen3.5 training bug other trainers report most)."""
 
 import functools
+import re
 
 import pytest
 import torch
@@ -97,8 +98,48 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
                           ("dqkwg_planes_kernel", "state_grads_kernel"), ("dqkwg_planes_kernel", "intra_grads_kernel"),
                           ("wy_grads_planes_kernel", "wy_grads_kernel")):
         assert _ran(prof, planes) and not _ran(prof, plain), (planes, _ran(prof, plain))
-    folded = {"true>(" in n.replace(" ", "") for n in _ran(prof, "recurrence_planes_kernel")}
-    assert folded == {True, False}, _ran(prof, "recurrence_planes_kernel")  # backward, forward
+    assert _recurrences(prof) == {("true", "32"), ("false", "64")}, _ran(prof, "recurrence_planes_kernel")
+
+
+def _recurrences(prof) -> set[tuple[str, str]]:
+    """recurrence_planes_kernel's instances in a profile: (folded, i.e. the backward's?, its columns a block)."""
+    return {re.search(r"recurrence_planes_kernel<.*,(true|false),(\d+)>", n.replace(" ", "")).groups()
+            for n in _ran(prof, "recurrence_planes_kernel")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_the_forward_recurrence_at_64_columns_equals_32_bit_for_bit_on_cuda(monkeypatch):
+    """The forward's recurrence on planes takes 64 columns of the state a block (two blocks a head);
+    V4TRAIN_DELTA_RULE_VARIANTS=narrow_recurrence takes 32, as before the twenty-ninth session. A
+    column's products, sums and roundings are the same in both, so the output and every gradient are
+    equal bit for bit (both blocks of a head, 128 columns, over documents across chunk boundaries); the
+    profile shows which instance ran each time, the backward's folded one at 32 both times."""
+    from v4train.testing.check import forward_backward, upstream_of
+
+    runs = {}
+    for variants, forward in (("none", "64"), ("narrow_recurrence", "32")):
+        monkeypatch.setenv("V4TRAIN_DELTA_RULE_VARIANTS", variants)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            runs[variants] = forward_backward(OP, long_documents(torch.bfloat16, "cuda", 11), upstream_of(3), 3)
+            torch.cuda.synchronize()
+        assert _recurrences(prof) == {("true", "32"), ("false", forward)}, (variants, _recurrences(prof))
+    (out, grads), (out1, grads1) = runs["none"], runs["narrow_recurrence"]
+    assert all(torch.equal(a, b) for a, b in zip(out, out1))
+    for leaf, grad in grads.items():
+        assert (grad is None) == (grads1[leaf] is None), leaf
+        assert grad is None or torch.equal(grad, grads1[leaf]), f"{leaf}'s gradient differs at 32 columns"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_an_unknown_delta_rule_variant_is_refused_on_cuda(monkeypatch):
+    """A misspelt V4TRAIN_DELTA_RULE_VARIANTS is an error naming the variable and the word (read where
+    the kernel it names would run: bf16 at Qwen3.5's widths on CUDA, in the forward)."""
+    monkeypatch.setenv("V4TRAIN_DELTA_RULE_VARIANTS", "narrow_recurence")
+    sample = long_documents(torch.bfloat16, "cuda", 11)
+    args, kwargs = sample.build({n: t.detach() for n, t in sample.leaves.items()})
+    with pytest.raises(ValueError, match=r"V4TRAIN_DELTA_RULE_VARIANTS=narrow_recurence: unknown variant "
+                                         r"'narrow_recurence'"):
+        OP(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)

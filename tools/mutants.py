@@ -270,8 +270,16 @@ MUTATIONS = (
              "odd ? make_uint2(got, p1) : make_uint2(p0, got);", "odd ? make_uint2(p1, got) : make_uint2(p0, got);",
              PLANES_CUDA, cuda=True),
     Mutation("delta_rule_recurrence_base_row_kept", "the recurrence on planes: the base's second row (x0 + g + 8) "
-             "handed over as the first's", "cc/ops/gated_delta_rule.cu", "base[1] = next_base[1];",
-             "base[1] = next_base[0];", PLANES_CUDA, cuda=True),
+             "handed over as the first's", "cc/ops/gated_delta_rule.cu", "base[j][1] = next_base[j][1];",
+             "base[j][1] = next_base[j][0];", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_recurrence_wide_second_tile", "the forward's recurrence at 64 columns: the first "
+             "product's second n8 tile of S read from the first's columns", "cc/ops/gated_delta_rule.cu",
+             "else ldsm_x4_t(fb, m.S + (k0 + lane % 16) * kPitch + xc + lane / 16 * 8);",
+             "else ldsm_x4_t(fb, m.S + (k0 + lane % 16) * kPitch + xc);", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_recurrence_h_second_pair", "the recurrence on planes: h's columns of a warp's second "
+             "pair of tiles (the forward's at 64 columns) written over its first's", "cc/ops/gated_delta_rule.cu",
+             "c = sc + 16 * pair + (odd ? 8 : 0) + 2 * (t & ~1);", "c = sc + (odd ? 8 : 0) + 2 * (t & ~1);",
+             PLANES_CUDA, cuda=True),
     Mutation("delta_rule_recurrence_base_a_step_late", "the recurrence on planes: the base handed over after the "
              "next chunk's load (each step takes the next chunk's base)", "cc/ops/gated_delta_rule.cu",
              "    turn();\n    if (i + 1 < chunks) load(1 - stage, next);",
