@@ -79,7 +79,7 @@ def _ran(prof, kernel: str) -> set[str]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_the_planes_kernels_pass_the_judge_on_cuda():
+def test_the_planes_kernels_pass_the_judge_on_cuda(monkeypatch):
     """bf16 at Qwen3.5's widths takes the kernels on planes (cc/ops/gated_delta_rule.cu kPlanes), the
     prepare's (forward and the backward's recomputation), the output's and wy_grads' among them (the UT
     transform's backward: v's, beta's, k's and g's gradients) and dqkwg's (state_grads and intra_grads
@@ -91,6 +91,7 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
     from v4train.testing.check import check_parity
     from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
 
+    monkeypatch.delenv("V4TRAIN_DELTA_RULE_VARIANTS", raising=False)  # (the kernels asserted are the defaults)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(torch.bfloat16, "cuda", 11), seed=3)
         torch.cuda.synchronize()
@@ -103,8 +104,12 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
 
 def _recurrences(prof) -> set[tuple[str, str]]:
     """recurrence_planes_kernel's instances in a profile: (folded, i.e. the backward's?, its columns a block)."""
-    return {re.search(r"recurrence_planes_kernel<.*,(true|false),(\d+)>", n.replace(" ", "")).groups()
-            for n in _ran(prof, "recurrence_planes_kernel")}
+    found = set()
+    for name in _ran(prof, "recurrence_planes_kernel"):
+        m = re.search(r"recurrence_planes_kernel<.*,(true|false),(\d+)>", name.replace(" ", ""))
+        assert m is not None, f"unexpected kernel name: {name}"
+        found.add(m.groups())
+    return found
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
