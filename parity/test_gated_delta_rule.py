@@ -99,14 +99,15 @@ def test_the_planes_kernels_pass_the_judge_on_cuda(monkeypatch):
                           ("dqkwg_planes_kernel", "state_grads_kernel"), ("dqkwg_planes_kernel", "intra_grads_kernel"),
                           ("wy_grads_planes_kernel", "wy_grads_kernel")):
         assert _ran(prof, planes) and not _ran(prof, plain), (planes, _ran(prof, plain))
-    assert _recurrences(prof) == {("true", "32"), ("false", "64")}, _ran(prof, "recurrence_planes_kernel")
+    assert _recurrences(prof) == {("true", "32", "16"), ("false", "64", "16")}, _ran(prof, "recurrence_planes_kernel")
 
 
-def _recurrences(prof) -> set[tuple[str, str]]:
-    """recurrence_planes_kernel's instances in a profile: (folded, i.e. the backward's?, its columns a block)."""
+def _recurrences(prof) -> set[tuple[str, str, str]]:
+    """recurrence_planes_kernel's instances in a profile: (folded, i.e. the backward's?, its columns a
+    block, its warps a block)."""
     found = set()
     for name in _ran(prof, "recurrence_planes_kernel"):
-        m = re.search(r"recurrence_planes_kernel<.*,(true|false),(\d+)>", name.replace(" ", ""))
+        m = re.search(r"recurrence_planes_kernel<.*,(true|false),(\d+),(\d+)>", name.replace(" ", ""))
         assert m is not None, f"unexpected kernel name: {name}"
         found.add(m.groups())
     return found
@@ -114,25 +115,29 @@ def _recurrences(prof) -> set[tuple[str, str]]:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_the_forward_recurrence_at_64_columns_equals_32_bit_for_bit_on_cuda(monkeypatch):
-    """The forward's recurrence on planes takes 64 columns of the state a block (two blocks a head);
-    V4TRAIN_DELTA_RULE_VARIANTS=narrow_recurrence takes 32, as before the twenty-ninth session. A
-    column's products, sums and roundings are the same in both, so the output and every gradient are
-    equal bit for bit (both blocks of a head, 128 columns, over documents across chunk boundaries); the
-    profile shows which instance ran each time, the backward's folded one at 32 both times."""
+    """The forward's recurrence on planes takes 64 columns of the state a block (two blocks a head) on 16
+    warps; V4TRAIN_DELTA_RULE_VARIANTS=narrow_recurrence takes 32, as before the twenty-ninth session,
+    and small_recurrence 32 on 4 warps (fla's block shape). A column's products, sums and roundings are
+    the same in all three, so the output and every gradient are equal bit for bit (all blocks of a head,
+    128 columns, over documents across chunk boundaries); the profile shows which instance ran each
+    time, the backward's folded one at 32 columns and 16 warps every time."""
     from v4train.testing.check import forward_backward, upstream_of
 
     runs = {}
-    for variants, forward in (("none", "64"), ("narrow_recurrence", "32")):
+    for variants, forward in (("none", ("64", "16")), ("narrow_recurrence", ("32", "16")),
+                              ("small_recurrence", ("32", "4"))):
         monkeypatch.setenv("V4TRAIN_DELTA_RULE_VARIANTS", variants)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             runs[variants] = forward_backward(OP, long_documents(torch.bfloat16, "cuda", 11), upstream_of(3), 3)
             torch.cuda.synchronize()
-        assert _recurrences(prof) == {("true", "32"), ("false", forward)}, (variants, _recurrences(prof))
-    (out, grads), (out1, grads1) = runs["none"], runs["narrow_recurrence"]
-    assert all(torch.equal(a, b) for a, b in zip(out, out1))
-    for leaf, grad in grads.items():
-        assert (grad is None) == (grads1[leaf] is None), leaf
-        assert grad is None or torch.equal(grad, grads1[leaf]), f"{leaf}'s gradient differs at 32 columns"
+        assert _recurrences(prof) == {("true", "32", "16"), ("false", *forward)}, (variants, _recurrences(prof))
+    out, grads = runs["none"]
+    for variants in ("narrow_recurrence", "small_recurrence"):
+        out1, grads1 = runs[variants]
+        assert all(torch.equal(a, b) for a, b in zip(out, out1)), variants
+        for leaf, grad in grads.items():
+            assert (grad is None) == (grads1[leaf] is None), (variants, leaf)
+            assert grad is None or torch.equal(grad, grads1[leaf]), f"{leaf}'s gradient differs under {variants}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")

@@ -210,8 +210,8 @@ MUTATIONS = (
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_planes_untransposed", "the recurrence's second product reads b with ldmatrix "
              "untransposed (b, not b^T)", "cc/ops/gated_delta_rule.cu",
-             "ldsm_x4_t(fa, b + (k0 + lane % 8 + lane / 16 * 8) * kLda",
-             "ldsm_x4(fa, b + (k0 + lane % 8 + lane / 16 * 8) * kLda",
+             "ldsm_x4_t(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda",
+             "ldsm_x4(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda",
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_untransposed", "dqkwg's dk_tilde product takes d_state as stored (v_new "
              "d_state, not v_new d_state^T)", "cc/ops/gated_delta_rule.cu",
@@ -272,10 +272,10 @@ MUTATIONS = (
     Mutation("delta_rule_recurrence_base_row_kept", "the recurrence on planes: the base's second row (x0 + g + 8) "
              "handed over as the first's", "cc/ops/gated_delta_rule.cu", "base[j][1] = next_base[j][1];",
              "base[j][1] = next_base[j][0];", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_recurrence_wide_second_tile", "the forward's recurrence at 64 columns: the first "
-             "product's second n8 tile of S read from the first's columns", "cc/ops/gated_delta_rule.cu",
-             "else ldsm_x4_t(fb, m.S + (k0 + lane % 16) * kPitch + xc + lane / 16 * 8);",
-             "else ldsm_x4_t(fb, m.S + (k0 + lane % 16) * kPitch + xc);", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_recurrence_wide_second_tile", "the forward's recurrence at 64 columns (and on 4 warps): "
+             "the first product's second n8 tile of S read from the first's columns", "cc/ops/gated_delta_rule.cu",
+             "ldsm_x4_t(f, m.S + (k0 + lane % 16) * kPitch + xc + 16 * q + lane / 16 * 8);",
+             "ldsm_x4_t(f, m.S + (k0 + lane % 16) * kPitch + xc + 16 * q);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_recurrence_h_second_pair", "the recurrence on planes: h's columns of a warp's second "
              "pair of tiles (the forward's at 64 columns) written over its first's", "cc/ops/gated_delta_rule.cu",
              "c = sc + 16 * pair + (odd ? 8 : 0) + 2 * (t & ~1);", "c = sc + (odd ? 8 : 0) + 2 * (t & ~1);",

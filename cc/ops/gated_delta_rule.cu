@@ -1219,7 +1219,11 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 // (ncu of the H100, twenty-ninth session), so the forward halves the blocks that read them (L2's
 // traffic a step 7.1 -> 5.1 MB at Qwen3.5-35B's 32 value heads) at the same products, sums and bits
 // a column; V4TRAIN_DELTA_RULE_VARIANTS=narrow_recurrence takes 32 (its speed to be measured); the
-// backward's third product keeps 32 (its registers and eq's reads).
+// backward's third product keeps 32 (its registers and eq's reads). kW: warps a block, 16, or 4 at 32
+// columns (small_recurrence): fla's chunk_gated_delta_rule_fwd_kernel_h does a step in about half our
+// time with blocks of 2 or 4 warps (its state in registers too), and 4 warps wait at cheaper barriers
+// and issue fewer copies' address instructions a step; to be measured against 16. The layout here does
+// not depend on the warps.
 template <int kC>
 constexpr int kPlanePitch = kC + 8;
 template <bool kFold, int kC>
@@ -1239,16 +1243,24 @@ struct PlanesSmem {
   }
 };
 
-// x = base + sign_a a S, then S = decay S + add + sign_b b^T x, as recurrence_kernel, 16 warps: the
-// first product a warp a 16 x C/4 tile of x [64, C] (K = pk), the second a 16 x C/2 tile of S [pk, C]
-// (K = 64), which that warp's lanes keep in float32 from chunk to chunk. kFold: add = eq^T d_o, the
+// x = base + sign_a a S, then S = decay S + add + sign_b b^T x, as recurrence_kernel, kW warps: the
+// first product a warp a 16-row tile of x [64, C] (K = pk), the second a tile of S [pk, C] (K = 64),
+// which that warp's lanes keep in float32 from chunk to chunk. 16 warps: x 16 x C/4, S 16 x C/2; 4
+// warps (at 32 columns): x 16 x 32, S 32 x 32 (two m16 tiles). Each output tile is the same chain of
+// mma.m16n8k16 over k0 = 0, 16, .. from the same bf16 fragments, and the same float epilogue, whichever
+// warp holds it, so x, h and the outputs are the same bits at any (kW, kC). kFold: add = eq^T d_o, the
 // same tile of a third product, formed before x is in (it needs neither x nor S).
-template <typename DimsT, bool kFold, int kC>
-__global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceArgs p) {
-  constexpr int kPitch = kPlanePitch<kC>;
-  // n8 tiles a warp: kNX of x (columns xc + 8 j), kNS of S (columns sc + 8 j).
-  constexpr int kNX = kC / 32, kNS = kC / 16;
-  static_assert(kWarps == 16 && (kC == 32 || kC == 64), "a warp a tile of x [64, C] and of S [128, C]");
+template <typename DimsT, bool kFold, int kC, int kW = 16>
+__global__ void __launch_bounds__(kW * 32) recurrence_planes_kernel(RecurrenceArgs p) {
+  constexpr int kPitch = kPlanePitch<kC>, kT = kW * 32;
+  static_assert((kW == 16 && (kC == 32 || kC == 64)) || (kW == 4 && kC == 32 && !kFold),
+                "16 warps at 32 or 64 columns, or 4 at 32 (the forward's)");
+  // The warps' tiles: x's 4 row tiles of 16 split over kW / 4 warps by columns; S's pk rows over kW /
+  // kSplit warps, kSplit by columns (2 at 16 warps, 1 at 4), kMS m16 tiles a warp.
+  constexpr int kXW = kW / 4, kSplit = kW == 16 ? 2 : 1, kMS = DimsT::pk / 16 / (kW / kSplit);
+  // n8 tiles a warp: kNX of x (columns xc + 8 j), kNS of S (columns sc + 8 j; rows s0 + 16 i, i < kMS).
+  constexpr int kNX = kC / kXW / 8, kNS = kC / kSplit / 8;
+  static_assert(kNX >= 1 && (kNX == 1 || kNX % 2 == 0) && kNS % 2 == 0 && kMS >= 1, "whole ldmatrix tiles");
   extern __shared__ __align__(16) unsigned char smem[];
   const DimsT d{};
   static_assert(DimsT::dk == 128 && DimsT::pk == 128 && DimsT::dv % kC == 0, "Qwen3.5's widths");
@@ -1257,16 +1269,18 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   const int col0 = blockIdx.x * kC, h = blockIdx.y, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   constexpr int kTile = kRows * (DimsT::pk + 8);
-  for (int i = tid; i < DimsT::pk * kPitch; i += kThreads) m.S[i] = __float2bfloat16_rn(0.0f);
-  // This warp's tiles: x rows x0.. (16) and columns xc.. (C / 4); S rows s0.. (16) and columns sc.. (C / 2).
-  const int x0 = warp / 4 * 16, xc = warp % 4 * (kC / 4), s0 = warp / 2 * 16, sc = warp % 2 * (kC / 2);
-  float state[kNS][4] = {};  // S at (s0 + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
+  for (int i = tid; i < DimsT::pk * kPitch; i += kT) m.S[i] = __float2bfloat16_rn(0.0f);
+  // This warp's tiles: x rows x0.. (16) and columns xc.. (C / 4 at 16 warps, C at 4); S rows s0.. (16
+  // kMS) and columns sc.. (C / kSplit).
+  const int x0 = warp / kXW * 16, xc = warp % kXW * (kC / kXW);
+  const int s0 = warp / kSplit * (16 * kMS), sc = warp % kSplit * (kC / kSplit);
+  float state[kMS][kNS][4] = {};  // S at (s0 + 16 i + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
   int64_t tok = 0;  // kFold: ahead()'s
   // The copies' places, the same each chunk (their index arithmetic was 40% of a step's instructions;
-  // ncu, 2026-12-06): a, b (and eq) are 64 rows of pk bfloat16 each, contiguous in global memory, two
-  // 16-byte pieces a thread (rows r and r + 32, piece tid % 16).
-  constexpr int kLda = DimsT::pk + 8, kPieces = DimsT::pk / 8, kPass = kThreads / kPieces;
-  static_assert(kRows == 2 * kPass, "two pieces a thread");
+  // ncu, 2026-12-06): a, b (and eq) are 64 rows of pk bfloat16 each, contiguous in global memory,
+  // kRows / kPass 16-byte pieces a thread (rows r, r + kPass, ..; piece tid % 16): 2 at 16 warps, 8 at 4.
+  constexpr int kLda = DimsT::pk + 8, kPieces = DimsT::pk / 8, kPass = kT / kPieces, kCopies = kRows / kPass;
+  static_assert(kRows == kCopies * kPass, "whole passes");
   const int to_smem = tid / kPieces * kLda + tid % kPieces * 8, to_rows = tid / kPieces * DimsT::dk + tid % kPieces * 8;
   // The base [64, C] (U, or the backward's dv_local): this thread's values of its x tile (rows x0 + g
   // and + 8, columns xc + 8 j + 2 t and + 1), read a step ahead into `next_base`, turned into `base`.
@@ -1277,14 +1291,14 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
     const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk) + to_rows;
     const auto* b = reinterpret_cast<const __nv_bfloat16*>(p.b + head * kRows * d.dk) + to_rows;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < kCopies; ++u) {
       const int s_at = stage * kTile + to_smem + u * kPass * kLda, g_at = u * kPass * DimsT::dk;
       copy16(m.a + s_at, a + g_at);
       copy16(m.b + s_at, b + g_at);
       if constexpr (kFold) copy16(m.eq + s_at, p.eq + head * kRows * d.dk + to_rows + g_at);
     }
     if constexpr (kFold) {  // d_o's rows of the block's C columns, 16 bytes a thread (zero past T)
-      static_assert(kRows * kC / 8 <= kThreads, "a piece a thread: its slot read a step ahead");
+      static_assert(kRows * kC / 8 <= kT, "a piece a thread: its slot read a step ahead");
       if (tid < kRows * kC / 8) {
         const int r = tid / (kC / 8), c = tid % (kC / 8) * 8;
         __nv_bfloat16* to = m.d_o + stage * kRows * kPitch + r * kPitch + c;
@@ -1312,15 +1326,19 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
     // one 8 + 2 (t - 1).. + 3.
     __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(p.state_out) + head * d.dk * d.dv + col0;
 #pragma unroll
-    for (int pair = 0; pair < kNS / 2; ++pair) {
+    for (int i = 0; i < kMS; ++i) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t p0 = pack2<__nv_bfloat16>(state[2 * pair][2 * half], state[2 * pair][2 * half + 1]);
-        const uint32_t p1 = pack2<__nv_bfloat16>(state[2 * pair + 1][2 * half], state[2 * pair + 1][2 * half + 1]);
-        const bool odd = t & 1;
-        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? p0 : p1, 1);
-        const int r = s0 + g + 8 * half, c = sc + 16 * pair + (odd ? 8 : 0) + 2 * (t & ~1);
-        *reinterpret_cast<uint2*>(h_out + r * d.dv + c) = odd ? make_uint2(got, p1) : make_uint2(p0, got);
+      for (int pair = 0; pair < kNS / 2; ++pair) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float *s = state[i][2 * pair], *s1 = state[i][2 * pair + 1];
+          const uint32_t p0 = pack2<__nv_bfloat16>(s[2 * half], s[2 * half + 1]);
+          const uint32_t p1 = pack2<__nv_bfloat16>(s1[2 * half], s1[2 * half + 1]);
+          const bool odd = t & 1;
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? p0 : p1, 1);
+          const int r = s0 + 16 * i + g + 8 * half, c = sc + 16 * pair + (odd ? 8 : 0) + 2 * (t & ~1);
+          *reinterpret_cast<uint2*>(h_out + r * d.dv + c) = odd ? make_uint2(got, p1) : make_uint2(p0, got);
+        }
       }
     }
     // x = base + sign_a a S: A = a [64, pk] (ldmatrix), B = S [pk, C] (ldmatrix.trans).
@@ -1331,8 +1349,17 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
       for (int k0 = 0; k0 < DimsT::pk; k0 += 16) {
         uint32_t fa[4], fb[2 * kNX];
         ldsm_x4(fa, a + (x0 + lane % 16) * kLda + k0 + lane / 16 * 8);
-        if constexpr (kNX == 1) ldsm_x2_t(fb, m.S + (k0 + lane % 16) * kPitch + xc);
-        else ldsm_x4_t(fb, m.S + (k0 + lane % 16) * kPitch + xc + lane / 16 * 8);
+        if constexpr (kNX == 1) {
+          ldsm_x2_t(fb, m.S + (k0 + lane % 16) * kPitch + xc);
+        } else {
+#pragma unroll
+          for (int q = 0; q < kNX / 2; ++q) {  // (4 warps: two x4 for the warp's four n8 tiles)
+            uint32_t f[4];
+            ldsm_x4_t(f, m.S + (k0 + lane % 16) * kPitch + xc + 16 * q + lane / 16 * 8);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fb[4 * q + e] = f[e];
+          }
+        }
 #pragma unroll
         for (int j = 0; j < kNX; ++j) mma16816<__nv_bfloat16>(acc[j], fa, {fb[2 * j], fb[2 * j + 1]});
       }
@@ -1348,18 +1375,24 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         }
       }
     }
-    float folded[kNS][4] = {};  // kFold: this warp's tile of add = eq^T d_o (as b^T x below)
+    float folded[kMS][kNS][4] = {};  // kFold: this warp's tile of add = eq^T d_o (as b^T x below)
     if constexpr (kFold) {
       const __nv_bfloat16 *eq = m.eq + stage * kTile, *d_o = m.d_o + stage * kRows * kPitch;
 #pragma unroll
       for (int k0 = 0; k0 < kRows; k0 += 16) {
-        uint32_t fa[4], fb[4];
-        ldsm_x4_t(fa, eq + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + lane / 8 % 2 * 8);
+        uint32_t fa[kMS][4], fb[4];
+#pragma unroll
+        for (int i = 0; i < kMS; ++i)
+          ldsm_x4_t(fa[i], eq + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i + lane / 8 % 2 * 8);
 #pragma unroll
         for (int pair = 0; pair < kNS / 2; ++pair) {
           ldsm_x4_t(fb, d_o + (k0 + lane % 16) * kPitch + sc + 16 * pair + lane / 16 * 8);
 #pragma unroll
-          for (int j = 0; j < 2; ++j) mma16816<__nv_bfloat16>(folded[2 * pair + j], fa, {fb[2 * j], fb[2 * j + 1]});
+          for (int i = 0; i < kMS; ++i) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+              mma16816<__nv_bfloat16>(folded[i][2 * pair + j], fa[i], {fb[2 * j], fb[2 * j + 1]});
+          }
         }
       }
     }
@@ -1367,30 +1400,39 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
     // S = decay S + add + sign_b b^T x: A = b^T (ldmatrix.trans of b [64, pk]), B = x [64, C].
     {
       const __nv_bfloat16* b = m.b + stage * kTile;
-      float acc[kNS][4] = {};
+      float acc[kMS][kNS][4] = {};
 #pragma unroll
       for (int k0 = 0; k0 < kRows; k0 += 16) {
-        uint32_t fa[4], fb[4];
-        ldsm_x4_t(fa, b + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + lane / 8 % 2 * 8);
+        uint32_t fa[kMS][4], fb[4];
+#pragma unroll
+        for (int i = 0; i < kMS; ++i)
+          ldsm_x4_t(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i + lane / 8 % 2 * 8);
 #pragma unroll
         for (int pair = 0; pair < kNS / 2; ++pair) {
           ldsm_x4_t(fb, m.X + (k0 + lane % 16) * kPitch + sc + 16 * pair + lane / 16 * 8);
 #pragma unroll
-          for (int j = 0; j < 2; ++j) mma16816<__nv_bfloat16>(acc[2 * pair + j], fa, {fb[2 * j], fb[2 * j + 1]});
+          for (int i = 0; i < kMS; ++i) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+              mma16816<__nv_bfloat16>(acc[i][2 * pair + j], fa[i], {fb[2 * j], fb[2 * j + 1]});
+          }
         }
       }
 #pragma unroll
-      for (int j = 0; j < kNS; ++j) {
+      for (int i = 0; i < kMS; ++i) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          state[j][e] = dec * state[j][e] + p.sign_b * acc[j][e];
-          if constexpr (kFold) state[j][e] += folded[j][e];
-        }
+        for (int j = 0; j < kNS; ++j) {
+          float* s = state[i][j];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = s0 + g + 8 * half, c = sc + 8 * j + 2 * t;
-          *reinterpret_cast<uint32_t*>(m.S + r * kPitch + c) = pack2<__nv_bfloat16>(state[j][2 * half],
-                                                                                 state[j][2 * half + 1]);
+          for (int e = 0; e < 4; ++e) {
+            s[e] = dec * s[e] + p.sign_b * acc[i][j][e];
+            if constexpr (kFold) s[e] += folded[i][j][e];
+          }
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = s0 + 16 * i + g + 8 * half, c = sc + 8 * j + 2 * t;
+            *reinterpret_cast<uint32_t*>(m.S + r * kPitch + c) = pack2<__nv_bfloat16>(s[2 * half], s[2 * half + 1]);
+          }
         }
       }
     }
@@ -2563,9 +2605,13 @@ at::Tensor sum_value_heads(const at::Tensor& x, int hk, at::ScalarType dtype) {
 
 // The kernels' variants, as V4TRAIN_DELTA_RULE_VARIANTS names them (a comma list read at each call;
 // unset or empty: none): `narrow_recurrence`, the forward's recurrence on planes at 32 columns a block
-// (recurrence_planes_kernel above), kept while its speed against 64 is measured.
-enum Variant : unsigned { kNarrowRecurrence = 1 };  // (bit i: env_variants' name i)
-unsigned variants() { return env_variants("V4TRAIN_DELTA_RULE_VARIANTS", {"narrow_recurrence"}); }
+// (recurrence_planes_kernel above), kept while its speed against 64 is measured; `small_recurrence`,
+// the same at 32 columns with 4 warps a block (fla's block shape; taken over narrow_recurrence where
+// both are named), to be measured against both. All three give the same bits.
+enum Variant : unsigned { kNarrowRecurrence = 1, kSmallRecurrence = 2 };  // (bit i: env_variants' name i)
+unsigned variants() {
+  return env_variants("V4TRAIN_DELTA_RULE_VARIANTS", {"narrow_recurrence", "small_recurrence"});
+}
 
 template <typename Smem, int Threads = kThreads, typename Kernel, typename A>
 void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args) {
@@ -2596,7 +2642,9 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
       a.slots = fold->slots;
       a.T = fold->T;
       launch<PlanesSmem<true, 32>>(recurrence_planes_kernel<DimsT, true, 32>, grid(32), d, a);
-    } else if (variants() & kNarrowRecurrence) {
+    } else if (const unsigned v = variants(); v & kSmallRecurrence) {
+      launch<PlanesSmem<false, 32>, 4 * 32>(recurrence_planes_kernel<DimsT, false, 32, 4>, grid(32), d, a);
+    } else if (v & kNarrowRecurrence) {
       launch<PlanesSmem<false, 32>>(recurrence_planes_kernel<DimsT, false, 32>, grid(32), d, a);
     } else {
       launch<PlanesSmem<false, 64>>(recurrence_planes_kernel<DimsT, false, 64>, grid(64), d, a);
