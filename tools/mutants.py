@@ -276,6 +276,11 @@ MUTATIONS = (
              "the first product's second n8 tile of S read from the first's columns", "cc/ops/gated_delta_rule.cu",
              "ldsm_x4_t(f, m.S + (k0 + lane % 16) * kPitch + xc + 16 * q + lane / 16 * 8);",
              "ldsm_x4_t(f, m.S + (k0 + lane % 16) * kPitch + xc + 16 * q);", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_recurrence_small_second_m_tile", "the forward's recurrence on 4 warps (small_recurrence): "
+             "the second product's second m16 tile of b^T read 8 columns of b on, not 16", "cc/ops/gated_delta_rule.cu",
+             "ldsm_x4_t(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i",
+             "ldsm_x4_t(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 8 * i",
+             ("parity/test_gated_delta_rule.py", "-k", "bit_for_bit"), cuda=True),
     Mutation("delta_rule_recurrence_h_second_pair", "the recurrence on planes: h's columns of a warp's second "
              "pair of tiles (the forward's at 64 columns) written over its first's", "cc/ops/gated_delta_rule.cu",
              "c = sc + 16 * pair + (odd ? 8 : 0) + 2 * (t & ~1);", "c = sc + (odd ? 8 : 0) + 2 * (t & ~1);",
