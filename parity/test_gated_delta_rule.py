@@ -114,7 +114,7 @@ def _recurrences(prof) -> set[tuple[str, str, str]]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-def test_the_forward_recurrence_at_64_columns_equals_32_bit_for_bit_on_cuda(monkeypatch):
+def test_the_forward_recurrence_shapes_equal_bit_for_bit_on_cuda(monkeypatch):
     """The forward's recurrence on planes takes 64 columns of the state a block (two blocks a head) on 16
     warps; V4TRAIN_DELTA_RULE_VARIANTS=narrow_recurrence takes 32, as before the twenty-ninth session,
     and small_recurrence 32 on 4 warps (fla's block shape). A column's products, sums and roundings are
