@@ -1083,7 +1083,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
 }
 
 // The recurrence across chunks (gdr::Recurrence), a block per 32 columns of a document's head
-// (the plane kernel's forward: 64 columns, or 32 on 4 warps; recurrence_planes_kernel):
+// (the plane kernel's forward: 64 columns, or 32 on 16 or 4 warps; recurrence_planes_kernel):
 // x = base + sign_a a S and S = decay S + add + sign_b b^T x as two block products a chunk, the next
 // chunk's tiles (a, b, base, add) loading (cp.async; on planes the base into registers) while this one
 // computes.
