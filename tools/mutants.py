@@ -209,9 +209,9 @@ MUTATIONS = (
              "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk + sa;", "p.dbeta[tok * p.hv + h] = sv + s.E[i] * sk;",
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_planes_untransposed", "the recurrence's second product reads b with ldmatrix "
-             "untransposed (b, not b^T)", "cc/ops/gated_delta_rule.cu",
-             "ldsm_x4_t(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda",
-             "ldsm_x4(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda",
+             "untransposed (b, not b^T; the backward's eq too)", "cc/ops/gated_delta_rule.cu",
+             "ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda",
+             "ldsm_x4(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda",
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_untransposed", "dqkwg's dk_tilde product takes d_state as stored (v_new "
              "d_state, not v_new d_state^T)", "cc/ops/gated_delta_rule.cu",
@@ -278,8 +278,8 @@ MUTATIONS = (
              "ldsm_x4_t(f, m.S + (k0 + lane % 16) * kPitch + xc + 16 * q);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_recurrence_small_second_m_tile", "the forward's recurrence on 4 warps (small_recurrence): "
              "the second product's second m16 tile of b^T read 8 columns of b on, not 16", "cc/ops/gated_delta_rule.cu",
-             "ldsm_x4_t(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i",
-             "ldsm_x4_t(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 8 * i",
+             "ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i",
+             "ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 8 * i",
              ("parity/test_gated_delta_rule.py", "-k", "bit_for_bit"), cuda=True),
     Mutation("delta_rule_recurrence_h_second_pair", "the recurrence on planes: h's columns of a warp's second "
              "pair of tiles (the forward's at 64 columns) written over its first's", "cc/ops/gated_delta_rule.cu",

@@ -1376,41 +1376,18 @@ __global__ void __launch_bounds__(kW * 32) recurrence_planes_kernel(RecurrenceAr
         }
       }
     }
-    float folded[kMS][kNS][4] = {};  // kFold: this warp's tile of add = eq^T d_o (as b^T x below)
-    if constexpr (kFold) {
-      const __nv_bfloat16 *eq = m.eq + stage * kTile, *d_o = m.d_o + stage * kRows * kPitch;
+    // This warp's tile of S's shape from a [64, pk] tile read transposed (A^T, ldmatrix.trans; pitch
+    // kLda) times a [64, C] tile (B, pitch kPitch): b^T x, and the backward's eq^T d_o.
+    const auto transposed_product = [&](float (&acc)[kMS][kNS][4], const __nv_bfloat16* A, const __nv_bfloat16* B) {
 #pragma unroll
       for (int k0 = 0; k0 < kRows; k0 += 16) {
         uint32_t fa[kMS][4], fb[4];
 #pragma unroll
         for (int i = 0; i < kMS; ++i)
-          ldsm_x4_t(fa[i], eq + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i + lane / 8 % 2 * 8);
+          ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i + lane / 8 % 2 * 8);
 #pragma unroll
         for (int pair = 0; pair < kNS / 2; ++pair) {
-          ldsm_x4_t(fb, d_o + (k0 + lane % 16) * kPitch + sc + 16 * pair + lane / 16 * 8);
-#pragma unroll
-          for (int i = 0; i < kMS; ++i) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-              mma16816<__nv_bfloat16>(folded[i][2 * pair + j], fa[i], {fb[2 * j], fb[2 * j + 1]});
-          }
-        }
-      }
-    }
-    __syncthreads();  // x is in; every read of S is done
-    // S = decay S + add + sign_b b^T x: A = b^T (ldmatrix.trans of b [64, pk]), B = x [64, C].
-    {
-      const __nv_bfloat16* b = m.b + stage * kTile;
-      float acc[kMS][kNS][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < kRows; k0 += 16) {
-        uint32_t fa[kMS][4], fb[4];
-#pragma unroll
-        for (int i = 0; i < kMS; ++i)
-          ldsm_x4_t(fa[i], b + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i + lane / 8 % 2 * 8);
-#pragma unroll
-        for (int pair = 0; pair < kNS / 2; ++pair) {
-          ldsm_x4_t(fb, m.X + (k0 + lane % 16) * kPitch + sc + 16 * pair + lane / 16 * 8);
+          ldsm_x4_t(fb, B + (k0 + lane % 16) * kPitch + sc + 16 * pair + lane / 16 * 8);
 #pragma unroll
           for (int i = 0; i < kMS; ++i) {
 #pragma unroll
@@ -1419,6 +1396,14 @@ __global__ void __launch_bounds__(kW * 32) recurrence_planes_kernel(RecurrenceAr
           }
         }
       }
+    };
+    float folded[kMS][kNS][4] = {};  // kFold: this warp's tile of add = eq^T d_o (as b^T x below)
+    if constexpr (kFold) transposed_product(folded, m.eq + stage * kTile, m.d_o + stage * kRows * kPitch);
+    __syncthreads();  // x is in; every read of S is done
+    // S = decay S + add + sign_b b^T x: A = b^T (ldmatrix.trans of b [64, pk]), B = x [64, C].
+    {
+      float acc[kMS][kNS][4] = {};
+      transposed_product(acc, m.b + stage * kTile, m.X);
 #pragma unroll
       for (int i = 0; i < kMS; ++i) {
 #pragma unroll
