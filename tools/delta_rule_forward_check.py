@@ -164,10 +164,6 @@ def check_phases(at, early, phases) -> None:
             last[w] = name
 
 
-def check_output_phases(at) -> None:
-    check_phases(at, OUT_EARLY, OUT_PHASES)
-
-
 def check_output_h_rows(at) -> None:
     """copy_rows<64>'s pieces of the first pass's h (early) and plane_gemm's B rows 64..191: every
     element h[k][n] (n < 64) lands once at B's (64 + k, n), inside the h region."""
@@ -315,10 +311,10 @@ def main() -> int:
         raise AssertionError("the base handed over a step late passed")
     at, size = output_carve()
     assert 2 * (size + RESERVED) <= SM_SMEM, size
-    check_output_phases(at)
+    check_phases(at, OUT_EARLY, OUT_PHASES)
     check_output_h_rows(at)
     try:  # q's and k's rows at X's start, over h's in flight: the check must fail
-        check_output_phases(output_carve(rows_at_hi=False)[0])
+        check_phases(output_carve(rows_at_hi=False)[0], OUT_EARLY, OUT_PHASES)
     except AssertionError:
         pass
     else:

@@ -249,7 +249,8 @@ MUTATIONS = (
              "if (c0 > 0) copy_rows<kOutCols>(x, kPitch,", DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_output_planes_early_h_columns", "the output on planes: the first pass's h, copied before "
              "load_info, taken from the second pass's columns", "cc/ops/gated_delta_rule.cu",
-             "h_in + head * 128 * 128, 128,", "h_in + head * 128 * 128 + kOutCols, 128,", PLANES_CUDA, cuda=True),
+             "h_in + head * DimsT::dk * DimsT::dv, DimsT::dv,",
+             "h_in + head * DimsT::dk * DimsT::dv + kOutCols, DimsT::dv,", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_local_planes_early_d_o_over_k", "local_grads on planes: d_o's rows, copied before "
              "load_info, placed over k's (both in flight until Q K^T)", "cc/ops/gated_delta_rule.cu",
              "static constexpr int kDo = 2 * kRows * kPlaneRow;", "static constexpr int kDo = kRows * kPlaneRow;",

@@ -1570,8 +1570,8 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   const auto* h_in = static_cast<const __nv_bfloat16*>(p.h);
   const ChunkBlock<Smem, DimsT> b(p, smem, [&](const Smem& m, int64_t head) {
     const int h = blockIdx.y, kh = h / (p.hv / p.hk);
-    copy_rows<kOutCols>(reinterpret_cast<__nv_bfloat16*>(m.X) + kRows * kPitch, kPitch, h_in + head * 128 * 128, 128,
-                        128);  // the first pass's h (c0 = 0, below)
+    copy_rows<kOutCols>(reinterpret_cast<__nv_bfloat16*>(m.X) + kRows * kPitch, kPitch,
+                        h_in + head * DimsT::dk * DimsT::dv, DimsT::dv, DimsT::dk);  // the first pass's h (c0 = 0, below)
     auto* q = reinterpret_cast<__nv_bfloat16*>(m.rows);
     load_rows_early(p.slots + static_cast<int64_t>(blockIdx.x) * kRows, p.T,
                     EarlyRows{q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh},
