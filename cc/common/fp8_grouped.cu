@@ -29,6 +29,7 @@
 #include "cc/common/backend.h"
 #include "cc/common/fp8.cuh"
 #include "cc/common/lora.h"
+#include "cc/common/mma_sync.cuh"
 #include "cc/common/wgmma.cuh"
 
 namespace v4::cuda {
@@ -439,15 +440,6 @@ struct Rs {
                : "memory");
 }
 
-// Four 8 x 8 matrices of 16-bit pairs loaded transposed (ldmatrix .trans): lane 8 i + r names row r of
-// matrix i (16 bytes); register i gets matrix i's rows 2 (l % 4), +1 of column l / 4 (lane l), the first low.
-[[maybe_unused]] __device__ __forceinline__ void ldmatrix_trans4(uint32_t addr, uint32_t& r0, uint32_t& r1,
-                                                                 uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
 // A persistent block as fp8_grouped_kernel's, the same order of tiles (feature tiles fastest). Warpgroups
 // 0 and 1 multiply (features 64 wg.. of the tile); in warpgroup 2 one thread asks for the copies and the
 // rest give their registers up. Transposed: the backward (the design's note above).
@@ -547,9 +539,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     scale = scales[slot];
     if constexpr (Transposed) {
 #pragma unroll
-      for (int q = 0; q < 2; ++q)
-        ldmatrix_trans4(ld_at + slot * S::kStageBytes + q * 32 * 128, raw[2 * q][0], raw[2 * q][1],
-                        raw[2 * q + 1][0], raw[2 * q + 1][1]);
+      for (int q = 0; q < 2; ++q) {  // (mma_sync.cuh's ldmatrix .trans, matrices 2 q.. as slices 2 q, 2 q + 1)
+        uint32_t mat[4];
+        ldsm_x4_t(mat, ld_at + slot * S::kStageBytes + q * 32 * 128);
+        raw[2 * q][0] = mat[0];
+        raw[2 * q][1] = mat[1];
+        raw[2 * q + 1][0] = mat[2];
+        raw[2 * q + 1][1] = mat[3];
+      }
     } else {
       const unsigned char* stage = smem + slot * S::kStageBytes;
 #pragma unroll
