@@ -307,9 +307,10 @@ def test_the_experts_fp8_registers_kernel_on_cuda_is_within_the_bound_and_equals
     V4TRAIN_FP8_GROUPED_VARIANTS=staged (fp8_grouped_kernel both ways, the weight dequantised into shared
     memory). The unasked y and dx within a bf16 product's bound of the float64 truth, expert by expert
     (COUNTS: partial, empty and one-row experts; the wider way more tiles than multiprocessors, so that
-    each persistent block takes several), then equal to staged's bit for bit: the same bf16 operands and fp32 sums of the
-    same 16-wide slices in the same order, A and B swapped (a failure there with the bound kept says the
-    tensor core sums a product's 16 terms in an order that depends on which operand is A). At 128 inputs
+    each persistent block takes several), then equal to staged's bit for bit: the same bf16 operands and
+    fp32 sums of the same 16-wide slices in the same order, A and B swapped (a failure there with the
+    bound kept says the tensor core sums a product's 16 terms in an order that depends on which operand
+    is A). At 128 inputs
     the forward's tile is two steps, at 128 outputs the backward's. The profile shows which kernel ran
     each way."""
     rows = int(tile.split("x")[0])
