@@ -117,20 +117,21 @@ def _recurrences(prof) -> set[tuple[str, str, str]]:
 def test_the_forward_recurrence_shapes_equal_bit_for_bit_on_cuda(monkeypatch):
     """The forward's recurrence on planes takes 64 columns of the state a block (two blocks a head) on 16
     warps; V4TRAIN_DELTA_RULE_VARIANTS=narrow_recurrence takes 32, as before the twenty-ninth session,
-    and small_recurrence 32 on 4 warps (fla's block shape). A column's products, sums and roundings are
-    the same in all three, so the output and every gradient are equal bit for bit (all blocks of a head,
-    128 columns, over documents across chunk boundaries); the profile shows which instance ran each
-    time, the backward's folded one at 32 columns and 16 warps every time."""
+    and small_recurrence 32 on 4 warps (fla's block shape), the backward's folded one too. A column's
+    products, sums and roundings are the same in all of them, so the output and every gradient are equal
+    bit for bit (all blocks of a head, 128 columns, over documents across chunk boundaries); the profile
+    shows which instances ran each time, the backward's folded one at 32 columns, on 16 warps but under
+    small_recurrence."""
     from v4train.testing.check import forward_backward, upstream_of
 
     runs = {}
-    for variants, forward in (("none", ("64", "16")), ("narrow_recurrence", ("32", "16")),
-                              ("small_recurrence", ("32", "4"))):
+    for variants, forward, folded in (("none", ("64", "16"), "16"), ("narrow_recurrence", ("32", "16"), "16"),
+                                      ("small_recurrence", ("32", "4"), "4")):
         monkeypatch.setenv("V4TRAIN_DELTA_RULE_VARIANTS", variants)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             runs[variants] = forward_backward(OP, long_documents(torch.bfloat16, "cuda", 11), upstream_of(3), 3)
             torch.cuda.synchronize()
-        assert _recurrences(prof) == {("true", "32", "16"), ("false", *forward)}, (variants, _recurrences(prof))
+        assert _recurrences(prof) == {("true", "32", folded), ("false", *forward)}, (variants, _recurrences(prof))
     out, grads = runs["none"]
     for variants in ("narrow_recurrence", "small_recurrence"):
         out1, grads1 = runs[variants]

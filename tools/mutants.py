@@ -282,6 +282,11 @@ MUTATIONS = (
              "ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i",
              "ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 8 * i",
              ("parity/test_gated_delta_rule.py", "-k", "bit_for_bit"), cuda=True),
+    Mutation("delta_rule_recurrence_small_fold_d_o_rows", "the backward's folded recurrence on 4 warps "
+             "(small_recurrence): d_o's second 32 rows a thread copies take the first 32's tokens",
+             "cc/ops/gated_delta_rule.cu", "tok[u] = p.slots[chunk * kRows + piece / (kC / 8)];",
+             "tok[u] = p.slots[chunk * kRows + tid / (kC / 8)];", ("parity/test_gated_delta_rule.py", "-k", "bit_for_bit"),
+             cuda=True),
     Mutation("delta_rule_recurrence_h_second_pair", "the recurrence on planes: h's columns of a warp's second "
              "pair of tiles (the forward's at 64 columns) written over its first's", "cc/ops/gated_delta_rule.cu",
              "c = sc + 16 * pair + (odd ? 8 : 0) + 2 * (t & ~1);", "c = sc + (odd ? 8 : 0) + 2 * (t & ~1);",
@@ -305,8 +310,8 @@ MUTATIONS = (
              "*reinterpret_cast<const uint4*>(qp + r * m.ldqp + c);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_fold_d_o_first_columns", "the folded reverse recurrence: every column block reads d_o's "
              "first 32 columns", "cc/ops/gated_delta_rule.cu",
-             "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + col0 + c);",
-             "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + c);", PLANES_CUDA, cuda=True),
+             "copy16(to, p.d_o + (tok[u] * p.heads + h) * d.dv + col0 + c);",
+             "copy16(to, p.d_o + (tok[u] * p.heads + h) * d.dv + c);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_y_rows_folded", "wy_grads on planes: a warp's Y tile in registers keeps rows "
              "g and g + 8 in one register", "cc/ops/gated_delta_rule.cu",
              "float& at = y[(c >> 3 & 1) * 4 + (r >> 3 & 1) * 2 + (c & 1)];",

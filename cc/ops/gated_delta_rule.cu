@@ -1221,10 +1221,10 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 // traffic a step 7.1 -> 5.1 MB at Qwen3.5-35B's 32 value heads) at the same products, sums and bits
 // a column; V4TRAIN_DELTA_RULE_VARIANTS=narrow_recurrence takes 32 (its speed to be measured); the
 // backward's third product keeps 32 (its registers and eq's reads). kW: warps a block, 16, or 4 at 32
-// columns (small_recurrence): fla's chunk_gated_delta_rule_fwd_kernel_h does a step in about half our
-// time with blocks of 2 or 4 warps (its state in registers too), and 4 warps wait at cheaper barriers
-// and issue fewer copies' address instructions a step; to be measured against 16. The layout here does
-// not depend on the warps.
+// columns (small_recurrence, the forward's and the folded backward's: 132 and 187 registers): fla's
+// chunk_gated_delta_rule_fwd_kernel_h does a step in about half our time with blocks of 2 or 4 warps
+// (its state in registers too), and 4 warps wait at cheaper barriers and issue fewer copies' address
+// instructions a step; to be measured against 16. The layout here does not depend on the warps.
 template <int kC>
 constexpr int kPlanePitch = kC + 8;
 template <bool kFold, int kC>
@@ -1247,15 +1247,14 @@ struct PlanesSmem {
 // x = base + sign_a a S, then S = decay S + add + sign_b b^T x, as recurrence_kernel, kW warps: the
 // first product a warp a 16-row tile of x [64, C] (K = pk), the second a tile of S [pk, C] (K = 64),
 // which that warp's lanes keep in float32 from chunk to chunk. 16 warps: x 16 x C/4, S 16 x C/2; 4
-// warps (at 32 columns): x 16 x 32, S 32 x 32 (two m16 tiles). Each output tile is the same chain of
+// warps (at 32 columns): x 16 x 32, S 32 x 32 (two m16 tiles), and so the folded add's tile. Each output tile is the same chain of
 // mma.m16n8k16 over k0 = 0, 16, .. from the same bf16 fragments, and the same float epilogue, whichever
 // warp holds it, so x, h and the outputs are the same bits at any (kW, kC). kFold: add = eq^T d_o, the
 // same tile of a third product, formed before x is in (it needs neither x nor S).
 template <typename DimsT, bool kFold, int kC, int kW = 16>
 __global__ void __launch_bounds__(kW * 32) recurrence_planes_kernel(RecurrenceArgs p) {
   constexpr int kPitch = kPlanePitch<kC>, kT = kW * 32;
-  static_assert((kW == 16 && (kC == 32 || kC == 64)) || (kW == 4 && kC == 32 && !kFold),
-                "16 warps at 32 or 64 columns, or 4 at 32 (the forward's)");
+  static_assert((kW == 16 && (kC == 32 || kC == 64)) || (kW == 4 && kC == 32), "16 warps at 32 or 64 columns, or 4 at 32");
   // The warps' tiles: x's 4 row tiles of 16 split over kW / 4 warps by columns; S's pk rows over kW /
   // kSplit warps, kSplit by columns (2 at 16 warps, 1 at 4), kMS m16 tiles a warp.
   constexpr int kXW = kW / 4, kSplit = kW == 16 ? 2 : 1, kMS = DimsT::pk / 16 / (kW / kSplit);
@@ -1276,7 +1275,10 @@ __global__ void __launch_bounds__(kW * 32) recurrence_planes_kernel(RecurrenceAr
   const int x0 = warp / kXW * 16, xc = warp % kXW * (kC / kXW);
   const int s0 = warp / kSplit * (16 * kMS), sc = warp % kSplit * (kC / kSplit);
   float state[kMS][kNS][4] = {};  // S at (s0 + 16 i + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
-  int64_t tok = 0;  // kFold: ahead()'s
+  // kFold: d_o's [64, C] bfloat16 of a chunk in 16-byte pieces, kDoCopies a thread (1 at 16 warps, where
+  // the first kRows * C / 8 threads take one; 2 at 4), each piece's token read a step ahead by ahead().
+  constexpr int kDoPieces = kRows * kC / 8, kDoCopies = (kDoPieces + kT - 1) / kT;
+  int64_t tok[kDoCopies] = {};
   // The copies' places, the same each chunk (their index arithmetic was 40% of a step's instructions;
   // ncu, 2026-12-06): a, b (and eq) are 64 rows of pk bfloat16 each, contiguous in global memory,
   // kRows / kPass 16-byte pieces a thread (rows r, r + kPass, ..; piece tid % 16): 2 at 16 warps, 8 at 4.
@@ -1298,13 +1300,16 @@ __global__ void __launch_bounds__(kW * 32) recurrence_planes_kernel(RecurrenceAr
       copy16(m.b + s_at, b + g_at);
       if constexpr (kFold) copy16(m.eq + s_at, p.eq + head * kRows * d.dk + to_rows + g_at);
     }
-    if constexpr (kFold) {  // d_o's rows of the block's C columns, 16 bytes a thread (zero past T)
-      static_assert(kRows * kC / 8 <= kT, "a piece a thread: its slot read a step ahead");
-      if (tid < kRows * kC / 8) {
-        const int r = tid / (kC / 8), c = tid % (kC / 8) * 8;
-        __nv_bfloat16* to = m.d_o + stage * kRows * kPitch + r * kPitch + c;
-        if (tok < p.T) copy16(to, p.d_o + (tok * p.heads + h) * d.dv + col0 + c);
-        else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+    if constexpr (kFold) {  // d_o's rows of the block's C columns (zero past T)
+#pragma unroll
+      for (int u = 0; u < kDoCopies; ++u) {
+        const int piece = tid + u * kT;
+        if (kDoPieces % kT == 0 || piece < kDoPieces) {
+          const int r = piece / (kC / 8), c = piece % (kC / 8) * 8;
+          __nv_bfloat16* to = m.d_o + stage * kRows * kPitch + r * kPitch + c;
+          if (tok[u] < p.T) copy16(to, p.d_o + (tok[u] * p.heads + h) * d.dv + col0 + c);
+          else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+        }
       }
     }
     const float* from = p.base + head * kRows * d.dv + base_at;  // (p.add null on planes)
@@ -1315,9 +1320,15 @@ __global__ void __launch_bounds__(kW * 32) recurrence_planes_kernel(RecurrenceAr
     }
     commit_copies();
   };
-  // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
+  // kFold: the tokens of this thread's d_o rows in the chunk load() takes next, read a step ahead.
   const auto ahead = [&](int64_t chunk) {
-    if (kFold && tid < kRows * kC / 8) tok = p.slots[chunk * kRows + tid / (kC / 8)];
+    if constexpr (kFold) {
+#pragma unroll
+      for (int u = 0; u < kDoCopies; ++u) {
+        const int piece = tid + u * kT;
+        if (kDoPieces % kT == 0 || piece < kDoPieces) tok[u] = p.slots[chunk * kRows + piece / (kC / 8)];
+      }
+    }
   };
   // (over_chunks' barrier also makes the last step's bfloat16 S visible.)
   over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
@@ -2593,7 +2604,8 @@ at::Tensor sum_value_heads(const at::Tensor& x, int hk, at::ScalarType dtype) {
 // unset or empty: none): `narrow_recurrence`, the forward's recurrence on planes at 32 columns a block
 // (recurrence_planes_kernel above), kept while its speed against 64 is measured; `small_recurrence`,
 // the same at 32 columns with 4 warps a block (fla's block shape; taken over narrow_recurrence where
-// both are named), to be measured against both. All three give the same bits.
+// both are named), the backward's folded recurrence on 4 warps too, to be measured against both. All
+// give the same bits.
 enum Variant : unsigned { kNarrowRecurrence = 1, kSmallRecurrence = 2 };  // (bit i: env_variants' name i)
 unsigned variants() {
   return env_variants("V4TRAIN_DELTA_RULE_VARIANTS", {"narrow_recurrence", "small_recurrence"});
@@ -2627,7 +2639,9 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
       a.d_o = static_cast<const __nv_bfloat16*>(fold->d_o);
       a.slots = fold->slots;
       a.T = fold->T;
-      launch<PlanesSmem<true, 32>>(recurrence_planes_kernel<DimsT, true, 32>, grid(32), d, a);
+      if (variants() & kSmallRecurrence)
+        launch<PlanesSmem<true, 32>, 4 * 32>(recurrence_planes_kernel<DimsT, true, 32, 4>, grid(32), d, a);
+      else launch<PlanesSmem<true, 32>>(recurrence_planes_kernel<DimsT, true, 32>, grid(32), d, a);
     } else if (const unsigned v = variants(); v & kSmallRecurrence) {
       launch<PlanesSmem<false, 32>, 4 * 32>(recurrence_planes_kernel<DimsT, false, 32, 4>, grid(32), d, a);
     } else if (v & kNarrowRecurrence) {
