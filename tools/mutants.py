@@ -210,8 +210,8 @@ MUTATIONS = (
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_planes_untransposed", "the recurrence's second product reads b with ldmatrix "
              "untransposed (b, not b^T; the backward's eq too)", "cc/ops/gated_delta_rule.cu",
-             "ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda",
-             "ldsm_x4(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda",
+             "ldsm_x4_t(fa, A + (k0 + lane % 8 + lane / 16 * 8) * kLda",
+             "ldsm_x4(fa, A + (k0 + lane % 8 + lane / 16 * 8) * kLda",
              DELTA_RULE_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_untransposed", "dqkwg's dk_tilde product takes d_state as stored (v_new "
              "d_state, not v_new d_state^T)", "cc/ops/gated_delta_rule.cu",
@@ -271,26 +271,8 @@ MUTATIONS = (
              "odd ? make_uint2(got, p1) : make_uint2(p0, got);", "odd ? make_uint2(p1, got) : make_uint2(p0, got);",
              PLANES_CUDA, cuda=True),
     Mutation("delta_rule_recurrence_base_row_kept", "the recurrence on planes: the base's second row (x0 + g + 8) "
-             "handed over as the first's", "cc/ops/gated_delta_rule.cu", "base[j][1] = next_base[j][1];",
-             "base[j][1] = next_base[j][0];", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_recurrence_wide_second_tile", "the forward's recurrence at 64 columns (and on 4 warps): "
-             "the first product's second n8 tile of S read from the first's columns", "cc/ops/gated_delta_rule.cu",
-             "ldsm_x4_t(f, m.S + (k0 + lane % 16) * kPitch + xc + 16 * q + lane / 16 * 8);",
-             "ldsm_x4_t(f, m.S + (k0 + lane % 16) * kPitch + xc + 16 * q);", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_recurrence_small_second_m_tile", "the forward's recurrence on 4 warps (small_recurrence): "
-             "the second product's second m16 tile of b^T read 8 columns of b on, not 16", "cc/ops/gated_delta_rule.cu",
-             "ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i",
-             "ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 8 * i",
-             ("parity/test_gated_delta_rule.py", "-k", "bit_for_bit"), cuda=True),
-    Mutation("delta_rule_recurrence_small_fold_d_o_rows", "the backward's folded recurrence on 4 warps "
-             "(small_recurrence): d_o's second 32 rows a thread copies take the first 32's tokens",
-             "cc/ops/gated_delta_rule.cu", "tok[u] = p.slots[chunk * kRows + piece / (kC / 8)];",
-             "tok[u] = p.slots[chunk * kRows + tid / (kC / 8)];", ("parity/test_gated_delta_rule.py", "-k", "bit_for_bit"),
-             cuda=True),
-    Mutation("delta_rule_recurrence_h_second_pair", "the recurrence on planes: h's columns of a warp's second "
-             "pair of tiles (the forward's at 64 columns) written over its first's", "cc/ops/gated_delta_rule.cu",
-             "c = sc + 16 * pair + (odd ? 8 : 0) + 2 * (t & ~1);", "c = sc + (odd ? 8 : 0) + 2 * (t & ~1);",
-             PLANES_CUDA, cuda=True),
+             "handed over as the first's", "cc/ops/gated_delta_rule.cu", "base[1] = next_base[1];",
+             "base[1] = next_base[0];", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_recurrence_base_a_step_late", "the recurrence on planes: the base handed over after the "
              "next chunk's load (each step takes the next chunk's base)", "cc/ops/gated_delta_rule.cu",
              "    turn();\n    if (i + 1 < chunks) load(1 - stage, next);",
@@ -310,8 +292,8 @@ MUTATIONS = (
              "*reinterpret_cast<const uint4*>(qp + r * m.ldqp + c);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_fold_d_o_first_columns", "the folded reverse recurrence: every column block reads d_o's "
              "first 32 columns", "cc/ops/gated_delta_rule.cu",
-             "copy16(to, p.d_o + (tok[u] * p.heads + h) * d.dv + col0 + c);",
-             "copy16(to, p.d_o + (tok[u] * p.heads + h) * d.dv + c);", PLANES_CUDA, cuda=True),
+             "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + col0 + c);",
+             "copy16(to, p.d_o + (tok * p.heads + h) * d.dv + c);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_y_rows_folded", "wy_grads on planes: a warp's Y tile in registers keeps rows "
              "g and g + 8 in one register", "cc/ops/gated_delta_rule.cu",
              "float& at = y[(c >> 3 & 1) * 4 + (r >> 3 & 1) * 2 + (c & 1)];",

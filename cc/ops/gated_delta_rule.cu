@@ -1082,8 +1082,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
       });
 }
 
-// The recurrence across chunks (gdr::Recurrence), a block per 32 columns of a document's head
-// (the plane kernel's forward: 64 columns, or 32 on 16 or 4 warps; recurrence_planes_kernel):
+// The recurrence across chunks (gdr::Recurrence), a block per 32 columns of a document's head:
 // x = base + sign_a a S and S = decay S + add + sign_b b^T x as two block products a chunk, the next
 // chunk's tiles (a, b, base, add) loading (cp.async; on planes the base into registers) while this one
 // computes.
@@ -1207,27 +1206,19 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
 
 // The recurrence on bfloat16 operands (kPlanes): a and b two stages of [64, pk + 8] bfloat16 (W and
 // K~ as prepare rounded them; rows 16-byte aligned, 16 bytes apart in the banks: ldmatrix without
-// conflicts), base in registers (below); S and x rounded once to bfloat16 for the products ([pk, C + 8]
-// and [64, C + 8], C the block's columns), one bf16 product each (fla's precision). The state itself
-// stays in float32, in the registers of the warps whose second-product tiles hold it, and so does x
-// written out; the state written out (h, or the backward's d_state) is rounded to bfloat16, as its
-// readers take it. No add on planes: the forward has none, and the backward's is formed in the kernel
-// (kFold: two stages of eq [64, pk + 8] and d_o [64, C + 8] bfloat16). The base comes in registers: a
-// thread's values of its x tile, read a step ahead (from shared memory they were a 4-way bank conflict
-// on the step's critical path; ncu of the H100, 2026-12-06).
-// C: the forward takes 64 columns a block (two blocks a head), the folded backward 32. Each of a
-// head's blocks reads all of a and b a step (32 KB), and at 32 columns the forward's L2 was 70% busy
-// (ncu of the H100, twenty-ninth session), so the forward halves the blocks that read them (L2's
-// traffic a step 7.1 -> 5.1 MB at Qwen3.5-35B's 32 value heads) at the same products, sums and bits
-// a column; V4TRAIN_DELTA_RULE_VARIANTS=narrow_recurrence takes 32 (its speed to be measured); the
-// backward's third product keeps 32 (its registers and eq's reads). kW: warps a block, 16, or 4 at 32
-// columns (small_recurrence, the forward's and the folded backward's: 132 and 187 registers): fla's
-// chunk_gated_delta_rule_fwd_kernel_h does a step in about half our time with blocks of 2 or 4 warps
-// (its state in registers too), and 4 warps wait at cheaper barriers and issue fewer copies' address
-// instructions a step; to be measured against 16. The layout here does not depend on the warps.
-template <int kC>
-constexpr int kPlanePitch = kC + 8;
-template <bool kFold, int kC>
+// conflicts), base in registers (below); S and x rounded once to bfloat16 for the products ([pk, 40] and
+// [64, 40]), one bf16 product each (fla's precision). The state itself stays in float32, in the
+// registers of the warps whose second-product tiles hold it, and so does x written out; the state
+// written out (h, or the backward's d_state) is rounded to bfloat16, as its readers take it.
+// No add on planes: the forward has none, and the backward's is formed in the kernel (kFold: two
+// stages of eq [64, pk + 8] and d_o [64, 40] bfloat16). The base comes in registers: a thread's four
+// values of its x tile, read a step ahead (from shared memory they were a 4-way bank conflict on the
+// step's critical path; ncu of the H100, 2026-12-06). 32 columns on 16 warps is the fastest of three
+// shapes timed in one process (H100, thirtieth session; the same bits): 64 columns a block (two blocks
+// a head, L2's traffic a step 7.1 -> 5.1 MB) took the forward's recurrence 1.02 -> 1.43 ms at 32K
+// tokens, and fla's block shape (4 warps at 32 columns) 1.10 ms, the folded backward's 1.57 against 1.28.
+constexpr int kPlanePitch = kCols + 8;
+template <bool kFold>
 struct PlanesSmem {
   __nv_bfloat16 *a, *b, *S, *X, *eq = nullptr, *d_o = nullptr;
   int lda;
@@ -1237,208 +1228,144 @@ struct PlanesSmem {
     b = c.take<__nv_bfloat16>(2 * kRows * lda);
     if constexpr (kFold) {
       eq = c.take<__nv_bfloat16>(2 * kRows * lda);
-      d_o = c.take<__nv_bfloat16>(2 * kRows * kPlanePitch<kC>);
+      d_o = c.take<__nv_bfloat16>(2 * kRows * kPlanePitch);
     }
-    S = c.take<__nv_bfloat16>(d.pk * kPlanePitch<kC>);
-    X = c.take<__nv_bfloat16>(kRows * kPlanePitch<kC>);
+    S = c.take<__nv_bfloat16>(d.pk * kPlanePitch);
+    X = c.take<__nv_bfloat16>(kRows * kPlanePitch);
   }
 };
 
-// x = base + sign_a a S, then S = decay S + add + sign_b b^T x, as recurrence_kernel, kW warps: the
-// first product a warp a 16-row tile of x [64, C] (K = pk), the second a tile of S [pk, C] (K = 64),
-// which that warp's lanes keep in float32 from chunk to chunk. 16 warps: x 16 x C/4, S 16 x C/2; 4
-// warps (at 32 columns): x 16 x 32, S 32 x 32 (two m16 tiles), and so the folded add's tile. Each output tile is the same chain of
-// mma.m16n8k16 over k0 = 0, 16, .. from the same bf16 fragments, and the same float epilogue, whichever
-// warp holds it, so x, h and the outputs are the same bits at any (kW, kC). kFold: add = eq^T d_o, the
+// x = base + sign_a a S, then S = decay S + add + sign_b b^T x, as recurrence_kernel, 16 warps: the
+// first product a warp a 16 x 8 tile of x [64, 32] (K = pk), the second a 16 x 16 tile of S [pk, 32]
+// (K = 64), which that warp's lanes keep in float32 from chunk to chunk. kFold: add = eq^T d_o, the
 // same tile of a third product, formed before x is in (it needs neither x nor S).
-template <typename DimsT, bool kFold, int kC, int kW = 16>
-__global__ void __launch_bounds__(kW * 32) recurrence_planes_kernel(RecurrenceArgs p) {
-  constexpr int kPitch = kPlanePitch<kC>, kT = kW * 32;
-  static_assert((kW == 16 && (kC == 32 || kC == 64)) || (kW == 4 && kC == 32), "16 warps at 32 or 64 columns, or 4 at 32");
-  // The warps' tiles: x's 4 row tiles of 16 split over kW / 4 warps by columns; S's pk rows over kW /
-  // kSplit warps, kSplit by columns (2 at 16 warps, 1 at 4), kMS m16 tiles a warp.
-  constexpr int kXW = kW / 4, kSplit = kW == 16 ? 2 : 1, kMS = DimsT::pk / 16 / (kW / kSplit);
-  // n8 tiles a warp: kNX of x (columns xc + 8 j), kNS of S (columns sc + 8 j; rows s0 + 16 i, i < kMS).
-  constexpr int kNX = kC / kXW / 8, kNS = kC / kSplit / 8;
-  static_assert(kNX >= 1 && (kNX == 1 || kNX % 2 == 0) && kNS % 2 == 0 && kMS >= 1, "whole ldmatrix tiles");
+template <typename DimsT, bool kFold>
+__global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceArgs p) {
+  static_assert(kWarps == 16 && kCols == 32, "a warp a tile of x [64, 32] and of S [128, 32]");
   extern __shared__ __align__(16) unsigned char smem[];
   const DimsT d{};
-  static_assert(DimsT::dk == 128 && DimsT::pk == 128 && DimsT::dv % kC == 0, "Qwen3.5's widths");
+  static_assert(DimsT::dk == 128 && DimsT::pk == 128 && DimsT::dv % kCols == 0, "Qwen3.5's widths");
   Carve carve{smem};
-  const PlanesSmem<kFold, kC> m(carve, d);
-  const int col0 = blockIdx.x * kC, h = blockIdx.y, tid = threadIdx.x;
+  const PlanesSmem<kFold> m(carve, d);
+  const int col0 = blockIdx.x * kCols, h = blockIdx.y, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   constexpr int kTile = kRows * (DimsT::pk + 8);
-  for (int i = tid; i < DimsT::pk * kPitch; i += kT) m.S[i] = __float2bfloat16_rn(0.0f);
-  // This warp's tiles: x rows x0.. (16) and columns xc.. (C / 4 at 16 warps, C at 4); S rows s0.. (16
-  // kMS) and columns sc.. (C / kSplit).
-  const int x0 = warp / kXW * 16, xc = warp % kXW * (kC / kXW);
-  const int s0 = warp / kSplit * (16 * kMS), sc = warp % kSplit * (kC / kSplit);
-  float state[kMS][kNS][4] = {};  // S at (s0 + 16 i + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
-  // kFold: d_o's [64, C] bfloat16 of a chunk in 16-byte pieces, kDoCopies a thread (1 at 16 warps, where
-  // the first kRows * C / 8 threads take one; 2 at 4), each piece's token read a step ahead by ahead().
-  constexpr int kDoPieces = kRows * kC / 8, kDoCopies = (kDoPieces + kT - 1) / kT;
-  int64_t tok[kDoCopies] = {};
+  for (int i = tid; i < DimsT::pk * kPlanePitch; i += kThreads) m.S[i] = __float2bfloat16_rn(0.0f);
+  // This warp's tiles: x rows x0.. (16) and columns xc.. (8); S rows s0.. (16) and columns sc.. (16).
+  const int x0 = warp / 4 * 16, xc = warp % 4 * 8, s0 = warp / 2 * 16, sc = warp % 2 * 16;
+  float state[2][4] = {};  // S at (s0 + g + 8 (e / 2), sc + 8 j + 2 t + e % 2)
+  int64_t tok = 0;  // kFold: ahead()'s
   // The copies' places, the same each chunk (their index arithmetic was 40% of a step's instructions;
-  // ncu, 2026-12-06): a, b (and eq) are 64 rows of pk bfloat16 each, contiguous in global memory,
-  // kRows / kPass 16-byte pieces a thread (rows r, r + kPass, ..; piece tid % 16): 2 at 16 warps, 8 at 4.
-  constexpr int kLda = DimsT::pk + 8, kPieces = DimsT::pk / 8, kPass = kT / kPieces, kCopies = kRows / kPass;
-  static_assert(kRows == kCopies * kPass, "whole passes");
+  // ncu, 2026-12-06): a, b (and eq) are 64 rows of pk bfloat16 each, contiguous in global memory, two
+  // 16-byte pieces a thread (rows r and r + 32, piece tid % 16).
+  constexpr int kLda = DimsT::pk + 8, kPieces = DimsT::pk / 8, kPass = kThreads / kPieces;
+  static_assert(kRows == 2 * kPass, "two pieces a thread");
   const int to_smem = tid / kPieces * kLda + tid % kPieces * 8, to_rows = tid / kPieces * DimsT::dk + tid % kPieces * 8;
-  // The base [64, C] (U, or the backward's dv_local): this thread's values of its x tile (rows x0 + g
-  // and + 8, columns xc + 8 j + 2 t and + 1), read a step ahead into `next_base`, turned into `base`.
+  // The base [64, 32] (U, or the backward's dv_local): this thread's four values of its x tile (rows
+  // x0 + g and + 8, columns xc + 2 t and + 1), read a step ahead into `next_base`, turned into `base`.
   const int base_at = (x0 + g) * DimsT::dv + col0 + xc + 2 * t;
-  float2 base[kNX][2] = {}, next_base[kNX][2] = {};
+  float2 base[2] = {}, next_base[2] = {};
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
     const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk) + to_rows;
     const auto* b = reinterpret_cast<const __nv_bfloat16*>(p.b + head * kRows * d.dk) + to_rows;
 #pragma unroll
-    for (int u = 0; u < kCopies; ++u) {
+    for (int u = 0; u < 2; ++u) {
       const int s_at = stage * kTile + to_smem + u * kPass * kLda, g_at = u * kPass * DimsT::dk;
       copy16(m.a + s_at, a + g_at);
       copy16(m.b + s_at, b + g_at);
       if constexpr (kFold) copy16(m.eq + s_at, p.eq + head * kRows * d.dk + to_rows + g_at);
     }
-    if constexpr (kFold) {  // d_o's rows of the block's C columns (zero past T)
-#pragma unroll
-      for (int u = 0; u < kDoCopies; ++u) {
-        const int piece = tid + u * kT;
-        if (kDoPieces % kT == 0 || piece < kDoPieces) {
-          const int r = piece / (kC / 8), c = piece % (kC / 8) * 8;
-          __nv_bfloat16* to = m.d_o + stage * kRows * kPitch + r * kPitch + c;
-          if (tok[u] < p.T) copy16(to, p.d_o + (tok[u] * p.heads + h) * d.dv + col0 + c);
-          else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
-        }
+    if constexpr (kFold) {  // d_o's rows of the block's 32 columns, 16 bytes a thread (zero past T)
+      static_assert(kRows * kCols / 8 <= kThreads, "a piece a thread: its slot read a step ahead");
+      if (tid < kRows * kCols / 8) {
+        const int r = tid / (kCols / 8), c = tid % (kCols / 8) * 8;
+        __nv_bfloat16* to = m.d_o + stage * kRows * kPlanePitch + r * kPlanePitch + c;
+        if (tok < p.T) copy16(to, p.d_o + (tok * p.heads + h) * d.dv + col0 + c);
+        else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
       }
     }
     const float* from = p.base + head * kRows * d.dv + base_at;  // (p.add null on planes)
-#pragma unroll
-    for (int j = 0; j < kNX; ++j) {
-      next_base[j][0] = *reinterpret_cast<const float2*>(from + 8 * j);
-      next_base[j][1] = *reinterpret_cast<const float2*>(from + 8 * j + 8 * DimsT::dv);
-    }
+    next_base[0] = *reinterpret_cast<const float2*>(from);
+    next_base[1] = *reinterpret_cast<const float2*>(from + 8 * DimsT::dv);
     commit_copies();
   };
-  // kFold: the tokens of this thread's d_o rows in the chunk load() takes next, read a step ahead.
+  // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
   const auto ahead = [&](int64_t chunk) {
-    if constexpr (kFold) {
-#pragma unroll
-      for (int u = 0; u < kDoCopies; ++u) {
-        const int piece = tid + u * kT;
-        if (kDoPieces % kT == 0 || piece < kDoPieces) tok[u] = p.slots[chunk * kRows + piece / (kC / 8)];
-      }
-    }
+    if (kFold && tid < kRows * kCols / 8) tok = p.slots[chunk * kRows + tid / (kCols / 8)];
   };
   // (over_chunks' barrier also makes the last step's bfloat16 S visible.)
   over_chunks(p, h, load, [&](int64_t head, int stage, float dec) {
     // The state out rounded to bfloat16 as the products take it (and dgamma's dot reads it).
-    // Eight bytes a lane (half sectors were written four bytes a lane): of each pair of tiles, lanes t
-    // and t ^ 1 swap a pair, so that the even one holds columns 2 t.. + 3 of the pair's 16 and the odd
-    // one 8 + 2 (t - 1).. + 3.
+    // Eight bytes a lane (half sectors were written four bytes a lane): lanes t and t ^ 1 swap a pair,
+    // so that the even one holds columns sc + 2 t.. + 3 and the odd one sc + 8 + 2 (t - 1).. + 3.
     __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(p.state_out) + head * d.dk * d.dv + col0;
 #pragma unroll
-    for (int i = 0; i < kMS; ++i) {
-#pragma unroll
-      for (int pair = 0; pair < kNS / 2; ++pair) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float *s = state[i][2 * pair], *s1 = state[i][2 * pair + 1];
-          const uint32_t p0 = pack2<__nv_bfloat16>(s[2 * half], s[2 * half + 1]);
-          const uint32_t p1 = pack2<__nv_bfloat16>(s1[2 * half], s1[2 * half + 1]);
-          const bool odd = t & 1;
-          const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? p0 : p1, 1);
-          const int r = s0 + 16 * i + g + 8 * half, c = sc + 16 * pair + (odd ? 8 : 0) + 2 * (t & ~1);
-          *reinterpret_cast<uint2*>(h_out + r * d.dv + c) = odd ? make_uint2(got, p1) : make_uint2(p0, got);
-        }
-      }
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t p0 = pack2<__nv_bfloat16>(state[0][2 * half], state[0][2 * half + 1]);
+      const uint32_t p1 = pack2<__nv_bfloat16>(state[1][2 * half], state[1][2 * half + 1]);
+      const bool odd = t & 1;
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? p0 : p1, 1);
+      const int r = s0 + g + 8 * half, c = sc + (odd ? 8 : 0) + 2 * (t & ~1);
+      *reinterpret_cast<uint2*>(h_out + r * d.dv + c) = odd ? make_uint2(got, p1) : make_uint2(p0, got);
     }
-    // x = base + sign_a a S: A = a [64, pk] (ldmatrix), B = S [pk, C] (ldmatrix.trans).
+    // x = base + sign_a a S: A = a [64, pk] (ldmatrix), B = S [pk, 32] (ldmatrix.trans).
     {
       const __nv_bfloat16* a = m.a + stage * kTile;
-      float acc[kNX][4] = {};
+      float acc[4] = {};
 #pragma unroll
       for (int k0 = 0; k0 < DimsT::pk; k0 += 16) {
-        uint32_t fa[4], fb[2 * kNX];
+        uint32_t fa[4], fb[2];
         ldsm_x4(fa, a + (x0 + lane % 16) * kLda + k0 + lane / 16 * 8);
-        if constexpr (kNX == 1) {
-          ldsm_x2_t(fb, m.S + (k0 + lane % 16) * kPitch + xc);
-        } else {
-#pragma unroll
-          for (int q = 0; q < kNX / 2; ++q) {  // (4 warps: two x4 for the warp's four n8 tiles)
-            uint32_t f[4];
-            ldsm_x4_t(f, m.S + (k0 + lane % 16) * kPitch + xc + 16 * q + lane / 16 * 8);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fb[4 * q + e] = f[e];
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kNX; ++j) mma16816<__nv_bfloat16>(acc[j], fa, {fb[2 * j], fb[2 * j + 1]});
+        ldsm_x2_t(fb, m.S + (k0 + lane % 16) * kPlanePitch + xc);
+        mma16816<__nv_bfloat16>(acc, fa, fb);
       }
 #pragma unroll
-      for (int j = 0; j < kNX; ++j) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = x0 + g + 8 * half, c = xc + 8 * j + 2 * t;
-          const float v0 = base[j][half].x + p.sign_a * acc[j][2 * half];
-          const float v1 = base[j][half].y + p.sign_a * acc[j][2 * half + 1];
-          store2(p.x_out + (head * kRows + r) * d.dv + col0 + c, v0, v1);
-          *reinterpret_cast<uint32_t*>(m.X + r * kPitch + c) = pack2<__nv_bfloat16>(v0, v1);
-        }
+      for (int half = 0; half < 2; ++half) {
+        const int r = x0 + g + 8 * half, c = xc + 2 * t;
+        const float v0 = base[half].x + p.sign_a * acc[2 * half];
+        const float v1 = base[half].y + p.sign_a * acc[2 * half + 1];
+        store2(p.x_out + (head * kRows + r) * d.dv + col0 + c, v0, v1);
+        *reinterpret_cast<uint32_t*>(m.X + r * kPlanePitch + c) = pack2<__nv_bfloat16>(v0, v1);
       }
     }
-    // This warp's tile of S's shape from a [64, pk] tile read transposed (A^T, ldmatrix.trans; pitch
-    // kLda) times a [64, C] tile (B, pitch kPitch): b^T x, and the backward's eq^T d_o.
-    const auto transposed_product = [&](float (&acc)[kMS][kNS][4], const __nv_bfloat16* A, const __nv_bfloat16* B) {
+    // This warp's 16 x 16 tile of S's shape from a [64, pk] tile read transposed (A^T, ldmatrix.trans;
+    // pitch kLda) times a [64, 32] tile (B): b^T x, and the backward's eq^T d_o.
+    const auto transposed_product = [&](float (&acc)[2][4], const __nv_bfloat16* A, const __nv_bfloat16* B) {
 #pragma unroll
       for (int k0 = 0; k0 < kRows; k0 += 16) {
-        uint32_t fa[kMS][4], fb[4];
+        uint32_t fa[4], fb[4];
+        ldsm_x4_t(fa, A + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + lane / 8 % 2 * 8);
+        ldsm_x4_t(fb, B + (k0 + lane % 16) * kPlanePitch + sc + lane / 16 * 8);
 #pragma unroll
-        for (int i = 0; i < kMS; ++i)
-          ldsm_x4_t(fa[i], A + (k0 + lane % 8 + lane / 16 * 8) * kLda + s0 + 16 * i + lane / 8 % 2 * 8);
-#pragma unroll
-        for (int pair = 0; pair < kNS / 2; ++pair) {
-          ldsm_x4_t(fb, B + (k0 + lane % 16) * kPitch + sc + 16 * pair + lane / 16 * 8);
-#pragma unroll
-          for (int i = 0; i < kMS; ++i) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-              mma16816<__nv_bfloat16>(acc[i][2 * pair + j], fa[i], {fb[2 * j], fb[2 * j + 1]});
-          }
-        }
+        for (int j = 0; j < 2; ++j) mma16816<__nv_bfloat16>(acc[j], fa, {fb[2 * j], fb[2 * j + 1]});
       }
     };
-    float folded[kMS][kNS][4] = {};  // kFold: this warp's tile of add = eq^T d_o (as b^T x below)
-    if constexpr (kFold) transposed_product(folded, m.eq + stage * kTile, m.d_o + stage * kRows * kPitch);
+    float folded[2][4] = {};  // kFold: this warp's tile of add = eq^T d_o (as b^T x below)
+    if constexpr (kFold) transposed_product(folded, m.eq + stage * kTile, m.d_o + stage * kRows * kPlanePitch);
     __syncthreads();  // x is in; every read of S is done
-    // S = decay S + add + sign_b b^T x: A = b^T (ldmatrix.trans of b [64, pk]), B = x [64, C].
+    // S = decay S + add + sign_b b^T x: A = b^T (ldmatrix.trans of b [64, pk]), B = x [64, 32].
     {
-      float acc[kMS][kNS][4] = {};
+      float acc[2][4] = {};
       transposed_product(acc, m.b + stage * kTile, m.X);
 #pragma unroll
-      for (int i = 0; i < kMS; ++i) {
+      for (int j = 0; j < 2; ++j) {
 #pragma unroll
-        for (int j = 0; j < kNS; ++j) {
-          float* s = state[i][j];
+        for (int e = 0; e < 4; ++e) {
+          state[j][e] = dec * state[j][e] + p.sign_b * acc[j][e];
+          if constexpr (kFold) state[j][e] += folded[j][e];
+        }
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[e] = dec * s[e] + p.sign_b * acc[i][j][e];
-            if constexpr (kFold) s[e] += folded[i][j][e];
-          }
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = s0 + 16 * i + g + 8 * half, c = sc + 8 * j + 2 * t;
-            *reinterpret_cast<uint32_t*>(m.S + r * kPitch + c) = pack2<__nv_bfloat16>(s[2 * half], s[2 * half + 1]);
-          }
+        for (int half = 0; half < 2; ++half) {
+          const int r = s0 + g + 8 * half, c = sc + 8 * j + 2 * t;
+          *reinterpret_cast<uint32_t*>(m.S + r * kPlanePitch + c) = pack2<__nv_bfloat16>(state[j][2 * half],
+                                                                                      state[j][2 * half + 1]);
         }
       }
     }
   }, ahead, [&] {
-#pragma unroll
-    for (int j = 0; j < kNX; ++j) {
-      base[j][0] = next_base[j][0];
-      base[j][1] = next_base[j][1];
-    }
+    base[0] = next_base[0];
+    base[1] = next_base[1];
   });
 }
 
@@ -2600,17 +2527,6 @@ at::Tensor sum_value_heads(const at::Tensor& x, int hk, at::ScalarType dtype) {
 
 // ---- Host ------------------------------------------------------------------------------------------
 
-// The kernels' variants, as V4TRAIN_DELTA_RULE_VARIANTS names them (a comma list read at each call;
-// unset or empty: none): `narrow_recurrence`, the forward's recurrence on planes at 32 columns a block
-// (recurrence_planes_kernel above), kept while its speed against 64 is measured; `small_recurrence`,
-// the same at 32 columns with 4 warps a block (fla's block shape; taken over narrow_recurrence where
-// both are named), the backward's folded recurrence on 4 warps too, to be measured against both. All
-// give the same bits.
-enum Variant : unsigned { kNarrowRecurrence = 1, kSmallRecurrence = 2 };  // (bit i: env_variants' name i)
-unsigned variants() {
-  return env_variants("V4TRAIN_DELTA_RULE_VARIANTS", {"narrow_recurrence", "small_recurrence"});
-}
-
 template <typename Smem, int Threads = kThreads, typename Kernel, typename A>
 void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args) {
   Carve carve{nullptr};
@@ -2630,7 +2546,7 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
                    r.state_out.data_ptr(), r.x_out.data_ptr<float>(), plan.chunks_of.data_ptr<int64_t>(),
                    plan.offset_device.data_ptr<int64_t>(), static_cast<float>(r.sign_a), static_cast<float>(r.sign_b),
                    static_cast<int>(r.base.size(1)), d.dk, d.dv, r.reverse};
-  const auto grid = [&](int cols) { return dim3((d.dv + cols - 1) / cols, r.base.size(1), plan.documents); };
+  const dim3 grid((d.dv + kCols - 1) / kCols, r.base.size(1), plan.documents);
   if constexpr (kPlanes<kMode, DimsT>) {
     TORCH_CHECK(!r.add.defined(), "v4_gated_delta_rule: the plane kernels' recurrence takes no add (the backward's "
                                   "is folded)");
@@ -2639,19 +2555,13 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
       a.d_o = static_cast<const __nv_bfloat16*>(fold->d_o);
       a.slots = fold->slots;
       a.T = fold->T;
-      if (variants() & kSmallRecurrence)
-        launch<PlanesSmem<true, 32>, 4 * 32>(recurrence_planes_kernel<DimsT, true, 32, 4>, grid(32), d, a);
-      else launch<PlanesSmem<true, 32>>(recurrence_planes_kernel<DimsT, true, 32>, grid(32), d, a);
-    } else if (const unsigned v = variants(); v & kSmallRecurrence) {
-      launch<PlanesSmem<false, 32>, 4 * 32>(recurrence_planes_kernel<DimsT, false, 32, 4>, grid(32), d, a);
-    } else if (v & kNarrowRecurrence) {
-      launch<PlanesSmem<false, 32>>(recurrence_planes_kernel<DimsT, false, 32>, grid(32), d, a);
+      launch<PlanesSmem<true>>(recurrence_planes_kernel<DimsT, true>, grid, d, a);
     } else {
-      launch<PlanesSmem<false, 64>>(recurrence_planes_kernel<DimsT, false, 64>, grid(64), d, a);
+      launch<PlanesSmem<false>>(recurrence_planes_kernel<DimsT, false>, grid, d, a);
     }
   } else {
     TORCH_CHECK(fold == nullptr, "v4_gated_delta_rule: the folded recurrence is the plane kernels'");
-    launch<RecurrenceSmem>(recurrence_kernel<kMode, DimsT>, grid(kCols), d, a);
+    launch<RecurrenceSmem>(recurrence_kernel<kMode, DimsT>, grid, d, a);
   }
 }
 
