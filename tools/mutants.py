@@ -403,6 +403,10 @@ MUTATIONS = (
              "+8 read from the first 8", "cc/common/fp8_grouped.cu",
              "constexpr int frag[4] = {0, 8 * kBK, 8, 8 * kBK + 8};", "constexpr int frag[4] = {0, 0, 8, 8};",
              FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
+    Mutation("fp8_dense_prefetch_any_key", "a dense FP8 product takes the map dequantised ahead whichever map "
+             "it asks for", "cc/common/lora.cc", "pending_.defined() && pending_key_ == key &&",
+             "pending_.defined() &&", ("parity/test_fp8_linear.py", "-k", "prefetched"), cuda=True,
+             module="v4_linear_test"),
     Mutation("fp8_registers_backward_unswizzled", "the experts' FP8 backward "
              "(fp8_registers_kernel<true>): the ldmatrix rows of the weight's tile read without TMA's 128-byte "
              "swizzle", "cc/common/fp8_grouped.cu", "(((4 * wg + warp) ^ (lane % 8)) * 16)", "((4 * wg + warp) * 16)",

@@ -120,7 +120,7 @@ def test_a_mutation_that_does_not_build_is_said_so_not_counted_a_survivor(monkey
 def test_every_cuda_mutation_names_the_module_built_for_it():
     """mutants.py --cuda builds, in each mutation's copy of the sources, only the module of the
     mutated kernel file (module_of: the file's name, as cc/ops.bzl names modules, or the mutation's
-    `module` for a kernel file of cc/common, which every module builds): a mutation in a file that no
+    `module` for a file of cc/common, which every module builds): a mutation in a file that no
     module built there compiles (a shared .cuh) would fail to build, on the GPU's time."""
     import mutants
 
@@ -129,8 +129,8 @@ def test_every_cuda_mutation_names_the_module_built_for_it():
         if m.cuda:
             name = mutants.module_of(m)
             assert name in modules, f"{m.name}: {m.path} is built into no module named {name}"
-            if m.module:  # build_ext compiles every cc/common/*.cu into each module
-                assert os.path.dirname(m.path) == "cc/common" and m.path.endswith(".cu"), m.name
+            if m.module:  # build_ext compiles every cc/common/*.cc and *.cu into each module
+                assert os.path.dirname(m.path) == "cc/common" and m.path.endswith((".cc", ".cu")), m.name
                 continue
             own = build_ext.sources(name, cuda=True)[1]
             assert os.path.join(build_ext.ROOT, m.path) in own, f"{m.name}: {name} does not build {m.path}"
