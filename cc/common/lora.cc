@@ -70,7 +70,8 @@ std::atomic<int64_t> prefetched_taken{0};
 // stream and handed to the asking stream through an event and record_stream. A map asked for out of
 // the learnt order is dequantised then, the one in flight dropped. One prefetcher a thread and
 // direction (the autograd engine runs the backward, and a checkpointed layer's recomputation, on its
-// own thread); the weights it learns are held weakly, so a freed model is not kept.
+// own thread); the weights it learns are held weakly, so a freed model is not kept, but each keeps its
+// one map in flight between steps (at most a map's bf16 bytes a direction).
 class Prefetcher {
  public:
   at::Tensor take(const at::Tensor& weight, const at::Tensor& scale, at::ScalarType dtype) {
@@ -94,9 +95,16 @@ class Prefetcher {
     const auto found = next_.find(key);
     if (found == next_.end()) return result;
     at::Tensor next_weight(found->second.weight.lock()), next_scale(found->second.scale.lock());
-    if (!next_weight.defined() || !next_scale.defined() || next_weight.device() != weight.device()) return result;
+    // (FSDP2 frees a layer's gathered weights between its uses: no memory, nothing to read ahead.)
+    const auto held = [](const at::Tensor& t) { return t.defined() && t.has_storage() && t.storage().data(); };
+    if (!held(next_weight) || !held(next_scale) || next_weight.device() != weight.device()) return result;
     c10::impl::VirtualGuardImpl impl(weight.device().type());
     const c10::Stream side = impl.getStreamFromGlobalPool(weight.device());
+    // The side stream reads the next map after what the asking stream has queued: a weight refilled in
+    // place (FSDP2's all-gather into the same tensor, keeping its version; a non_blocking copy) lands first.
+    c10::Event asked(weight.device().type());
+    asked.record(impl.getStream(weight.device()));
+    asked.block(side);
     try {
       const c10::StreamGuard on(side);
       pending_ = dequantize(next_weight, next_scale, dtype);
