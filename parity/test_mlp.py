@@ -171,8 +171,9 @@ def test_fp8_routed_experts_on_cuda_take_the_grouped_kernel_and_equal_the_dequan
     parity judge has it, against the float64 truth on the same routing: the two sum in other orders,
     and the MoE's cancellations turn a few elements' last-bit differences into more than the bf16
     tolerance (compare.assert_close's truth rule). Hidden 384 (three scale blocks along the sum),
-    blocks of different sizes, an expert in the middle with no row. (Its products on FP8 tensor cores, V4TRAIN_FP8_TENSOR_CORES=experts, are
-    not exact against the dequantised run: test_fp8_linear.py holds them to path (a)'s bound.)"""
+    blocks of different sizes, an expert in the middle with no row. (Its products on FP8 tensor cores,
+    V4TRAIN_FP8_TENSOR_CORES=experts, are not exact against the dequantised run: test_fp8_linear.py holds
+    them to path (a)'s bound.)"""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
     monkeypatch.delenv("V4TRAIN_FP8_GROUPED_VARIANTS", raising=False)  # (the kernels asserted are the defaults)
     gen = torch.Generator().manual_seed(3)

@@ -51,7 +51,7 @@ if ! python3 -c 'import transformers.models.glm_moe_dsa, transformers.models.qwe
     export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 # fla (issue 18's peer, for --impl fla and NCU_IMPL=fla) from its wheels carried in .whl/, on the path of
-# the op benchmarks alone (with_fla, and ncu's): transformers takes fla where it can import it, and fla refuses on
+# the op benchmarks alone (with_fla, ncu's included): transformers takes fla where it can import it, and fla refuses on
 # Hopper's Triton 3.4-3.7.0 (issue 640), so the model stage's transformers row would fail (thirtieth
 # session). The line above sets PYTHONPATH, so a caller's own install would not be seen.
 fla_site=
@@ -59,7 +59,7 @@ if ! python3 -c 'import fla' 2>/dev/null && ls .whl/fla_core-*.whl >/dev/null 2>
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_fla \
     .whl/fla_core-*.whl .whl/einops-*.whl && fla_site=/tmp/site_fla
 fi
-with_fla() { env PYTHONPATH="${fla_site:+$fla_site:}$PYTHONPATH" "$@"; }
+with_fla=(env PYTHONPATH="${fla_site:+$fla_site:}$PYTHONPATH")  # (a prefix, so that ncu runs it too)
 status=0
 has() { [[ " $stages " == *" $1 "* ]]; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -100,7 +100,7 @@ if has compare; then
   for order in ". $beside" "$beside ."; do
     for tree in $order; do
       name=$([ "$tree" = . ] && echo this || echo beside)
-      (cd "$tree" && with_fla python3 tools/benchmark.py --reps 20 --ops "${OPS:-}" --impl "${IMPL:-cpp}" ${OPS_ARGS:-}) \
+      (cd "$tree" && "${with_fla[@]}" python3 tools/benchmark.py --reps 20 --ops "${OPS:-}" --impl "${IMPL:-cpp}" ${OPS_ARGS:-}) \
         >>"$out/compare_ops_$name.log" 2>&1 || status=1
     done
   done
@@ -116,7 +116,7 @@ if has ncu; then
   timeout "${NCU_S:-480}" ncu --clock-control none -k "regex:($kernels)" -c "${NCU_LAUNCHES:-3}" --section SpeedOfLight \
     --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section InstructionStats --metrics "${stalls%,}${NCU_METRICS:+,$NCU_METRICS}" --import-source yes \
-    -f -o "$report" env PYTHONPATH="${fla_site:+$fla_site:}$PYTHONPATH" python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl "${NCU_IMPL:-cpp}" \
+    -f -o "$report" "${with_fla[@]}" python3 tools/benchmark.py --ops "${OPS:-v4_mla_dsa_attention}" --impl "${NCU_IMPL:-cpp}" \
     ${NCU_ARGS:-} --cases "${NCU_CASES:-1}" --once >"$out/ncu.log" 2>&1 || status=1
   ncu -i "$report.ncu-rep" >>"$out/ncu.log" 2>&1 || status=1
   ncu -i "$report.ncu-rep" --page source --csv --print-source sass 2>>"$out/ncu.log" | gzip >"$out/ncu_sass.csv.gz"
@@ -174,7 +174,7 @@ if has fp8; then
   grep -E '^(==|\|)' "$out/fp8_layer.log"
 fi
 if has ops; then
-  with_fla python3 tools/benchmark.py --reps 20 --ops "${OPS:-}" --impl "${IMPL:-reference,cpp}" >"$out/benchmark.log" 2>&1 || status=1
+  "${with_fla[@]}" python3 tools/benchmark.py --reps 20 --ops "${OPS:-}" --impl "${IMPL:-reference,cpp}" >"$out/benchmark.log" 2>&1 || status=1
   grep -E '^\|' "$out/benchmark.log"
 fi
 if has train; then

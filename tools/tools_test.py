@@ -51,8 +51,8 @@ def test_the_dqkwg_kernels_carve_and_tiles_hold():
 
 
 def test_the_forward_plane_kernels_hand_offs_hold():
-    # recurrence_planes' hand-offs (base and d_o token a step ahead) and output_planes' carve with its early copies, emulated
-    # on the CPU (it fails the base a step late and q's rows over h's).
+    # recurrence_planes' hand-offs (base and d_o token a step ahead) and output_planes' carve with its
+    # early copies, emulated on the CPU (it fails the base a step late and q's rows over h's).
     import delta_rule_forward_check
     assert delta_rule_forward_check.main() == 0
 

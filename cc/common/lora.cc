@@ -79,11 +79,11 @@ class Prefetcher {
     if (last_ != nullptr && last_ != key)
       next_.insert_or_assign(last_, Next{Weak(weight.getIntrusivePtr()), Weak(scale.getIntrusivePtr())});
     last_ = key;
+    const c10::impl::VirtualGuardImpl impl(weight.device().type());
+    const c10::Stream asking = impl.getStream(weight.device());
     at::Tensor result;
     if (pending_.defined() && pending_key_ == key && pending_version_ == weight._version() &&
         pending_.scalar_type() == dtype) {
-      c10::impl::VirtualGuardImpl impl(weight.device().type());
-      const c10::Stream asking = impl.getStream(weight.device());
       done_->block(asking);
       pending_.record_stream(asking);  // (made on the side stream: its memory freed in the asking stream's order)
       result = std::move(pending_);
@@ -98,12 +98,11 @@ class Prefetcher {
     // (FSDP2 frees a layer's gathered weights between its uses: no memory, nothing to read ahead.)
     const auto held = [](const at::Tensor& t) { return t.defined() && t.has_storage() && t.storage().data(); };
     if (!held(next_weight) || !held(next_scale) || next_weight.device() != weight.device()) return result;
-    c10::impl::VirtualGuardImpl impl(weight.device().type());
     const c10::Stream side = impl.getStreamFromGlobalPool(weight.device());
     // The side stream reads the next map after what the asking stream has queued: a weight refilled in
     // place (FSDP2's all-gather into the same tensor, keeping its version; a non_blocking copy) lands first.
     c10::Event asked(weight.device().type());
-    asked.record(impl.getStream(weight.device()));
+    asked.record(asking);
     asked.block(side);
     try {
       const c10::StreamGuard on(side);
