@@ -510,55 +510,6 @@ def test_a_dense_backward_on_cuda_fp8_tensor_cores_is_within_its_bound(variants,
     print(f"dense backward on FP8 tensor cores: max |error| / bound = {ratio:.3f}")
 
 
-@CUDA
-def test_the_dense_maps_prefetched_on_cuda_give_the_same_bits(monkeypatch):
-    """V4TRAIN_FP8_DENSE_VARIANTS=prefetch dequantises the next dense map on a side stream while the
-    product before it runs (lora.cc's Prefetcher, which learns the maps' order as they are asked for):
-    three FP8 maps in a row, three steps forward and backward, the third in another order, give the
-    output and x's gradient of the maps dequantised when asked for, bit for bit. The second step takes
-    every map but each direction's first prefetched (4); the third, out of the learnt order, only its
-    forward's first (the second step's last prefetched it) and the maps it asks for out of order
-    dequantised then (a map prefetched for another would give other values): 5 in all."""
-    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
-    gen = torch.Generator().manual_seed(41)
-    maps = [Linear(*(t.cuda() for t in blocks_of_sizes((256, 256), gen))) for _ in range(3)]
-    x0 = activations(32, 256, gen, signed=True).cuda()
-
-    def steps():
-        outs = []
-        for order in ((0, 1, 2), (0, 1, 2), (0, 2, 1)):
-            x = x0.clone().requires_grad_()
-            y = x
-            for i in order:
-                y = v4_linear_test.linear(y, maps[i])
-            y.backward(torch.ones_like(y))
-            outs.append((y.detach(), x.grad))
-        torch.cuda.synchronize()
-        return outs
-
-    monkeypatch.setenv("V4TRAIN_FP8_DENSE_VARIANTS", "none")
-    before = v4_linear_test.fp8_prefetched_taken()
-    plain = steps()
-    assert v4_linear_test.fp8_prefetched_taken() == before
-    monkeypatch.setenv("V4TRAIN_FP8_DENSE_VARIANTS", "prefetch")
-    ahead = steps()
-    assert v4_linear_test.fp8_prefetched_taken() - before == 5
-    for step, ((y, dx), (y1, dx1)) in enumerate(zip(plain, ahead)):
-        assert torch.equal(y, y1), f"step {step}: y differs, max {(y - y1).abs().max().item()}"
-        assert torch.equal(dx, dx1), f"step {step}: x's gradient differs, max {(dx - dx1).abs().max().item()}"
-
-
-def test_an_unknown_dense_variant_is_refused_on_any_device(monkeypatch):
-    """A misspelt V4TRAIN_FP8_DENSE_VARIANTS is an error naming the variable and the word, on the CPU
-    too (where nothing is prefetched)."""
-    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
-    monkeypatch.setenv("V4TRAIN_FP8_DENSE_VARIANTS", "prefech")
-    gen = torch.Generator().manual_seed(43)
-    q, scale = blocks_of_sizes((128, 128), gen)
-    with pytest.raises(ValueError, match=r"V4TRAIN_FP8_DENSE_VARIANTS=prefech: unknown variant 'prefech'"):
-        v4_linear_test.linear(activations(4, 128, gen, signed=True), Linear(q, scale))
-
-
 def test_an_unknown_fp8_tensor_core_product_is_refused_on_any_device(monkeypatch):
     """A misspelt product in V4TRAIN_FP8_TENSOR_CORES is an error naming the variable and the word,
     on the CPU too (where no FP8 tensor core would read it)."""

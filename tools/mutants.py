@@ -403,10 +403,6 @@ MUTATIONS = (
              "+8 read from the first 8", "cc/common/fp8_grouped.cu",
              "constexpr int frag[4] = {0, 8 * kBK, 8, 8 * kBK + 8};", "constexpr int frag[4] = {0, 0, 8, 8};",
              FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
-    Mutation("fp8_dense_prefetch_any_key", "a dense FP8 product takes the map dequantised ahead whichever map "
-             "it asks for", "cc/common/lora.cc", "pending_.defined() && pending_key_ == key &&",
-             "pending_.defined() &&", ("parity/test_fp8_linear.py", "-k", "prefetched"), cuda=True,
-             module="v4_linear_test"),
     Mutation("fp8_registers_backward_unswizzled", "the experts' FP8 backward "
              "(fp8_registers_kernel<true>): the ldmatrix rows of the weight's tile read without TMA's 128-byte "
              "swizzle", "cc/common/fp8_grouped.cu", "(((4 * wg + warp) ^ (lane % 8)) * 16)", "((4 * wg + warp) * 16)",
@@ -454,13 +450,24 @@ def apply(m: Mutation, root: str = ROOT) -> str:
     return text
 
 
-def built_copy(m: Mutation | None, root: str, modules: str, jobs: int = 2) -> str:
+def built_copy(m: Mutation | None, root: str, modules: str, jobs: int = 2,
+               base: concurrent.futures.Future | None = None) -> str:
     """A copy of the sources at `root` with `m` applied and `modules` built there. One nvcc
     compilation of a kernel file takes minutes on one core, so the CUDA mutations are built side
-    by side, each in its own copy (the objects are named by their source's path)."""
+    by side, each in its own copy. With `base` (the unmutated copy, built) the copy starts from its
+    objects, renamed for this root (build_ext names an object by its source's path), and the mutation
+    is written after them: only the mutated source (every source, for a header) compiles again."""
     for d in ("cc", "py", "parity", "tools"):
         shutil.copytree(os.path.join(ROOT, d), os.path.join(root, d), ignore=shutil.ignore_patterns("__pycache__"))
     os.symlink(os.path.join(ROOT, "testdata"), os.path.join(root, "testdata"))
+    if base is not None:
+        built = base.result()
+        old, new = (os.path.relpath(r, "/").replace("/", "_") + "_" for r in (built, root))
+        for objdir in (d for d in os.listdir(out_dir(built)) if d.startswith("obj")):
+            os.makedirs(os.path.join(out_dir(root), objdir))
+            for f in os.listdir(os.path.join(out_dir(built), objdir)):  # (copy2: the objects' times kept)
+                shutil.copy2(os.path.join(out_dir(built), objdir, f), os.path.join(out_dir(root), objdir,
+                                                                                   f.replace(old, new, 1)))
     if m is not None:
         apply(m, root)
     build(True, root, modules, jobs=jobs)
@@ -512,17 +519,19 @@ def main() -> int:
         print("| mutation | what | caught by |", flush=True)
         print("|---|---|---|", flush=True)
 
-    if args.cuda:  # each in its own copy, built side by side, judged one at a time on the GPU
+    if args.cuda:  # each in its own copy, judged one at a time on the GPU
         start = time.time()
-        # The unmutated copy builds every chosen mutation's module, a mutated copy its own alone.
-        modules = [",".join(sorted({module_of(m) for m in chosen})), *(module_of(m) for m in chosen)]
+        cpus = os.cpu_count() or 2
+        # The unmutated copy builds every chosen mutation's module on all the cores; then the mutated
+        # copies, side by side, each its own module from the unmutated objects (its mutated source alone).
         with tempfile.TemporaryDirectory(prefix="v4train-mutants-") as tmp, \
-                concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
-            jobs = max(2, (os.cpu_count() or 2) // len(modules))  # the copies share the cores
-            copies = [pool.submit(built_copy, m, os.path.join(tmp, str(i)), mods, jobs)
-                      for i, (m, mods) in enumerate(zip([None, *chosen], modules))]
-            check_unmutated(copies[0].result())
-            for m, copy in zip(chosen, copies[1:]):
+                concurrent.futures.ThreadPoolExecutor(len(chosen) + 1) as pool:
+            base = pool.submit(built_copy, None, os.path.join(tmp, "0"),
+                               ",".join(sorted({module_of(m) for m in chosen})), cpus)
+            copies = [pool.submit(built_copy, m, os.path.join(tmp, str(i + 1)), module_of(m),
+                                  max(2, cpus // max(1, len(chosen))), base) for i, m in enumerate(chosen)]
+            check_unmutated(base.result())
+            for m, copy in zip(chosen, copies):
                 try:
                     ok, line = run_tests(m.tests, True, copy.result())
                 except RuntimeError as e:  # a mutation that does not compile is no test of the suite

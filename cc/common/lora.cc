@@ -1,18 +1,11 @@
 #include "cc/common/lora.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/Event.h>
-#include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
-#include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <atomic>
 #include <cstdlib>
-#include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "cc/common/backend.h"
@@ -59,93 +52,6 @@ at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, at::Sca
   return (weight.to(compute) * s).to(dtype);
 }
 
-std::atomic<int64_t> prefetched_taken{0};
-
-// The dense maps' dequantisation a map ahead, on a side stream, so that it runs beside the product
-// before it rather than before the product that needs it (V4TRAIN_FP8_DENSE_VARIANTS=prefetch; the
-// GLM-5 proxy's dense maps dequantise 2.6 ms a step, the FP8 step's gap to bf16's: docs/benchmarks.md).
-// A prefetcher learns which weight follows which as the products ask for them (a layer's maps come in
-// the same order each step, so a model's second step prefetches every map after the first), and keeps
-// one map in flight: the next map's bf16 values, the same kernel's (so the same bits), made on a pool
-// stream and handed to the asking stream through an event and record_stream. A map asked for out of
-// the learnt order is dequantised then, the one in flight dropped. One prefetcher a thread and
-// direction (the autograd engine runs the backward, and a checkpointed layer's recomputation, on its
-// own thread); the weights it learns are held weakly, so a freed model is not kept, but each keeps its
-// one map in flight between steps (at most a map's bf16 bytes a direction).
-class Prefetcher {
- public:
-  at::Tensor take(const at::Tensor& weight, const at::Tensor& scale, at::ScalarType dtype) {
-    const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
-    if (last_ != nullptr && last_ != key)
-      next_.insert_or_assign(last_, Next{Weak(weight.getIntrusivePtr()), Weak(scale.getIntrusivePtr())});
-    last_ = key;
-    const c10::impl::VirtualGuardImpl impl(weight.device().type());
-    const c10::Stream asking = impl.getStream(weight.device());
-    at::Tensor result;
-    if (pending_.defined() && pending_key_ == key && pending_version_ == weight._version() &&
-        pending_.scalar_type() == dtype) {
-      done_->block(asking);
-      pending_.record_stream(asking);  // (made on the side stream: its memory freed in the asking stream's order)
-      result = std::move(pending_);
-      prefetched_taken.fetch_add(1, std::memory_order_relaxed);
-    } else {
-      result = dequantize(weight, scale, dtype);
-    }
-    pending_ = at::Tensor();
-    const auto found = next_.find(key);
-    if (found == next_.end()) return result;
-    at::Tensor next_weight(found->second.weight.lock()), next_scale(found->second.scale.lock());
-    // (FSDP2 frees a layer's gathered weights between its uses: no memory, nothing to read ahead.)
-    const auto held = [](const at::Tensor& t) { return t.defined() && t.has_storage() && t.storage().data(); };
-    if (!held(next_weight) || !held(next_scale) || next_weight.device() != weight.device()) return result;
-    const c10::Stream side = impl.getStreamFromGlobalPool(weight.device());
-    // The side stream reads the next map after what the asking stream has queued: a weight refilled in
-    // place (FSDP2's all-gather into the same tensor, keeping its version; a non_blocking copy) lands first.
-    c10::Event asked(weight.device().type());
-    asked.record(asking);
-    asked.block(side);
-    try {
-      const c10::StreamGuard on(side);
-      pending_ = dequantize(next_weight, next_scale, dtype);
-      done_.emplace(weight.device().type());
-      done_->record(side);
-    } catch (const c10::Error&) {  // (out of memory, say: the map is dequantised when asked for, as without)
-      pending_ = at::Tensor();
-      return result;
-    }
-    pending_key_ = next_weight.unsafeGetTensorImpl();
-    pending_version_ = next_weight._version();
-    return result;
-  }
-
- private:
-  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-  struct Next {
-    Weak weight, scale;
-  };
-  std::unordered_map<const c10::TensorImpl*, Next> next_;  // (a key only compared, never followed)
-  const c10::TensorImpl* last_ = nullptr;
-  at::Tensor pending_;  // the map in flight, of pending_key_ at pending_version_
-  const c10::TensorImpl* pending_key_ = nullptr;
-  int64_t pending_version_ = -1;
-  std::optional<c10::Event> done_;
-};
-
-enum DenseVariant : unsigned { kPrefetch = 1 };  // (bit i: env_variants' name i)
-
-// A dense map's weight dequantised for its product: `forward` the forward's (x W^T), else the
-// backward's (dy W); through this thread's prefetcher of that direction where
-// V4TRAIN_FP8_DENSE_VARIANTS names prefetch and the device has the kernel (read at each call, on
-// every device, so that a misspelt word fails on the CPU too).
-at::Tensor dense_fp8(const at::Tensor& weight, const at::Tensor& scale, at::ScalarType dtype, bool forward) {
-  const bool prefetch = env_variants("V4TRAIN_FP8_DENSE_VARIANTS", {"prefetch"}) & kPrefetch;
-  if (!prefetch || !Backend<Fp8Dequantize>::find(weight.device().type())) return dequantize(weight, scale, dtype);
-  // Never destroyed: a prefetcher's tensor and event outlive the device's allocator at exit.
-  thread_local Prefetcher* const forward_prefetcher = new Prefetcher();
-  thread_local Prefetcher* const backward_prefetcher = new Prefetcher();
-  return (forward ? forward_prefetcher : backward_prefetcher)->take(weight, scale, dtype);
-}
-
 // The scales fit the weight (one per block), and neither asks for a gradient (a frozen base).
 void check_fp8(const Linear& w, const char* op, const char* name) {
   const at::Tensor &weight = w.weight, &scale = *w.weight_scale_inv;
@@ -190,7 +96,7 @@ at::Tensor fp8_dense_backward(const at::Tensor& dy, const at::Tensor& weight, co
       return dx.view(sizes);
     }
   }
-  return at::matmul(dy, dense_fp8(weight, scale, dy.scalar_type(), false));
+  return at::matmul(dy, dequantize(weight, scale, dy.scalar_type()));
 }
 
 // x times an FP8 weight: x W^T, or with a dispatch each row of x times its expert's weight
@@ -219,7 +125,7 @@ struct Fp8Product : public torch::autograd::Function<Fp8Product> {
       at::Tensor y;
       if (kernel(x, weight, scale, y)) return y;
     }
-    return at::linear(x, dense_fp8(weight, scale, x.scalar_type(), true));
+    return at::linear(x, dequantize(weight, scale, x.scalar_type()));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
@@ -238,8 +144,6 @@ struct Fp8Product : public torch::autograd::Function<Fp8Product> {
 };
 
 }  // namespace
-
-int64_t fp8_prefetched_taken() { return prefetched_taken.load(std::memory_order_relaxed); }
 
 unsigned fp8_tensor_cores() {
   unsigned mask = 0;

@@ -93,8 +93,4 @@ unsigned fp8_tensor_cores();
 // dense maps dequantise. No gradient to the weight (a frozen base).
 at::Tensor fp8_product(const at::Tensor& x, const Linear& w, const Dispatch* grouped, const char* op, const char* name);
 
-// How many dense maps' products have taken a weight that V4TRAIN_FP8_DENSE_VARIANTS=prefetch
-// dequantised ahead (lora.cc's Prefetcher), since the process started: for the test that it runs.
-int64_t fp8_prefetched_taken();
-
 }  // namespace v4

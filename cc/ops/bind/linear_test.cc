@@ -29,8 +29,6 @@ NB_MODULE(v4_linear_test, m) {
       },
       nb::arg("x"), nb::arg("w"), nb::arg("counts"), nb::call_guard<nb::gil_scoped_release>(),
       "Each row of x times its expert's weight w [E, out, in] (counts [E] int64: rows an expert, in order).");
-  m.def("fp8_prefetched_taken", &v4::fp8_prefetched_taken,
-        "How many dense FP8 products took a weight dequantised ahead (V4TRAIN_FP8_DENSE_VARIANTS=prefetch).");
   m.def(
       "quantize_rows",
       [](const at::Tensor& x) {
