@@ -18,6 +18,8 @@ before a document's first chunk end and after its last, so the drawn samples rea
 documents of 129 tokens or more, few and narrow: --long judges v4_gated_delta_rule on the long
 documents of parity/test_gated_delta_rule.py instead (1, 63, 64, 65 and 4,097 tokens, widths 128,
 the slow decay under which the state crosses chunks; one seed a sample), where a dot 1% off fails.
+--stored u,v_new: the values U and v_new as a kernel would store them between its passes (fla's
+bf16), rounded wherever they are read, their gradients passed unrounded.
 A last column measures each variant's g gradient from the kernels' own rounding (the --plain
 sites, the --stored states) as a distance over its norm: where the bf16 judge's bound is too wide
 to see a dot some percent off (--off: that variant too), the built op (--cpp, on --device: the CUDA
@@ -84,7 +86,19 @@ class Product(torch.autograd.Function):
         return da, db, None
 
 
-STORED = ("h", "d_state")
+STORED = ("h", "d_state", "u", "v_new")  # u and v_new: the values, as the reference's store hook names them
+
+
+class Rounded(torch.autograd.Function):
+    """x rounded to bf16 as a kernel stores it; the gradient passes as it is (the kernels' is float32)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return bf16(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 class StoredDecay(torch.autograd.Function):
@@ -119,7 +133,11 @@ class Ops:
         def path(x, leaf, site):
             return ScaledGradient.apply(x, 1 + off) if off and (leaf, site) == ("g", "state") else x
 
-        self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm, decay_state=decay_state, path=path)
+        def store(x, name):
+            return Rounded.apply(x) if name in stored else x
+
+        self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm, decay_state=decay_state, path=path,
+                                                     store=store)
 
     def __getattr__(self, name):
         return getattr(REFERENCE, name)
@@ -141,7 +159,8 @@ def main() -> None:
     parser.add_argument("--each", action="store_true", help="also each site alone in plain bf16, the others bf16x3")
     parser.add_argument("--plain", default="", help="comma list of sites in plain bf16 together, the others bf16x3")
     parser.add_argument("--stored", default="", help="with --plain: comma list of the states (h, d_state) read "
-                        "rounded to bf16 by the chunk decay's gradient")
+                        "rounded to bf16 by the chunk decay's gradient, and of the values (u, v_new) rounded to bf16 "
+                        "wherever they are read")
     parser.add_argument("--long", action="store_true", help="v4_gated_delta_rule on long documents (seeds 0, 1, ...) "
                         "instead of the drawn samples")
     parser.add_argument("--off", type=float, default=0.0, help="with --plain: also its variant with the chunk decay's "

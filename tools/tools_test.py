@@ -317,3 +317,25 @@ def test_the_split_check_rounds_the_stored_states_only_in_the_decay_s_gradient()
         out.backward(grad)
         assert torch.equal(out, state) and torch.allclose(s.grad, grad * (1 + off)), off
     assert not torch.allclose(state.bfloat16().float(), state)  # (the rounding is there to see)
+
+
+def test_the_split_check_stores_u_and_v_new_rounded_where_the_reference_names_them():
+    """--stored u,v_new: the reference's store hook sees U once a document and v_new once a chunk,
+    and Rounded gives the bf16 value with the gradient passed as it is."""
+    import torch
+
+    import delta_rule_split_check as check
+    from v4train.reference.gated_delta_rule import v4_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(1)
+    T, H, D = 130, 2, 8  # documents of 70 and 60 tokens: two chunks, then one
+    q, k, v = (torch.randn(T, H, D, generator=gen) for _ in range(3))
+    g, beta = -torch.rand(T, H, generator=gen), torch.rand(T, H, generator=gen)
+    seen = []
+    v4_gated_delta_rule(q, k, v, g, beta, torch.tensor([0, 70, 130]), store=lambda x, name: seen.append(name) or x)
+    assert seen == ["u", "v_new", "v_new", "u", "v_new"]
+    x = torch.randn(4, 5, generator=gen, requires_grad=True)
+    y = check.Rounded.apply(x)
+    y.backward(torch.full_like(y, 3.0))
+    assert torch.equal(y, x.detach().bfloat16().float()) and not torch.equal(y, x.detach())
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))

@@ -66,14 +66,19 @@ def _path(x, leaf: str, site: str):
     return x
 
 
+def _store(x, name: str):
+    return x
+
+
 def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matmul, decay_state=torch.mul,
-            path=_path):
+            path=_path, store=_store):
     # mm(a, b, site): every matrix product, named; decay_state(state, factor): the state's decay at a
     # chunk's end, whose gradient to the factor is the state's dot with the next state's gradient
     # (tools/delta_rule_split_check.py passes emulations of the kernels' products, per site, and of
     # that dot on stored states); path(x, leaf, site): g's cumulative log decay G, beta, k and q as
     # each of their PATH_SITES reads them (the parity suite cuts one, x detached there, to judge the
-    # leaf's gradient along that path)
+    # leaf's gradient along that path); store(x, name): u and v_new as a kernel would store them between
+    # its passes (the split check rounds them to bf16)
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, L, Dk = k.shape
@@ -116,7 +121,7 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     # UT transform: (I + tril(diag(beta) K K^T, -1)) solved once per chunk for the values and keys.
     system = mm(k_beta["system"], read(k, "k", "system").transpose(-1, -2), "k_kt") * decay("system")
     intra = mm(read(q, "q", "intra"), read(k, "k", "intra").transpose(-1, -2), "q_kt") * decay("intra")
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    u = store(torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True), "u")
     w = torch.linalg.solve_triangular(system, k_beta["w"] * to_start("w"), upper=False, unitriangular=True)
     state = torch.zeros(B, H, Dk, Dv).to(v) if initial_state is None else initial_state.to(v)
     q = read(q, "q", "state") * to_start("q")
@@ -125,7 +130,7 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     chunk_decay = path(g, "g", "state")[..., -1].exp().to(compute)[..., None, None]
     outs = []
     for i in range(n):
-        v_new = u[:, :, i] - mm(w[:, :, i], state, "w_state")
+        v_new = store(u[:, :, i] - mm(w[:, :, i], state, "w_state"), "v_new")
         outs.append(mm(q[:, :, i], state, "q_state") + mm(intra[:, :, i], v_new, "intra_v_new"))
         state = decay_state(state, chunk_decay[:, :, i]) + mm(k[:, :, i].transpose(-1, -2), v_new, "kt_v_new")
     o = torch.stack(outs, dim=2).reshape(B, H, -1, Dv)[:, :, :L] if outs else v.new_zeros(B, H, 0, Dv)
@@ -134,7 +139,7 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
 
 def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         cu_seqlens: torch.Tensor, *, mm=_matmul, decay_state=torch.mul,
-                        path=_path) -> torch.Tensor:
+                        path=_path, store=_store) -> torch.Tensor:
     """The gated delta rule over packed documents, each from a zero state: `chunked` per document.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens int64 [N + 1]. Returns o [T, Hv, Dv]
@@ -146,7 +151,7 @@ def v4_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                          f"softplus(a + dt_bias)), got a largest value of {g.max().item()}")
     bounds = cu_seqlens.tolist()
     outs = [chunked(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e], mm=mm,
-                    decay_state=decay_state, path=path)[0][0]
+                    decay_state=decay_state, path=path, store=store)[0][0]
             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
     if not outs:  # no tokens: an empty result that is still a function of every input
         compute = torch.promote_types(q.dtype, torch.float32)
