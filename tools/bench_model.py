@@ -54,13 +54,15 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "py"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "py"))
 
 from v4train import ops  # noqa: E402
 from v4train.flops import FlopShare  # noqa: E402
 from v4train.models import config_from_dict  # noqa: E402
 from v4train.lora import LoraConfig, add_adapters, expand_targets  # noqa: E402
 from v4train.model import CausalLM, Packed, all_specs, linear_map_names  # noqa: E402
+from v4train.plan import fp8_config, not_converted  # noqa: E402
 from v4train.reference.lora import dequantize_fp8, quantize_fp8, scale_name  # noqa: E402
 
 GIB = 2**30
@@ -108,16 +110,30 @@ def build(model: str, dtype, device="cuda", **overrides):
     return hf, ours, ours_cfg
 
 
+# Each family's released FP8 checkpoint (its config in testdata/released): the FP8 proxies quantise the
+# layers' linear maps it quantises and keep the ones its modules_to_not_convert names (GLM-5's indexer
+# weights_proj; Qwen3.5's in_proj_b, in_proj_a and shared_expert_gate) as the bf16 twin has them.
+RELEASED_FP8 = {"glm5": "GLM-5-FP8", "qwen3_5": "Qwen3.5-397B-A17B-FP8"}
+
+
+def fp8_map_names(cfg) -> set[str]:
+    """The layers' linear maps of cfg that its family's released FP8 checkpoint holds in FP8."""
+    with open(os.path.join(ROOT, "testdata", "released", RELEASED_FP8[cfg.family], "config.json")) as f:
+        q = fp8_config(json.load(f))
+    return {n for n in linear_map_names(cfg) if not not_converted(n, q)}
+
+
 def fp8_pair(hf, cfg, rank: int) -> tuple[CausalLM, CausalLM]:
     """(the model dequantised to bf16, the model kept in FP8), both with the same LoRA adapters of
-    `rank` on attention and experts and every other weight frozen. The layers' linear maps are
-    quantised in 128 x 128 blocks, and hf's own weights become their FP8 round trip in place, so
-    that both models (and transformers) hold the same values."""
+    `rank` on attention and experts and every other weight frozen. The layers' linear maps that the
+    released checkpoint quantises (fp8_map_names) are quantised in 128 x 128 blocks, and hf's own
+    weights become their FP8 round trip in place, so that both models (and transformers) hold the
+    same values."""
     tensors = dict(hf.named_parameters())
     tensors.update({n: b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")})
     fp8 = {}
     with torch.no_grad():
-        for name in sorted(linear_map_names(cfg) & tensors.keys()):  # (the names of every kind of layer)
+        for name in sorted(fp8_map_names(cfg) & tensors.keys()):  # (the names of every kind of layer)
             q, scale = quantize_fp8(tensors[name])
             tensors[name].copy_(dequantize_fp8(q, scale, tensors[name].dtype))
             fp8[name], fp8[scale_name(name)] = q, scale
@@ -140,12 +156,12 @@ def add_lora(model: CausalLM, rank: int) -> None:
 
 
 def random_fp8_model(cfg, config: dict, device) -> CausalLM:
-    """`cfg`'s model with random weights drawn on `device`: the layers' linear maps N(0, 0.02)
-    quantised in 128 x 128 blocks (8 experts at a time: fp32 temporaries), the rest bf16 (fp32
-    where the family keeps it so)."""
+    """`cfg`'s model with random weights drawn on `device`: the layers' linear maps that the released
+    checkpoint quantises (fp8_map_names) N(0, 0.02) quantised in 128 x 128 blocks (8 experts at a
+    time: fp32 temporaries), the rest bf16 (fp32 where the family keeps it so)."""
     gen = torch.Generator(device).manual_seed(0)
     normal = lambda shape: torch.empty(shape, device=device).normal_(0.0, 0.02, generator=gen)  # noqa: E731
-    fp8_names, tensors = linear_map_names(cfg), {}
+    fp8_names, tensors = fp8_map_names(cfg), {}
     for spec in all_specs(cfg):
         if spec.name in fp8_names:
             if len(spec.shape) == 3:  # [E, out, in]

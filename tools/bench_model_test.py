@@ -57,15 +57,26 @@ def loss_and_grads(hf, ids):
     return loss.detach(), grads
 
 
+# The linear maps each family's released FP8 checkpoint keeps in bf16 (docs/models.md's table).
+RELEASED_BF16 = {"glm5": ("self_attn.indexer.weights_proj.weight",),
+                 "qwen3_5": ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "mlp.shared_expert_gate.weight")}
+
+
 @pytest.mark.parametrize("model", sorted(bench_model.PROXIES))
 def test_the_fp8_twin_is_the_dequantised_model_in_fewer_bytes(model):
     """--fp8 compares like with like: the model kept in FP8 gives the loss and LoRA gradients of
-    the same model dequantised to bf16 (the C++ ops dequantise just in time), in fewer bytes."""
+    the same model dequantised to bf16 (the C++ ops dequantise just in time), in fewer bytes; its
+    FP8 maps are the release's (every layer's linear map but those the release keeps in bf16)."""
     with open(os.path.join(ROOT, "testdata", "sft", f"{model}_config.json")) as f:
         small = {k: v for k, v in json.load(f).items() if k not in NOT_CONFIG}
     hf, _, cfg = bench_model.build(model, torch.float32, "cpu", **small)
     dense, fp8 = bench_model.fp8_pair(hf, cfg, rank=4)
     assert bench_model.weight_bytes(fp8)[1].get("float8_e4m3fn", 0) > 0
+    weights = fp8.weights()
+    in_fp8 = {n for n, t in weights.items() if t.dtype == torch.float8_e4m3fn}
+    kept = {n for n in bench_model.linear_map_names(cfg) & weights.keys() if n.endswith(RELEASED_BF16[model])}
+    assert kept and not kept & in_fp8, f"{model}: the release keeps {sorted(kept)} in bf16"
+    assert in_fp8 == bench_model.linear_map_names(cfg) & weights.keys() - kept
     assert bench_model.weight_bytes(fp8)[0] < 0.75 * bench_model.weight_bytes(dense)[0]
     ids = torch.randint(0, cfg.vocab_size, (1, 96), generator=torch.Generator().manual_seed(2))
     batch = Packed.from_rows(ids)
@@ -87,7 +98,8 @@ def test_the_fp8_twin_is_the_dequantised_model_in_fewer_bytes(model):
 
 def test_the_full_size_layer_is_built_in_fp8_and_trains_its_adapters():
     """--full_layer's model (here at the bundled test model's widths): every linear map of its
-    layers float8 with one scale per 128 x 128 block, the rest bf16; a LoRA step reaches every
+    layers that the release quantises float8 with one scale per 128 x 128 block, the rest bf16
+    (the indexer's weights_proj fp32, as transformers keeps it); a LoRA step reaches every
     adapter and no frozen weight."""
     from v4train.models import config_from_dict
 
@@ -97,7 +109,9 @@ def test_the_full_size_layer_is_built_in_fp8_and_trains_its_adapters():
     model = bench_model.random_fp8_model(cfg, config, "cpu")
     weights = model.weights()
     fp8 = {n for n, t in weights.items() if t.dtype == torch.float8_e4m3fn}
-    assert fp8 == bench_model.linear_map_names(cfg) & weights.keys()
+    kept = {n for n in weights if n.endswith(RELEASED_BF16["glm5"])}
+    assert kept and fp8 == bench_model.linear_map_names(cfg) & weights.keys() - kept
+    assert all(weights[n].dtype == torch.float32 for n in kept)  # (transformers keeps weights_proj in fp32)
     bench_model.add_lora(model, rank=4)
     model.use_ops(ops.resolve("all"))
     ids = torch.randint(0, cfg.vocab_size, (1, 96), generator=torch.Generator().manual_seed(4))
