@@ -518,6 +518,8 @@ def test_the_dense_maps_on_the_registers_kernel_on_cuda_are_within_a_bf16_produc
     kernel and no dequantisation."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
     monkeypatch.setenv("V4TRAIN_FP8_DENSE_VARIANTS", "registers")
+    for variable in ("V4TRAIN_FP8_GROUPED_VARIANTS", "V4TRAIN_FP8_GROUPED_TILE"):  # (the kernel's defaults)
+        monkeypatch.delenv(variable, raising=False)
     gen = torch.Generator().manual_seed(47)
     q, scale = blocks_of_sizes((640, 384), gen)
     x = activations(2100, 384, gen, signed=True).cuda().view(3, 700, 384).requires_grad_()

@@ -112,7 +112,7 @@ def build(model: str, dtype, device="cuda", **overrides):
 
 # Each family's released FP8 checkpoint (its config in testdata/released): the FP8 proxies quantise the
 # layers' linear maps it quantises and keep the ones its modules_to_not_convert names (GLM-5's indexer
-# weights_proj; Qwen3.5's in_proj_b, in_proj_a and shared_expert_gate) as the bf16 twin has them.
+# weights_proj; Qwen3.5's in_proj_b and in_proj_a) as the bf16 twin has them.
 RELEASED_FP8 = {"glm5": "GLM-5-FP8", "qwen3_5": "Qwen3.5-397B-A17B-FP8"}
 
 
