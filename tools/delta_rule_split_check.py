@@ -45,7 +45,8 @@ from v4train.ops import REFERENCE, resolve
 from v4train.reference.gated_delta_rule import PRODUCT_SITES, v4_gated_delta_rule
 from v4train.testing.cases import CASES
 from v4train.testing.cases.gated_delta_rule import ScaledGradient, long_documents
-from v4train.testing.check import Spreads, _compare, forward_backward, in_float64, upstream_of
+from v4train.testing.check import LOW_PRECISION_FACTOR, Spreads, _compare, forward_backward, in_float64, upstream_of
+from v4train.testing.tolerances import TOLERANCES
 from v4train.testing.samples import RandomDraw
 
 
@@ -201,12 +202,13 @@ def main() -> None:
         variants[f"the C++ op ({args.device})"] = lambda op: resolve(op)[op]
     grad_of_g = {"v4_gated_delta_rule": "g", "v4_gated_deltanet": "linear_attn.A_log"}
     print("| op | products | samples failed | tensors that failed first | A_log's error / the reference's (median, "
-          f"max) | g's gradient from {kernels or '-'}: distance / norm (median, max) |")
+          f"max; the largest over the judge's first exit's bound) | g's gradient from {kernels or '-'}: distance / norm (median, max) |")
     print("|---|---|---|---|---|---|")
     for op in ["v4_gated_delta_rule"] if args.long else args.ops.split(","):
         case, reference = CASES[op], REFERENCE[op]
         failed = {v: [] for v in variants}  # (sample, its first failing tensor)
         ratios = {v: [] for v in variants}
+        margins = {v: [] for v in variants}  # A_log's error over the judge's first exit's bound
         apart = {v: [] for v in variants}
         for i in range(args.samples):
             if args.long:
@@ -229,11 +231,15 @@ def main() -> None:
                 if a_log in grads and (ref[a_log] - truth[a_log]).norm() > 0:
                     err = lambda x: (x.double() - truth[a_log].double()).norm().item()  # noqa: E731
                     ratios[v].append(err(grads[a_log]) / err(ref[a_log]))
+                    # the judge's first exit: LOW_PRECISION_FACTOR x the reference's error + the dtype's floor
+                    t, tol = truth[a_log].double(), TOLERANCES[torch.bfloat16]
+                    floor = (tol.rtol * t.norm() + tol.atol * t.numel() ** 0.5).item()
+                    margins[v].append(err(grads[a_log]) / (LOW_PRECISION_FACTOR * err(ref[a_log]) + floor))
                 if kernels:
                     apart[v].append(distance(grads[grad_of_g[op]], runs[kernels][1][grad_of_g[op]]))
         for v in variants:
             r, d = sorted(ratios[v]), sorted(apart[v])
-            stats = f"{r[len(r) // 2]:.2f}, {r[-1]:.2f}" if r else "-"
+            stats = f"{r[len(r) // 2]:.2f}, {r[-1]:.2f} (of the bound: {max(margins[v]):.2f})" if r else "-"
             dist = f"{d[len(d) // 2]:.2e}, {d[-1]:.2e}" if d else "-"
             print(f"| {op} | {v} | {len({i for i, _ in failed[v]})} of {args.samples} | "
                   f"{', '.join(sorted({t for _, t in failed[v]})) or '-'} | {stats} | {dist} |", flush=True)
