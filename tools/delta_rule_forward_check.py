@@ -8,8 +8,8 @@
 - output_planes_kernel copies q's and k's raw rows and the first pass's h before load_info
   (ChunkBlock's early): its carve (OutputPlanesSmem, mirrored below: change both together) fits two
   blocks a multiprocessor, no region in flight or written in a phase overlaps another that phase reads
-  or writes, each pass's B rows 0..191 (v_new's hi then h's) and v_new's lo rows find the bytes their
-  copies left, and every element of h's rows is copied once, where plane_gemm reads it.
+  or writes, each pass's B rows 0..191 (v_new's, bfloat16 as the recurrence stored it, then h's) find
+  the bytes their copies left, and every element of h's rows is copied once, where plane_gemm reads it.
 
 - local_grads_planes_kernel (the backward's) copies q's, k's and d_o's raw rows before load_info: its
   carve (LocalPlanesSmem, mirrored below) fits two blocks a multiprocessor, the three copies in
@@ -136,10 +136,10 @@ OUT_PHASES = [
     ("load_info", {"info"}, {"info"}),
     ("the norms (E Q, rn)", {"q", "k", "info"}, {"QP", "rn"}),
     ("Q K^T", {"q", "k", "rn", "info"}, {"QP"}),
-    ("split in place, pass 0's v_new", {"QP"}, {"QP", "v_hi", "v_lo"}),
-    ("pass 0's product", {"QP", "v_hi", "h", "v_lo", "info"}, set()),
-    ("pass 1's loads", set(), {"v_hi", "v_lo", "h"}),
-    ("pass 1's product", {"QP", "v_hi", "h", "v_lo", "info"}, set()),
+    ("split in place, pass 0's v_new copied", {"QP"}, {"QP", "v_hi"}),  # (v_new bfloat16: no lo plane)
+    ("pass 0's product", {"QP", "v_hi", "h", "info"}, set()),
+    ("pass 1's loads", set(), {"v_hi", "h"}),
+    ("pass 1's product", {"QP", "v_hi", "h", "info"}, set()),
 ]
 
 

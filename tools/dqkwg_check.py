@@ -48,16 +48,16 @@ def carve(pk_offset: int = 0) -> tuple[dict[str, tuple[int, int]], int]:
     for name, (a, b) in parts.items():
         at[name] = (r0 + 2 * a, r0 + 2 * b)
         assert at[name][1] <= r1 and at[name][0] % 16 == 0, name
-    assert ROWS * 128 * 4 <= at["DQ"][1] - at["DQ"][0], "v_new's float32 rows staged in DQ"
+    assert ROWS * 128 * 2 <= at["DQ"][1] - at["DQ"][0], "v_new's bfloat16 rows staged in DQ"
     return at, used
 
 
 # The kernel's phases (barriers between; block_sum's inside the third): what each reads and writes.
 PHASES = [
-    ("the loads before Info", set(), {"S", "H", "DQ", "dv_staged", "info"}),  # DQ: v_new's float32 rows
+    ("the loads before Info", set(), {"S", "H", "DQ", "dv_staged", "info"}),  # DQ: v_new's bfloat16 rows
     ("dv_new rounded", {"dv_staged"}, {"Y_dv"}),  # (q's, k's and d_o's rows in flight: written in phase 3's place)
-    ("v_new's planes, dgamma, dw", {"DQ", "H", "S", "Y_dv", "info"}, {"v_hi", "v_lo", "scratch"}),
-    ("the norms, dq_state, dPL", {"q", "k", "Y_do", "H", "v_hi", "v_lo", "info"}, {"rq", "rk", "DQ", "Z"}),
+    ("v_new's rows, dgamma, dw", {"DQ", "H", "S", "Y_dv", "info"}, {"v_hi", "scratch"}),  # (exact: no lo plane)
+    ("the norms, dq_state, dPL", {"q", "k", "Y_do", "H", "v_hi", "info"}, {"rq", "rk", "DQ", "Z"}),
     ("dk_tilde, dPL's planes", {"v_hi", "S", "Z", "rq", "rk"}, {"DKT", "pk", "pq"}),
     ("Z, the E and Kt terms", {"q", "k", "rq", "rk", "Z", "DQ", "DKT", "info"}, {"Z", "dG", "t"}),
     ("the L term, q's gradient, k's part", {"Z", "dG", "pk", "k", "pq", "q", "DKT", "info"}, {"dG", "DQ"}),

@@ -21,7 +21,9 @@
 // and state_grads run as one kernel on planes (dqkwg_planes) that reads q, k and d_o as their raw
 // bfloat16 rows; so do prepare's and wy_grads' K K^T and the output's and local_grads' Q K^T (one
 // exact product, the norms applied after it), and prepare's [U | W] (Ai's columns scaled, two
-// products). Products by a triangular matrix (Ai, P, dPL) skip its stored
+// products). On planes the states h and v_new are stored in bfloat16 (the products read them so:
+// v_new exact in P v_new and d_o v_new^T; tools/delta_rule_split_check.py prices it against the
+// judge). Products by a triangular matrix (Ai, P, dPL) skip its stored
 // zeros, and those whose result is kept on one side of the diagonal skip the other side (Tri).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -236,7 +238,7 @@ struct Args {
   float *u, *w, *k_tilde, *gamma;            // prepare
   float *ai, *kkl;                           // and in the backward, Ai and L * K K^T for wy_grads
   const void* h;                             // the forward's states (float32; bfloat16 for kPlanes)
-  const float* v_new;                        // and corrected values
+  const void* v_new;                         // and corrected values (float32; bfloat16 for kPlanes)
   void* o;                                   // output
   float *dv_local, *dh_local;                // local_grads
   __nv_bfloat16* eq;                         // or (kPlanes) E Q rounded, for the reverse recurrence
@@ -1089,7 +1091,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
 struct RecurrenceArgs {
   const float *base, *a, *b, *add, *decay;
   void* state_out;  // float32; bfloat16 for recurrence_planes_kernel
-  float* x_out;
+  void* x_out;  // float32; bfloat16 for recurrence_planes_kernel's forward (v_new)
   const int64_t *chunks_of, *offset;
   float sign_a, sign_b;
   int heads, dk, dv;
@@ -1194,7 +1196,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_kernel(RecurrenceArgs p) 
       m.X[r * kColPitch + c] = base[r * kCols + c] + p.sign_a * v;
     });
     __syncthreads();
-    store_block(p.x_out + head * kRows * d.dv + col0, d.dv, m.X, kColPitch, kRows, ncols);
+    store_block(static_cast<float*>(p.x_out) + head * kRows * d.dv + col0, d.dv, m.X, kColPitch, kRows, ncols);
     block_gemm<2, true, false, kMode>(b, m.ldb, m.X, kColPitch, d.dk, ncols, kRows, [&](int r, int c, float v) {
       float s = dec * m.S[r * kColPitch + c] + p.sign_b * v;
       if (p.add != nullptr) s += add[r * kCols + c];
@@ -1325,8 +1327,13 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         const int r = x0 + g + 8 * half, c = xc + 2 * t;
         const float v0 = base[half].x + p.sign_a * acc[2 * half];
         const float v1 = base[half].y + p.sign_a * acc[2 * half + 1];
-        store2(p.x_out + (head * kRows + r) * d.dv + col0 + c, v0, v1);
-        *reinterpret_cast<uint32_t*>(m.X + r * kPlanePitch + c) = pack2<__nv_bfloat16>(v0, v1);
+        const uint32_t x2 = pack2<__nv_bfloat16>(v0, v1);
+        const int64_t at = (head * kRows + r) * d.dv + col0 + c;
+        // The backward's dv_new in float32; the forward's v_new as the products take it (bfloat16:
+        // the output's P v_new and dqkwg's d_o v_new^T read it exact, tools/delta_rule_split_check.py)
+        if constexpr (kFold) store2(static_cast<float*>(p.x_out) + at, v0, v1);
+        else *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.x_out) + at) = x2;
+        *reinterpret_cast<uint32_t*>(m.X + r * kPlanePitch + c) = x2;
       }
     }
     // This warp's 16 x 16 tile of S's shape from a [64, pk] tile read transposed (A^T, ldmatrix.trans;
@@ -1452,7 +1459,8 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
   T* o = static_cast<T*>(p.o);
   for (int c0 = 0; c0 < d.dv; c0 += kCols) {
     const int n = min(kCols, d.dv - c0);
-    load_block(m.X, kColPitch, p.v_new + head * kRows * d.dv + c0, d.dv, kRows, n, kRows, kCols);
+    load_block(m.X, kColPitch, static_cast<const float*>(p.v_new) + head * kRows * d.dv + c0, d.dv, kRows, n, kRows,
+               kCols);
     load_block(m.X + kRows * kColPitch, kColPitch, static_cast<const float*>(p.h) + head * d.dk * d.dv + c0, d.dv,
                d.dk, n, d.pk, kCols);
     wait_copies();
@@ -1468,9 +1476,9 @@ __global__ void __launch_bounds__(kThreads) output_kernel(Args p) {
 }
 
 // output_kernel with its products on planes (kPlanes): [P | E Q] split in place once built (at a
-// pitch of 200: ldmatrix rows 16-byte aligned), each block of kOutCols value columns of v_new split
-// and of h (bfloat16 as the recurrence stored it) copied as it loads (P v_new on planes, E Q h one
-// bf16 product). 64 columns a pass keep all 16 warps busy (32 kept 8 of them, in twice the passes and
+// pitch of 200: ldmatrix rows 16-byte aligned), each block of kOutCols value columns of v_new and of
+// h (both bfloat16 as the recurrence stored them) copied as it loads (P on planes times v_new exact,
+// E Q h one bf16 product). 64 columns a pass keep all 16 warps busy (32 kept 8 of them, in twice the passes and
 // barriers). q's and k's raw rows and the first pass's h are copied before load_info (ChunkBlock's
 // early; q's and k's slots read from global memory): issued after it, a block's dependent loads were
 // five round trips in a row (slots, g, q and k, then each pass), at 17 us a block (1.081 ms at 32K
@@ -1482,8 +1490,9 @@ struct OutputPlanesSmem {
   static constexpr int kPitch = kOutCols + 8;  // ldmatrix rows 16-byte aligned, 16 bytes apart in the banks
   Info* info;
   float *QP, *X, *rows, *rn;  // QP [64, 200]; X: [v_new; h] bfloat16, hi [64 + pk, kPitch] (v_new's
-                              // then h's rows) then v_new's lo [64, kPitch]; `rows`: q's and k's raw rows
-                              // [2][64, kPlaneRow] bfloat16 from the hi plane's end (over the lo plane);
+                              // then h's rows) then (unused: v_new is exact) a lo plane [64, kPitch];
+                              // `rows`: q's and k's raw rows [2][64, kPlaneRow] bfloat16 from the hi
+                              // plane's end (over that lo plane);
                               // rn: q's and k's rsqrt norms [2][64] (X's first bytes)
   int ldqp;
   template <typename DimsT>
@@ -1525,12 +1534,13 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   constexpr int kLo = (kRows + DimsT::pk) * kPitch;
   auto* o = static_cast<__nv_bfloat16*>(p.o);
   for (int c0 = 0; c0 < d.dv; c0 += kOutCols) {
-    load_split<kOutCols>(x, p.v_new + head * kRows * d.dv + c0, kRows, kLo, kPitch, d.dv);
+    copy_rows<kOutCols>(x, kPitch, static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * d.dv + c0, d.dv, kRows);
     if (c0 > 0) copy_rows<kOutCols>(x + kRows * kPitch, kPitch, h_in + head * d.dk * d.dv + c0, d.dv, d.dk);
     wait_copies();
     __syncthreads();
-    // P v_new on planes, E Q h on bfloat16 operands (k from 64 on: the site q S, one product)
-    plane_gemm<2, false, false, false, false, kRows>(qp, m.ldqp, kRows * m.ldqp, x, kPitch, kLo, kRows, kOutCols,
+    // P on planes times v_new (bfloat16, exact: two products), E Q h on bfloat16 operands (k from 64 on: the
+    // site q S, one product)
+    plane_gemm<2, false, false, true, false, kRows>(qp, m.ldqp, kRows * m.ldqp, x, kPitch, kLo, kRows, kOutCols,
                                                      kRows + d.pk,
                                 [&](int r, int c, float v0, float v1) {
                                   const int64_t tok = s.slot[r];
@@ -1678,7 +1688,7 @@ __global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
   }
   dot = block_sum(dot, m.scratch);  // (synchronises: Y is free)
   if (threadIdx.x == 0) p.dgamma[head] = dot;
-  load_block(m.Y, m.ld, p.v_new + head * kRows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
+  load_block(m.Y, m.ld, static_cast<const float*>(p.v_new) + head * kRows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
   wait_copies();
   __syncthreads();
   block_gemm<4, false, true, kMode>(m.Y, m.ld, m.D, m.ld, kRows, d.dk, d.dv, [&](int r, int c, float v) {
@@ -1734,7 +1744,7 @@ __global__ void __launch_bounds__(kThreads) intra_grads_kernel(Args p) {
   Info& s = b.s;
   const int64_t head = b.head, rows = b.rows;
   const int h = b.h, kh = b.kh, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  load_block(m.V, m.ldd, p.v_new + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
+  load_block(m.V, m.ldd, static_cast<const float*>(p.v_new) + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
   load_normalised(m.Q, m.ldq, m.rq, static_cast<const T*>(p.q), p.hk, kh, d.dk, d.pk, p.scale, s, p.T);
   load_normalised(m.K, m.ldq, nullptr, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
   load_rows(m.D, m.ldd, static_cast<const T*>(p.d_o), p.hv, h, d.dv, d.pv, nullptr, s, p.T);
@@ -1883,9 +1893,9 @@ __device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const
 // (d_o, v_new, dv_new: 68 KB) still whole in each.
 //
 // The phases (a barrier after each): 1 the loads (h, d_state, v_new and dv_new before Info: waited
-// for first), dv_new rounded; 2 v_new's planes, dgamma = <h, d_state>, dw = -(dv_new h^T); 3 (q's, k's
-// and d_o's rows in) the norms of q's and k's rows, dq_state = E (d_o h^T), dPL = (d_o v_new^T) * L (d_o
-// exact, v_new on planes); 4 dk_tilde = v_new d_state^T (v_new's hi plane: rounded once) into the bytes
+// for first), dv_new rounded; 2 v_new's rows (bfloat16, exact: v's hi plane alone), dgamma = <h, d_state>,
+// dw = -(dv_new h^T); 3 (q's, k's and d_o's rows in) the norms of q's and k's rows, dq_state = E (d_o h^T),
+// dPL = (d_o v_new^T) * L (both exact: one product); 4 dk_tilde = v_new d_state^T into the bytes
 // of v's lo plane and h, dPL's two scaled plane sets after it (over h and Y); 5 Z = dPL * (Q K^T) in
 // place, G's terms through E and Kt; 6 G's through L, q's gradient dq_state + (dPL diag(r_k)) k, k's
 // part (diag(r_q s) dPL)^T q + Kt dk_tilde; 7 q's gradient through its norm, G's into dg_part.
@@ -1930,13 +1940,14 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kState = DimsT::dk * DimsT::dv, kLdF = DqkwgSmem::kLdF, kLo64 = kRows * kPlane64;
-  // Before Info: h, d_state, and the float32 rows of v_new and dv_new staged in DQ's and v's bytes (every
+  // Before Info: h, d_state, v_new's bfloat16 rows and dv_new's float32 ones staged in DQ's and v's bytes (every
   // global load an asynchronous copy: a load_split from global memory waits a round trip). Their
   // splits, dgamma and dw take place while q's, k's and d_o's rows (which need Info) are in flight.
   const ChunkBlock<DqkwgSmem, DimsT> b(p, smem, [&](const DqkwgSmem& m, int64_t head) {
     copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + kState * head, DimsT::dv, DimsT::dk);
     copy_rows<128>(m.S, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head, DimsT::dv, DimsT::dk);
-    copy_rows<DimsT::dv>(m.DQ, DimsT::dv, p.v_new + head * kRows * DimsT::dv, DimsT::dv, kRows);
+    copy_rows<DimsT::dv>(reinterpret_cast<__nv_bfloat16*>(m.DQ), DimsT::dv,
+                         static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv, DimsT::dv, kRows);
     copy_rows<DimsT::dv>(reinterpret_cast<float*>(m.v), DimsT::dv, p.dv_new + head * kRows * DimsT::dv, DimsT::dv,
                          kRows);
     commit_copies();
@@ -1951,7 +1962,13 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   __syncthreads();
   load_split(m.Y + kRows * kPlaneRow, reinterpret_cast<const float*>(m.v), kRows, -1);
   __syncthreads();  // v's bytes are free
-  load_split(m.v, m.DQ, kRows, kRows * kPlaneRow);  // (block_sum's barriers: split before DQ is written)
+  {  // v_new's bfloat16 rows, staged in DQ's bytes, into v's hi plane (block_sum's barriers: before DQ is written)
+    const auto* staged = reinterpret_cast<const __nv_bfloat16*>(m.DQ);
+    for (int i = threadIdx.x; i < kRows * DimsT::dv / 8; i += kThreads) {
+      const int r = i / (DimsT::dv / 8), c = i % (DimsT::dv / 8) * 8;
+      *reinterpret_cast<uint4*>(m.v + r * kPlaneRow + c) = *reinterpret_cast<const uint4*>(staged + r * DimsT::dv + c);
+    }
+  }
   const float dgamma = block_sum(state_dot<DimsT>(m.H, m.S), m.scratch);  // (synchronises)
   // dv_new h^T then d_o h^T, each operand bfloat16 (d_o exact, dv_new and h rounded once): one product
   // each, as state_grads'.
@@ -1967,14 +1984,14 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
                                          [&](int r, int c, float v0, float v1) {
                                            store2(m.DQ + r * kLdF + c, s.E[r] * v0, s.E[r] * v1);
                                          });
-  // d_o v_new^T, d_o exact, v_new on planes: two products.
-  plane_gemm<2, false, true, false, true, kNever, kNever, Tri::kLowerC>(
+  // d_o v_new^T, both exact (v_new stored in bfloat16): one product.
+  plane_gemm<2, false, true, true, true, kNever, kNever, Tri::kLowerC>(
       m.Y, kPlaneRow, 0, m.v, kPlaneRow, kRows * kPlaneRow, kRows, kRows, DimsT::dv,
       [&](int r, int c, float v0, float v1) {
         store2(m.Z + r * kPitch64 + c, c <= r ? v0 * decay(s, r, c) : 0.0f, c + 1 <= r ? v1 * decay(s, r, c + 1) : 0.0f);
       });
   __syncthreads();  // h, Y and v's lo plane are free
-  // v_new d_state^T, both rounded once (v_new's hi plane): one product, as state_grads.
+  // v_new d_state^T, d_state rounded once: one product, as state_grads.
   plane_gemm<4, false, true, true, true>(m.v, kPlaneRow, 0, m.S, kPlaneRow, 0, kRows, DimsT::dk, DimsT::dv,
                                          [&](int r, int c, float v0, float v1) { store2(m.DKT + r * kLdF + c, v0, v1); });
   split_dpl(m.pk, m.pq, m.Z, m.rq, m.rk, p.scale);
@@ -2543,13 +2560,16 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
   TORCH_CHECK(plan.documents < 65536, "v4_gated_delta_rule: more than 65,535 documents in one call");
   RecurrenceArgs a{r.base.data_ptr<float>(), r.a.data_ptr<float>(), r.b.data_ptr<float>(),
                    r.add.defined() ? r.add.data_ptr<float>() : nullptr, r.decay.data_ptr<float>(),
-                   r.state_out.data_ptr(), r.x_out.data_ptr<float>(), plan.chunks_of.data_ptr<int64_t>(),
+                   r.state_out.data_ptr(), r.x_out.data_ptr(), plan.chunks_of.data_ptr<int64_t>(),
                    plan.offset_device.data_ptr<int64_t>(), static_cast<float>(r.sign_a), static_cast<float>(r.sign_b),
                    static_cast<int>(r.base.size(1)), d.dk, d.dv, r.reverse};
   const dim3 grid((d.dv + kCols - 1) / kCols, r.base.size(1), plan.documents);
   if constexpr (kPlanes<kMode, DimsT>) {
     TORCH_CHECK(!r.add.defined(), "v4_gated_delta_rule: the plane kernels' recurrence takes no add (the backward's "
                                   "is folded)");
+    // x_out: v_new in bfloat16 forward, dv_new in float32 backward (the kernel's kFold)
+    TORCH_CHECK(r.x_out.scalar_type() == (fold != nullptr ? at::kFloat : at::kBFloat16),
+                "v4_gated_delta_rule: the plane kernels' recurrence writes v_new in bfloat16, dv_new in float32");
     if (fold != nullptr) {
       a.eq = fold->eq;
       a.d_o = static_cast<const __nv_bfloat16*>(fold->d_o);
@@ -2616,20 +2636,21 @@ void fused(Fused& f, bool backward) {
   if (!backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
     r.state_out = at::empty({chunks, hv, d.dk, d.dv}, states);
-    r.x_out = rows(d.dv);
+    // v_new as the states: bfloat16 on planes (what their products take, kept for the backward in half the bytes)
+    r.x_out = at::empty({chunks, hv, kRows, d.dv}, states);
     recurrence<kMode, DimsT>(r, f.plan, d);
     f.h = r.state_out;
     f.v_new = r.x_out;
     f.o = at::empty_like(f.v);
     a.h = f.h.data_ptr();
-    a.v_new = f.v_new.data_ptr<float>();
+    a.v_new = f.v_new.data_ptr();
     a.o = f.o.data_ptr();
     if constexpr (kPlanes<kMode, DimsT>) launch<OutputPlanesSmem>(output_planes_kernel<DimsT>, grid, d, a);
     else launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
     return;
   }
   a.h = f.h.data_ptr();
-  a.v_new = f.v_new.data_ptr<float>();
+  a.v_new = f.v_new.data_ptr();
   if constexpr (kPlanes<kMode, DimsT>) f.d_o = dense16(f.d_o);  // (the folded recurrence reads 16 bytes at a time)
   a.d_o = f.d_o.data_ptr();
   // dh_local, the state's gradient from each chunk's outputs ((E Q)^T d_o): written by local_grads
