@@ -231,6 +231,21 @@ def test_the_delta_rule_is_planned_on_the_path_the_op_takes():
     assert "gdr_uw" in kept(dataclasses.replace(base, cfg=config_from_dict(wide, "wide"), hf_config=wide))
 
 
+def test_the_fused_delta_rule_keeps_v_new_as_its_kernels_store_it():
+    """The fused node keeps v_new [P, value heads, dv]: bf16 on the plane kernels (bf16 at widths
+    128, gated_delta_rule.cu's forward recurrence writes it so), fp32 otherwise. The bytes by hand."""
+    config = proxy_config("qwen3_5", False)
+    base = plan.Setup(config_from_dict(config, "qwen3_5"), config, seq_len=4096)
+    nv, dv = config["linear_num_value_heads"], config["linear_value_head_dim"]
+
+    def v_new(setup):
+        (t,) = [t for t in plan.qwen3_5_layer(plan._ctx(setup, (4096,)), 0).saved if plan.key(t) == "gdr_v_new"]
+        return t.bytes
+
+    assert v_new(base) == 4096 * nv * dv * 2
+    assert v_new(dataclasses.replace(base, dtype_bytes=4)) == 4096 * nv * dv * 4
+
+
 def test_the_reverse_recurrence_on_planes_holds_e_q_where_fp32_holds_dh_local():
     """The fused backward's reverse recurrence holds dv_local and dv_new [P, value heads, dv] (fp32),
     d_state (as h) and the state's gradient from each chunk's outputs: on the plane kernels (bf16 at

@@ -805,8 +805,8 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     function fused()): adds what the autograd node keeps to the block's `s`; returns the moments of
     its forward pass, of a checkpointed first pass and of its backward. The kernels' work tensors
     are fp32 (float64 for dg) whatever the model's dtype, but for the states across chunks (h,
-    d_state), which its plane kernels (bf16 at widths 128: gated_delta_rule.cu's kPlanes) keep in
-    bf16."""
+    d_state) and v_new, which its plane kernels (bf16 at widths 128: gated_delta_rule.cu's kPlanes)
+    keep in bf16."""
     cfg, T, b = c.cfg, c.tokens, c.b
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -830,7 +830,7 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     s.add("gdr_beta", "beta in fp32 [T, value heads]", T * nv * FP32, b != FP32)
     s.add("gdr_slots", "the token of each chunk slot [P] (int64)", P * INT64)
     s.add("gdr_state", "h: the state at each chunk's start [chunks, value heads, dk, dv] (fp32; bf16 on planes)", state)
-    s.add("gdr_v_new", "v_new [chunks, value heads, 64, dv] (fp32)", rows(dv))
+    s.add("gdr_v_new", "v_new [chunks, value heads, 64, dv] (fp32; bf16 on planes)", P * nv * dv * (b if planes else FP32))
     held, rule = list(s), s.since("gdr")
     # The forward pass: the block's locals alive around the call, fused()'s U, W, K~ and decays
     # (freed when it returns), the output.
