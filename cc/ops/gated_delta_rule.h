@@ -73,7 +73,7 @@ struct Recurrence {
 // device, the token of each chunk slot (T for the padding of a document's last chunk), chunks in
 // the Plan's order. The forward pass sets o [T, Hv, Dv] and keeps h (the state at each chunk's
 // start, [chunks, Hv, Dk, Dv] float32; bfloat16 from the CUDA plane kernels) and v_new ([chunks,
-// Hv, 64, Dv] float32) for the backward, which takes d_o and sets dq, dk, dv (the inputs' dtype),
+// Hv, 64, Dv], as h) for the backward, which takes d_o and sets dq, dk, dv (the inputs' dtype),
 // dg (float64) and dbeta (float32).
 constexpr int64_t kFusedMaxDim = 128;
 
