@@ -45,8 +45,8 @@ from v4train.ops import REFERENCE, resolve
 from v4train.reference.gated_delta_rule import PRODUCT_SITES, v4_gated_delta_rule
 from v4train.testing.cases import CASES
 from v4train.testing.cases.gated_delta_rule import ScaledGradient, long_documents
-from v4train.testing.check import LOW_PRECISION_FACTOR, Spreads, _compare, forward_backward, in_float64, upstream_of
-from v4train.testing.tolerances import TOLERANCES
+from v4train.testing.check import (Spreads, _compare, forward_backward, in_float64, low_precision_bound,
+                                   upstream_of)
 from v4train.testing.samples import RandomDraw
 
 
@@ -202,7 +202,8 @@ def main() -> None:
         variants[f"the C++ op ({args.device})"] = lambda op: resolve(op)[op]
     grad_of_g = {"v4_gated_delta_rule": "g", "v4_gated_deltanet": "linear_attn.A_log"}
     print("| op | products | samples failed | tensors that failed first | A_log's error / the reference's (median, "
-          f"max; the largest over the judge's first exit's bound) | g's gradient from {kernels or '-'}: distance / norm (median, max) |")
+          "max; the largest over the judge's first exit's bound) | "
+          f"g's gradient from {kernels or '-'}: distance / norm (median, max) |")
     print("|---|---|---|---|---|---|")
     for op in ["v4_gated_delta_rule"] if args.long else args.ops.split(","):
         case, reference = CASES[op], REFERENCE[op]
@@ -231,10 +232,8 @@ def main() -> None:
                 if a_log in grads and (ref[a_log] - truth[a_log]).norm() > 0:
                     err = lambda x: (x.double() - truth[a_log].double()).norm().item()  # noqa: E731
                     ratios[v].append(err(grads[a_log]) / err(ref[a_log]))
-                    # the judge's first exit: LOW_PRECISION_FACTOR x the reference's error + the dtype's floor
-                    t, tol = truth[a_log].double(), TOLERANCES[torch.bfloat16]
-                    floor = (tol.rtol * t.norm() + tol.atol * t.numel() ** 0.5).item()
-                    margins[v].append(err(grads[a_log]) / (LOW_PRECISION_FACTOR * err(ref[a_log]) + floor))
+                    bound = low_precision_bound(ref[a_log].double(), truth[a_log].double(), torch.bfloat16)
+                    margins[v].append(err(grads[a_log]) / bound)
                 if kernels:
                     apart[v].append(distance(grads[grad_of_g[op]], runs[kernels][1][grad_of_g[op]]))
         for v in variants:

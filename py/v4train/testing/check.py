@@ -104,6 +104,17 @@ def _check_inplace(name: str, cpp: Callable, reference: Callable, sample: Sample
 LOW_PRECISION_FACTOR = 10
 
 
+def error_floor(truth: torch.Tensor, dtype: torch.dtype) -> float:
+    """The dtype's floor on a result's error norm against the exact answer t: rtol ||t|| + atol sqrt(n)."""
+    tol = TOLERANCES[dtype]
+    return (tol.rtol * truth.norm() + tol.atol * truth.numel() ** 0.5).item()
+
+
+def low_precision_bound(expected: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype) -> float:
+    """judge's first exit: LOW_PRECISION_FACTOR times the reference's own error norm, plus the floor."""
+    return LOW_PRECISION_FACTOR * (expected - truth).norm().item() + error_floor(truth, dtype)
+
+
 def judge(op: Op, actual, expected, truth, name: str,
           spread: Callable[[torch.dtype], float | None] | None = None) -> None:
     """assert_close; where it fails, two exits, each a bound on the C++ result's error norm
@@ -165,10 +176,9 @@ def judge(op: Op, actual, expected, truth, name: str,
         if not torch.equal(a.isfinite(), finite) or not torch.equal(a[~finite].isnan(), e[~finite].isnan()):
             raise
         a, e, t = a[finite], e[finite], t[finite]
-        tol = TOLERANCES[expected.dtype]
-        floor = (tol.rtol * t.norm() + tol.atol * t.numel() ** 0.5).item()
+        floor = error_floor(t, expected.dtype)
         error = (a - t).norm().item()
-        if torch.float64 in op.dtypes and error <= LOW_PRECISION_FACTOR * (e - t).norm().item() + floor:
+        if torch.float64 in op.dtypes and error <= low_precision_bound(e, t, expected.dtype):
             return
         if expected.dtype not in (torch.bfloat16, torch.float16) or spread is None:
             raise
