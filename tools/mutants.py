@@ -463,24 +463,35 @@ def apply(m: Mutation, root: str = ROOT) -> str:
     return text
 
 
+ROOT_BUILD = os.path.join(ROOT, "build", "ext")  # tools/build_ext.py's default --out
+
+
+def seed_objects(out: str, built: str, root: str) -> None:
+    """Copies the objects under `out` (built from the sources at `built`) into root's build, renamed
+    for root (build_ext names an object by its source's path), their times kept (copy2): the sources
+    copied with their times (copytree) compile again only where they are newer than their objects."""
+    old, new = (os.path.relpath(r, "/").replace("/", "_") + "_" for r in (built, root))
+    for objdir in (d for d in os.listdir(out) if d.startswith("obj")):
+        os.makedirs(os.path.join(out_dir(root), objdir))
+        for f in os.listdir(os.path.join(out, objdir)):
+            shutil.copy2(os.path.join(out, objdir, f), os.path.join(out_dir(root), objdir, f.replace(old, new, 1)))
+
+
 def built_copy(m: Mutation | None, root: str, modules: str, jobs: int = 2,
                base: concurrent.futures.Future | None = None) -> str:
     """A copy of the sources at `root` with `m` applied and `modules` built there. One nvcc
     compilation of a kernel file takes minutes on one core, so the CUDA mutations are built side
     by side, each in its own copy. With `base` (the unmutated copy, built) the copy starts from its
     objects, renamed for this root (build_ext names an object by its source's path), and the mutation
-    is written after them: only the mutated source (every source, for a header) compiles again."""
+    is written after them: only the mutated source (every source, for a header) compiles again. The
+    unmutated copy starts from the checkout's build/ext where there is one (build_ext.py run first)."""
     for d in ("cc", "py", "parity", "tools"):
         shutil.copytree(os.path.join(ROOT, d), os.path.join(root, d), ignore=shutil.ignore_patterns("__pycache__"))
     os.symlink(os.path.join(ROOT, "testdata"), os.path.join(root, "testdata"))
     if base is not None:
-        built = base.result()
-        old, new = (os.path.relpath(r, "/").replace("/", "_") + "_" for r in (built, root))
-        for objdir in (d for d in os.listdir(out_dir(built)) if d.startswith("obj")):
-            os.makedirs(os.path.join(out_dir(root), objdir))
-            for f in os.listdir(os.path.join(out_dir(built), objdir)):  # (copy2: the objects' times kept)
-                shutil.copy2(os.path.join(out_dir(built), objdir, f), os.path.join(out_dir(root), objdir,
-                                                                                   f.replace(old, new, 1)))
+        seed_objects(out_dir(base.result()), base.result(), root)
+    elif os.path.isdir(ROOT_BUILD):  # the unmutated copy starts from the checkout's own build, if any
+        seed_objects(ROOT_BUILD, ROOT, root)
     if m is not None:
         apply(m, root)
     build(True, root, modules, jobs=jobs)

@@ -1,6 +1,7 @@
 """tools/bazel's plain errors, and the module list that Bazel and tools/build_ext.py read."""
 
 import os
+import pathlib
 import stat
 import subprocess
 import sys
@@ -115,6 +116,28 @@ def test_a_mutation_that_does_not_build_is_said_so_not_counted_a_survivor(monkey
     out = capsys.readouterr().out
     assert f"| {m.name} | {m.what} | DID NOT BUILD: x.cc:3: error: expected ';' (" in out
     assert f"mutants: 0 of 1 caught; did not build (fix the mutation): {m.name}" in out
+
+
+def test_a_mutants_copy_starts_from_the_objects_of_the_build_it_is_seeded_from(tmp_path):
+    """mutants.py --cuda seeds the unmutated copy from the checkout's build/ext (and each mutated
+    copy from that copy): an object keeps its time, so build_ext compiles none again whose source
+    (copied with its time) is no newer, and an object named by its source's path is renamed for the
+    copy's root; one of a source outside the root (nanobind's) keeps its name."""
+    import mutants
+
+    built, root = tmp_path / "a", tmp_path / "b"
+    objdir = built / "build" / "ext" / "obj-cuda"
+    objdir.mkdir(parents=True)
+    prefix = lambda r: os.path.relpath(r, "/").replace("/", "_") + "_"
+    ours, theirs = objdir / (prefix(built) + "cc_ops_x.cu.o"), objdir / "usr_nanobind_src_common.cpp.o"
+    for obj in (ours, theirs):
+        obj.write_text(obj.name)
+        os.utime(obj, (1_000_000, 1_000_000))
+    mutants.seed_objects(str(built / "build" / "ext"), str(built), str(root))
+    seeded = pathlib.Path(mutants.out_dir(str(root))) / "obj-cuda"
+    assert sorted(p.name for p in seeded.iterdir()) == sorted([prefix(root) + "cc_ops_x.cu.o", theirs.name])
+    assert (seeded / (prefix(root) + "cc_ops_x.cu.o")).read_text() == ours.name
+    assert all(p.stat().st_mtime == 1_000_000 for p in seeded.iterdir())
 
 
 def test_every_cuda_mutation_names_the_module_built_for_it():
