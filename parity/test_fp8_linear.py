@@ -484,21 +484,6 @@ def test_the_experts_forward_alone_on_cuda_fp8_tensor_cores(monkeypatch):
     assert_within(dx.cpu(), _grouped_bound(dy, dequantize_fp8(q, scale, torch.float64)), "x's gradient")
 
 
-def _dense_run(seed: int):
-    """A dense FP8 map [640, 384] of blocks of different sizes, x [3, 700, 384] and dy [2100, 640]; y
-    and x's gradient through v4::fp8_product (the test-only module's `linear`) on CUDA, with the
-    profile of both: (q, scale, x, dy, y, dx, prof)."""
-    gen = torch.Generator().manual_seed(seed)
-    q, scale = blocks_of_sizes((640, 384), gen)
-    x = activations(2100, 384, gen, signed=True).cuda().view(3, 700, 384).requires_grad_()
-    dy = activations(2100, 640, gen, signed=True).cuda()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        y = v4_linear_test.linear(x, Linear(q.cuda(), scale.cuda()))
-        (dx,) = torch.autograd.grad(y, x, dy.view(3, 700, 640))
-        torch.cuda.synchronize()
-    return q, scale, x, dy, y, dx, prof
-
-
 @CUDA
 @pytest.mark.parametrize("variants", ["none", ""], ids=["transposed in shared memory", "turned once (default)"])
 def test_a_dense_backward_on_cuda_fp8_tensor_cores_is_within_its_bound(variants, monkeypatch):
@@ -508,7 +493,14 @@ def test_a_dense_backward_on_cuda_fp8_tensor_cores_is_within_its_bound(variants,
     variants' default, transpose_global) W turned once, then the forward's kernel."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "dense_backward")
     monkeypatch.setenv("V4TRAIN_FP8_E4M3_VARIANTS", variants)
-    q, scale, x, dy, y, dx, prof = _dense_run(29)
+    gen = torch.Generator().manual_seed(29)
+    q, scale = blocks_of_sizes((640, 384), gen)
+    x = activations(2100, 384, gen, signed=True).cuda().view(3, 700, 384).requires_grad_()
+    dy = activations(2100, 640, gen, signed=True).cuda()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = v4_linear_test.linear(x, Linear(q.cuda(), scale.cuda()))
+        (dx,) = torch.autograd.grad(y, x, dy.view(3, 700, 640))
+        torch.cuda.synchronize()
     turned = variants == ""
     assert _kernel_launches(prof, "fp8_e4m3_kernel") == ["false" if turned else "true"]
     assert sum("transpose_fp8_kernel" in e.name for e in prof.events()) == turned
@@ -516,36 +508,6 @@ def test_a_dense_backward_on_cuda_fp8_tensor_cores_is_within_its_bound(variants,
     ratio = assert_within(dx.reshape(2100, 384).cpu(), _path_a_grouped_bound(dy, q[None], scale[None], [2100], True),
                           "x's gradient")
     print(f"dense backward on FP8 tensor cores: max |error| / bound = {ratio:.3f}")
-
-
-@CUDA
-def test_the_dense_maps_on_the_registers_kernel_on_cuda_are_within_a_bf16_products_bound(monkeypatch):
-    """V4TRAIN_FP8_DENSE_VARIANTS=registers: a dense FP8 map's x W^T and dy W on the experts' exact
-    kernel (W the one expert, turned to bf16 in registers), each within a bf16 product's bound of the
-    exact answer, x with leading dimensions [3, 700, K]; the profile shows both launches of that
-    kernel and no dequantisation."""
-    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
-    monkeypatch.setenv("V4TRAIN_FP8_DENSE_VARIANTS", "registers")
-    for variable in ("V4TRAIN_FP8_GROUPED_VARIANTS", "V4TRAIN_FP8_GROUPED_TILE"):  # (the kernel's defaults)
-        monkeypatch.delenv(variable, raising=False)
-    q, scale, x, dy, y, dx, prof = _dense_run(47)
-    assert _kernel_launches(prof, "fp8_registers_kernel") == ["false", "true"]
-    assert not any("dequantize_kernel" in e.name for e in prof.events())
-    w = dequantize_fp8(q, scale, torch.float64)
-    assert_within(y.reshape(2100, 640).cpu(), bf16_matmul(Bounded.exact(x.detach().reshape(2100, 384).double().cpu()),
-                                                          w.T), "y")
-    assert_within(dx.reshape(2100, 384).cpu(), bf16_matmul(Bounded.exact(dy.double().cpu()), w), "x's gradient")
-
-
-def test_an_unknown_dense_variant_is_refused_on_any_device(monkeypatch):
-    """A misspelt V4TRAIN_FP8_DENSE_VARIANTS is an error naming the variable and the word, on the CPU
-    too (which has no registers kernel to take)."""
-    monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
-    monkeypatch.setenv("V4TRAIN_FP8_DENSE_VARIANTS", "register")
-    gen = torch.Generator().manual_seed(43)
-    q, scale = blocks_of_sizes((128, 128), gen)
-    with pytest.raises(ValueError, match=r"V4TRAIN_FP8_DENSE_VARIANTS=register: unknown variant 'register'"):
-        v4_linear_test.linear(activations(4, 128, gen, signed=True), Linear(q, scale))
 
 
 def test_an_unknown_fp8_tensor_core_product_is_refused_on_any_device(monkeypatch):

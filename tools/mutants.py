@@ -411,11 +411,6 @@ MUTATIONS = (
              "+8 read from the first 8", "cc/common/fp8_grouped.cu",
              "constexpr int frag[4] = {0, 8 * kBK, 8, 8 * kBK + 8};", "constexpr int frag[4] = {0, 0, 8, 8};",
              FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
-    Mutation("fp8_dense_registers_backward_dequantised", "V4TRAIN_FP8_DENSE_VARIANTS=registers: a dense map's "
-             "backward dequantises W after all", "cc/common/lora.cc",
-             "  if (registers) {\n    if (at::Tensor dx = one_expert(dy, weight, scale, true, false)",
-             "  if (false) {\n    if (at::Tensor dx = one_expert(dy, weight, scale, true, false)",
-             ("parity/test_fp8_linear.py", "-k", "registers_kernel_on_cuda_are"), cuda=True, module="v4_linear_test"),
     Mutation("fp8_registers_backward_unswizzled", "the experts' FP8 backward "
              "(fp8_registers_kernel<true>): the ldmatrix rows of the weight's tile read without TMA's 128-byte "
              "swizzle", "cc/common/fp8_grouped.cu", "(((4 * wg + warp) ^ (lane % 8)) * 16)", "((4 * wg + warp) * 16)",

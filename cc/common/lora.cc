@@ -79,41 +79,22 @@ at::Tensor fp8_grouped(const at::Tensor& x, const at::Tensor& weight, const at::
   return grouped_linear(x, transposed ? w.transpose(1, 2) : w, d);
 }
 
-// A dense FP8 map W [out, in] as the one expert of the experts' kernel (Fp8GroupedProduct): x W^T,
-// or dy W where `transposed`, on FP8 tensor cores where `e4m3`; undefined where the device has no
-// such kernel or it declines (not sm_90, a weight of partial blocks, no rows).
-at::Tensor one_expert(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, bool transposed,
-                      bool e4m3) {
-  const auto kernel = Backend<Fp8GroupedProduct>::find(x.device().type());
-  if (!kernel || x.numel() == 0) return at::Tensor();
-  const at::Tensor rows = x.reshape({-1, x.size(-1)});
-  const at::Tensor offsets = at::full({1}, rows.size(0), x.options().dtype(at::kInt));
-  at::Tensor y;
-  if (!kernel(rows, weight.unsqueeze(0), scale.unsqueeze(0), offsets, transposed, e4m3, y)) return at::Tensor();
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() = weight.size(transposed ? 1 : 0);
-  return y.view(sizes);
-}
-
-// Whether V4TRAIN_FP8_DENSE_VARIANTS names `registers` (opt-in, to time; read at each forward, on
-// every device, so that a misspelt word fails on the CPU too): the dense maps' products, both ways,
-// on the experts' exact kernel with W as the one expert, the weight turned to bf16 in the
-// multiplying warps' registers, in place of the dequantisation pass (2.6 ms of the GLM-5 FP8 proxy's
-// step, docs/benchmarks.md) and cuBLAS on its result. Exact as the dequantised product is, up to
-// the order of the sums.
-bool dense_on_registers() { return env_variants("V4TRAIN_FP8_DENSE_VARIANTS", {"registers"}) & 1; }
-
 // dy W for a dense FP8 map: on FP8 tensor cores where tensor_cores asks for it, by the
 // experts' kernel with W as the one expert (cuBLAS's FP8 GEMM takes only a row-major A times a
-// column-major B, and dy W needs W's transpose in FP8; the kernel transposes tiles), else on the
-// experts' exact kernel where `registers`, else W dequantised just in time.
+// column-major B, and dy W needs W's transpose in FP8; the kernel transposes tiles in shared
+// memory), else W dequantised just in time.
 at::Tensor fp8_dense_backward(const at::Tensor& dy, const at::Tensor& weight, const at::Tensor& scale,
-                              unsigned tensor_cores, bool registers) {
-  if (tensor_cores & kFp8DenseBackward) {
-    if (at::Tensor dx = one_expert(dy, weight, scale, true, true); dx.defined()) return dx;
-  }
-  if (registers) {
-    if (at::Tensor dx = one_expert(dy, weight, scale, true, false); dx.defined()) return dx;
+                              unsigned tensor_cores) {
+  const auto kernel = Backend<Fp8GroupedProduct>::find(dy.device().type());
+  if (kernel && (tensor_cores & kFp8DenseBackward) && dy.numel() > 0) {
+    const at::Tensor rows = dy.reshape({-1, dy.size(-1)});
+    const at::Tensor offsets = at::full({1}, rows.size(0), dy.options().dtype(at::kInt));
+    at::Tensor dx;
+    if (kernel(rows, weight.unsqueeze(0), scale.unsqueeze(0), offsets, true, true, dx)) {
+      std::vector<int64_t> sizes(dy.sizes().begin(), dy.sizes().end());
+      sizes.back() = weight.size(1);
+      return dx.view(sizes);
+    }
   }
   return at::matmul(dy, dequantize(weight, scale, dy.scalar_type()));
 }
@@ -139,15 +120,10 @@ struct Fp8Product : public torch::autograd::Function<Fp8Product> {
       ctx->saved_data["offsets"] = grouped->offsets;
       return fp8_grouped(x, weight, scale, *grouped, false, tc);
     }
-    const bool registers = dense_on_registers();
-    ctx->saved_data["registers"] = registers;
     const auto kernel = Backend<Fp8Linear>::find(x.device().type());
     if (kernel && (tc & kFp8DenseForward)) {
       at::Tensor y;
       if (kernel(x, weight, scale, y)) return y;
-    }
-    if (registers) {
-      if (at::Tensor y = one_expert(x, weight, scale, false, false); y.defined()) return y;
     }
     return at::linear(x, dequantize(weight, scale, x.scalar_type()));
   }
@@ -156,8 +132,8 @@ struct Fp8Product : public torch::autograd::Function<Fp8Product> {
     const auto saved = ctx->get_saved_variables();
     const auto tc = unsigned(ctx->saved_data["tensor_cores"].toInt());
     if (!ctx->saved_data.count("counts")) {
-      return {fp8_dense_backward(grads[0], saved[0], saved[1], tc, ctx->saved_data["registers"].toBool()),
-              at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return {fp8_dense_backward(grads[0], saved[0], saved[1], tc), at::Tensor(), at::Tensor(), at::Tensor(),
+              at::Tensor()};
     }
     Dispatch d;
     d.counts = ctx->saved_data["counts"].toTensor();
