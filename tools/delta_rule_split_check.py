@@ -19,7 +19,9 @@ documents of 129 tokens or more, few and narrow: --long judges v4_gated_delta_ru
 documents of parity/test_gated_delta_rule.py instead (1, 63, 64, 65 and 4,097 tokens, widths 128,
 the slow decay under which the state crosses chunks; one seed a sample), where a dot 1% off fails.
 --stored u,v_new: the values U and v_new as a kernel would store them between its passes (fla's
-bf16), rounded wherever they are read, their gradients passed unrounded.
+bf16), rounded wherever they are read, their gradients passed unrounded. --stored dv_local,dv_new:
+v_new's gradient from the chunk's own outputs, and its whole gradient, as the backward kernels
+would store them (they keep float32 today).
 A last column measures each variant's g gradient from the kernels' own rounding (the --plain
 sites, the --stored states) as a distance over its norm: where the bf16 judge's bound is too wide
 to see a dot some percent off (--off: that variant too), the built op (--cpp, on --device: the CUDA
@@ -71,12 +73,13 @@ def product(a: torch.Tensor, b: torch.Tensor, split: str) -> torch.Tensor:
 
 
 class Product(torch.autograd.Function):
-    """a @ b with the forward's and the backward's products emulated by `split`."""
+    """a @ b with the forward's and the backward's products emulated by `split`; b's gradient rounded
+    to bf16 where `round_db` (a kernel that stores it so)."""
 
     @staticmethod
-    def forward(ctx, a, b, split):
+    def forward(ctx, a, b, split, round_db=False):
         ctx.save_for_backward(a, b)
-        ctx.split = split
+        ctx.split, ctx.round_db = split, round_db
         return product(a, b, split)
 
     @staticmethod
@@ -84,22 +87,28 @@ class Product(torch.autograd.Function):
         a, b = ctx.saved_tensors
         da = product(grad, b.transpose(-1, -2), ctx.split) if ctx.needs_input_grad[0] else None
         db = product(a.transpose(-1, -2), grad, ctx.split) if ctx.needs_input_grad[1] else None
-        return da, db, None
+        return da, (bf16(db) if ctx.round_db and db is not None else db), None, None
 
 
-STORED = ("h", "d_state", "u", "v_new")  # u and v_new: the values, as the reference's store hook names them
+# u and v_new: the values, as the reference's store hook names them; dv_local: the gradient of v_new
+# from the chunk's own outputs (P^T d_o, the backward of site intra_v_new: local_grads' output);
+# dv_new: v_new's whole gradient (the folded reverse recurrence's output), rounded where it reaches
+# v_new, so for every use (the kernel's recurrence keeps its own in float32: this rounds more).
+STORED = ("h", "d_state", "u", "v_new", "dv_local", "dv_new")
 
 
 class Rounded(torch.autograd.Function):
-    """x rounded to bf16 as a kernel stores it; the gradient passes as it is (the kernels' is float32)."""
+    """x rounded to bf16 as a kernel stores it; the gradient passes as it is, or rounded to bf16
+    where `round_grad` (dv_new)."""
 
     @staticmethod
-    def forward(ctx, x):
-        return bf16(x)
+    def forward(ctx, x, round_value=True, round_grad=False):
+        ctx.round_grad = round_grad
+        return bf16(x) if round_value else x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return (bf16(grad) if ctx.round_grad else grad), None, None
 
 
 class StoredDecay(torch.autograd.Function):
@@ -126,7 +135,7 @@ class Ops:
 
     def __init__(self, split, stored=(), off=0.0):
         def mm(a, b, site):
-            return Product.apply(a, b, split(site))
+            return Product.apply(a, b, split(site), site == "intra_v_new" and "dv_local" in stored)
 
         def decay_state(state, factor):
             return StoredDecay.apply(state, factor, stored) if stored else state * factor
@@ -135,7 +144,8 @@ class Ops:
             return ScaledGradient.apply(x, 1 + off) if off and (leaf, site) == ("g", "state") else x
 
         def store(x, name):
-            return Rounded.apply(x) if name in stored else x
+            grad = name == "v_new" and "dv_new" in stored
+            return Rounded.apply(x, name in stored, grad) if name in stored or grad else x
 
         self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm, decay_state=decay_state, path=path,
                                                      store=store)
@@ -161,7 +171,7 @@ def main() -> None:
     parser.add_argument("--plain", default="", help="comma list of sites in plain bf16 together, the others bf16x3")
     parser.add_argument("--stored", default="", help="with --plain: comma list of the states (h, d_state) read "
                         "rounded to bf16 by the chunk decay's gradient, and of the values (u, v_new) rounded to bf16 "
-                        "wherever they are read")
+                        "wherever they are read, and of v_new's gradients (dv_local, dv_new) rounded where they are stored")
     parser.add_argument("--long", action="store_true", help="v4_gated_delta_rule on long documents (seeds 0, 1, ...) "
                         "instead of the drawn samples")
     parser.add_argument("--off", type=float, default=0.0, help="with --plain: also its variant with the chunk decay's "
