@@ -44,7 +44,7 @@ def carve(pk_offset: int = 0) -> tuple[dict[str, tuple[int, int]], int]:
     parts = {"v_hi": (0, plane_tile), "v_lo": (plane_tile, 2 * plane_tile), "H": (2 * plane_tile, 4 * plane_tile),
              "Y_do": (4 * plane_tile, 5 * plane_tile), "Y_dv": (5 * plane_tile, 6 * plane_tile),
              "DKT": (dkt, dkt + 2 * ROWS * LDF), "pk": (pk, pk + 2 * ROWS * PLANE64),
-             "pq": (pq, pq + 2 * ROWS * PLANE64), "dv_staged": (0, ROWS * 128 * 2)}  # (float32: 2 elements each)
+             "pq": (pq, pq + 2 * ROWS * PLANE64)}
     for name, (a, b) in parts.items():
         at[name] = (r0 + 2 * a, r0 + 2 * b)
         assert at[name][1] <= r1 and at[name][0] % 16 == 0, name
@@ -54,8 +54,7 @@ def carve(pk_offset: int = 0) -> tuple[dict[str, tuple[int, int]], int]:
 
 # The kernel's phases (barriers between; block_sum's inside the third): what each reads and writes.
 PHASES = [
-    ("the loads before Info", set(), {"S", "H", "DQ", "dv_staged", "info"}),  # DQ: v_new's bfloat16 rows
-    ("dv_new rounded", {"dv_staged"}, {"Y_dv"}),  # (q's, k's and d_o's rows in flight: written in phase 3's place)
+    ("the loads before Info", set(), {"S", "H", "DQ", "Y_dv", "info"}),  # DQ: v_new's bfloat16 rows; Y_dv: dv_new's
     ("v_new's rows, dgamma, dw", {"DQ", "H", "S", "Y_dv", "info"}, {"v_hi", "scratch"}),  # (exact: no lo plane)
     ("the norms, dq_state, dPL", {"q", "k", "Y_do", "H", "v_hi", "info"}, {"rq", "rk", "DQ", "Z"}),
     ("dk_tilde, dPL's planes", {"v_hi", "S", "Z", "rq", "rk"}, {"DKT", "pk", "pq"}),
@@ -63,17 +62,18 @@ PHASES = [
     ("the L term, q's gradient, k's part", {"Z", "dG", "pk", "k", "pq", "q", "DKT", "info"}, {"dG", "DQ"}),
     ("the norm's backward, dg_part", {"q", "rq", "DQ", "dG", "t", "info"}, set()),
 ]
+EARLY = 2  # the phases before q's, k's and d_o's rows (issued after Info) are waited for
 
 
 def check_phases(at) -> None:
     """Each phase's writes against its reads and writes; each read against the writes between it and its
     writer. q's, k's and d_o's rows, copied while phases 1 and 2 run, are checked against theirs."""
     in_flight = {"q", "k", "Y_do"}
-    for name, reads, writes in PHASES[:3]:
+    for name, reads, writes in PHASES[:EARLY]:
         for x in in_flight:
             for y in reads | writes:
                 assert not (at[x][0] < at[y][1] and at[y][0] < at[x][1]), f"{x} in flight over {y} ({name})"
-    phases = PHASES[:3] + [("q's, k's and d_o's rows land", set(), in_flight)] + PHASES[3:]
+    phases = PHASES[:EARLY] + [("q's, k's and d_o's rows land", set(), in_flight)] + PHASES[EARLY:]
     over = lambda a, b: at[a][0] < at[b][1] and at[b][0] < at[a][1]  # noqa: E731
     for i, (name, reads, writes) in enumerate(phases):
         for w in writes:

@@ -344,10 +344,15 @@ MUTATIONS = (
              "load_info (ChunkBlock's early) take h for d_state", "cc/ops/gated_delta_rule.cu",
              "static_cast<const __nv_bfloat16*>(p.d_state) + kState * head",
              "static_cast<const __nv_bfloat16*>(p.h) + kState * head", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_dqkwg_dw_from_v_new", "dqkwg_planes_kernel: dv_new's rows for dw rounded from v_new's "
-             "staged rows (DQ's bytes) instead of dv_new's (v's)", "cc/ops/gated_delta_rule.cu",
-             "load_split(m.Y + kRows * kPlaneRow, reinterpret_cast<const float*>(m.v), kRows, -1);",
-             "load_split(m.Y + kRows * kPlaneRow, m.DQ, kRows, -1);", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_dqkwg_dw_from_v_new", "dqkwg_planes_kernel: dw's product takes v_new's rows (v's hi "
+             "plane) for dv_new's (Y's second half)", "cc/ops/gated_delta_rule.cu",
+             "plane_gemm<4, false, true, true, true>(m.Y + kRows * kPlaneRow, kPlaneRow, 0, m.H,",
+             "plane_gemm<4, false, true, true, true>(m.v, kPlaneRow, 0, m.H,", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wy_planes_dv_new_float_pitch", "wy_grads on planes: dv_new's staged bfloat16 quarter read "
+             "at the floats' pitch (68 elements, not 136)", "cc/ops/gated_delta_rule.cu",
+             "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, kLo64, kPlane64, 2 * kPitch64);",
+             "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, kLo64, kPlane64, kPitch64);", PLANES_CUDA,
+             cuda=True),
     Mutation("delta_rule_dqkwg_kt_from_dq_state", "dqkwg_planes_kernel: G's term through Kt takes dq_state's row "
              "for dk_tilde's (the two float32 tiles confused)", "cc/ops/gated_delta_rule.cu",
              "p.scale, m.DQ, m.DKT, kLdF, s);", "p.scale, m.DQ, m.DQ, kLdF, s);",

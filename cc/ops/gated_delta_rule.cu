@@ -243,7 +243,7 @@ struct Args {
   float *dv_local, *dh_local;                // local_grads
   __nv_bfloat16* eq;                         // or (kPlanes) E Q rounded, for the reverse recurrence
   const void* d_state;                       // the reverse recurrence's (as h)
-  const float* dv_new;
+  const void* dv_new;                        // the reverse recurrence's (float32; bfloat16 for kPlanes)
   float *dq_state, *dw, *dk_tilde, *dgamma;  // state_grads
   float *dq, *dk_part;                       // intra_grads (dq per value head, token layout)
   double* dg_part;
@@ -722,9 +722,10 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
 
 // Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src (row stride `stride`, rows
 // 16-byte aligned) into dst, four floats a thread at a time, four loads in flight. lo_off < 0: the
-// values rounded to bfloat16, the hi plane alone (four values a store: ld a multiple of 4).
-template <int kWidth = 128>
-__device__ __forceinline__ void load_split(__nv_bfloat16* dst, const float* src, int rows, int lo_off,
+// values rounded to bfloat16, the hi plane alone (four values a store: ld a multiple of 4). A
+// bfloat16 src (rows 8-byte aligned) gives hi its values and lo zeros.
+template <int kWidth = 128, typename E = float>
+__device__ __forceinline__ void load_split(__nv_bfloat16* dst, const E* src, int rows, int lo_off,
                                            int ld = kPlaneRow, int64_t stride = kWidth) {
   constexpr int kQuads = kWidth / 4, kStep = kThreads / kQuads;  // kStep: rows a pass of the block
   static_assert(kThreads % kQuads == 0, "a thread's column the same in every pass");
@@ -735,7 +736,14 @@ __device__ __forceinline__ void load_split(__nv_bfloat16* dst, const float* src,
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int r = p0 + u * kStep + r0;
-      if (p0 + (u + 1) * kStep <= rows || r < rows) a[u] = *reinterpret_cast<const float4*>(src + r * stride + c);
+      if (!(p0 + (u + 1) * kStep <= rows || r < rows)) continue;
+      if constexpr (std::is_same_v<E, float>) {
+        a[u] = *reinterpret_cast<const float4*>(src + r * stride + c);
+      } else {
+        const uint2 x = *reinterpret_cast<const uint2*>(src + r * stride + c);
+        const float2 lo = unpack2<__nv_bfloat16>(x.x), hi = unpack2<__nv_bfloat16>(x.y);
+        a[u] = make_float4(lo.x, lo.y, hi.x, hi.y);
+      }
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -1091,7 +1099,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
 struct RecurrenceArgs {
   const float *base, *a, *b, *add, *decay;
   void* state_out;  // float32; bfloat16 for recurrence_planes_kernel
-  void* x_out;  // float32; bfloat16 for recurrence_planes_kernel's forward (v_new)
+  void* x_out;  // float32; bfloat16 for recurrence_planes_kernel (v_new, dv_new)
   const int64_t *chunks_of, *offset;
   float sign_a, sign_b;
   int heads, dk, dv;
@@ -1329,10 +1337,10 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         const float v1 = base[half].y + p.sign_a * acc[2 * half + 1];
         const uint32_t x2 = pack2<__nv_bfloat16>(v0, v1);
         const int64_t at = (head * kRows + r) * d.dv + col0 + c;
-        // The backward's dv_new in float32; the forward's v_new as the products take it (bfloat16:
-        // the output's P v_new and dqkwg's d_o v_new^T read it exact, tools/delta_rule_split_check.py)
-        if constexpr (kFold) store2(static_cast<float*>(p.x_out) + at, v0, v1);
-        else *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.x_out) + at) = x2;
+        // v_new (forward) and dv_new (backward) as the products take them, bfloat16: the output's P
+        // v_new and dqkwg's d_o v_new^T read v_new exact, dqkwg's dw and wy_grads' dR and Y dv_new
+        // (tools/delta_rule_split_check.py --stored v_new,dv_new)
+        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.x_out) + at) = x2;
         *reinterpret_cast<uint32_t*>(m.X + r * kPlanePitch + c) = x2;
       }
     }
@@ -1671,7 +1679,8 @@ __global__ void __launch_bounds__(kThreads) state_grads_kernel(Args p) {
   Info& s = b.s;
   const int64_t head = b.head;
   const int h = b.h;
-  load_block(m.Y + kRows * m.ld, m.ld, p.dv_new + head * kRows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
+  load_block(m.Y + kRows * m.ld, m.ld, static_cast<const float*>(p.dv_new) + head * kRows * d.dv, d.dv, kRows, d.dv,
+             kRows, d.pv);
   load_block(m.H, m.ld, static_cast<const float*>(p.h) + head * d.dk * d.dv, d.dv, d.dk, d.dv, d.pk, d.pv);
   load_block(m.D, m.ld, static_cast<const float*>(p.d_state) + head * d.dk * d.dv, d.dv, d.dk, d.dv, d.pk, d.pv);
   load_rows(m.Y, m.ld, static_cast<const T*>(p.d_o), p.hv, h, d.dv, d.pv, nullptr, s, p.T);
@@ -1893,7 +1902,7 @@ __device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const
 // (d_o, v_new, dv_new: 68 KB) still whole in each.
 //
 // The phases (a barrier after each): 1 the loads (h, d_state, v_new and dv_new before Info: waited
-// for first), dv_new rounded; 2 v_new's rows (bfloat16, exact: v's hi plane alone), dgamma = <h, d_state>,
+// for first); 2 v_new's rows (bfloat16, exact: v's hi plane alone), dgamma = <h, d_state>,
 // dw = -(dv_new h^T); 3 (q's, k's and d_o's rows in) the norms of q's and k's rows, dq_state = E (d_o h^T),
 // dPL = (d_o v_new^T) * L (both exact: one product); 4 dk_tilde = v_new d_state^T into the bytes
 // of v's lo plane and h, dPL's two scaled plane sets after it (over h and Y); 5 Z = dPL * (Q K^T) in
@@ -1901,8 +1910,7 @@ __device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const
 // part (diag(r_q s) dPL)^T q + Kt dk_tilde; 7 q's gradient through its norm, G's into dg_part.
 struct DqkwgSmem {
   static constexpr int kLdF = 128 + 8;  // dq_state's and dk_tilde's pitch (floats): an epilogue's pairs conflict free
-  // R's parts (bfloat16 elements): v [2][64, kPlaneRow] (dv_new's float32 rows staged there first), h
-  // and Y [128, kPlaneRow] each; from phase 4 dk_tilde after v's hi plane, then pk and pq [2][64, kPlane64].
+  // R's parts (bfloat16 elements): v [2][64, kPlaneRow], h and Y [128, kPlaneRow] each; from phase 4 dk_tilde after v's hi plane, then pk and pq [2][64, kPlane64].
   static constexpr int kPlaneTile = kRows * kPlaneRow, kR = 6 * kPlaneTile, kDkt = kPlaneTile,  // (elements)
                        kPk = kDkt + 2 * kRows * kLdF, kPq = kPk + 2 * kRows * kPlane64;
   static_assert(kPq + 2 * kRows * kPlane64 <= kR, "dk_tilde, pk and pq within R");
@@ -1911,7 +1919,7 @@ struct DqkwgSmem {
   float *rq, *rk, *scratch;
   __nv_bfloat16 *q, *k, *S;  // raw rows [64, kPlaneRow]; d_state [128, kPlaneRow]
   float *DQ, *Z;  // DQ [64, kLdF]: v_new staged [64, 128], dq_state, q's gradient; Z [64, kPitch64]: dPL, then Z
-  __nv_bfloat16 *v, *H, *Y, *pk, *pq;  // R's parts; Y: d_o's raw rows, dv_new rounded below them
+  __nv_bfloat16 *v, *H, *Y, *pk, *pq;  // R's parts; Y: d_o's raw rows, dv_new's (bfloat16) below them
   float* DKT;                          // dk_tilde [64, kLdF]
   template <typename DimsT>
   __host__ __device__ DqkwgSmem(Carve& c, const DimsT&) {
@@ -1940,16 +1948,17 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kState = DimsT::dk * DimsT::dv, kLdF = DqkwgSmem::kLdF, kLo64 = kRows * kPlane64;
-  // Before Info: h, d_state, v_new's bfloat16 rows and dv_new's float32 ones staged in DQ's and v's bytes (every
-  // global load an asynchronous copy: a load_split from global memory waits a round trip). Their
-  // splits, dgamma and dw take place while q's, k's and d_o's rows (which need Info) are in flight.
+  // Before Info: h, d_state, v_new's bfloat16 rows staged in DQ's bytes and dv_new's (bfloat16) in Y's
+  // second half (every global load an asynchronous copy: a load_split from global memory waits a
+  // round trip). v_new's copy to v, dgamma and dw take place while q's, k's and d_o's rows (which
+  // need Info) are in flight.
   const ChunkBlock<DqkwgSmem, DimsT> b(p, smem, [&](const DqkwgSmem& m, int64_t head) {
     copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + kState * head, DimsT::dv, DimsT::dk);
     copy_rows<128>(m.S, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head, DimsT::dv, DimsT::dk);
     copy_rows<DimsT::dv>(reinterpret_cast<__nv_bfloat16*>(m.DQ), DimsT::dv,
                          static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv, DimsT::dv, kRows);
-    copy_rows<DimsT::dv>(reinterpret_cast<float*>(m.v), DimsT::dv, p.dv_new + head * kRows * DimsT::dv, DimsT::dv,
-                         kRows);
+    copy_rows<DimsT::dv>(m.Y + kRows * kPlaneRow, kPlaneRow,
+                         static_cast<const __nv_bfloat16*>(p.dv_new) + head * kRows * DimsT::dv, DimsT::dv, kRows);
     commit_copies();
   });
   const auto& m = b.m;
@@ -1960,8 +1969,6 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
   wait_copies_before();
   __syncthreads();
-  load_split(m.Y + kRows * kPlaneRow, reinterpret_cast<const float*>(m.v), kRows, -1);
-  __syncthreads();  // v's bytes are free
   {  // v_new's bfloat16 rows, staged in DQ's bytes, into v's hi plane (block_sum's barriers: before DQ is written)
     const auto* staged = reinterpret_cast<const __nv_bfloat16*>(m.DQ);
     for (int i = threadIdx.x; i < kRows * DimsT::dv / 8; i += kThreads) {
@@ -1970,7 +1977,7 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
     }
   }
   const float dgamma = block_sum(state_dot<DimsT>(m.H, m.S), m.scratch);  // (synchronises)
-  // dv_new h^T then d_o h^T, each operand bfloat16 (d_o exact, dv_new and h rounded once): one product
+  // dv_new h^T then d_o h^T, each operand bfloat16 (d_o exact, dv_new and h stored so): one product
   // each, as state_grads'.
   plane_gemm<4, false, true, true, true>(m.Y + kRows * kPlaneRow, kPlaneRow, 0, m.H, kPlaneRow, 0, kRows, DimsT::dk,
                                          DimsT::dv, [&](int r, int c, float v0, float v1) {
@@ -2065,7 +2072,7 @@ __global__ void __launch_bounds__(kThreads) wy_grads_kernel(Args p) {
   // Ai and L * K K^T as prepare's recomputation wrote them.
   load_block(m.Ai, kPitch64, p.ai + rows * kRows, kRows, kRows, kRows, kRows, kRows);
   load_block(m.KKL, kPitch64, p.kkl + rows * kRows, kRows, kRows, kRows, kRows, kRows);
-  load_block(m.R, m.ldx, p.dv_new + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
+  load_block(m.R, m.ldx, static_cast<const float*>(p.dv_new) + rows * d.dv, d.dv, kRows, d.dv, kRows, d.pv);
   load_block(m.R + d.pv, m.ldx, p.dw + rows * d.dk, d.dk, kRows, d.dk, kRows, d.pk);
   load_normalised(m.K, m.ldk, m.rk, static_cast<const T*>(p.k), p.hk, kh, d.dk, d.pk, 1.0f, s, p.T);
   load_rows(m.X, m.ldx, v, p.hv, h, d.dv, d.pv, s.beta, s, p.T);
@@ -2189,7 +2196,7 @@ struct WyPlanesSmem {
   static constexpr int kLdD = 128 + 8, kLdR = kRows + 8;
   Info* info;
   double* dG;
-  float *rk, *sv, *Y, *D;  // Y [64, 68]: the quarters' floats staged (Y itself in registers), then Ai^T Y,
+  float *rk, *sv, *Y, *D;  // Y [64, 68]: the quarters' values staged (Y itself in registers), then Ai^T Y,
                            // then dM. D [64, kLdD]: in the value quarters v's raw rows (its first bytes)
                            // and dR's quarter [64, kLdR] after them; then dR_K, then k's gradient
   __nv_bfloat16 *k, *v, *ai, *p;  // k [64, kPlaneRow]; v in D's bytes; ai, p: planes [2][64, kPlane64]:
@@ -2217,13 +2224,14 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kLo64 = kRows * kPlane64, kLdD = WyPlanesSmem::kLdD, kLdR = WyPlanesSmem::kLdR;
   constexpr int kQ = 64;  // a quarter's columns
-  // Before load_info (ChunkBlock's early): k's and v's raw rows, the first quarter's floats, and Ai's
+  // Before load_info (ChunkBlock's early): k's and v's raw rows, the first quarter's values, and Ai's
   // floats into registers (a thread's quads of rows tid / 16 and + 32, columns tid % 16 * 4, as
   // load_split takes them), split into planes after it. Issued after load_info, the block waited on
   // them at the first barrier (ncu27: SASS 531 and 572, 2,400 long-scoreboard samples, 4.3%).
   float4 ai_quads[2];
   const ChunkBlock<WyPlanesSmem, DimsT> b(p, smem, [&](const WyPlanesSmem& m, int64_t head) {
-    copy_rows<kQ>(m.Y, kPitch64, p.dv_new + head * kRows * 128, 128, kRows);  // fetch(0) (below)
+    copy_rows<kQ>(reinterpret_cast<__nv_bfloat16*>(m.Y), 2 * kPitch64,  // fetch(0) (below)
+                  static_cast<const __nv_bfloat16*>(p.dv_new) + head * kRows * 128, 128, kRows);
     const int h = blockIdx.y;
     load_rows_early(p.slots + static_cast<int64_t>(blockIdx.x) * kRows, p.T,
                     EarlyRows{m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, h / (p.hv / p.hk)},
@@ -2239,12 +2247,15 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   const int64_t rows = b.rows;
   const int h = b.h, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   auto* dv = static_cast<__nv_bfloat16*>(p.dv_out);
-  // The quarters' floats are copied a quarter ahead (cp.async) into Y's bytes, free while the
-  // quarters run (Y is in y), and split into p from there after the barrier: loaded after it, the
-  // whole block waited on memory there (ncu26: the quarters' load_split, 13% of the stall samples).
-  float* const staged = m.Y;  // [64, kPitch64]
+  // The quarters' values (dv_new's bfloat16, dw's floats) are copied a quarter ahead (cp.async) into
+  // Y's bytes, free while the quarters run (Y is in y), and split into p from there after the
+  // barrier: loaded after it, the whole block waited on memory there (ncu26: the quarters'
+  // load_split, 13% of the stall samples).
+  float* const staged = m.Y;  // [64, kPitch64] floats, or [64, 2 kPitch64] bfloat16 values
   const auto fetch = [&](int q) {
-    copy_rows<kQ>(staged, kPitch64, (q >= 2 ? p.dw : p.dv_new) + rows * 128 + q % 2 * kQ, 128, kRows);
+    if (q >= 2) copy_rows<kQ>(staged, kPitch64, p.dw + rows * 128 + q % 2 * kQ, 128, kRows);
+    else copy_rows<kQ>(reinterpret_cast<__nv_bfloat16*>(staged), 2 * kPitch64,
+                       static_cast<const __nv_bfloat16*>(p.dv_new) + rows * 128 + q % 2 * kQ, 128, kRows);
   };
 #pragma unroll
   for (int u = 0; u < 2; ++u) store_split4(m.ai + (tid / 16 + 32 * u) * kPlane64 + tid % 16 * 4, kLo64, ai_quads[u]);
@@ -2267,7 +2278,8 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     const int c0 = q % 2 * kQ;
     wait_copies();
     __syncthreads();  // the quarter before is done with p (and the norms and this quarter's floats are in)
-    load_split<kQ>(m.p, staged, kRows, kLo64, kPlane64, kPitch64);  // (from the staged floats)
+    if (keys) load_split<kQ>(m.p, staged, kRows, kLo64, kPlane64, kPitch64);  // (from the staged values)
+    else load_split<kQ>(m.p, reinterpret_cast<const __nv_bfloat16*>(staged), kRows, kLo64, kPlane64, 2 * kPitch64);
     __syncthreads();
     if (q < 3) fetch(q + 1);  // in flight over the products (and the value row loop)
     plane_gemm<2, false, true, true, false>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
@@ -2567,9 +2579,8 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
   if constexpr (kPlanes<kMode, DimsT>) {
     TORCH_CHECK(!r.add.defined(), "v4_gated_delta_rule: the plane kernels' recurrence takes no add (the backward's "
                                   "is folded)");
-    // x_out: v_new in bfloat16 forward, dv_new in float32 backward (the kernel's kFold)
-    TORCH_CHECK(r.x_out.scalar_type() == (fold != nullptr ? at::kFloat : at::kBFloat16),
-                "v4_gated_delta_rule: the plane kernels' recurrence writes v_new in bfloat16, dv_new in float32");
+    TORCH_CHECK(r.x_out.scalar_type() == at::kBFloat16,
+                "v4_gated_delta_rule: the plane kernels' recurrence writes v_new and dv_new in bfloat16");
     if (fold != nullptr) {
       a.eq = fold->eq;
       a.d_o = static_cast<const __nv_bfloat16*>(fold->d_o);
@@ -2669,13 +2680,13 @@ void fused(Fused& f, bool backward) {
   }
   prepare_stream.join();
   r.state_out = at::empty({chunks, hv, d.dk, d.dv}, states);
-  r.x_out = rows(d.dv);
+  r.x_out = at::empty({chunks, hv, kRows, d.dv}, states);  // dv_new: bfloat16 on planes, as v_new
   recurrence<kMode, DimsT>(r, f.plan, d, fold ? &a : nullptr);
   r.base.reset();
   r.add.reset();
   eq.reset();
   a.d_state = r.state_out.data_ptr();
-  a.dv_new = r.x_out.data_ptr<float>();
+  a.dv_new = r.x_out.data_ptr();
   a.dw = w.data_ptr<float>();  // W is done with: its gradient takes its place
   // Off planes state_grads hands intra_grads its products through memory; d_state is free after it,
   // before intra_grads' outputs are allocated (on planes dqkwg keeps those products in shared memory).

@@ -247,10 +247,11 @@ def test_the_fused_delta_rule_keeps_v_new_as_its_kernels_store_it():
 
 
 def test_the_reverse_recurrence_on_planes_holds_e_q_where_fp32_holds_dh_local():
-    """The fused backward's reverse recurrence holds dv_local and dv_new [P, value heads, dv] (fp32),
-    d_state (as h) and the state's gradient from each chunk's outputs: on the plane kernels (bf16 at
-    widths 128) E Q [P, value heads, dk] in bf16, which the recurrence forms it from; in fp32,
-    local_grads' dh_local [chunks, value heads, dk, dv] in fp32. The term by hand, both dtypes."""
+    """The fused backward's reverse recurrence holds dv_local [P, value heads, dv] (fp32), dv_new (bf16
+    on the plane kernels, which write it so, as v_new; fp32 otherwise), d_state (as h) and the state's
+    gradient from each chunk's outputs: on the plane kernels (bf16 at widths 128) E Q [P, value heads,
+    dk] in bf16, which the recurrence forms it from; in fp32, local_grads' dh_local [chunks, value
+    heads, dk, dv] in fp32. The term by hand, both dtypes."""
     config = proxy_config("qwen3_5", False)
     base = plan.Setup(config_from_dict(config, "qwen3_5"), config, seq_len=4096)
     nv, dk, dv = config["linear_num_value_heads"], config["linear_key_head_dim"], config["linear_value_head_dim"]
@@ -263,7 +264,7 @@ def test_the_reverse_recurrence_on_planes_holds_e_q_where_fp32_holds_dh_local():
         (t,) = [t for t in moment.terms if t.what.startswith("reverse recurrence:")]
         return t.bytes
 
-    assert term(base) == 2 * P * nv * dv * 4 + P * nv * dk * 2 + chunks * nv * dk * dv * 2
+    assert term(base) == P * nv * dv * (4 + 2) + P * nv * dk * 2 + chunks * nv * dk * dv * 2
     assert term(dataclasses.replace(base, dtype_bytes=4)) == 2 * P * nv * dv * 4 + 2 * chunks * nv * dk * dv * 4
 
 

@@ -805,8 +805,8 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     function fused()): adds what the autograd node keeps to the block's `s`; returns the moments of
     its forward pass, of a checkpointed first pass and of its backward. The kernels' work tensors
     are fp32 (float64 for dg) whatever the model's dtype, but for the states across chunks (h,
-    d_state) and v_new, which its plane kernels (bf16 at widths 128: gated_delta_rule.cu's kPlanes)
-    keep in bf16."""
+    d_state), v_new and dv_new, which its plane kernels (bf16 at widths 128: gated_delta_rule.cu's
+    kPlanes) keep in bf16."""
     cfg, T, b = c.cfg, c.tokens, c.b
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -819,6 +819,7 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     planes = b == 2 and dk == dv == 128  # FixedDims<128, 128> (the fused path takes fp32 or bf16: 2 bytes is bf16)
     one_kernel = planes and fused_dqkwg(c.setup)
     state = chunks * nv * dk * dv * (b if planes else FP32)  # [chunks, value heads, dk, dv]
+    dv_new = P * nv * dv * (b if planes else FP32)  # [chunks, value heads, 64, dv]
     gamma = chunks * nv * FP32  # the chunks' decays [chunks, value heads] fp32 (and their gradient)
     # FusedRule saves its inputs as the kernels read them: q, k, v copied by contiguous() (the
     # block's are views of the conv's output), g as it is (float64: beta_g), beta cast to fp32 (in
@@ -855,12 +856,12 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     dh = P * nv * dk * b if planes else chunks * nv * dk * dv * FP32
     backward = [
         Moment("delta rule's reverse recurrence", tuple(held + [incoming, wk, Term(
-            "reverse recurrence: dv_local, dv_new [.., 64, dv]; dh_local (fp32; on planes E Q [.., 64, dk]), d_state "
-            "(as h) [chunks, value heads, dk, dv]", 2 * rows(dv) + dh + state)])),
+            "reverse recurrence: dv_local [.., 64, dv] (fp32), dv_new (as v_new); dh_local (fp32; on planes E Q [.., 64, "
+            "dk]), d_state (as h) [chunks, value heads, dk, dv]", rows(dv) + dv_new + dh + state)])),
         Moment("delta rule's UT-transform gradients", tuple(held + [incoming, wk, Term(
-            "state and intra gradients: dv_new [.., dv], dk_part [.., dk] (fp32), dg_part [chunks, value heads, 64] "
+            "state and intra gradients: dv_new (as v_new), dk_part [.., dk] (fp32), dg_part [chunks, value heads, 64] "
             "(float64); off planes also dq_state, dk_tilde [.., dk] (fp32) and dgamma (on planes one kernel keeps them "
-            "in shared memory)", rows(dv) + rows(dk) + P * nv * INT64 + (0 if one_kernel else 2 * rows(dk) + gamma)), Term(
+            "in shared memory)", dv_new + rows(dk) + P * nv * INT64 + (0 if one_kernel else 2 * rows(dk) + gamma)), Term(
             "UT-transform gradients: dq, dk [T, value heads, dk] (fp32), dv [T, value heads, dv], dbeta (fp32), "
             "dg (float64)", T * nv * (2 * dk * FP32 + dv * b + FP32 + INT64)), Term(
             "key heads' sums: dq and dk summed over each key head's value heads [T, key heads, dk] (dk's sum in "
