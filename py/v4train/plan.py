@@ -819,7 +819,7 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     planes = b == 2 and dk == dv == 128  # FixedDims<128, 128> (the fused path takes fp32 or bf16: 2 bytes is bf16)
     one_kernel = planes and fused_dqkwg(c.setup)
     state = chunks * nv * dk * dv * (b if planes else FP32)  # [chunks, value heads, dk, dv]
-    dv_new = P * nv * dv * (b if planes else FP32)  # [chunks, value heads, 64, dv]
+    values = P * nv * dv * (b if planes else FP32)  # v_new and dv_new [chunks, value heads, 64, dv]
     gamma = chunks * nv * FP32  # the chunks' decays [chunks, value heads] fp32 (and their gradient)
     # FusedRule saves its inputs as the kernels read them: q, k, v copied by contiguous() (the
     # block's are views of the conv's output), g as it is (float64: beta_g), beta cast to fp32 (in
@@ -831,7 +831,7 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     s.add("gdr_beta", "beta in fp32 [T, value heads]", T * nv * FP32, b != FP32)
     s.add("gdr_slots", "the token of each chunk slot [P] (int64)", P * INT64)
     s.add("gdr_state", "h: the state at each chunk's start [chunks, value heads, dk, dv] (fp32; bf16 on planes)", state)
-    s.add("gdr_v_new", "v_new [chunks, value heads, 64, dv] (fp32; bf16 on planes)", P * nv * dv * (b if planes else FP32))
+    s.add("gdr_v_new", "v_new [chunks, value heads, 64, dv] (fp32; bf16 on planes)", values)
     held, rule = list(s), s.since("gdr")
     # The forward pass: the block's locals alive around the call, fused()'s U, W, K~ and decays
     # (freed when it returns), the output.
@@ -857,11 +857,11 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     backward = [
         Moment("delta rule's reverse recurrence", tuple(held + [incoming, wk, Term(
             "reverse recurrence: dv_local [.., 64, dv] (fp32), dv_new (as v_new); dh_local (fp32; on planes E Q [.., 64, "
-            "dk]), d_state (as h) [chunks, value heads, dk, dv]", rows(dv) + dv_new + dh + state)])),
+            "dk]), d_state (as h) [chunks, value heads, dk, dv]", rows(dv) + values + dh + state)])),
         Moment("delta rule's UT-transform gradients", tuple(held + [incoming, wk, Term(
             "state and intra gradients: dv_new (as v_new), dk_part [.., dk] (fp32), dg_part [chunks, value heads, 64] "
             "(float64); off planes also dq_state, dk_tilde [.., dk] (fp32) and dgamma (on planes one kernel keeps them "
-            "in shared memory)", dv_new + rows(dk) + P * nv * INT64 + (0 if one_kernel else 2 * rows(dk) + gamma)), Term(
+            "in shared memory)", values + rows(dk) + P * nv * INT64 + (0 if one_kernel else 2 * rows(dk) + gamma)), Term(
             "UT-transform gradients: dq, dk [T, value heads, dk] (fp32), dv [T, value heads, dv], dbeta (fp32), "
             "dg (float64)", T * nv * (2 * dk * FP32 + dv * b + FP32 + INT64)), Term(
             "key heads' sums: dq and dk summed over each key head's value heads [T, key heads, dk] (dk's sum in "
