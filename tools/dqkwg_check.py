@@ -48,14 +48,13 @@ def carve(pk_offset: int = 0) -> tuple[dict[str, tuple[int, int]], int]:
     for name, (a, b) in parts.items():
         at[name] = (r0 + 2 * a, r0 + 2 * b)
         assert at[name][1] <= r1 and at[name][0] % 16 == 0, name
-    assert ROWS * 128 * 2 <= at["DQ"][1] - at["DQ"][0], "v_new's bfloat16 rows staged in DQ"
     return at, used
 
 
 # The kernel's phases (barriers between; block_sum's inside the third): what each reads and writes.
 PHASES = [
-    ("the loads before Info", set(), {"S", "H", "DQ", "Y_dv", "info"}),  # DQ: v_new's bfloat16 rows; Y_dv: dv_new's
-    ("v_new's rows, dgamma, dw", {"DQ", "H", "S", "Y_dv", "info"}, {"v_hi", "scratch"}),  # (exact: no lo plane)
+    ("the loads before Info", set(), {"S", "H", "v_hi", "Y_dv", "info"}),  # v_new's and dv_new's bfloat16 rows
+    ("dgamma, dw", {"H", "S", "Y_dv", "info"}, {"scratch"}),
     ("the norms, dq_state, dPL", {"q", "k", "Y_do", "H", "v_hi", "info"}, {"rq", "rk", "DQ", "Z"}),
     ("dk_tilde, dPL's planes", {"v_hi", "S", "Z", "rq", "rk"}, {"DKT", "pk", "pq"}),
     ("Z, the E and Kt terms", {"q", "k", "rq", "rk", "Z", "DQ", "DKT", "info"}, {"Z", "dG", "t"}),

@@ -357,10 +357,11 @@ MUTATIONS = (
              "for dk_tilde's (the two float32 tiles confused)", "cc/ops/gated_delta_rule.cu",
              "p.scale, m.DQ, m.DKT, kLdF, s);", "p.scale, m.DQ, m.DQ, kLdF, s);",
              PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_dqkwg_v_new_staged_pitch", "dqkwg_planes_kernel: v_new's staged bfloat16 rows read at "
-             "the planes' pitch (136), not their own (128)", "cc/ops/gated_delta_rule.cu",
-             "*reinterpret_cast<const uint4*>(staged + r * DimsT::dv + c);",
-             "*reinterpret_cast<const uint4*>(staged + r * kPlaneRow + c);", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_dqkwg_v_new_pitch", "dqkwg_planes_kernel: v_new's bfloat16 rows copied into v's hi "
+             "plane at their own pitch (128), not the plane's (136)", "cc/ops/gated_delta_rule.cu",
+             "copy_rows<DimsT::dv>(m.v, kPlaneRow, static_cast<const __nv_bfloat16*>(p.v_new)",
+             "copy_rows<DimsT::dv>(m.v, DimsT::dv, static_cast<const __nv_bfloat16*>(p.v_new)", PLANES_CUDA,
+             cuda=True),
     Mutation("delta_rule_output_planes_v_new_first_columns", "output_planes_kernel: each pass copies v_new's "
              "first 64 columns", "cc/ops/gated_delta_rule.cu",
              "static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * d.dv + c0, d.dv, kRows);",

@@ -1902,7 +1902,7 @@ __device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const
 // (d_o, v_new, dv_new: 68 KB) still whole in each.
 //
 // The phases (a barrier after each): 1 the loads (h, d_state, v_new and dv_new before Info: waited
-// for first); 2 v_new's rows (bfloat16, exact: v's hi plane alone), dgamma = <h, d_state>,
+// for first; v_new's bfloat16 rows, exact, in v's hi plane alone); 2 dgamma = <h, d_state>,
 // dw = -(dv_new h^T); 3 (q's, k's and d_o's rows in) the norms of q's and k's rows, dq_state = E (d_o h^T),
 // dPL = (d_o v_new^T) * L (both exact: one product); 4 dk_tilde = v_new d_state^T into the bytes
 // of v's lo plane and h, dPL's two scaled plane sets after it (over h and Y); 5 Z = dPL * (Q K^T) in
@@ -1910,7 +1910,8 @@ __device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const
 // part (diag(r_q s) dPL)^T q + Kt dk_tilde; 7 q's gradient through its norm, G's into dg_part.
 struct DqkwgSmem {
   static constexpr int kLdF = 128 + 8;  // dq_state's and dk_tilde's pitch (floats): an epilogue's pairs conflict free
-  // R's parts (bfloat16 elements): v [2][64, kPlaneRow], h and Y [128, kPlaneRow] each; from phase 4 dk_tilde after v's hi plane, then pk and pq [2][64, kPlane64].
+  // R's parts (bfloat16 elements): v [2][64, kPlaneRow], h and Y [128, kPlaneRow] each; from phase 4
+  // dk_tilde after v's hi plane, then pk and pq [2][64, kPlane64].
   static constexpr int kPlaneTile = kRows * kPlaneRow, kR = 6 * kPlaneTile, kDkt = kPlaneTile,  // (elements)
                        kPk = kDkt + 2 * kRows * kLdF, kPq = kPk + 2 * kRows * kPlane64;
   static_assert(kPq + 2 * kRows * kPlane64 <= kR, "dk_tilde, pk and pq within R");
@@ -1918,7 +1919,7 @@ struct DqkwgSmem {
   double *dG, *t;
   float *rq, *rk, *scratch;
   __nv_bfloat16 *q, *k, *S;  // raw rows [64, kPlaneRow]; d_state [128, kPlaneRow]
-  float *DQ, *Z;  // DQ [64, kLdF]: v_new staged [64, 128], dq_state, q's gradient; Z [64, kPitch64]: dPL, then Z
+  float *DQ, *Z;  // DQ [64, kLdF]: dq_state, then q's gradient; Z [64, kPitch64]: dPL, then Z
   __nv_bfloat16 *v, *H, *Y, *pk, *pq;  // R's parts; Y: d_o's raw rows, dv_new's (bfloat16) below them
   float* DKT;                          // dk_tilde [64, kLdF]
   template <typename DimsT>
@@ -1948,15 +1949,14 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kState = DimsT::dk * DimsT::dv, kLdF = DqkwgSmem::kLdF, kLo64 = kRows * kPlane64;
-  // Before Info: h, d_state, v_new's bfloat16 rows staged in DQ's bytes and dv_new's (bfloat16) in Y's
-  // second half (every global load an asynchronous copy: a load_split from global memory waits a
-  // round trip). v_new's copy to v, dgamma and dw take place while q's, k's and d_o's rows (which
-  // need Info) are in flight.
+  // Before Info: h, d_state, v_new's bfloat16 rows into v's hi plane and dv_new's into Y's second half
+  // (every global load an asynchronous copy: a load from global memory waits a round trip). dgamma
+  // and dw take place while q's, k's and d_o's rows (which need Info) are in flight.
   const ChunkBlock<DqkwgSmem, DimsT> b(p, smem, [&](const DqkwgSmem& m, int64_t head) {
     copy_rows<128>(m.H, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + kState * head, DimsT::dv, DimsT::dk);
     copy_rows<128>(m.S, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head, DimsT::dv, DimsT::dk);
-    copy_rows<DimsT::dv>(reinterpret_cast<__nv_bfloat16*>(m.DQ), DimsT::dv,
-                         static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv, DimsT::dv, kRows);
+    copy_rows<DimsT::dv>(m.v, kPlaneRow, static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv,
+                         DimsT::dv, kRows);
     copy_rows<DimsT::dv>(m.Y + kRows * kPlaneRow, kPlaneRow,
                          static_cast<const __nv_bfloat16*>(p.dv_new) + head * kRows * DimsT::dv, DimsT::dv, kRows);
     commit_copies();
@@ -1969,13 +1969,6 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   load_rows_split(m.Y, -1, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, b.h, s, p.T);
   wait_copies_before();
   __syncthreads();
-  {  // v_new's bfloat16 rows, staged in DQ's bytes, into v's hi plane (block_sum's barriers: before DQ is written)
-    const auto* staged = reinterpret_cast<const __nv_bfloat16*>(m.DQ);
-    for (int i = threadIdx.x; i < kRows * DimsT::dv / 8; i += kThreads) {
-      const int r = i / (DimsT::dv / 8), c = i % (DimsT::dv / 8) * 8;
-      *reinterpret_cast<uint4*>(m.v + r * kPlaneRow + c) = *reinterpret_cast<const uint4*>(staged + r * DimsT::dv + c);
-    }
-  }
   const float dgamma = block_sum(state_dot<DimsT>(m.H, m.S), m.scratch);  // (synchronises)
   // dv_new h^T then d_o h^T, each operand bfloat16 (d_o exact, dv_new and h stored so): one product
   // each, as state_grads'.
