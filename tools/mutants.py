@@ -350,9 +350,13 @@ MUTATIONS = (
              "plane_gemm<4, false, true, true, true>(m.v, kPlaneRow, 0, m.H,", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_dv_new_float_pitch", "wy_grads on planes: dv_new's staged bfloat16 quarter read "
              "at the floats' pitch (68 elements, not 136)", "cc/ops/gated_delta_rule.cu",
-             "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, kLo64, kPlane64, 2 * kPitch64);",
-             "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, kLo64, kPlane64, kPitch64);", PLANES_CUDA,
+             "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, 2 * kPitch64);",
+             "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, kPitch64);", PLANES_CUDA,
              cuda=True),
+    Mutation("delta_rule_wy_planes_value_lo_read", "wy_grads on planes: Y's product reads the value quarters' lo "
+             "plane (not written since they are exact: stale bytes) as if it held their rounding",
+             "cc/ops/gated_delta_rule.cu", "plane_gemm<2, false, true, true, !keys>(m.p,",
+             "plane_gemm<2, false, true, true, false>(m.p,", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_kt_from_dq_state", "dqkwg_planes_kernel: G's term through Kt takes dq_state's row "
              "for dk_tilde's (the two float32 tiles confused)", "cc/ops/gated_delta_rule.cu",
              "p.scale, m.DQ, m.DKT, kLdF, s);", "p.scale, m.DQ, m.DQ, kLdF, s);",

@@ -2266,16 +2266,19 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   float y[8] = {};
   // The quarters: dv_new's two (V's), then dw's two (K's). Y's column j takes beta_j (V's) and
   // beta_j E_j r_k,j (K's: beta E K with K = k r_k) after its exact product with the raw rows.
-  for (int q = 0; q < 4; ++q) {
-    const bool keys = q >= 2;
+  // dv_new's quarters are bfloat16 values, exact in p's hi plane: their lo plane is neither written
+  // nor read (kAExact in Y's product, kBExact in dR's), one product for two and two for three, the
+  // same bits (the products they drop were of zeros).
+  const auto quarter = [&](int q, auto keys_t) {
+    constexpr bool keys = decltype(keys_t)::value;
     const int c0 = q % 2 * kQ;
     wait_copies();
     __syncthreads();  // the quarter before is done with p (and the norms and this quarter's floats are in)
-    if (keys) load_split<kQ>(m.p, staged, kRows, kLo64, kPlane64, kPitch64);  // (from the staged values)
-    else load_split<kQ>(m.p, reinterpret_cast<const __nv_bfloat16*>(staged), kRows, kLo64, kPlane64, 2 * kPitch64);
+    if constexpr (keys) load_split<kQ>(m.p, staged, kRows, kLo64, kPlane64, kPitch64);  // (from the staged values)
+    else load_split<kQ>(m.p, reinterpret_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, 2 * kPitch64);
     __syncthreads();
     if (q < 3) fetch(q + 1);  // in flight over the products (and the value row loop)
-    plane_gemm<2, false, true, true, false>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
+    plane_gemm<2, false, true, true, !keys>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
                                             kRows, kQ, [&](int r, int c, float val) {
                                               const float x = keys ? val * s.beta[c] * s.E[c] * m.rk[c]
                                                                    : val * s.beta[c];
@@ -2284,12 +2287,12 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
                                               at = q == 0 ? x : at + x;
                                             });
     // dR's quarter = Ai^T (the quarter): the values' into dr, the keys' into D's columns c0..
-    plane_gemm<2, true, false, false, false, kNever, kNever, Tri::kUpperA>(
+    plane_gemm<2, true, false, !keys, false, kNever, kNever, Tri::kUpperA>(
         m.ai, kPlane64, kLo64, m.p, kPlane64, kLo64, kRows, kQ, kRows, [&](int r, int c, float val) {
-          if (keys) m.D[r * kLdD + c0 + c] = val;
+          if constexpr (keys) m.D[r * kLdD + c0 + c] = val;
           else m.dr[r * kLdR + c] = val;
         });
-    if (keys) continue;
+    if constexpr (keys) return;
     __syncthreads();
     // v's gradient beta dR_V, and V . dR_V, two of the warp's rows side by side: one row at a time,
     // each row's shuffles waited on each other after the row before's (ncu26: SASS 1220-1285, 4% of
@@ -2315,7 +2318,11 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
       const float x = warp_sums(sv);
       if (lane % 16 == 0) m.sv[i0 + lane / 16 * kWarps] += x;
     }
-  }
+  };
+#pragma unroll 1
+  for (int q = 0; q < 2; ++q) quarter(q, std::false_type{});
+#pragma unroll 1
+  for (int q = 2; q < 4; ++q) quarter(q, std::true_type{});
   __syncthreads();  // dR_K is in; p is free
   // Y as planes into p: the warps' tiles from y (a lane's pairs of columns, 4 g + t a row's lanes:
   // conflict free at kPlane64's pitch)
