@@ -101,6 +101,31 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
     assert folded == {True, False}, _ran(prof, "recurrence_planes_kernel")  # backward, forward
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+@pytest.mark.parametrize("rep", [1, 3, 4, 9])
+def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(rep):
+    """The plane kernels write q's and k's gradients summed over a key head's value heads, the blocks
+    of one cluster (gated_delta_rule.cu sum_over_value_heads): 1 (Qwen3.5's small models), 3 (27B) and 4
+    (397B-A17B) value heads a key head, at Qwen3.5's widths in bf16, every gradient against the
+    reference and its float64 truth across chunk boundaries; past the cluster's 8 blocks the float32
+    kernels and their separate sum take it (the profile shows which ran)."""
+    from v4train.testing.check import check_parity
+    from v4train.testing.samples import Sample
+    from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
+
+    lengths = [1, 63, 65, 200]
+    leaves = leaves_for(lengths, 2, rep, 128, 128, torch.bfloat16, "cuda", 5, decay=0.01)
+    cu = packed(lengths, "cuda")[1]
+    sample = Sample(leaves, lambda lv: ((lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"], cu), {}),
+                    note=f"{rep} value heads a key head")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        check_parity(OPS["v4_gated_delta_rule"], OP, reference, sample, seed=5)
+        torch.cuda.synchronize()
+    on_planes = rep <= 8
+    assert bool(_ran(prof, "wy_grads_planes_kernel")) == on_planes, _ran(prof, "wy_grads_kernel")
+    assert bool(_ran(prof, "sum_value_heads_kernel")) != on_planes, _ran(prof, "sum_value_heads_kernel")
+
+
 @functools.lru_cache(maxsize=None)
 def _paths(device, dtype):
     """On the long documents (where the state crosses chunks, so every path carries a large share):

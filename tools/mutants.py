@@ -353,6 +353,13 @@ MUTATIONS = (
              "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, 2 * kPitch64);",
              "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, kPitch64);", PLANES_CUDA,
              cuda=True),
+    Mutation("delta_rule_cluster_sum_first_rank", "the plane kernels' sums over a key head's value heads take the "
+             "cluster's first block's share alone", "cc/ops/gated_delta_rule.cu",
+             "for (int j = 1; j < ranks; ++j) {", "for (int j = 1; j < 1; ++j) {", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_cluster_sum_rows_of_rank_0", "the plane kernels' sums over a key head's value heads: every "
+             "block of the cluster sums rank 0's rows (the others' rows never written)", "cc/ops/gated_delta_rule.cu",
+             "for (int i = rank + threadIdx.x / kQuads * ranks; i < kRows; i += kPass * ranks) {",
+             "for (int i = threadIdx.x / kQuads * ranks; i < kRows; i += kPass * ranks) {", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_value_lo_read", "wy_grads on planes: Y's product reads the value quarters' lo "
              "plane (not written since they are exact: stale bytes) as if it held their rounding",
              "cc/ops/gated_delta_rule.cu", "plane_gemm<2, false, true, true, !keys>(m.p,",

@@ -29,6 +29,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -50,6 +51,9 @@ namespace {
 // warps they waited on latency (ncu of the recurrence on the H200, 2026-12-03: 12.5% occupancy,
 // 5 cycles per issued instruction, DRAM at 13.5%).
 constexpr int kThreads = 512, kWarps = kThreads / 32, kRows = static_cast<int>(kChunk);
+// The most value heads a key head may serve on the plane kernels, which sum them in a cluster of that
+// many blocks (the portable cluster size): wider groups take the kernels off planes.
+constexpr int kMaxCluster = 8;
 constexpr int kRowThreads = kThreads / kRows;  // threads a row of a [64, 64] matrix (antisymmetric_row_sum)
 // But prepare, whose forward substitution takes a thread a column of [U | W] (256): at 512 threads
 // half of them idled there, one block a multiprocessor (0.486 ms a pass against 0.357 at 256, where
@@ -248,6 +252,7 @@ struct Args {
   float *dq, *dk_part;                       // intra_grads (dq per value head, token layout)
   double* dg_part;
   float *dk_out, *dbeta;                     // wy_grads (dk per value head, token layout)
+  __nv_bfloat16 *dq_keys, *dk_keys;          // or (kPlanes) dq and dk [T, key heads, 128], summed in clusters
   void* dv_out;
   double* dg;
 };
@@ -587,6 +592,38 @@ __device__ float block_sum(float x, float* scratch) {
 }
 
 // ---- Products from planes (kPlanes) ---------------------------------------------------------------
+
+// A key head's gradient (q's or k's) from its value heads' shares, each the float32 rows [64, ld] in
+// shared memory of one block of the cluster (the hv / hk value heads of one chunk, ranks in value-head
+// order), summed rank 0 first as sum_value_heads_kernel adds them (the same bits) and written once in
+// bfloat16 to out [T, hk, 128]. The shares went through global memory in float32 before: 2 x 537 MB
+// written and read again at 32K tokens, and a launch of their own (0.45 ms). Rank j sums rows j, j +
+// ranks, ..., reading the other blocks' shared memory (distributed shared memory); the second barrier
+// keeps every block's rows until the others have read them.
+__device__ __forceinline__ void sum_over_value_heads(const float* rows, int ld, __nv_bfloat16* out, const Info& s,
+                                                     const Args& p, int kh) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  constexpr int kQuads = 128 / 4, kPass = kThreads / kQuads;  // a row's quads; rows a pass of the block
+  const int c = threadIdx.x % kQuads * 4;
+  cluster.sync();  // every block's rows are in
+  for (int i = rank + threadIdx.x / kQuads * ranks; i < kRows; i += kPass * ranks) {
+    const int64_t tok = s.slot[i];
+    if (tok >= p.T) continue;
+    float4 acc = *reinterpret_cast<const float4*>(cluster.map_shared_rank(rows, 0) + i * ld + c);
+    for (int j = 1; j < ranks; ++j) {
+      const float4 x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(rows, j) + i * ld + c);
+      acc.x += x.x;
+      acc.y += x.y;
+      acc.z += x.z;
+      acc.w += x.w;
+    }
+    *reinterpret_cast<uint2*>(out + (tok * p.hk + kh) * 128 + c) =
+        make_uint2(pack2<__nv_bfloat16>(acc.x, acc.y), pack2<__nv_bfloat16>(acc.z, acc.w));
+  }
+  cluster.sync();  // no block leaves (its shared memory) while another reads it
+}
 
 // hi and lo of (x0, x1) at p and p + lo_offset (bfloat16 elements), a pair of columns each.
 __device__ __forceinline__ void store_split2(__nv_bfloat16* p, int lo_offset, float x0, float x1) {
@@ -1867,16 +1904,17 @@ __device__ __forceinline__ void e_kt_terms(double* dG, double* t, const __nv_bfl
 // p.dq, and G's [64] into p.dg_part (dG, and at slot 63 the sum of t and dgamma gamma).
 template <int kDk>
 __device__ __forceinline__ void q_grad_and_g(const Args& p, const Info& s, const __nv_bfloat16* q_rows, const float* rq,
-                                             const float* dq, int ld, const double* dG, const double* t, int h,
-                                             int64_t rows, float dgamma) {
+                                             float* dq, int ld, const double* dG, const double* t, int64_t rows,
+                                             float dgamma) {
   const int tid = threadIdx.x, warp = tid / 32;
   for (int i = warp; i < kRows; i += kWarps) {
     const int64_t tok = s.slot[i];
     if (tok < p.T) {
       const __nv_bfloat16* q = q_rows + i * kPlaneRow;
       const float r = rq[i];
-      normalised_backward(p.dq + (tok * p.hv + h) * kDk, [&](int c) { return __bfloat162float(q[c]) * r * p.scale; },
-                          r, dq + i * ld, kDk, p.scale);
+      // (in place: a lane writes the columns it read)
+      normalised_backward(dq + i * ld, [&](int c) { return __bfloat162float(q[c]) * r * p.scale; }, r, dq + i * ld,
+                          kDk, p.scale);
     }
   }
   if (tid < kRows) {
@@ -2022,7 +2060,8 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
         store2(p.dk_part + (rows + r) * DimsT::dk + c, v0 + s.Kt[r] * kt.x, v1 + s.Kt[r] * kt.y);
       });
   __syncthreads();
-  q_grad_and_g<DimsT::dk>(p, s, m.q, m.rq, m.DQ, kLdF, m.dG, m.t, b.h, rows, dgamma);
+  q_grad_and_g<DimsT::dk>(p, s, m.q, m.rq, m.DQ, kLdF, m.dG, m.t, rows, dgamma);
+  sum_over_value_heads(m.DQ, kLdF, p.dq_keys, s, p, b.kh);
 }
 
 struct WySmem {
@@ -2466,13 +2505,14 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
         const int i = warp + (n0 + n) * kWarps;
         const int64_t tok = s.slot[i];
         const float dot = __shfl_sync(0xffffffffu, x, 32 / kB * n), r = m.rk[i];
-        if (tok < p.T) normalised_write(p.dk_out + (tok * p.hv + h) * 128, r, y[n], dy[n], dot, 128);
+        if (tok < p.T) normalised_write(m.D + i * kLdD, r, y[n], dy[n], dot, 128);  // (in place, as read)
       }
     }
   }
   scan64(m.dG, true);  // g_s's gradient: the sum of G_i's over i >= s
   __syncthreads();
   if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
+  sum_over_value_heads(m.D, kLdD, p.dk_keys, s, p, b.kh);
 }
 
 // A side stream forked from the current one (`use`; else the current one itself), joined back at
@@ -2556,14 +2596,32 @@ at::Tensor sum_value_heads(const at::Tensor& x, int hk, at::ScalarType dtype) {
 
 // ---- Host ------------------------------------------------------------------------------------------
 
+// cluster_y > 0: in clusters of (1, cluster_y) blocks (a chunk's value heads of one key head:
+// sum_over_value_heads), which a cluster of 1 takes too.
 template <typename Smem, int Threads = kThreads, typename Kernel, typename A>
-void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args) {
+void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned cluster_y = 0) {
   Carve carve{nullptr};
   const Smem layout(carve, d);
   const size_t bytes = carve.used;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  kernel<<<grid, Threads, bytes, at::cuda::getCurrentCUDAStream()>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (cluster_y == 0) {
+    kernel<<<grid, Threads, bytes, at::cuda::getCurrentCUDAStream()>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(Threads);
+  config.dynamicSmemBytes = bytes;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = cluster_y;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
 }
 
 // fold (kPlanes, the backward): add = eq^T d_o formed in the kernel (RecurrenceArgs), r.add undefined.
@@ -2701,32 +2759,48 @@ void fused(Fused& f, bool backward) {
     launch<StateSmem>(state_grads_kernel<T, kMode, DimsT>, grid, d, a);
     r.state_out.reset();
   }
-  at::Tensor dq = at::empty({T_, hv, d.dk}, f32), dk_part = rows(d.dk);
+  // Key heads serve hv / hk value heads each: their gradients sum over them, on planes in the
+  // kernels' clusters (a chunk's value heads of a key head), else by sum_value_heads after them.
+  constexpr bool planes = kPlanes<kMode, DimsT>;
+  const auto keys = [&] { return at::empty({T_, hk, d.dk}, f.q.options()); };
+  at::Tensor dq = planes ? keys() : at::empty({T_, hv, d.dk}, f32), dk_part = rows(d.dk);
   at::Tensor dg_part = at::empty({chunks, hv, kRows}, f32.dtype(at::kDouble));
-  a.dq = dq.data_ptr<float>();
   a.dk_part = dk_part.data_ptr<float>();
   a.dg_part = dg_part.data_ptr<double>();
-  if constexpr (kPlanes<kMode, DimsT>) launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a);
-  else launch<IntraSmem>(intra_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  const auto cluster = static_cast<unsigned>(hv / hk);
+  if constexpr (planes) {
+    a.dq_keys = static_cast<__nv_bfloat16*>(dq.data_ptr());
+    launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a, cluster);
+  } else {
+    a.dq = dq.data_ptr<float>();
+    launch<IntraSmem>(intra_grads_kernel<T, kMode, DimsT>, grid, d, a);
+  }
   r.state_out.reset();
-  at::Tensor dk = at::empty({T_, hv, d.dk}, f32);
+  at::Tensor dk = planes ? keys() : at::empty({T_, hv, d.dk}, f32);
   f.dv = at::empty_like(f.v);
   f.dbeta = at::empty({T_, hv}, f32);
   f.dg = at::empty({T_, hv}, f32.dtype(at::kDouble));
-  a.dk_out = dk.data_ptr<float>();
   a.dv_out = f.dv.data_ptr();
   a.dbeta = f.dbeta.data_ptr<float>();
   a.dg = f.dg.data_ptr<double>();
-  if constexpr (kPlanes<kMode, DimsT>) launch<WyPlanesSmem>(wy_grads_planes_kernel<DimsT>, grid, d, a);
-  else launch<WySmem>(wy_grads_kernel<T, kMode, DimsT>, grid, d, a);
-  // Key heads serve hv / hk value heads each: their gradients sum over them.
-  f.dq = sum_value_heads<T>(dq, hk, f.q.scalar_type());
-  f.dk = sum_value_heads<T>(dk, hk, f.q.scalar_type());
+  if constexpr (planes) {
+    a.dk_keys = static_cast<__nv_bfloat16*>(dk.data_ptr());
+    launch<WyPlanesSmem>(wy_grads_planes_kernel<DimsT>, grid, d, a, cluster);
+    f.dq = dq;
+    f.dk = dk;
+  } else {
+    a.dk_out = dk.data_ptr<float>();
+    launch<WySmem>(wy_grads_kernel<T, kMode, DimsT>, grid, d, a);
+    f.dq = sum_value_heads<T>(dq, hk, f.q.scalar_type());
+    f.dk = sum_value_heads<T>(dk, hk, f.q.scalar_type());
+  }
 }
 
 template <typename T, Mode kMode>
 void fused_any_width(Fused& f, bool backward) {
-  if (f.q.size(2) == 128 && f.v.size(2) == 128) return fused<T, kMode, FixedDims<128, 128>>(f, backward);
+  // (the plane kernels sum a key head's value heads in a cluster: at most 8 blocks, the portable size)
+  if (f.q.size(2) == 128 && f.v.size(2) == 128 && f.v.size(1) / f.q.size(1) <= kMaxCluster)
+    return fused<T, kMode, FixedDims<128, 128>>(f, backward);
   fused<T, kMode, Dims>(f, backward);
 }
 

@@ -144,9 +144,13 @@ TOLERANCE = 0.10
 MOE = ("fused_swiglu", "fused_combine")  # the experts' SwiGLU and combine kernels (2026-12-03)
 # "all": the kernels up to the twenty-sixth session (the delta rule's state and intra gradients as three
 # kernels); "dqkwg": those as one, from the twenty-seventh.
-LACKED = {"rule": ("fused_conv", "fused_norm", "fused_loss", "fused_dqkwg") + MOE,
-          "block": ("fused_loss", "fused_dqkwg") + MOE, None: ("fused_loss", "fused_fp8_experts", "fused_dqkwg") + MOE,
-          "loss": ("fused_dqkwg",) + MOE, "all": ("fused_dqkwg",)}
+# Every era here wrote each value head's share of dq and dk in fp32 and summed them after (the plane
+# kernels sum them in clusters since the thirty-third session: fused_key_sums).
+SUMS = ("fused_key_sums",)
+LACKED = {"rule": ("fused_conv", "fused_norm", "fused_loss", "fused_dqkwg") + MOE + SUMS,
+          "block": ("fused_loss", "fused_dqkwg") + MOE + SUMS,
+          None: ("fused_loss", "fused_fp8_experts", "fused_dqkwg") + MOE + SUMS,
+          "loss": ("fused_dqkwg",) + MOE + SUMS, "all": ("fused_dqkwg",) + SUMS, "dqkwg": SUMS}
 # The delta rule's two paths measured on the same code otherwise (the combine before it became
 # one node, stop 27, which both had alike): what the fused path saves is their difference.
 SAVING = [
@@ -541,6 +545,7 @@ def test_the_fp8_tensor_core_products_are_the_cpp_ops_words():
     ("BLOCK_BYTES", "models/glm5/mla_dsa_attention.cc", r"block_bytes\{int64_t\{1\} << (\d+)\}"),
     ("GDR_CHUNK", "ops/gated_delta_rule.h", r"kChunk = (\d+);"),
     ("FUSED_MAX_DIM", "ops/gated_delta_rule.h", r"kFusedMaxDim = (\d+);"),
+    ("GDR_MAX_CLUSTER", "ops/gated_delta_rule.cu", r"kMaxCluster = (\d+);"),
     ("CONV_MAX_KERNEL", "ops/causal_conv1d.h", r"kMaxKernel = (\d+);"),
     ("NORM_MAX_WIDTH", "models/qwen3_5/gated_deltanet.h", r"kMaxNormWidth = (\d+);"),
     ("COMBINE_MAX_SLOTS", "common/experts.h", r"kCombineMaxSlots = (\d+)"),

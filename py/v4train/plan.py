@@ -53,6 +53,7 @@ GDR_CHUNK = 64  # gated_delta_rule.h kChunk: the delta rule's chunks (each docum
 COMBINE_BLOCK_MIB = 256  # experts.cc kCombineBlockMiB: the MoE combine's fp32 [tokens, k, H] block
 TAIL_BLOCK_MIB = 2048  # checkpoint.h kTailBlockMiB: a checkpointed layer's block of MLP / MoE activations
 FUSED_MAX_DIM = 128  # gated_delta_rule.h kFusedMaxDim: the widest heads its fused CUDA kernels take
+GDR_MAX_CLUSTER = 8  # gated_delta_rule.cu kMaxCluster: the most value heads a key head has on its plane kernels
 CONV_MAX_KERNEL = 8  # causal_conv1d.h kMaxKernel: the longest conv its CUDA kernels take
 NORM_MAX_WIDTH = 256  # gated_deltanet.h kMaxNormWidth: the widest head its gated-norm CUDA kernels take
 COMBINE_MAX_SLOTS = 16  # experts.h kCombineMaxSlots: the most routed slots a token the combine's kernels take
@@ -653,6 +654,15 @@ def fused_dqkwg(setup: Setup) -> bool:
     return True
 
 
+def fused_key_sums(setup: Setup) -> bool:
+    """Whether the plane kernels write q's and k's gradients summed over each key head's value heads
+    (gated_delta_rule.cu sum_over_value_heads, in clusters of a key head's value heads: bf16 [T, key
+    heads, dk]), where the kernels before wrote each value head's share in fp32 and a kernel after
+    them summed. A switch of its own so that the peaks measured before it are predicted as that
+    code ran."""
+    return True
+
+
 def fused_norm(setup: Setup) -> bool:
     """Whether the Gated DeltaNet block's gated RMSNorm runs its CUDA kernels (gated_deltanet.cc's
     gated_norm picks them): CUDA, bf16 or fp32, heads at most NORM_MAX_WIDTH wide."""
@@ -816,7 +826,8 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     def rows(d: int) -> int:  # fused()'s rows(d): [chunks, value heads, 64, d] fp32
         return P * nv * d * FP32
 
-    planes = b == 2 and dk == dv == 128  # FixedDims<128, 128> (the fused path takes fp32 or bf16: 2 bytes is bf16)
+    # FixedDims<128, 128> (the fused path takes fp32 or bf16: 2 bytes is bf16), a key head's value heads one cluster
+    planes = b == 2 and dk == dv == 128 and nv // nk <= GDR_MAX_CLUSTER
     one_kernel = planes and fused_dqkwg(c.setup)
     state = chunks * nv * dk * dv * (b if planes else FP32)  # [chunks, value heads, dk, dv]
     values = P * nv * dv * (b if planes else FP32)  # v_new and dv_new [chunks, value heads, 64, dv]
@@ -846,7 +857,8 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     # The backward pass (fused() with backward): o's incoming gradient, and z's, whose node comes
     # after the rule's in the engine's order; W (its memory then takes dW), K~ and the decays
     # throughout. It peaks in the reverse recurrence (dv_local, dh_local, d_state, dv_new) or at
-    # its end: wy_grads' inputs and outputs, then the key heads' sums of dq and dk (sum, then cast).
+    # its end: wy_grads' inputs and outputs, then the key heads' sums of dq and dk (sum, then cast; on
+    # planes the kernels write the sums, bf16 [T, key heads, dk], and no value head's share).
     incoming = Term("the rule's output gradient [T, value heads, dv], and z's waiting", 2 * T * nv * dv * b)
     wk = Term("delta rule backward: W (then dW), K~ [.., dk], prepare's Ai and L * K K^T for wy_grads [.., 64] and "
               "the chunks' decays (fp32)", 2 * rows(dk) + 2 * rows(GDR_CHUNK) + gamma)
@@ -854,6 +866,11 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     # dh_local: fp32 [chunks, value heads, dk, dv] from local_grads, or on planes the E Q (bf16 [.., 64,
     # dk]) that the reverse recurrence forms it from.
     dh = P * nv * dk * b if planes else chunks * nv * dk * dv * FP32
+    # dq, dk: each value head's share [T, value heads, dk] (fp32) and the key heads' sums (dk's in fp32,
+    # then cast); on planes the sums alone, in bf16.
+    summed = planes and fused_key_sums(c.setup)
+    shares = 0 if summed else T * nv * 2 * dk * FP32
+    sums = T * nk * dk * (2 * b if summed else b + FP32 + cast)
     backward = [
         Moment("delta rule's reverse recurrence", tuple(held + [incoming, wk, Term(
             "reverse recurrence: dv_local [.., 64, dv] (fp32), dv_new (as v_new); dh_local (fp32; on planes E Q [.., 64, "
@@ -862,10 +879,10 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
             "state and intra gradients: dv_new (as v_new), dk_part [.., dk] (fp32), dg_part [chunks, value heads, 64] "
             "(float64); off planes also dq_state, dk_tilde [.., dk] (fp32) and dgamma (on planes one kernel keeps them "
             "in shared memory)", values + rows(dk) + P * nv * INT64 + (0 if one_kernel else 2 * rows(dk) + gamma)), Term(
-            "UT-transform gradients: dq, dk [T, value heads, dk] (fp32), dv [T, value heads, dv], dbeta (fp32), "
-            "dg (float64)", T * nv * (2 * dk * FP32 + dv * b + FP32 + INT64)), Term(
+            "UT-transform gradients: dq, dk [T, value heads, dk] (fp32; not on planes), dv [T, value heads, dv], "
+            "dbeta (fp32), dg (float64)", shares + T * nv * (dv * b + FP32 + INT64)), Term(
             "key heads' sums: dq and dk summed over each key head's value heads [T, key heads, dk] (dk's sum in "
-            "fp32, then cast)", T * nk * dk * (b + FP32 + cast))]))]
+            "fp32, then cast; on planes both bf16, summed in the kernels)", sums)]))]
     return forward, first_pass, backward
 
 
