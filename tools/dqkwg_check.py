@@ -59,7 +59,8 @@ PHASES = [
     ("dk_tilde, dPL's planes", {"v_hi", "S", "Z", "rq", "rk"}, {"DKT", "pk", "pq"}),
     ("Z, the E and Kt terms", {"q", "k", "rq", "rk", "Z", "DQ", "DKT", "info"}, {"Z", "dG", "t"}),
     ("the L term, q's gradient, k's part", {"Z", "dG", "pk", "k", "pq", "q", "DKT", "info"}, {"dG", "DQ"}),
-    ("the norm's backward, dg_part", {"q", "rq", "DQ", "dG", "t", "info"}, set()),
+    ("the norm's backward (q's gradient in place), dg_part", {"q", "rq", "DQ", "dG", "t", "info"}, {"DQ"}),
+    ("the cluster's sum over the value heads", {"DQ", "info"}, set()),  # (and the other blocks' DQ)
 ]
 EARLY = 2  # the phases before q's, k's and d_o's rows (issued after Info) are waited for
 

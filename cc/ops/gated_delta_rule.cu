@@ -605,7 +605,7 @@ __device__ __forceinline__ void sum_over_value_heads(const float* rows, int ld, 
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
   const int ranks = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  constexpr int kQuads = 128 / 4, kPass = kThreads / kQuads;  // a row's quads; rows a pass of the block
+  constexpr int kQuads = 128 / 4, kPass = kThreads / kQuads;  // a row's quads (128 wide: kPlanes); rows a pass
   const int c = threadIdx.x % kQuads * 4;
   cluster.sync();  // every block's rows are in
   for (int i = rank + threadIdx.x / kQuads * ranks; i < kRows; i += kPass * ranks) {

@@ -95,7 +95,7 @@ def test_fp8_dequantize_and_no_quantization_config_keep_the_model_dtype():
 # measured GiB, the section, the delta rule's path). bf16 throughout; "full": every weight trains
 # but what the family freezes (the bench's mode); "lora": r=16 on attention and experts, every other weight frozen. The path
 # (Qwen3.5; GLM-5 has no delta rule), the code's era: "dqkwg" for runs with every CUDA kernel of
-# today (the twenty-seventh session on), "all" for those before the delta rule's state and intra
+# today but the key heads' sums in clusters (the twenty-seventh to thirty-second sessions), "all" for those before the delta rule's state and intra
 # gradients became one kernel (the experts' SwiGLU and the combine too: 2026-12-03 on), "loss" for runs with the LM
 # head's loss kernel but those on ATen (stop 31), "block" for runs with the Gated DeltaNet
 # block's (the delta rule's, the conv's and the gated norm's) but the loss on ATen, "rule" for runs
