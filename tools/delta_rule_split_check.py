@@ -21,7 +21,9 @@ the slow decay under which the state crosses chunks; one seed a sample), where a
 --stored u,v_new: the values U and v_new as a kernel would store them between its passes (fla's
 bf16), rounded wherever they are read, their gradients passed unrounded. --stored dv_local,dv_new:
 v_new's gradient from the chunk's own outputs, and its whole gradient, as the backward kernels
-would store them (they keep float32 today).
+would store them (dv_local float32 today; dv_new bf16 on planes since 2bc5023). --stored dw: W's
+gradient -(dv_new h^T), which dqkwg writes and wy_grads reads (float32 today), rounded to bf16
+where it reaches W.
 A last column measures each variant's g gradient from the kernels' own rounding (the --plain
 sites, the --stored states) as a distance over its norm: where the bf16 judge's bound is too wide
 to see a dot some percent off (--off: that variant too), the built op (--cpp, on --device: the CUDA
@@ -94,7 +96,7 @@ class Product(torch.autograd.Function):
 # from the chunk's own outputs (P^T d_o, the backward of site intra_v_new: local_grads' output);
 # dv_new: v_new's whole gradient (the folded reverse recurrence's output), rounded where it reaches
 # v_new, so for every use (the kernel's recurrence keeps its own in float32: this rounds more).
-STORED = ("h", "d_state", "u", "v_new", "dv_local", "dv_new")
+STORED = ("h", "d_state", "u", "v_new", "dv_local", "dv_new", "dw")
 
 
 class Rounded(torch.autograd.Function):
@@ -144,7 +146,7 @@ class Ops:
             return ScaledGradient.apply(x, 1 + off) if off and (leaf, site) == ("g", "state") else x
 
         def store(x, name):
-            grad = name == "v_new" and "dv_new" in stored
+            grad = (name == "v_new" and "dv_new" in stored) or (name == "w" and "dw" in stored)
             return Rounded.apply(x, name in stored, grad) if name in stored or grad else x
 
         self.v4_gated_delta_rule = functools.partial(v4_gated_delta_rule, mm=mm, decay_state=decay_state, path=path,
@@ -171,7 +173,8 @@ def main() -> None:
     parser.add_argument("--plain", default="", help="comma list of sites in plain bf16 together, the others bf16x3")
     parser.add_argument("--stored", default="", help="with --plain: comma list of the states (h, d_state) read "
                         "rounded to bf16 by the chunk decay's gradient, and of the values (u, v_new) rounded to bf16 "
-                        "wherever they are read, and of v_new's gradients (dv_local, dv_new) rounded where they are stored")
+                        "wherever they are read, and of v_new's and W's gradients (dv_local, dv_new, dw) rounded "
+                        "where they are stored")
     parser.add_argument("--long", action="store_true", help="v4_gated_delta_rule on long documents (seeds 0, 1, ...) "
                         "instead of the drawn samples")
     parser.add_argument("--off", type=float, default=0.0, help="with --plain: also its variant with the chunk decay's "

@@ -343,8 +343,9 @@ def test_the_split_check_rounds_the_stored_states_only_in_the_decay_s_gradient()
 
 
 def test_the_split_check_stores_u_and_v_new_rounded_where_the_reference_names_them():
-    """--stored u,v_new: the reference's store hook sees U once a document and v_new once a chunk,
-    and Rounded gives the bf16 value with the gradient passed as it is."""
+    """--stored u,v_new: the reference's store hook sees U and W once a document and v_new once a
+    chunk, and Rounded gives the bf16 value with the gradient passed as it is; --stored dw (W's
+    gradient) the value as it is with the gradient rounded."""
     import torch
 
     import delta_rule_split_check as check
@@ -356,9 +357,15 @@ def test_the_split_check_stores_u_and_v_new_rounded_where_the_reference_names_th
     g, beta = -torch.rand(T, H, generator=gen), torch.rand(T, H, generator=gen)
     seen = []
     v4_gated_delta_rule(q, k, v, g, beta, torch.tensor([0, 70, 130]), store=lambda x, name: seen.append(name) or x)
-    assert seen == ["u", "v_new", "v_new", "u", "v_new"]
+    assert seen == ["u", "w", "v_new", "v_new", "u", "w", "v_new"]
     x = torch.randn(4, 5, generator=gen, requires_grad=True)
     y = check.Rounded.apply(x)
     y.backward(torch.full_like(y, 3.0))
     assert torch.equal(y, x.detach().bfloat16().float()) and not torch.equal(y, x.detach())
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
+    x.grad = None
+    y = check.Rounded.apply(x, False, True)  # (how Ops.store takes W under --stored dw)
+    upstream = torch.randn(4, 5, generator=gen)
+    y.backward(upstream)
+    assert torch.equal(y, x.detach()) and torch.equal(x.grad, upstream.bfloat16().float())
+    assert not torch.equal(x.grad, upstream)

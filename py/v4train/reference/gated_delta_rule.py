@@ -77,8 +77,8 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     # (tools/delta_rule_split_check.py passes emulations of the kernels' products, per site, and of
     # that dot on stored states); path(x, leaf, site): g's cumulative log decay G, beta, k and q as
     # each of their PATH_SITES reads them (the parity suite cuts one, x detached there, to judge the
-    # leaf's gradient along that path); store(x, name): u and v_new as a kernel would store them between
-    # its passes (the split check rounds them to bf16)
+    # leaf's gradient along that path); store(x, name): u, w and v_new as a kernel would store them between
+    # its passes (the split check rounds them, or their gradients, to bf16)
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     B, H, L, Dk = k.shape
@@ -122,7 +122,7 @@ def chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, mm=_matm
     system = mm(k_beta["system"], read(k, "k", "system").transpose(-1, -2), "k_kt") * decay("system")
     intra = mm(read(q, "q", "intra"), read(k, "k", "intra").transpose(-1, -2), "q_kt") * decay("intra")
     u = store(torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True), "u")
-    w = torch.linalg.solve_triangular(system, k_beta["w"] * to_start("w"), upper=False, unitriangular=True)
+    w = store(torch.linalg.solve_triangular(system, k_beta["w"] * to_start("w"), upper=False, unitriangular=True), "w")
     state = torch.zeros(B, H, Dk, Dv).to(v) if initial_state is None else initial_state.to(v)
     q = read(q, "q", "state") * to_start("q")
     G = path(g, "g", "k")
