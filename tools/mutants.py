@@ -348,11 +348,14 @@ MUTATIONS = (
              "plane) for dv_new's (Y's second half)", "cc/ops/gated_delta_rule.cu",
              "plane_gemm<4, false, true, true, true>(m.Y + kRows * kPlaneRow, kPlaneRow, 0, m.H,",
              "plane_gemm<4, false, true, true, true>(m.v, kPlaneRow, 0, m.H,", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_wy_planes_dv_new_float_pitch", "wy_grads on planes: dv_new's staged bfloat16 quarter read "
-             "at the floats' pitch (68 elements, not 136)", "cc/ops/gated_delta_rule.cu",
-             "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, 2 * kPitch64);",
-             "reinterpret_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, kPitch64);", PLANES_CUDA,
+    Mutation("delta_rule_wy_planes_dv_new_float_pitch", "wy_grads on planes: a staged bfloat16 quarter (dv_new's "
+             "or dw's) read at the floats' pitch (68 elements, not 136)", "cc/ops/gated_delta_rule.cu",
+             "static_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, 2 * kPitch64);",
+             "static_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, kPitch64);", PLANES_CUDA,
              cuda=True),
+    Mutation("delta_rule_dqkwg_dw_pair_swapped", "dqkwg_planes_kernel: dw's bfloat16 pairs stored with their two "
+             "columns swapped", "cc/ops/gated_delta_rule.cu", "pack2<__nv_bfloat16>(-v0, -v1);",
+             "pack2<__nv_bfloat16>(-v1, -v0);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_cluster_sum_first_rank", "the plane kernels' sums over a key head's value heads take the "
              "cluster's first block's share alone", "cc/ops/gated_delta_rule.cu",
              "for (int j = 1; j < ranks; ++j) {", "for (int j = 1; j < 1; ++j) {", PLANES_CUDA, cuda=True),
@@ -360,9 +363,9 @@ MUTATIONS = (
              "block of the cluster sums rank 0's rows (the others' rows never written)", "cc/ops/gated_delta_rule.cu",
              "for (int i = rank + threadIdx.x / kQuads * ranks; i < kRows; i += kPass * ranks) {",
              "for (int i = threadIdx.x / kQuads * ranks; i < kRows; i += kPass * ranks) {", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_wy_planes_value_lo_read", "wy_grads on planes: Y's product reads the value quarters' lo "
-             "plane (not written since they are exact: stale bytes) as if it held their rounding",
-             "cc/ops/gated_delta_rule.cu", "plane_gemm<2, false, true, true, !keys>(m.p,",
+    Mutation("delta_rule_wy_planes_value_lo_read", "wy_grads on planes: Y's product reads the quarters' lo plane "
+             "(not written since they are exact bfloat16: stale bytes) as if it held their rounding",
+             "cc/ops/gated_delta_rule.cu", "plane_gemm<2, false, true, true, true>(m.p,",
              "plane_gemm<2, false, true, true, false>(m.p,", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_kt_from_dq_state", "dqkwg_planes_kernel: G's term through Kt takes dq_state's row "
              "for dk_tilde's (the two float32 tiles confused)", "cc/ops/gated_delta_rule.cu",

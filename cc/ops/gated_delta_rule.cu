@@ -248,7 +248,7 @@ struct Args {
   __nv_bfloat16* eq;                         // or (kPlanes) E Q rounded, for the reverse recurrence
   const void* d_state;                       // the reverse recurrence's (as h)
   const void* dv_new;                        // the reverse recurrence's (float32; bfloat16 for kPlanes)
-  float *dq_state, *dw, *dk_tilde, *dgamma;  // state_grads
+  float *dq_state, *dw, *dk_tilde, *dgamma;  // state_grads (dw on planes: bfloat16, in each chunk's first half)
   float *dq, *dk_part;                       // intra_grads (dq per value head, token layout)
   double* dg_part;
   float *dk_out, *dbeta;                     // wy_grads (dk per value head, token layout)
@@ -2009,10 +2009,15 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   __syncthreads();
   const float dgamma = block_sum(state_dot<DimsT>(m.H, m.S), m.scratch);  // (synchronises)
   // dv_new h^T then d_o h^T, each operand bfloat16 (d_o exact, dv_new and h stored so): one product
-  // each, as state_grads'.
+  // each, as state_grads'. dw in bfloat16, as W lay in these bytes (the first half of each chunk's
+  // floats), which wy_grads takes exact: tools/delta_rule_split_check.py --stored dw prices it at
+  // nothing measurable (g's gradient on the long documents 2.59-2.66e-3 from its plain-products
+  // variant, against 2.55-2.63e-3 with dw in float32).
+  auto* dw = reinterpret_cast<__nv_bfloat16*>(p.dw + rows * DimsT::dk);
   plane_gemm<4, false, true, true, true>(m.Y + kRows * kPlaneRow, kPlaneRow, 0, m.H, kPlaneRow, 0, kRows, DimsT::dk,
                                          DimsT::dv, [&](int r, int c, float v0, float v1) {
-                                           store2(p.dw + (rows + r) * DimsT::dk + c, -v0, -v1);
+                                           *reinterpret_cast<uint32_t*>(dw + r * DimsT::dk + c) =
+                                               pack2<__nv_bfloat16>(-v0, -v1);
                                          });
   wait_copies();
   __syncthreads();
@@ -2279,15 +2284,15 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   const int64_t rows = b.rows;
   const int h = b.h, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   auto* dv = static_cast<__nv_bfloat16*>(p.dv_out);
-  // The quarters' values (dv_new's bfloat16, dw's floats) are copied a quarter ahead (cp.async) into
-  // Y's bytes, free while the quarters run (Y is in y), and split into p from there after the
+  // The quarters' values (dv_new's and dw's, bfloat16) are copied a quarter ahead (cp.async) into
+  // Y's bytes, free while the quarters run (Y is in y), and put into p from there after the
   // barrier: loaded after it, the whole block waited on memory there (ncu26: the quarters'
   // load_split, 13% of the stall samples).
-  float* const staged = m.Y;  // [64, kPitch64] floats, or [64, 2 kPitch64] bfloat16 values
+  auto* const staged = reinterpret_cast<__nv_bfloat16*>(m.Y);  // [64, 2 kPitch64] bfloat16 values
   const auto fetch = [&](int q) {
-    if (q >= 2) copy_rows<kQ>(staged, kPitch64, p.dw + rows * 128 + q % 2 * kQ, 128, kRows);
-    else copy_rows<kQ>(reinterpret_cast<__nv_bfloat16*>(staged), 2 * kPitch64,
-                       static_cast<const __nv_bfloat16*>(p.dv_new) + rows * 128 + q % 2 * kQ, 128, kRows);
+    const auto* x = q >= 2 ? reinterpret_cast<const __nv_bfloat16*>(p.dw + rows * 128)  // (as dqkwg wrote it)
+                           : static_cast<const __nv_bfloat16*>(p.dv_new) + rows * 128;
+    copy_rows<kQ>(staged, 2 * kPitch64, x + q % 2 * kQ, 128, kRows);
   };
 #pragma unroll
   for (int u = 0; u < 2; ++u) store_split4(m.ai + (tid / 16 + 32 * u) * kPlane64 + tid % 16 * 4, kLo64, ai_quads[u]);
@@ -2305,19 +2310,18 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   float y[8] = {};
   // The quarters: dv_new's two (V's), then dw's two (K's). Y's column j takes beta_j (V's) and
   // beta_j E_j r_k,j (K's: beta E K with K = k r_k) after its exact product with the raw rows.
-  // dv_new's quarters are bfloat16 values, exact in p's hi plane: their lo plane is neither written
-  // nor read (kAExact in Y's product, kBExact in dR's), one product for two and two for three, the
-  // same bits (the products they drop were of zeros).
+  // The quarters are bfloat16 values (dv_new's since 2bc5023, dw's since dqkwg writes it so), exact
+  // in p's hi plane: its lo plane is neither written nor read (kAExact in Y's product, kBExact in
+  // dR's), one product for two and two for three, the bits of planes with a zero lo plane.
   const auto quarter = [&](int q, auto keys_t) {
     constexpr bool keys = decltype(keys_t)::value;
     const int c0 = q % 2 * kQ;
     wait_copies();
     __syncthreads();  // the quarter before is done with p (and the norms and this quarter's floats are in)
-    if constexpr (keys) load_split<kQ>(m.p, staged, kRows, kLo64, kPlane64, kPitch64);  // (from the staged values)
-    else load_split<kQ>(m.p, reinterpret_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, 2 * kPitch64);
+    load_split<kQ>(m.p, static_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, 2 * kPitch64);
     __syncthreads();
     if (q < 3) fetch(q + 1);  // in flight over the products (and the value row loop)
-    plane_gemm<2, false, true, true, !keys>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
+    plane_gemm<2, false, true, true, true>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
                                             kRows, kQ, [&](int r, int c, float val) {
                                               const float x = keys ? val * s.beta[c] * s.E[c] * m.rk[c]
                                                                    : val * s.beta[c];
@@ -2326,7 +2330,7 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
                                               at = q == 0 ? x : at + x;
                                             });
     // dR's quarter = Ai^T (the quarter): the values' into dr, the keys' into D's columns c0..
-    plane_gemm<2, true, false, !keys, false, kNever, kNever, Tri::kUpperA>(
+    plane_gemm<2, true, false, true, false, kNever, kNever, Tri::kUpperA>(
         m.ai, kPlane64, kLo64, m.p, kPlane64, kLo64, kRows, kQ, kRows, [&](int r, int c, float val) {
           if constexpr (keys) m.D[r * kLdD + c0 + c] = val;
           else m.dr[r * kLdR + c] = val;
