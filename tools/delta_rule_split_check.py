@@ -22,8 +22,8 @@ the slow decay under which the state crosses chunks; one seed a sample), where a
 bf16), rounded wherever they are read, their gradients passed unrounded. --stored dv_local,dv_new:
 v_new's gradient from the chunk's own outputs, and its whole gradient, as the backward kernels
 would store them (dv_local float32 today; dv_new bf16 on planes since 2bc5023). --stored dw: W's
-gradient -(dv_new h^T), which dqkwg writes and wy_grads reads (float32 today), rounded to bf16
-where it reaches W.
+gradient -(dv_new h^T), which dqkwg writes and wy_grads reads (bf16 on planes since 665ad86),
+rounded to bf16 where it reaches W.
 A last column measures each variant's g gradient from the kernels' own rounding (the --plain
 sites, the --stored states) as a distance over its norm: where the bf16 judge's bound is too wide
 to see a dot some percent off (--off: that variant too), the built op (--cpp, on --device: the CUDA
@@ -95,13 +95,14 @@ class Product(torch.autograd.Function):
 # u and v_new: the values, as the reference's store hook names them; dv_local: the gradient of v_new
 # from the chunk's own outputs (P^T d_o, the backward of site intra_v_new: local_grads' output);
 # dv_new: v_new's whole gradient (the folded reverse recurrence's output), rounded where it reaches
-# v_new, so for every use (the kernel's recurrence keeps its own in float32: this rounds more).
+# v_new, so for every use (the kernels' reverse recurrence multiplies with the same bf16 values it
+# stores); dw: W's gradient, rounded where it reaches W.
 STORED = ("h", "d_state", "u", "v_new", "dv_local", "dv_new", "dw")
 
 
 class Rounded(torch.autograd.Function):
-    """x rounded to bf16 as a kernel stores it; the gradient passes as it is, or rounded to bf16
-    where `round_grad` (dv_new)."""
+    """x rounded to bf16 as a kernel stores it (or as it is, without `round_value`); the gradient
+    passes as it is, or rounded to bf16 where `round_grad` (dv_new, dw)."""
 
     @staticmethod
     def forward(ctx, x, round_value=True, round_grad=False):

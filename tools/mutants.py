@@ -350,8 +350,8 @@ MUTATIONS = (
              "plane_gemm<4, false, true, true, true>(m.v, kPlaneRow, 0, m.H,", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_dv_new_float_pitch", "wy_grads on planes: a staged bfloat16 quarter (dv_new's "
              "or dw's) read at the floats' pitch (68 elements, not 136)", "cc/ops/gated_delta_rule.cu",
-             "static_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, 2 * kPitch64);",
-             "static_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, kPitch64);", PLANES_CUDA,
+             "*reinterpret_cast<const uint4*>(staged + r * 2 * kPitch64 + c);",
+             "*reinterpret_cast<const uint4*>(staged + r * kPitch64 + c);", PLANES_CUDA,
              cuda=True),
     Mutation("delta_rule_dqkwg_dw_pair_swapped", "dqkwg_planes_kernel: dw's bfloat16 pairs stored with their two "
              "columns swapped", "cc/ops/gated_delta_rule.cu", "pack2<__nv_bfloat16>(-v0, -v1);",

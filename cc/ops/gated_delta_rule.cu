@@ -759,10 +759,9 @@ __device__ __forceinline__ void plane_gemm(const __nv_bfloat16* A, int lda, int 
 
 // Planes [rows, kWidth] (pitch ld, lo at + lo_off) of float32 src (row stride `stride`, rows
 // 16-byte aligned) into dst, four floats a thread at a time, four loads in flight. lo_off < 0: the
-// values rounded to bfloat16, the hi plane alone (four values a store: ld a multiple of 4). A
-// bfloat16 src (rows 8-byte aligned) gives hi its values and lo zeros.
-template <int kWidth = 128, typename E = float>
-__device__ __forceinline__ void load_split(__nv_bfloat16* dst, const E* src, int rows, int lo_off,
+// values rounded to bfloat16, the hi plane alone (four values a store: ld a multiple of 4).
+template <int kWidth = 128>
+__device__ __forceinline__ void load_split(__nv_bfloat16* dst, const float* src, int rows, int lo_off,
                                            int ld = kPlaneRow, int64_t stride = kWidth) {
   constexpr int kQuads = kWidth / 4, kStep = kThreads / kQuads;  // kStep: rows a pass of the block
   static_assert(kThreads % kQuads == 0, "a thread's column the same in every pass");
@@ -773,14 +772,7 @@ __device__ __forceinline__ void load_split(__nv_bfloat16* dst, const E* src, int
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int r = p0 + u * kStep + r0;
-      if (!(p0 + (u + 1) * kStep <= rows || r < rows)) continue;
-      if constexpr (std::is_same_v<E, float>) {
-        a[u] = *reinterpret_cast<const float4*>(src + r * stride + c);
-      } else {
-        const uint2 x = *reinterpret_cast<const uint2*>(src + r * stride + c);
-        const float2 lo = unpack2<__nv_bfloat16>(x.x), hi = unpack2<__nv_bfloat16>(x.y);
-        a[u] = make_float4(lo.x, lo.y, hi.x, hi.y);
-      }
+      if (p0 + (u + 1) * kStep <= rows || r < rows) a[u] = *reinterpret_cast<const float4*>(src + r * stride + c);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -2318,7 +2310,11 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
     const int c0 = q % 2 * kQ;
     wait_copies();
     __syncthreads();  // the quarter before is done with p (and the norms and this quarter's floats are in)
-    load_split<kQ>(m.p, static_cast<const __nv_bfloat16*>(staged), kRows, -1, kPlane64, 2 * kPitch64);
+    {  // the staged quarter into p's hi plane as it is (exact: no lo plane), 16 bytes a thread
+      static_assert(kRows * kQ / 8 == kThreads, "a piece a thread");
+      const int r = tid / (kQ / 8), c = tid % (kQ / 8) * 8;
+      *reinterpret_cast<uint4*>(m.p + r * kPlane64 + c) = *reinterpret_cast<const uint4*>(staged + r * 2 * kPitch64 + c);
+    }
     __syncthreads();
     if (q < 3) fetch(q + 1);  // in flight over the products (and the value row loop)
     plane_gemm<2, false, true, true, true>(m.p, kPlane64, kLo64, (keys ? m.k : m.v) + c0, kPlaneRow, 0, kRows,
