@@ -1413,6 +1413,195 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   });
 }
 
+// The recurrence of recurrence_planes_kernel on Hopper's warpgroup products (wgmma): one warpgroup a
+// block of 32 columns. The two products read their operands from shared memory in the tensor core,
+// once a warpgroup, where the 16 warps' ldmatrix fragments read a and S four times over and waited on
+// shared memory for 45% of the forward's samples (ncu of the H100, thirty-fourth session: 3,478 cycles a
+// chunk, shared memory 67% busy). a, b (and kFold's eq) come kWgStages stages deep in 128-byte swizzle,
+// the base [64, 32] float32 and kFold's d_o beside them; S [pk, 32] and x [64, 32] are bfloat16
+// MN-major operands, the first 64 bytes of 128-byte swizzled rows. x is written into shared memory as
+// sign_b x (negation is exact), so that the second product's sum is the one the state adds; kFold's
+// eq^T d_o adds into the same accumulator. The state stays in float32 in the accumulator's registers.
+constexpr int kWgThreads = 128, kWgStages = 3, kBasePitch = kCols + 8;  // (pitch 40: float2 reads, 2 wavefronts)
+constexpr int kWgTile = kRows * 128 * 2;                                 // [64, 128] bfloat16
+template <bool kFold>
+struct WgRecurrenceSmem {
+  unsigned char *a, *b, *eq = nullptr, *d_o = nullptr, *S, *X;
+  float* base;
+  template <typename DimsT>
+  __host__ __device__ WgRecurrenceSmem(Carve& c, const DimsT& d) {
+    static_assert(kWgTile % 1024 == 0 && kRows * 128 % 1024 == 0, "tiles on 1,024 bytes, as the swizzle wants");
+    a = c.take<unsigned char>(kWgStages * kWgTile);
+    b = c.take<unsigned char>(kWgStages * kWgTile);
+    if constexpr (kFold) {
+      eq = c.take<unsigned char>(kWgStages * kWgTile);
+      d_o = c.take<unsigned char>(kWgStages * kRows * 128);
+    }
+    S = c.take<unsigned char>(d.pk * 128);
+    X = c.take<unsigned char>(kRows * 128);
+    base = c.take<float>(kWgStages * kRows * kBasePitch);
+    c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
+  }
+};
+
+template <typename DimsT, bool kFold>
+__global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(RecurrenceArgs p) {
+#if defined(V4_HAS_WGMMA)
+  static_assert(DimsT::dk == 128 && DimsT::pk == 128 && DimsT::dv % kCols == 0, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  Carve carve{wgmma::sw128_aligned(smem)};
+  const WgRecurrenceSmem<kFold> m(carve, DimsT{});
+  const DimsT d{};
+  const int col0 = blockIdx.x * kCols, h = blockIdx.y, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
+  const auto chunk_at = [&](int64_t i) { return i < chunks ? p.offset[p.reverse ? chunks - 1 - i : i] + doc : 0; };
+  const auto sS = wgmma::saddr(m.S), sX = wgmma::saddr(m.X);
+  for (int i = tid; i < DimsT::pk * 128 / 16; i += kWgThreads) reinterpret_cast<uint4*>(m.S)[i] = make_uint4(0, 0, 0, 0);
+  // kFold: the tokens of this thread's two d_o rows of the chunk loaded next, read a step ahead.
+  int64_t tok[2] = {};
+  const auto ahead = [&](int64_t i) {
+    if constexpr (kFold) {
+      if (i < chunks) {
+        for (int u = 0; u < 2; ++u) tok[u] = p.slots[chunk_at(i) * kRows + (tid + u * kWgThreads) / 4];
+      }
+    }
+  };
+  // Chunk i's tiles into stage i % kWgStages: a, b (and eq) [64, 128] bfloat16, 16 bytes a copy, eight
+  // copies a thread of each; base [64, 32] float32, four; d_o [64, 32] bfloat16, two.
+  const auto load = [&](int64_t i) {
+    if (i >= chunks) return;
+    const int stage = i % kWgStages;
+    const int64_t head = chunk_at(i) * p.heads + h;
+    const auto tile = [&](unsigned char* to, const float* rows) {
+      const auto* from = reinterpret_cast<const __nv_bfloat16*>(rows + head * kRows * d.dk);
+#pragma unroll
+      for (int u = 0; u < kRows * 16 / kWgThreads; ++u) {
+        const int piece = tid + u * kWgThreads, r = piece / 16, c = piece % 16 * 8;
+        copy16(to + stage * kWgTile + wgmma::sw128_offset<kRows>(r, c), from + r * 128 + c);
+      }
+    };
+    tile(m.a, p.a);
+    tile(m.b, p.b);
+    if constexpr (kFold) {
+      const auto* eq = p.eq + head * kRows * d.dk;
+#pragma unroll
+      for (int u = 0; u < kRows * 16 / kWgThreads; ++u) {
+        const int piece = tid + u * kWgThreads, r = piece / 16, c = piece % 16 * 8;
+        copy16(m.eq + stage * kWgTile + wgmma::sw128_offset<kRows>(r, c), eq + r * 128 + c);
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {  // d_o's rows by slots, zero past T
+        const int piece = tid + u * kWgThreads, r = piece / 4, c = piece % 4 * 8;
+        const bool real = tok[u] < p.T;
+        copy16_fill(m.d_o + stage * kRows * 128 + wgmma::sw128_offset<kRows>(r, c),
+                    p.d_o + (real ? (tok[u] * p.heads + h) * d.dv + col0 + c : 0), real);
+      }
+    }
+    const float* base = p.base + head * kRows * d.dv + col0;
+#pragma unroll
+    for (int u = 0; u < kRows * kCols / 4 / kWgThreads; ++u) {
+      const int piece = tid + u * kWgThreads, r = piece / 8, c = piece % 8 * 4;
+      copy16(m.base + (stage * kRows + r) * kBasePitch + c, base + r * d.dv + c);
+    }
+  };
+  for (int i = 0; i < kWgStages - 1; ++i) {
+    ahead(i);
+    load(i);
+    commit_copies();
+  }
+  ahead(kWgStages - 1);
+  float state[2][16] = {};  // S [pk, 32]: rows 64 half + 16 warp + g (+ 8), columns 8 j + 2 t (+ 1), as [4 j + e]
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int stage = i % kWgStages;
+    const int64_t head = chunk_at(i) * p.heads + h;
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kWgStages - 2));  // chunk i's copies are in
+    wgmma::fence_shared();
+    __syncthreads();  // and everyone's, and the last step's S; every read of the stage refilled below is done
+    load(i + kWgStages - 1);
+    commit_copies();  // (an empty group past the last chunk: the count above stays one a chunk)
+    ahead(i + kWgStages);
+    const float dec = p.decay[head];
+    // x = base + sign_a a S: a K-major, S MN-major.
+    float x[16] = {};
+    wgmma::fence();
+    const auto a_at = wgmma::saddr(m.a + stage * kWgTile);
+#pragma unroll
+    for (int kk = 0; kk < DimsT::pk / 16; ++kk)
+      wgmma::mma<__nv_bfloat16, 32, 0, 1>(x, wgmma::desc128(a_at + wgmma::sw128_k_step<kRows>(kk), 16, 1024),
+                                          wgmma::desc128(sS + kk * 2048, DimsT::pk * 128, 1024));
+    wgmma::commit();
+    // The state out (S at the chunk's start, bfloat16 as the products take it; dgamma's dot reads it),
+    // 16 bytes a copy from S's tile while the product runs.
+    {
+      __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(p.state_out) + head * d.dk * d.dv + col0;
+#pragma unroll
+      for (int u = 0; u < DimsT::pk * 4 / kWgThreads; ++u) {
+        const int piece = tid + u * kWgThreads, r = piece / 4, c = piece % 4 * 8;
+        *reinterpret_cast<uint4*>(h_out + r * d.dv + c) =
+            *reinterpret_cast<const uint4*>(m.S + wgmma::sw128_offset<DimsT::pk>(r, c));
+      }
+    }
+    wgmma::wait<0>();
+    {
+      const float* base = m.base + stage * kRows * kBasePitch;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = 16 * warp + g + 8 * half, c = 8 * j + 2 * t;
+          const float2 b0 = *reinterpret_cast<const float2*>(base + r * kBasePitch + c);
+          const float v0 = b0.x + p.sign_a * x[4 * j + 2 * half], v1 = b0.y + p.sign_a * x[4 * j + 2 * half + 1];
+          // v_new (forward) and dv_new (backward) in bfloat16, as their readers take them
+          // (tools/delta_rule_split_check.py --stored v_new,dv_new)
+          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.x_out) + (head * kRows + r) * d.dv + col0 + c) =
+              pack2<__nv_bfloat16>(v0, v1);
+          *reinterpret_cast<uint32_t*>(m.X + wgmma::sw128_offset<kRows>(r, c)) =
+              pack2<__nv_bfloat16>(p.sign_b * v0, p.sign_b * v1);
+        }
+      }
+    }
+    wgmma::fence_shared();
+    __syncthreads();  // x is in; every read of S is done
+    // S = decay S + sign_b b^T x (+ eq^T d_o): b (and eq) MN-major as A, the halves of S's rows, x MN-major.
+    float add[2][16] = {};
+    wgmma::fence();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int kk = 0; kk < kRows / 16; ++kk) {
+        const auto x_desc = wgmma::desc128(sX + kk * 2048, kRows * 128, 1024);
+        wgmma::mma<__nv_bfloat16, 32, 1, 1>(
+            add[half], wgmma::desc128(wgmma::saddr(m.b + stage * kWgTile) + half * kRows * 128 + kk * 2048, kRows * 128, 1024),
+            x_desc);
+        if constexpr (kFold)
+          wgmma::mma<__nv_bfloat16, 32, 1, 1>(
+              add[half],
+              wgmma::desc128(wgmma::saddr(m.eq + stage * kWgTile) + half * kRows * 128 + kk * 2048, kRows * 128, 1024),
+              wgmma::desc128(wgmma::saddr(m.d_o + stage * kRows * 128) + kk * 2048, kRows * 128, 1024));
+      }
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          float* s = &state[half][4 * j + 2 * e2];
+          s[0] = dec * s[0] + add[half][4 * j + 2 * e2];
+          s[1] = dec * s[1] + add[half][4 * j + 2 * e2 + 1];
+          const int r = kRows * half + 16 * warp + g + 8 * e2, c = 8 * j + 2 * t;
+          *reinterpret_cast<uint32_t*>(m.S + wgmma::sw128_offset<DimsT::pk>(r, c)) = pack2<__nv_bfloat16>(s[0], s[1]);
+        }
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);  // (no copy outlives the block)
+#endif
+}
+
 // P = (Q K^T) * L (lower, with the diagonal) into columns 0..63 of QP and E Q into columns 64..,
 // from the chunk's queries and keys (K into `keys`, pitch pk + 4). Used by the output and
 // local_grads kernels; QP's pitch suits each one's product.
@@ -2598,11 +2787,16 @@ at::Tensor sum_value_heads(const at::Tensor& x, int hk, at::ScalarType dtype) {
 
 // cluster_y > 0: in clusters of (1, cluster_y) blocks (a chunk's value heads of one key head:
 // sum_over_value_heads), which a cluster of 1 takes too.
-template <typename Smem, int Threads = kThreads, typename Kernel, typename A>
-void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned cluster_y = 0) {
+template <typename Smem>
+size_t smem_bytes(const Dims& d) {
   Carve carve{nullptr};
   const Smem layout(carve, d);
-  const size_t bytes = carve.used;
+  return carve.used;
+}
+
+template <typename Smem, int Threads = kThreads, typename Kernel, typename A>
+void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned cluster_y = 0) {
+  const size_t bytes = smem_bytes<Smem>(d);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
   if (cluster_y == 0) {
     kernel<<<grid, Threads, bytes, at::cuda::getCurrentCUDAStream()>>>(args);
@@ -2644,10 +2838,17 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
       a.d_o = static_cast<const __nv_bfloat16*>(fold->d_o);
       a.slots = fold->slots;
       a.T = fold->T;
-      launch<PlanesSmem<true>>(recurrence_planes_kernel<DimsT, true>, grid, d, a);
-    } else {
-      launch<PlanesSmem<false>>(recurrence_planes_kernel<DimsT, false>, grid, d, a);
     }
+    // Hopper's warpgroup products where the sm_90a build runs; elsewhere (a later device, on the PTX)
+    // the warps' mma.sync.
+    const auto on = [&]<bool kFold>() {
+      if (wgmma::capable(r.base.get_device(), smem_bytes<WgRecurrenceSmem<kFold>>(d)))
+        launch<WgRecurrenceSmem<kFold>, kWgThreads>(recurrence_wgmma_kernel<DimsT, kFold>, grid, d, a);
+      else
+        launch<PlanesSmem<kFold>>(recurrence_planes_kernel<DimsT, kFold>, grid, d, a);
+    };
+    if (fold != nullptr) on.template operator()<true>();
+    else on.template operator()<false>();
   } else {
     TORCH_CHECK(fold == nullptr, "v4_gated_delta_rule: the folded recurrence is the plane kernels'");
     launch<RecurrenceSmem>(recurrence_kernel<kMode, DimsT>, grid, d, a);
