@@ -1417,29 +1417,33 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 // block of 32 columns. The two products read their operands from shared memory in the tensor core,
 // once a warpgroup, where the 16 warps' ldmatrix fragments read a and S four times over and waited on
 // shared memory for 45% of the forward's samples (ncu of the H100, thirty-fourth session: 3,478 cycles a
-// chunk, shared memory 67% busy). a, b (and kFold's eq) come kWgStages stages deep in 128-byte swizzle,
+// chunk, shared memory 67% busy). a, b (and kFold's eq) come `stages` deep in 128-byte swizzle,
 // the base [64, 32] float32 and kFold's d_o beside them; S [pk, 32] and x [64, 32] are bfloat16
 // MN-major operands, the first 64 bytes of 128-byte swizzled rows. x is written into shared memory as
 // sign_b x (negation is exact), so that the second product's sum is the one the state adds; kFold's
 // eq^T d_o adds into the same accumulator. The state stays in float32 in the accumulator's registers.
-constexpr int kWgThreads = 128, kWgStages = 3, kBasePitch = kCols + 8;  // (pitch 40: float2 reads, 2 wavefronts)
-constexpr int kWgTile = kRows * 128 * 2;                                 // [64, 128] bfloat16
+constexpr int kWgThreads = 128, kBasePitch = kCols + 8;  // (pitch 40: float2 reads, 2 wavefronts)
+constexpr int kWgTile = kRows * 128 * 2;                 // [64, 128] bfloat16
 template <bool kFold>
 struct WgRecurrenceSmem {
+  static constexpr int stages = kFold ? 3 : 4;  // as deep as 227 KB allows
   unsigned char *a, *b, *eq = nullptr, *d_o = nullptr, *S, *X;
-  float* base;
+  float *base, *decay;  // decay: each stage's chunk decay
+  int64_t* head;        // each stage's chunk * heads + h
   template <typename DimsT>
   __host__ __device__ WgRecurrenceSmem(Carve& c, const DimsT& d) {
     static_assert(kWgTile % 1024 == 0 && kRows * 128 % 1024 == 0, "tiles on 1,024 bytes, as the swizzle wants");
-    a = c.take<unsigned char>(kWgStages * kWgTile);
-    b = c.take<unsigned char>(kWgStages * kWgTile);
+    a = c.take<unsigned char>(stages * kWgTile);
+    b = c.take<unsigned char>(stages * kWgTile);
     if constexpr (kFold) {
-      eq = c.take<unsigned char>(kWgStages * kWgTile);
-      d_o = c.take<unsigned char>(kWgStages * kRows * 128);
+      eq = c.take<unsigned char>(stages * kWgTile);
+      d_o = c.take<unsigned char>(stages * kRows * 128);
     }
     S = c.take<unsigned char>(d.pk * 128);
     X = c.take<unsigned char>(kRows * 128);
-    base = c.take<float>(kWgStages * kRows * kBasePitch);
+    base = c.take<float>(stages * kRows * kBasePitch);
+    decay = c.take<float>(stages);
+    head = c.take<int64_t>(stages);
     c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
   }
 };
@@ -1456,91 +1460,104 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
   const auto chunk_at = [&](int64_t i) { return i < chunks ? p.offset[p.reverse ? chunks - 1 - i : i] + doc : 0; };
-  const auto sS = wgmma::saddr(m.S), sX = wgmma::saddr(m.X);
+  constexpr int kStages = WgRecurrenceSmem<kFold>::stages;
+  // The products' descriptors, made once: a step moves them on by desc_add alone (made per product,
+  // their masks and shifts were a quarter of a step's instructions).
+  const auto desc = [](const void* tile, int lead) { return wgmma::desc128(wgmma::saddr(tile), lead, 1024); };
+  const uint64_t a_desc = desc(m.a, 16), b_desc = desc(m.b, kRows * 128), S_desc = desc(m.S, DimsT::pk * 128),
+                 X_desc = desc(m.X, kRows * 128), eq_desc = kFold ? desc(m.eq, kRows * 128) : 0,
+                 d_o_desc = kFold ? desc(m.d_o, kRows * 128) : 0;
+  // This thread's places in the copies, the same every chunk (u the copy's number): a [64, 128] tile's
+  // piece tid + 128 u is 16 bytes at row tid / 16 + 8 u, global offset 8 tid + 1,024 u elements, and
+  // in the swizzle (its row's place in a group of 8 the same for every u) tile_at + 1,024 u bytes.
+  // base [64, 32] float32: row tid / 8 + 16 u, column tid % 8 * 4. d_o [64, 32] and S's rows for the
+  // state out: row tid / 4 + 32 u, column tid % 4 * 8, in the swizzle rows_at + 4,096 u bytes.
+  const int tile_at = wgmma::sw128_offset<kRows>(tid / 16, tid % 16 * 8);
+  const int rows_at = wgmma::sw128_offset<kRows>(tid / 4, tid % 4 * 8), row4 = tid / 4, col4 = tid % 4 * 8;
+  const int base_from = tid / 8 * DimsT::dv + tid % 8 * 4, base_to = tid / 8 * kBasePitch + tid % 8 * 4;
   for (int i = tid; i < DimsT::pk * 128 / 16; i += kWgThreads) reinterpret_cast<uint4*>(m.S)[i] = make_uint4(0, 0, 0, 0);
   // kFold: the tokens of this thread's two d_o rows of the chunk loaded next, read a step ahead.
   int64_t tok[2] = {};
-  const auto ahead = [&](int64_t i) {
+  const auto ahead = [&](int64_t i, int64_t chunk) {
     if constexpr (kFold) {
       if (i < chunks) {
-        for (int u = 0; u < 2; ++u) tok[u] = p.slots[chunk_at(i) * kRows + (tid + u * kWgThreads) / 4];
+        for (int u = 0; u < 2; ++u) tok[u] = p.slots[chunk * kRows + row4 + 32 * u];
       }
     }
   };
-  // Chunk i's tiles into stage i % kWgStages: a, b (and eq) [64, 128] bfloat16, 16 bytes a copy, eight
-  // copies a thread of each; base [64, 32] float32, four; d_o [64, 32] bfloat16, two.
-  const auto load = [&](int64_t i) {
+  // Chunk i's tiles into stage i % kStages: a, b (and eq) [64, 128] bfloat16, eight copies a thread of
+  // each; base [64, 32] float32, four; d_o [64, 32] bfloat16, two; and its head's place and decay, which
+  // the step reads from shared memory (from global memory, at the step's start, their latency was
+  // the step's).
+  const auto load = [&](int64_t i, int64_t chunk) {
     if (i >= chunks) return;
-    const int stage = i % kWgStages;
-    const int64_t head = chunk_at(i) * p.heads + h;
-    const auto tile = [&](unsigned char* to, const float* rows) {
-      const auto* from = reinterpret_cast<const __nv_bfloat16*>(rows + head * kRows * d.dk);
+    const int stage = i % kStages;
+    const int64_t head = chunk * p.heads + h;
+    if (tid == 0) {
+      m.head[stage] = head;
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(wgmma::saddr(m.decay + stage)), "l"(p.decay + head));
+    }
+    const auto tile = [&](unsigned char* to, const void* from) {  // (a and b: bfloat16 in float32's rows)
+      to += stage * kWgTile + tile_at;
+      const auto* rows = static_cast<const __nv_bfloat16*>(from) + 8 * tid;
 #pragma unroll
-      for (int u = 0; u < kRows * 16 / kWgThreads; ++u) {
-        const int piece = tid + u * kWgThreads, r = piece / 16, c = piece % 16 * 8;
-        copy16(to + stage * kWgTile + wgmma::sw128_offset<kRows>(r, c), from + r * 128 + c);
-      }
+      for (int u = 0; u < kRows * 16 / kWgThreads; ++u) copy16(to + 1024 * u, rows + 1024 * u);
     };
-    tile(m.a, p.a);
-    tile(m.b, p.b);
+    tile(m.a, p.a + head * kRows * d.dk);
+    tile(m.b, p.b + head * kRows * d.dk);
     if constexpr (kFold) {
-      const auto* eq = p.eq + head * kRows * d.dk;
-#pragma unroll
-      for (int u = 0; u < kRows * 16 / kWgThreads; ++u) {
-        const int piece = tid + u * kWgThreads, r = piece / 16, c = piece % 16 * 8;
-        copy16(m.eq + stage * kWgTile + wgmma::sw128_offset<kRows>(r, c), eq + r * 128 + c);
-      }
+      tile(m.eq, p.eq + head * kRows * d.dk);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {  // d_o's rows by slots, zero past T
-        const int piece = tid + u * kWgThreads, r = piece / 4, c = piece % 4 * 8;
         const bool real = tok[u] < p.T;
-        copy16_fill(m.d_o + stage * kRows * 128 + wgmma::sw128_offset<kRows>(r, c),
-                    p.d_o + (real ? (tok[u] * p.heads + h) * d.dv + col0 + c : 0), real);
+        copy16_fill(m.d_o + stage * kRows * 128 + rows_at + 4096 * u,
+                    p.d_o + (real ? (tok[u] * p.heads + h) * d.dv + col0 + col4 : 0), real);
       }
     }
-    const float* base = p.base + head * kRows * d.dv + col0;
+    const float* base = p.base + head * kRows * d.dv + col0 + base_from;
+    float* to = m.base + stage * kRows * kBasePitch + base_to;
 #pragma unroll
-    for (int u = 0; u < kRows * kCols / 4 / kWgThreads; ++u) {
-      const int piece = tid + u * kWgThreads, r = piece / 8, c = piece % 8 * 4;
-      copy16(m.base + (stage * kRows + r) * kBasePitch + c, base + r * d.dv + c);
-    }
+    for (int u = 0; u < kRows * kCols / 4 / kWgThreads; ++u) copy16(to + 16 * kBasePitch * u, base + 16 * DimsT::dv * u);
   };
-  for (int i = 0; i < kWgStages - 1; ++i) {
-    ahead(i);
-    load(i);
+  for (int i = 0; i < kStages - 1; ++i) {
+    const int64_t chunk = chunk_at(i);
+    ahead(i, chunk);
+    load(i, chunk);
     commit_copies();
   }
-  ahead(kWgStages - 1);
+  // The chunk indices in registers, read ahead: at step i, `next` is chunk i + kStages - 1's (loaded
+  // at the step), `after` the one after it (its tokens read at the step), and the step reads the next.
+  int64_t next = chunk_at(kStages - 1), after = chunk_at(kStages);
+  ahead(kStages - 1, next);
   float state[2][16] = {};  // S [pk, 32]: rows 64 half + 16 warp + g (+ 8), columns 8 j + 2 t (+ 1), as [4 j + e]
   for (int64_t i = 0; i < chunks; ++i) {
-    const int stage = i % kWgStages;
-    const int64_t head = chunk_at(i) * p.heads + h;
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kWgStages - 2));  // chunk i's copies are in
+    const int stage = i % kStages;
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));  // chunk i's copies are in
     wgmma::fence_shared();
     __syncthreads();  // and everyone's, and the last step's S; every read of the stage refilled below is done
-    load(i + kWgStages - 1);
+    const int64_t head = m.head[stage];
+    const float dec = m.decay[stage];
+    load(i + kStages - 1, next);
     commit_copies();  // (an empty group past the last chunk: the count above stays one a chunk)
-    ahead(i + kWgStages);
-    const float dec = p.decay[head];
+    const int64_t later = chunk_at(i + kStages + 1);
+    ahead(i + kStages, after);
+    next = after;
+    after = later;
     // x = base + sign_a a S: a K-major, S MN-major.
     float x[16] = {};
     wgmma::fence();
-    const auto a_at = wgmma::saddr(m.a + stage * kWgTile);
 #pragma unroll
     for (int kk = 0; kk < DimsT::pk / 16; ++kk)
-      wgmma::mma<__nv_bfloat16, 32, 0, 1>(x, wgmma::desc128(a_at + wgmma::sw128_k_step<kRows>(kk), 16, 1024),
-                                          wgmma::desc128(sS + kk * 2048, DimsT::pk * 128, 1024));
+      wgmma::mma<__nv_bfloat16, 32, 0, 1>(x, wgmma::desc_add(a_desc, stage * kWgTile + wgmma::sw128_k_step<kRows>(kk)),
+                                          wgmma::desc_add(S_desc, kk * 2048));
     wgmma::commit();
     // The state out (S at the chunk's start, bfloat16 as the products take it; dgamma's dot reads it),
     // 16 bytes a copy from S's tile while the product runs.
     {
-      __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(p.state_out) + head * d.dk * d.dv + col0;
+      __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(p.state_out) + head * d.dk * d.dv + col0 + row4 * DimsT::dv + col4;
 #pragma unroll
-      for (int u = 0; u < DimsT::pk * 4 / kWgThreads; ++u) {
-        const int piece = tid + u * kWgThreads, r = piece / 4, c = piece % 4 * 8;
-        *reinterpret_cast<uint4*>(h_out + r * d.dv + c) =
-            *reinterpret_cast<const uint4*>(m.S + wgmma::sw128_offset<DimsT::pk>(r, c));
-      }
+      for (int u = 0; u < DimsT::pk * 4 / kWgThreads; ++u)  // (rows_at: S's rows of 128 bytes as a tile's)
+        *reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u) = *reinterpret_cast<const uint4*>(m.S + rows_at + 4096 * u);
     }
     wgmma::wait<0>();
     {
@@ -1570,15 +1587,11 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
       for (int kk = 0; kk < kRows / 16; ++kk) {
-        const auto x_desc = wgmma::desc128(sX + kk * 2048, kRows * 128, 1024);
-        wgmma::mma<__nv_bfloat16, 32, 1, 1>(
-            add[half], wgmma::desc128(wgmma::saddr(m.b + stage * kWgTile) + half * kRows * 128 + kk * 2048, kRows * 128, 1024),
-            x_desc);
+        const int at = stage * kWgTile + half * kRows * 128 + kk * 2048;  // b's (and eq's) rows kk, M half
+        wgmma::mma<__nv_bfloat16, 32, 1, 1>(add[half], wgmma::desc_add(b_desc, at), wgmma::desc_add(X_desc, kk * 2048));
         if constexpr (kFold)
-          wgmma::mma<__nv_bfloat16, 32, 1, 1>(
-              add[half],
-              wgmma::desc128(wgmma::saddr(m.eq + stage * kWgTile) + half * kRows * 128 + kk * 2048, kRows * 128, 1024),
-              wgmma::desc128(wgmma::saddr(m.d_o + stage * kRows * 128) + kk * 2048, kRows * 128, 1024));
+          wgmma::mma<__nv_bfloat16, 32, 1, 1>(add[half], wgmma::desc_add(eq_desc, at),
+                                              wgmma::desc_add(d_o_desc, stage * kRows * 128 + kk * 2048));
       }
     }
     wgmma::commit();
