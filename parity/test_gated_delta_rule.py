@@ -103,6 +103,24 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
     assert folded == {True, False}, (recurrence, _ran(prof, "recurrence_"))  # backward, forward
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="no Hopper GPU (elsewhere the warps' recurrence is the default, judged above)")
+def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence(monkeypatch):
+    """V4TRAIN_GDR_VARIANTS=none takes the recurrence on the warps' mma.sync kernel
+    (recurrence_planes_kernel), which devices after Hopper run from the PTX (the wgmma kernel is
+    sm_90a's alone): on Hopper it is judged as the test above judges the default, forward and folded
+    backward over documents across chunk boundaries, every gradient against the float64 truth."""
+    from v4train.testing.check import check_parity
+    from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
+
+    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", "none")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(torch.bfloat16, "cuda", 11), seed=3)
+        torch.cuda.synchronize()
+    folded = {"true>(" in n.replace(" ", "") for n in _ran(prof, "recurrence_planes_kernel")}
+    assert folded == {True, False} and not _ran(prof, "recurrence_wgmma_kernel"), _ran(prof, "recurrence_")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 @pytest.mark.parametrize("rep", [1, 3, 4, 9])
 def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(rep):

@@ -367,6 +367,23 @@ MUTATIONS = (
              "(not written since they are exact bfloat16: stale bytes) as if it held their rounding",
              "cc/ops/gated_delta_rule.cu", "plane_gemm<2, false, true, true, true>(m.p,",
              "plane_gemm<2, false, true, true, false>(m.p,", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wgmma_x_unnegated", "the recurrence on wgmma: x goes into shared memory without sign_b "
+             "(the backward's state gradient adds w^T dv_new where it subtracts it)", "cc/ops/gated_delta_rule.cu",
+             "pack2<__nv_bfloat16>(p.sign_b * v0, p.sign_b * v1)", "pack2<__nv_bfloat16>(v0, v1)", PLANES_CUDA,
+             cuda=True),
+    Mutation("delta_rule_wgmma_tiles_one_stage", "the recurrence on wgmma: every chunk's a, b and eq land in the "
+             "first stage (a stage still read is overwritten)", "cc/ops/gated_delta_rule.cu",
+             "to += stage * kWgTile + tile_at;", "to += tile_at;", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wgmma_decay_next_stage", "the recurrence on wgmma: a step takes the next stage's chunk "
+             "decay", "cc/ops/gated_delta_rule.cu", "const float dec = m.decay[stage];",
+             "const float dec = m.decay[(stage + 1) % kStages];", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wgmma_h_out_half", "the recurrence on wgmma: the state out's rows 64.. written over rows "
+             "0.. (h's second half never written)", "cc/ops/gated_delta_rule.cu",
+             "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u)", "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * (u % 2))",
+             PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wgmma_fold_first_half", "the folded recurrence on wgmma: both halves of the state's "
+             "rows take eq's first 64 columns", "cc/ops/gated_delta_rule.cu", "wgmma::desc_add(eq_desc, at)",
+             "wgmma::desc_add(eq_desc, at - half * kRows * 128)", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_kt_from_dq_state", "dqkwg_planes_kernel: G's term through Kt takes dq_state's row "
              "for dk_tilde's (the two float32 tiles confused)", "cc/ops/gated_delta_rule.cu",
              "p.scale, m.DQ, m.DKT, kLdF, s);", "p.scale, m.DQ, m.DQ, kLdF, s);",

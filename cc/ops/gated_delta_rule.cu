@@ -1526,7 +1526,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
     commit_copies();
   }
   // The chunk indices in registers, read ahead: at step i, `next` is chunk i + kStages - 1's (loaded
-  // at the step), `after` the one after it (its tokens read at the step), and the step reads the next.
+  // at the step), `after` the one after it (its tokens read at the step), and `later` the one after
+  // that, read at the step for the next.
   int64_t next = chunk_at(kStages - 1), after = chunk_at(kStages);
   ahead(kStages - 1, next);
   float state[2][16] = {};  // S [pk, 32]: rows 64 half + 16 warp + g (+ 8), columns 8 j + 2 t (+ 1), as [4 j + e]
@@ -2853,9 +2854,10 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
       a.T = fold->T;
     }
     // Hopper's warpgroup products where the sm_90a build runs; elsewhere (a later device, on the PTX)
-    // the warps' mma.sync.
+    // the warps' mma.sync, which V4TRAIN_GDR_VARIANTS=none also takes on Hopper (its parity there).
+    const bool wgmma_on = env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma"}, 1) & 1;
     const auto on = [&]<bool kFold>() {
-      if (wgmma::capable(r.base.get_device(), smem_bytes<WgRecurrenceSmem<kFold>>(d)))
+      if (wgmma_on && wgmma::capable(r.base.get_device(), smem_bytes<WgRecurrenceSmem<kFold>>(d)))
         launch<WgRecurrenceSmem<kFold>, kWgThreads>(recurrence_wgmma_kernel<DimsT, kFold>, grid, d, a);
       else
         launch<PlanesSmem<kFold>>(recurrence_planes_kernel<DimsT, kFold>, grid, d, a);
