@@ -1127,13 +1127,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
 // computes.
 struct RecurrenceArgs {
   const float *base, *a, *b, *add, *decay;
-  void* state_out;  // float32; bfloat16 for recurrence_planes_kernel
-  void* x_out;  // float32; bfloat16 for recurrence_planes_kernel (v_new, dv_new)
+  void* state_out;  // float32; bfloat16 on planes (recurrence_planes_kernel, recurrence_wgmma_kernel)
+  void* x_out;  // float32; bfloat16 on planes (v_new, dv_new)
   const int64_t *chunks_of, *offset;
   float sign_a, sign_b;
   int heads, dk, dv;
   bool reverse;
-  // add folded in (recurrence_planes_kernel<DimsT, true>): a chunk's add is eq^T d_o, eq [C, H, 64,
+  // add folded in (on planes, kFold): a chunk's add is eq^T d_o, eq [C, H, 64,
   // Dk] bfloat16 (E Q as local_grads rounded it), d_o [T, H, Dv] bfloat16 rows by slots (zero past T).
   const __nv_bfloat16 *eq, *d_o;
   const int64_t* slots;
@@ -1546,6 +1546,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
     after = later;
     // x = base + sign_a a S: a K-major, S MN-major.
     float x[16] = {};
+    wgmma::fence_operand(x);
     wgmma::fence();
 #pragma unroll
     for (int kk = 0; kk < DimsT::pk / 16; ++kk)
@@ -1553,7 +1554,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
                                           wgmma::desc_add(S_desc, kk * 2048));
     wgmma::commit();
     // The state out (S at the chunk's start, bfloat16 as the products take it; dgamma's dot reads it),
-    // 16 bytes a copy from S's tile while the product runs.
+    // 16 bytes a copy from S's tile (the reads issued while the product runs).
     {
       __nv_bfloat16* h_out = static_cast<__nv_bfloat16*>(p.state_out) + head * d.dk * d.dv + col0 + row4 * DimsT::dv + col4;
 #pragma unroll
@@ -1561,6 +1562,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
         *reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u) = *reinterpret_cast<const uint4*>(m.S + rows_at + 4096 * u);
     }
     wgmma::wait<0>();
+    wgmma::fence_operand(x);
     {
       const float* base = m.base + stage * kRows * kBasePitch;
 #pragma unroll
@@ -1583,6 +1585,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
     __syncthreads();  // x is in; every read of S is done
     // S = decay S + sign_b b^T x (+ eq^T d_o): b (and eq) MN-major as A, the halves of S's rows, x MN-major.
     float add[2][16] = {};
+    wgmma::fence_operand(add[0]);
+    wgmma::fence_operand(add[1]);
     wgmma::fence();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -1597,6 +1601,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
     }
     wgmma::commit();
     wgmma::wait<0>();
+    wgmma::fence_operand(add[0]);
+    wgmma::fence_operand(add[1]);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -1613,6 +1619,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
     }
   }
   asm volatile("cp.async.wait_group 0;\n" ::);  // (no copy outlives the block)
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
 #endif
 }
 
@@ -2855,6 +2863,9 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
     }
     // Hopper's warpgroup products where the sm_90a build runs; elsewhere (a later device, on the PTX)
     // the warps' mma.sync, which V4TRAIN_GDR_VARIANTS=none also takes on Hopper (its parity there).
+    // (The wgmma kernel stores sign_b x for x, exact only for a sign: every caller's sign_b is +-1.)
+    TORCH_CHECK(std::abs(r.sign_b) == 1.0, "v4_gated_delta_rule: the plane kernels' recurrence takes sign_b +-1, got ",
+                r.sign_b);
     const bool wgmma_on = env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma"}, 1) & 1;
     const auto on = [&]<bool kFold>() {
       if (wgmma_on && wgmma::capable(r.base.get_device(), smem_bytes<WgRecurrenceSmem<kFold>>(d)))
