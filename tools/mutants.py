@@ -271,8 +271,8 @@ MUTATIONS = (
              "odd ? make_uint2(got, p1) : make_uint2(p0, got);", "odd ? make_uint2(p1, got) : make_uint2(p0, got);",
              PLANES_CUDA, cuda=True),
     Mutation("delta_rule_recurrence_base_row_kept", "the recurrence on planes: the base's second row (x0 + g + 8) "
-             "handed over as the first's", "cc/ops/gated_delta_rule.cu", "base[1] = next_base[1];",
-             "base[1] = next_base[0];", PLANES_CUDA, cuda=True),
+             "handed over as the first's", "cc/ops/gated_delta_rule.cu", "base[1] = widen(next_base[1]);",
+             "base[1] = widen(next_base[0]);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_recurrence_base_a_step_late", "the recurrence on planes: the base handed over after the "
              "next chunk's load (each step takes the next chunk's base)", "cc/ops/gated_delta_rule.cu",
              "    turn();\n    if (i + 1 < chunks) load(1 - stage, next);",
@@ -374,6 +374,14 @@ MUTATIONS = (
     Mutation("delta_rule_wgmma_tiles_one_stage", "the recurrence on wgmma: every chunk's a, b and eq land in the "
              "first stage (a stage still read is overwritten)", "cc/ops/gated_delta_rule.cu",
              "to += stage * kWgTile + tile_at;", "to += tile_at;", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wgmma_dv_local_pitch", "the folded recurrence on wgmma: dv_local's bfloat16 pairs read at "
+             "a pitch of 32 elements, not the copies' 40", "cc/ops/gated_delta_rule.cu",
+             "*reinterpret_cast<const uint32_t*>(base + r * kBasePitch + c)",
+             "*reinterpret_cast<const uint32_t*>(base + r * kCols + c)", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_local_planes_dv_local_pairs_swapped", "local_grads on planes: dv_local's bfloat16 pairs "
+             "stored with their two columns swapped", "cc/ops/gated_delta_rule.cu",
+             "            pack2<__nv_bfloat16>(v0, v1);\n      });", "            pack2<__nv_bfloat16>(v1, v0);\n      });",
+             PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wgmma_decay_next_stage", "the recurrence on wgmma: a step takes the next stage's chunk "
              "decay", "cc/ops/gated_delta_rule.cu", "const float dec = m.decay[stage];",
              "const float dec = m.decay[(stage + 1) % kStages];", PLANES_CUDA, cuda=True),

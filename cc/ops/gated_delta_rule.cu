@@ -244,7 +244,8 @@ struct Args {
   const void* h;                             // the forward's states (float32; bfloat16 for kPlanes)
   const void* v_new;                         // and corrected values (float32; bfloat16 for kPlanes)
   void* o;                                   // output
-  float *dv_local, *dh_local;                // local_grads
+  void* dv_local;                            // local_grads (float32; bfloat16 for kPlanes)
+  float* dh_local;
   __nv_bfloat16* eq;                         // or (kPlanes) E Q rounded, for the reverse recurrence
   const void* d_state;                       // the reverse recurrence's (as h)
   const void* dv_new;                        // the reverse recurrence's (float32; bfloat16 for kPlanes)
@@ -1126,7 +1127,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
 // chunk's tiles (a, b, base, add) loading (cp.async; on planes the base into registers) while this one
 // computes.
 struct RecurrenceArgs {
-  const float *base, *a, *b, *add, *decay;
+  const void* base;  // float32; bfloat16 for the folded plane kernels (dv_local)
+  const float *a, *b, *add, *decay;
   void* state_out;  // float32; bfloat16 on planes (recurrence_planes_kernel, recurrence_wgmma_kernel)
   void* x_out;  // float32; bfloat16 on planes (v_new, dv_new)
   const int64_t *chunks_of, *offset;
@@ -1146,7 +1148,8 @@ constexpr int kCols = 32, kColPitch = kCols + 8;
 template <typename DimsT>
 __device__ __forceinline__ void load_base_add(float* base, float* add, const RecurrenceArgs& p, int64_t head, int col0,
                                               int ncols, const DimsT& d) {
-  load_block(base, kCols, p.base + head * kRows * d.dv + col0, d.dv, kRows, ncols, kRows, kCols);
+  load_block(base, kCols, static_cast<const float*>(p.base) + head * kRows * d.dv + col0, d.dv, kRows, ncols, kRows,
+             kCols);
   if (p.add != nullptr) load_block(add, kCols, p.add + head * d.dk * d.dv + col0, d.dv, d.dk, ncols, d.pk, kCols);
 }
 
@@ -1300,10 +1303,17 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   constexpr int kLda = DimsT::pk + 8, kPieces = DimsT::pk / 8, kPass = kThreads / kPieces;
   static_assert(kRows == 2 * kPass, "two pieces a thread");
   const int to_smem = tid / kPieces * kLda + tid % kPieces * 8, to_rows = tid / kPieces * DimsT::dk + tid % kPieces * 8;
-  // The base [64, 32] (U, or the backward's dv_local): this thread's four values of its x tile (rows
-  // x0 + g and + 8, columns xc + 2 t and + 1), read a step ahead into `next_base`, turned into `base`.
+  // The base [64, 32] (U, or the backward's dv_local in bfloat16): this thread's four values of its x
+  // tile (rows x0 + g and + 8, columns xc + 2 t and + 1), read a step ahead into `next_base` as they
+  // lie (widened there, the read would be waited on at once), turned into `base`.
   const int base_at = (x0 + g) * DimsT::dv + col0 + xc + 2 * t;
-  float2 base[2] = {}, next_base[2] = {};
+  using BasePair = std::conditional_t<kFold, uint32_t, float2>;
+  const auto widen = [](BasePair v) {
+    if constexpr (kFold) return unpack2<__nv_bfloat16>(v);
+    else return v;
+  };
+  float2 base[2] = {};
+  BasePair next_base[2] = {};
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
     const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk) + to_rows;
@@ -1324,9 +1334,10 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
       }
     }
-    const float* from = p.base + head * kRows * d.dv + base_at;  // (p.add null on planes)
-    next_base[0] = *reinterpret_cast<const float2*>(from);
-    next_base[1] = *reinterpret_cast<const float2*>(from + 8 * DimsT::dv);
+    using Base = std::conditional_t<kFold, __nv_bfloat16, float>;  // (p.add null on planes)
+    const Base* from = static_cast<const Base*>(p.base) + head * kRows * d.dv + base_at;
+    next_base[0] = *reinterpret_cast<const BasePair*>(from);
+    next_base[1] = *reinterpret_cast<const BasePair*>(from + 8 * DimsT::dv);
     commit_copies();
   };
   // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
@@ -1408,8 +1419,8 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
       }
     }
   }, ahead, [&] {
-    base[0] = next_base[0];
-    base[1] = next_base[1];
+    base[0] = widen(next_base[0]);
+    base[1] = widen(next_base[1]);
   });
 }
 
@@ -1422,13 +1433,15 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 // MN-major operands, the first 64 bytes of 128-byte swizzled rows. x is written into shared memory as
 // sign_b x (negation is exact), so that the second product's sum is the one the state adds; kFold's
 // eq^T d_o adds into the same accumulator. The state stays in float32 in the accumulator's registers.
-constexpr int kWgThreads = 128, kBasePitch = kCols + 8;  // (pitch 40: float2 reads, 2 wavefronts)
+constexpr int kWgThreads = 128, kBasePitch = kCols + 8;  // (pitch 40: a warp's pairs read in the fewest wavefronts)
 constexpr int kWgTile = kRows * 128 * 2;                 // [64, 128] bfloat16
 template <bool kFold>
 struct WgRecurrenceSmem {
   static constexpr int stages = kFold ? 3 : 4;  // as deep as 227 KB allows
+  using Base = std::conditional_t<kFold, __nv_bfloat16, float>;  // U float32; dv_local bfloat16
   unsigned char *a, *b, *eq = nullptr, *d_o = nullptr, *S, *X;
-  float *base, *decay;  // decay: each stage's chunk decay
+  Base* base;
+  float* decay;  // each stage's chunk decay
   int64_t* head;        // each stage's chunk * heads + h
   template <typename DimsT>
   __host__ __device__ WgRecurrenceSmem(Carve& c, const DimsT& d) {
@@ -1441,7 +1454,7 @@ struct WgRecurrenceSmem {
     }
     S = c.take<unsigned char>(d.pk * 128);
     X = c.take<unsigned char>(kRows * 128);
-    base = c.take<float>(stages * kRows * kBasePitch);
+    base = c.take<Base>(stages * kRows * kBasePitch);
     decay = c.take<float>(stages);
     head = c.take<int64_t>(stages);
     c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
@@ -1470,11 +1483,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
   // This thread's places in the copies, the same every chunk (u the copy's number): a [64, 128] tile's
   // piece tid + 128 u is 16 bytes at row tid / 16 + 8 u, global offset 8 tid + 1,024 u elements, and
   // in the swizzle (its row's place in a group of 8 the same for every u) tile_at + 1,024 u bytes.
-  // base [64, 32] float32: row tid / 8 + 16 u, column tid % 8 * 4. d_o [64, 32] and S's rows for the
-  // state out: row tid / 4 + 32 u, column tid % 4 * 8, in the swizzle rows_at + 4,096 u bytes.
+  // base [64, 32]: float32 row tid / 8 + 16 u, column tid % 8 * 4; bfloat16 row tid / 4 + 32 u, column
+  // tid % 4 * 8. d_o [64, 32] and S's rows for the state out: row tid / 4 + 32 u, column tid % 4 * 8,
+  // in the swizzle rows_at + 4,096 u bytes.
   const int tile_at = wgmma::sw128_offset<kRows>(tid / 16, tid % 16 * 8);
   const int rows_at = wgmma::sw128_offset<kRows>(tid / 4, tid % 4 * 8), row4 = tid / 4, col4 = tid % 4 * 8;
-  const int base_from = tid / 8 * DimsT::dv + tid % 8 * 4, base_to = tid / 8 * kBasePitch + tid % 8 * 4;
+  using Base = typename WgRecurrenceSmem<kFold>::Base;
+  constexpr int kPer = 16 / sizeof(Base), kPieces = kCols / kPer, kPass = kWgThreads / kPieces;  // (a copy's)
+  const int base_from = tid / kPieces * DimsT::dv + tid % kPieces * kPer;
+  const int base_to = tid / kPieces * kBasePitch + tid % kPieces * kPer;
   for (int i = tid; i < DimsT::pk * 128 / 16; i += kWgThreads) reinterpret_cast<uint4*>(m.S)[i] = make_uint4(0, 0, 0, 0);
   // kFold: the tokens of this thread's two d_o rows of the chunk loaded next, read a step ahead.
   int64_t tok[2] = {};
@@ -1514,10 +1531,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
                     p.d_o + (real ? (tok[u] * p.heads + h) * d.dv + col0 + col4 : 0), real);
       }
     }
-    const float* base = p.base + head * kRows * d.dv + col0 + base_from;
-    float* to = m.base + stage * kRows * kBasePitch + base_to;
+    const Base* base = static_cast<const Base*>(p.base) + head * kRows * d.dv + col0 + base_from;
+    Base* to = m.base + stage * kRows * kBasePitch + base_to;
 #pragma unroll
-    for (int u = 0; u < kRows * kCols / 4 / kWgThreads; ++u) copy16(to + 16 * kBasePitch * u, base + 16 * DimsT::dv * u);
+    for (int u = 0; u < kRows / kPass; ++u) copy16(to + kPass * kBasePitch * u, base + kPass * DimsT::dv * u);
   };
   for (int i = 0; i < kStages - 1; ++i) {
     const int64_t chunk = chunk_at(i);
@@ -1564,13 +1581,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
     wgmma::wait<0>();
     wgmma::fence_operand(x);
     {
-      const float* base = m.base + stage * kRows * kBasePitch;
+      const Base* base = m.base + stage * kRows * kBasePitch;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = 16 * warp + g + 8 * half, c = 8 * j + 2 * t;
-          const float2 b0 = *reinterpret_cast<const float2*>(base + r * kBasePitch + c);
+          float2 b0;
+          if constexpr (kFold) b0 = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(base + r * kBasePitch + c));
+          else b0 = *reinterpret_cast<const float2*>(base + r * kBasePitch + c);
           const float v0 = b0.x + p.sign_a * x[4 * j + 2 * half], v1 = b0.y + p.sign_a * x[4 * j + 2 * half + 1];
           // v_new (forward) and dv_new (backward) in bfloat16, as their readers take them
           // (tools/delta_rule_split_check.py --stored v_new,dv_new)
@@ -1830,7 +1849,7 @@ __global__ void __launch_bounds__(kThreads) local_grads_kernel(Args p) {
   __syncthreads();
   block_gemm<4, true, false, kMode, Tri::kUpperA>(m.QP, m.ldqp, m.X, m.ldo, kRows + d.dk, d.dv, kRows,
                                                    [&](int r, int c, float v) {
-                                                     if (r < kRows) p.dv_local[(head * kRows + r) * d.dv + c] = v;
+                                                     if (r < kRows) static_cast<float*>(p.dv_local)[(head * kRows + r) * d.dv + c] = v;
                                                      else p.dh_local[(head * d.dk + r - kRows) * d.dv + c] = v;
                                                    });
 }
@@ -1891,7 +1910,10 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
   }
   plane_gemm<4, true, false, true, false, kNever, kNever, Tri::kUpperA>(  // (kBExact: d_o's lo not read)
       qp, m.ldqp, kRows * m.ldqp, d_o, kPlaneRow, 0, kRows, d.dv, kRows,
-      [&](int r, int c, float v0, float v1) { store2(p.dv_local + (head * kRows + r) * d.dv + c, v0, v1); });
+      [&](int r, int c, float v0, float v1) {  // bfloat16 (tools/delta_rule_split_check.py --stored dv_local)
+        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.dv_local) + (head * kRows + r) * d.dv + c) =
+            pack2<__nv_bfloat16>(v0, v1);
+      });
 }
 
 struct StateSmem {
@@ -2844,7 +2866,7 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned clu
 template <Mode kMode, typename DimsT>
 void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args* fold = nullptr) {
   TORCH_CHECK(plan.documents < 65536, "v4_gated_delta_rule: more than 65,535 documents in one call");
-  RecurrenceArgs a{r.base.data_ptr<float>(), r.a.data_ptr<float>(), r.b.data_ptr<float>(),
+  RecurrenceArgs a{r.base.data_ptr(), r.a.data_ptr<float>(), r.b.data_ptr<float>(),
                    r.add.defined() ? r.add.data_ptr<float>() : nullptr, r.decay.data_ptr<float>(),
                    r.state_out.data_ptr(), r.x_out.data_ptr(), plan.chunks_of.data_ptr<int64_t>(),
                    plan.offset_device.data_ptr<int64_t>(), static_cast<float>(r.sign_a), static_cast<float>(r.sign_b),
@@ -2855,6 +2877,8 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
                                   "is folded)");
     TORCH_CHECK(r.x_out.scalar_type() == at::kBFloat16,
                 "v4_gated_delta_rule: the plane kernels' recurrence writes v_new and dv_new in bfloat16");
+    TORCH_CHECK(r.base.scalar_type() == (fold != nullptr ? at::kBFloat16 : at::kFloat),
+                "v4_gated_delta_rule: the plane kernels' recurrence takes U in float32 and dv_local in bfloat16");
     if (fold != nullptr) {
       a.eq = fold->eq;
       a.d_o = static_cast<const __nv_bfloat16*>(fold->d_o);
@@ -2876,7 +2900,8 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
     if (fold != nullptr) on.template operator()<true>();
     else on.template operator()<false>();
   } else {
-    TORCH_CHECK(fold == nullptr, "v4_gated_delta_rule: the folded recurrence is the plane kernels'");
+    TORCH_CHECK(fold == nullptr && r.base.scalar_type() == at::kFloat,
+                "v4_gated_delta_rule: the folded recurrence is the plane kernels'; the others take a float32 base");
     launch<RecurrenceSmem>(recurrence_kernel<kMode, DimsT>, grid, d, a);
   }
 }
@@ -2952,10 +2977,12 @@ void fused(Fused& f, bool backward) {
   // dh_local, the state's gradient from each chunk's outputs ((E Q)^T d_o): written by local_grads
   // and added by the reverse recurrence, or on planes formed there from E Q rounded (`fold`).
   constexpr bool fold = kPlanes<kMode, DimsT>;
-  Recurrence r{rows(d.dv), k_tilde, w, fold ? at::Tensor() : at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0,
-               true};
+  // dv_local: bfloat16 on planes (tools/delta_rule_split_check.py --stored dv_local: A_log's worst error and g's
+  // distance from float32 on the long documents as without it), the recurrence's base.
+  Recurrence r{fold ? at::empty({chunks, hv, kRows, d.dv}, f.q.options().dtype(at::kBFloat16)) : rows(d.dv), k_tilde, w,
+               fold ? at::Tensor() : at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0, true};
   at::Tensor eq = fold ? at::empty({chunks, hv, kRows, d.dk}, f.q.options().dtype(at::kBFloat16)) : at::Tensor();
-  a.dv_local = r.base.data_ptr<float>();
+  a.dv_local = r.base.data_ptr();
   if constexpr (fold) {
     a.eq = static_cast<__nv_bfloat16*>(eq.data_ptr());
     launch<LocalPlanesSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);

@@ -112,6 +112,7 @@ MOE_KERNELS = "RMSNorm, the experts' SwiGLU and the MoE combine as CUDA kernels 
 FP8_EXPERTS = "The delta rule's branches merged; the experts' FP8 kernel's first run (2026-12-05, seventeenth session)"
 CUTS = "The delta rule's blind instruction cuts measured: 3.27 ms on the device at 8K, fla 2.46 (2026-12-06, twenty-sixth session)"
 DQKWG = "The delta rule's state and intra gradients as one kernel: fla's wall time at 8K (2026-12-06, twenty-seventh session)"
+SUMS_RUN = "The delta rule's recurrence on Hopper's wgmma: the op past fla at 32K (2026-12-07, thirty-fourth session)"
 MEASURED = [
     ("glm5", "full", 4096, False, False, 14.5, COMBINE, None),
     ("glm5", "full", 16384, True, False, 20.3, BLOCKS, None),
@@ -138,19 +139,23 @@ MEASURED = [
     ("qwen3_5", "full", 65536, True, False, 19.5, CUTS, "all"),
     ("qwen3_5", "full", 4096, False, False, 5.9, DQKWG, "dqkwg"),
     ("qwen3_5", "full", 65536, True, False, 17.5, DQKWG, "dqkwg"),
+    ("qwen3_5", "full", 4096, False, False, 5.9, SUMS_RUN, "sums"),
+    ("qwen3_5", "full", 65536, True, False, 15.0, SUMS_RUN, "sums"),
 ]
 TOLERANCE = 0.10
 # The CUDA kernels that each era's code lacked (it ran their ATen paths): the planner leaves them out.
 MOE = ("fused_swiglu", "fused_combine")  # the experts' SwiGLU and combine kernels (2026-12-03)
 # "all": the kernels up to the twenty-sixth session (the delta rule's state and intra gradients as three
 # kernels); "dqkwg": those as one, from the twenty-seventh.
-# Every era here wrote each value head's share of dq and dk in fp32 and summed them after (the plane
-# kernels sum them in clusters since the thirty-third session: fused_key_sums).
-SUMS = ("fused_key_sums",)
+# Every era here but "sums" wrote each value head's share of dq and dk in fp32 and summed them after (the
+# plane kernels sum them in clusters since the thirty-third session: fused_key_sums), and every one kept
+# dv_local in fp32 (bf16 on planes since the thirty-fourth: fused_bf16_dv_local).
+DV_LOCAL = ("fused_bf16_dv_local",)
+SUMS = ("fused_key_sums",) + DV_LOCAL
 LACKED = {"rule": ("fused_conv", "fused_norm", "fused_loss", "fused_dqkwg") + MOE + SUMS,
           "block": ("fused_loss", "fused_dqkwg") + MOE + SUMS,
           None: ("fused_loss", "fused_fp8_experts", "fused_dqkwg") + MOE + SUMS,
-          "loss": ("fused_dqkwg",) + MOE + SUMS, "all": ("fused_dqkwg",) + SUMS, "dqkwg": SUMS}
+          "loss": ("fused_dqkwg",) + MOE + SUMS, "all": ("fused_dqkwg",) + SUMS, "dqkwg": SUMS, "sums": DV_LOCAL}
 # The delta rule's two paths measured on the same code otherwise (the combine before it became
 # one node, stop 27, which both had alike): what the fused path saves is their difference.
 SAVING = [
@@ -251,8 +256,8 @@ def test_the_fused_delta_rule_keeps_v_new_as_its_kernels_store_it():
 
 
 def test_the_reverse_recurrence_on_planes_holds_e_q_where_fp32_holds_dh_local():
-    """The fused backward's reverse recurrence holds dv_local [P, value heads, dv] (fp32), dv_new (bf16
-    on the plane kernels, which write it so, as v_new; fp32 otherwise), d_state (as h) and the state's
+    """The fused backward's reverse recurrence holds dv_local [P, value heads, dv] and dv_new (bf16 on
+    the plane kernels, which write them so, dv_new as v_new; fp32 otherwise), d_state (as h) and the state's
     gradient from each chunk's outputs: on the plane kernels (bf16 at widths 128) E Q [P, value heads,
     dk] in bf16, which the recurrence forms it from; in fp32, local_grads' dh_local [chunks, value
     heads, dk, dv] in fp32. The term by hand, both dtypes."""
@@ -268,7 +273,9 @@ def test_the_reverse_recurrence_on_planes_holds_e_q_where_fp32_holds_dh_local():
         (t,) = [t for t in moment.terms if t.what.startswith("reverse recurrence:")]
         return t.bytes
 
-    assert term(base) == P * nv * dv * (4 + 2) + P * nv * dk * 2 + chunks * nv * dk * dv * 2
+    assert term(base) == P * nv * dv * (2 + 2) + P * nv * dk * 2 + chunks * nv * dk * dv * 2
+    with mock.patch.object(plan, "fused_bf16_dv_local", lambda *args: False):  # dv_local in fp32 before
+        assert term(base) == P * nv * dv * (4 + 2) + P * nv * dk * 2 + chunks * nv * dk * dv * 2
     assert term(dataclasses.replace(base, dtype_bytes=4)) == 2 * P * nv * dv * 4 + 2 * chunks * nv * dk * dv * 4
 
 

@@ -663,6 +663,13 @@ def fused_key_sums(setup: Setup) -> bool:
     return True
 
 
+def fused_bf16_dv_local(setup: Setup) -> bool:
+    """Whether the plane kernels keep dv_local, v_new's gradient from each chunk's own outputs (local_grads'
+    output, the reverse recurrence's base), in bf16, where the kernels before kept it in fp32. A switch
+    of its own so that the peaks measured before it are predicted as that code ran."""
+    return True
+
+
 def fused_norm(setup: Setup) -> bool:
     """Whether the Gated DeltaNet block's gated RMSNorm runs its CUDA kernels (gated_deltanet.cc's
     gated_norm picks them): CUDA, bf16 or fp32, heads at most NORM_MAX_WIDTH wide."""
@@ -815,7 +822,7 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     function fused()): adds what the autograd node keeps to the block's `s`; returns the moments of
     its forward pass, of a checkpointed first pass and of its backward. The kernels' work tensors
     are fp32 (float64 for dg) whatever the model's dtype, but for the states across chunks (h,
-    d_state), v_new and dv_new, which its plane kernels (bf16 at widths 128: gated_delta_rule.cu's
+    d_state), v_new, dv_local and dv_new, which its plane kernels (bf16 at widths 128: gated_delta_rule.cu's
     kPlanes) keep in bf16."""
     cfg, T, b = c.cfg, c.tokens, c.b
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -869,12 +876,13 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     # dq, dk: each value head's share [T, value heads, dk] (fp32) and the key heads' sums (dk's in fp32,
     # then cast); on planes the sums alone, in bf16.
     summed = planes and fused_key_sums(c.setup)
+    local = P * nv * dv * (b if planes and fused_bf16_dv_local(c.setup) else FP32)  # dv_local [chunks, value heads, 64, dv]
     shares = 0 if summed else T * nv * 2 * dk * FP32
     sums = T * nk * dk * (2 * b if summed else b + FP32 + cast)
     backward = [
         Moment("delta rule's reverse recurrence", tuple(held + [incoming, wk, Term(
-            "reverse recurrence: dv_local [.., 64, dv] (fp32), dv_new (as v_new); dh_local (fp32; on planes E Q [.., 64, "
-            "dk]), d_state (as h) [chunks, value heads, dk, dv]", rows(dv) + values + dh + state)])),
+            "reverse recurrence: dv_local [.., 64, dv] (fp32; bf16 on planes), dv_new (as v_new); dh_local (fp32; on "
+            "planes E Q [.., 64, dk]), d_state (as h) [chunks, value heads, dk, dv]", local + values + dh + state)])),
         Moment("delta rule's UT-transform gradients", tuple(held + [incoming, wk, Term(
             "state and intra gradients: dv_new (as v_new), dk_part [.., dk] (fp32), dg_part [chunks, value heads, 64] "
             "(float64); off planes also dq_state, dk_tilde [.., dk] (fp32) and dgamma (on planes one kernel keeps them "
