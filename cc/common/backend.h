@@ -5,6 +5,7 @@
 // Adding a kernel is one registration; the op's code has no #ifdef.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
 #include <c10/util/Exception.h>
@@ -88,6 +89,22 @@ inline unsigned env_variants(const char* name, std::initializer_list<std::string
 inline at::Tensor dense16(const at::Tensor& t) {
   const at::Tensor c = t.contiguous();
   return reinterpret_cast<uintptr_t>(c.const_data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+// Host values on `device` without waiting for it: a blocking copy to a GPU from pageable memory
+// synchronises the stream (copy_ with non_blocking false), so at each call the GPU would drain and
+// then idle while the host caught up. Through pinned memory the copy is queued on the stream (the
+// caching host allocator keeps the buffer until it lands).
+inline at::Tensor upload(const at::Tensor& host, c10::Device device) {
+  if (host.device() == device || !device.is_cuda() || !host.is_cpu()) return host.to(device).contiguous();
+  return host.contiguous().pin_memory().to(device, host.scalar_type(), /*non_blocking=*/true);
+}
+inline at::Tensor upload(const std::vector<int64_t>& values, c10::Device device) {
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  if (!device.is_cuda()) return at::tensor(values, longs.device(device));
+  at::Tensor host = at::empty({static_cast<int64_t>(values.size())}, longs.pinned_memory(true));
+  std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
+  return host.to(device, at::kLong, /*non_blocking=*/true);
 }
 
 }  // namespace v4

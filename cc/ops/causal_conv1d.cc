@@ -49,7 +49,7 @@ at::Tensor v4_causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const
   const auto dtype = x.scalar_type();
   if (v4::Backend<v4::conv::Kernel>::find(x.device().type()) != nullptr && T > 0 && x.size(1) > 0 &&
       (dtype == at::kFloat || dtype == at::kBFloat16) && K <= v4::conv::kMaxKernel) {
-    return v4::conv::FusedConv::apply(x, weight, cu_seqlens.to(x.device()).contiguous());
+    return v4::conv::FusedConv::apply(x, weight, v4::upload(cu_seqlens, x.device()));
   }
   const auto compute = v4::compute_dtype(dtype);
   const at::Tensor xf = x.to(compute), w = weight.to(compute).select(1, 0);  // [C, K]

@@ -180,7 +180,6 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t T = q.size(0), Hk = q.size(1), Dk = q.size(2), Hv = v.size(1), Dv = v.size(2);
   const auto docs = v4::documents(op, cu_seqlens, T);
   const auto compute = v4::compute_dtype(q.scalar_type());
-  const auto longs = q.options().dtype(at::kLong);
 
   // Chunks in scan order (gdr::Plan): documents longest first.
   struct Live {
@@ -213,15 +212,15 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
       }
     }
   }
-  const at::Tensor gather_idx = at::tensor(gather, longs);
-  const at::Tensor chunks_of_device = at::tensor(chunks_of, longs), offset_device = at::tensor(offset, longs);
+  const at::Tensor gather_idx = v4::upload(gather, q.device());
+  const at::Tensor chunks_of_device = v4::upload(chunks_of, q.device()), offset_device = v4::upload(offset, q.device());
   const auto dtype = q.scalar_type();
   if (Backend<FusedKernel>::find(q.device().type()) != nullptr && k.scalar_type() == dtype &&
       v.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16) && Dk <= kFusedMaxDim &&
       Dv <= kFusedMaxDim) {
     return FusedRule::apply(q, k, v, g, beta, gather_idx, chunks_of_device, offset_device, reach, offset);
   }
-  const at::Tensor scatter_idx = at::tensor(scatter, longs);
+  const at::Tensor scatter_idx = v4::upload(scatter, q.device());
 
   // Per token, in the compute dtype, key heads repeated to value heads; then into chunk slots
   // [chunks, Hv, 64, D] with zero padding (k = v = beta = g = 0: the state passes unchanged).
