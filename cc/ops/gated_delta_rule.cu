@@ -1428,11 +1428,12 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 // block of 32 columns. The two products read their operands from shared memory in the tensor core,
 // once a warpgroup, where the 16 warps' ldmatrix fragments read a and S four times over and waited on
 // shared memory for 45% of the forward's samples (ncu of the H100, thirty-fourth session: 3,478 cycles a
-// chunk, shared memory 67% busy). a, b (and kFold's eq) come `stages` deep in 128-byte swizzle,
-// the base [64, 32] float32 and kFold's d_o beside them; S [pk, 32] and x [64, 32] are bfloat16
-// MN-major operands, the first 64 bytes of 128-byte swizzled rows. x is written into shared memory as
-// sign_b x (negation is exact), so that the second product's sum is the one the state adds; kFold's
-// eq^T d_o adds into the same accumulator. The state stays in float32 in the accumulator's registers.
+// chunk, shared memory 67% busy). a, b (and kFold's eq) come `stages` deep in 128-byte swizzle, the
+// base [64, 32] (U in float32, kFold's dv_local in bfloat16) and kFold's d_o beside them; S [pk, 32]
+// and x [64, 32] are bfloat16 MN-major operands, the first 64 bytes of 128-byte swizzled rows. x is
+// written into shared memory as sign_b x (negation is exact), so that the second product's sum is the
+// one the state adds; kFold's eq^T d_o adds into the same accumulator. The state stays in float32 in
+// the accumulator's registers.
 constexpr int kWgThreads = 128, kBasePitch = kCols + 8;  // (pitch 40: a warp's pairs read in the fewest wavefronts)
 constexpr int kWgTile = kRows * 128 * 2;                 // [64, 128] bfloat16
 template <bool kFold>
@@ -1441,8 +1442,8 @@ struct WgRecurrenceSmem {
   using Base = std::conditional_t<kFold, __nv_bfloat16, float>;  // U float32; dv_local bfloat16
   unsigned char *a, *b, *eq = nullptr, *d_o = nullptr, *S, *X;
   Base* base;
-  float* decay;  // each stage's chunk decay
-  int64_t* head;        // each stage's chunk * heads + h
+  float* decay;   // each stage's chunk decay
+  int64_t* head;  // each stage's chunk * heads + h
   template <typename DimsT>
   __host__ __device__ WgRecurrenceSmem(Carve& c, const DimsT& d) {
     static_assert(kWgTile % 1024 == 0 && kRows * 128 % 1024 == 0, "tiles on 1,024 bytes, as the swizzle wants");
