@@ -77,6 +77,23 @@ def _ran(prof, kernel: str) -> set[str]:
     return {e.name for e in prof.events() if f"{kernel}<" in e.name}
 
 
+def _judged_on_cuda(sample, seed: int):
+    """The profile of v4_gated_delta_rule's parity on `sample` (every output and gradient against the
+    reference and its float64 truth)."""
+    from v4train.testing.check import check_parity
+    from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        check_parity(OPS["v4_gated_delta_rule"], OP, reference, sample, seed=seed)
+        torch.cuda.synchronize()
+    return prof
+
+
+def _folded(prof, recurrence: str) -> set[bool]:
+    """For each launch of the recurrence kernel `recurrence`: whether it is the folded (backward) one."""
+    return {"true>(" in n.replace(" ", "") for n in _ran(prof, recurrence)}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_the_planes_kernels_pass_the_judge_on_cuda():
     """bf16 at Qwen3.5's widths takes the kernels on planes (cc/ops/gated_delta_rule.cu kPlanes), the
@@ -87,20 +104,14 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
     wrote it): every gradient against the reference and its float64 truth over documents across chunk
     boundaries (1, 63, 64, 65 and 4,097 tokens); the profile shows the planes kernels ran, not the
     float32 ones, and the folded recurrence in the backward alone (on Hopper, its wgmma kernel)."""
-    from v4train.testing.check import check_parity
-    from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(torch.bfloat16, "cuda", 11), seed=3)
-        torch.cuda.synchronize()
+    prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
     for planes, plain in (("prepare_planes_kernel", "prepare_kernel"), ("output_planes_kernel", "output_kernel"),
                           ("dqkwg_planes_kernel", "state_grads_kernel"), ("dqkwg_planes_kernel", "intra_grads_kernel"),
                           ("wy_grads_planes_kernel", "wy_grads_kernel")):
         assert _ran(prof, planes) and not _ran(prof, plain), (planes, _ran(prof, plain))
     # The recurrence: Hopper's warpgroup kernel on compute capability 9.0, the warps' elsewhere.
     recurrence = "recurrence_wgmma_kernel" if torch.cuda.get_device_capability() == (9, 0) else "recurrence_planes_kernel"
-    folded = {"true>(" in n.replace(" ", "") for n in _ran(prof, recurrence)}
-    assert folded == {True, False}, (recurrence, _ran(prof, "recurrence_"))  # backward, forward
+    assert _folded(prof, recurrence) == {True, False}, (recurrence, _ran(prof, "recurrence_"))  # backward, forward
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -110,15 +121,10 @@ def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence(mon
     (recurrence_planes_kernel), which devices after Hopper run from the PTX (the wgmma kernel is
     sm_90a's alone): on Hopper it is judged as the test above judges the default, forward and folded
     backward over documents across chunk boundaries, every gradient against the float64 truth."""
-    from v4train.testing.check import check_parity
-    from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
-
     monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", "none")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        check_parity(OPS["v4_gated_delta_rule"], OP, reference, long_documents(torch.bfloat16, "cuda", 11), seed=3)
-        torch.cuda.synchronize()
-    folded = {"true>(" in n.replace(" ", "") for n in _ran(prof, "recurrence_planes_kernel")}
-    assert folded == {True, False} and not _ran(prof, "recurrence_wgmma_kernel"), _ran(prof, "recurrence_")
+    prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
+    assert _folded(prof, "recurrence_planes_kernel") == {True, False} and not _ran(prof, "recurrence_wgmma_kernel"), \
+        _ran(prof, "recurrence_")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
@@ -129,18 +135,14 @@ def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(rep):
     (397B-A17B) value heads a key head, at Qwen3.5's widths in bf16, every gradient against the
     reference and its float64 truth across chunk boundaries; past the cluster's 8 blocks the float32
     kernels and their separate sum take it (the profile shows which ran)."""
-    from v4train.testing.check import check_parity
     from v4train.testing.samples import Sample
-    from v4train.reference.gated_delta_rule import v4_gated_delta_rule as reference
 
     lengths = [1, 63, 65, 200]
     leaves = leaves_for(lengths, 2, rep, 128, 128, torch.bfloat16, "cuda", 5, decay=0.01)
     cu = packed(lengths, "cuda")[1]
     sample = Sample(leaves, lambda lv: ((lv["q"], lv["k"], lv["v"], lv["g"], lv["beta"], cu), {}),
                     note=f"{rep} value heads a key head")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        check_parity(OPS["v4_gated_delta_rule"], OP, reference, sample, seed=5)
-        torch.cuda.synchronize()
+    prof = _judged_on_cuda(sample, seed=5)
     on_planes = rep <= 8
     assert bool(_ran(prof, "wy_grads_planes_kernel")) == on_planes, _ran(prof, "wy_grads_kernel")
     assert bool(_ran(prof, "sum_value_heads_kernel")) != on_planes, _ran(prof, "sum_value_heads_kernel")

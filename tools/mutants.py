@@ -374,10 +374,10 @@ MUTATIONS = (
     Mutation("delta_rule_wgmma_tiles_one_stage", "the recurrence on wgmma: every chunk's a, b and eq land in the "
              "first stage (a stage still read is overwritten)", "cc/ops/gated_delta_rule.cu",
              "to += stage * kWgTile + tile_at;", "to += tile_at;", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_wgmma_dv_local_pitch", "the folded recurrence on wgmma: dv_local's bfloat16 pairs read at "
-             "a pitch of 32 elements, not the copies' 40", "cc/ops/gated_delta_rule.cu",
-             "*reinterpret_cast<const uint32_t*>(base + r * kBasePitch + c)",
-             "*reinterpret_cast<const uint32_t*>(base + r * kCols + c)", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_wgmma_dv_local_pitch", "the recurrence on wgmma: the base's pairs (U's, dv_local's "
+             "bfloat16) read at a pitch of 32 elements, not the copies' 40", "cc/ops/gated_delta_rule.cu",
+             "widen(*reinterpret_cast<const BasePair<kFold>*>(base + r * kBasePitch + c))",
+             "widen(*reinterpret_cast<const BasePair<kFold>*>(base + r * kCols + c))", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_local_planes_dv_local_pairs_swapped", "local_grads on planes: dv_local's bfloat16 pairs "
              "stored with their two columns swapped", "cc/ops/gated_delta_rule.cu",
              "            pack2<__nv_bfloat16>(v0, v1);\n      });", "            pack2<__nv_bfloat16>(v1, v0);\n      });",

@@ -1144,6 +1144,21 @@ struct RecurrenceArgs {
 
 constexpr int kCols = 32, kColPitch = kCols + 8;
 
+// The recurrence's base on planes: U in float32, the folded (backward) kernels' dv_local in bfloat16;
+// a thread's pair of it as it lies (BasePair) and widened to float32.
+template <bool kFold>
+using BaseOf = std::conditional_t<kFold, __nv_bfloat16, float>;
+template <bool kFold>
+using BasePair = std::conditional_t<kFold, uint32_t, float2>;
+__device__ __forceinline__ float2 widen(float2 v) { return v; }
+__device__ __forceinline__ float2 widen(uint32_t v) { return unpack2<__nv_bfloat16>(v); }
+
+// The index of document blockIdx.z's i-th chunk in the recurrence's order (last first where
+// p.reverse); 0 past its `chunks`.
+__device__ __forceinline__ int64_t chunk_at(const RecurrenceArgs& p, int64_t chunks, int64_t i) {
+  return i < chunks ? p.offset[p.reverse ? chunks - 1 - i : i] + blockIdx.z : 0;
+}
+
 // A chunk's base [64, 32] and add [pk, 32] (if any) for the block's columns col0.. (ncols of them).
 template <typename DimsT>
 __device__ __forceinline__ void load_base_add(float* base, float* add, const RecurrenceArgs& p, int64_t head, int col0,
@@ -1168,7 +1183,7 @@ template <typename Load, typename Step, typename Ahead, typename Turn>
 __device__ __forceinline__ void over_chunks(const RecurrenceArgs& p, int h, Load&& load, Step&& step, Ahead&& ahead,
                                             Turn&& turn) {
   const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
-  const auto chunk_at = [&](int64_t i) { return i < chunks ? p.offset[p.reverse ? chunks - 1 - i : i] + doc : 0; };
+  const auto chunk_at = [&](int64_t i) { return v4::gdr::chunk_at(p, chunks, i); };
   int64_t chunk = chunk_at(0), next = chunk_at(1);
   if (chunks > 0) {
     ahead(chunk);
@@ -1307,13 +1322,8 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   // tile (rows x0 + g and + 8, columns xc + 2 t and + 1), read a step ahead into `next_base` as they
   // lie (widened there, the read would be waited on at once), turned into `base`.
   const int base_at = (x0 + g) * DimsT::dv + col0 + xc + 2 * t;
-  using BasePair = std::conditional_t<kFold, uint32_t, float2>;
-  const auto widen = [](BasePair v) {
-    if constexpr (kFold) return unpack2<__nv_bfloat16>(v);
-    else return v;
-  };
   float2 base[2] = {};
-  BasePair next_base[2] = {};
+  BasePair<kFold> next_base[2] = {};
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
     const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk) + to_rows;
@@ -1334,10 +1344,9 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
       }
     }
-    using Base = std::conditional_t<kFold, __nv_bfloat16, float>;  // (p.add null on planes)
-    const Base* from = static_cast<const Base*>(p.base) + head * kRows * d.dv + base_at;
-    next_base[0] = *reinterpret_cast<const BasePair*>(from);
-    next_base[1] = *reinterpret_cast<const BasePair*>(from + 8 * DimsT::dv);
+    const auto* from = static_cast<const BaseOf<kFold>*>(p.base) + head * kRows * d.dv + base_at;  // (no add on planes)
+    next_base[0] = *reinterpret_cast<const BasePair<kFold>*>(from);
+    next_base[1] = *reinterpret_cast<const BasePair<kFold>*>(from + 8 * DimsT::dv);
     commit_copies();
   };
   // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
@@ -1439,9 +1448,8 @@ constexpr int kWgTile = kRows * 128 * 2;                 // [64, 128] bfloat16
 template <bool kFold>
 struct WgRecurrenceSmem {
   static constexpr int stages = kFold ? 3 : 4;  // as deep as 227 KB allows
-  using Base = std::conditional_t<kFold, __nv_bfloat16, float>;  // U float32; dv_local bfloat16
   unsigned char *a, *b, *eq = nullptr, *d_o = nullptr, *S, *X;
-  Base* base;
+  BaseOf<kFold>* base;
   float* decay;   // each stage's chunk decay
   int64_t* head;  // each stage's chunk * heads + h
   template <typename DimsT>
@@ -1455,7 +1463,7 @@ struct WgRecurrenceSmem {
     }
     S = c.take<unsigned char>(d.pk * 128);
     X = c.take<unsigned char>(kRows * 128);
-    base = c.take<Base>(stages * kRows * kBasePitch);
+    base = c.take<BaseOf<kFold>>(stages * kRows * kBasePitch);
     decay = c.take<float>(stages);
     head = c.take<int64_t>(stages);
     c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
@@ -1472,8 +1480,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
   const DimsT d{};
   const int col0 = blockIdx.x * kCols, h = blockIdx.y, tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int64_t doc = blockIdx.z, chunks = p.chunks_of[doc];
-  const auto chunk_at = [&](int64_t i) { return i < chunks ? p.offset[p.reverse ? chunks - 1 - i : i] + doc : 0; };
+  const int64_t chunks = p.chunks_of[blockIdx.z];
+  const auto chunk_at = [&](int64_t i) { return v4::gdr::chunk_at(p, chunks, i); };
   constexpr int kStages = WgRecurrenceSmem<kFold>::stages;
   // The products' descriptors, made once: a step moves them on by desc_add alone (made per product,
   // their masks and shifts were a quarter of a step's instructions).
@@ -1489,7 +1497,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
   // in the swizzle rows_at + 4,096 u bytes.
   const int tile_at = wgmma::sw128_offset<kRows>(tid / 16, tid % 16 * 8);
   const int rows_at = wgmma::sw128_offset<kRows>(tid / 4, tid % 4 * 8), row4 = tid / 4, col4 = tid % 4 * 8;
-  using Base = typename WgRecurrenceSmem<kFold>::Base;
+  using Base = BaseOf<kFold>;
   constexpr int kPer = 16 / sizeof(Base), kPieces = kCols / kPer, kPass = kWgThreads / kPieces;  // (a copy's)
   const int base_from = tid / kPieces * DimsT::dv + tid % kPieces * kPer;
   const int base_to = tid / kPieces * kBasePitch + tid % kPieces * kPer;
@@ -1588,9 +1596,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = 16 * warp + g + 8 * half, c = 8 * j + 2 * t;
-          float2 b0;
-          if constexpr (kFold) b0 = unpack2<__nv_bfloat16>(*reinterpret_cast<const uint32_t*>(base + r * kBasePitch + c));
-          else b0 = *reinterpret_cast<const float2*>(base + r * kBasePitch + c);
+          const float2 b0 = widen(*reinterpret_cast<const BasePair<kFold>*>(base + r * kBasePitch + c));
           const float v0 = b0.x + p.sign_a * x[4 * j + 2 * half], v1 = b0.y + p.sign_a * x[4 * j + 2 * half + 1];
           // v_new (forward) and dv_new (backward) in bfloat16, as their readers take them
           // (tools/delta_rule_split_check.py --stored v_new,dv_new)
@@ -2830,8 +2836,7 @@ at::Tensor sum_value_heads(const at::Tensor& x, int hk, at::ScalarType dtype) {
 
 // ---- Host ------------------------------------------------------------------------------------------
 
-// cluster_y > 0: in clusters of (1, cluster_y) blocks (a chunk's value heads of one key head:
-// sum_over_value_heads), which a cluster of 1 takes too.
+// The dynamic shared memory of a kernel whose carve is Smem.
 template <typename Smem>
 size_t smem_bytes(const Dims& d) {
   Carve carve{nullptr};
@@ -2839,6 +2844,8 @@ size_t smem_bytes(const Dims& d) {
   return carve.used;
 }
 
+// cluster_y > 0: in clusters of (1, cluster_y) blocks (a chunk's value heads of one key head:
+// sum_over_value_heads), which a cluster of 1 takes too.
 template <typename Smem, int Threads = kThreads, typename Kernel, typename A>
 void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned cluster_y = 0) {
   const size_t bytes = smem_bytes<Smem>(d);
