@@ -460,10 +460,6 @@ MUTATIONS = (
              "(fp8_registers_kernel<true>): the ldmatrix rows of the weight's tile read without TMA's 128-byte "
              "swizzle", "cc/common/fp8_grouped.cu", "(((4 * wg + warp) ^ (lane % 8)) * 16)", "((4 * wg + warp) * 16)",
              FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
-    Mutation("fp8_registers_narrow_past_half", "the experts' FP8 kernel (fp8_registers_kernel, 256 tokens a tile): "
-             "an expert's last tile of up to 256 tokens takes the products 128 wide (its tokens 128.. never summed)",
-             "cc/common/fp8_grouped.cu", "if (BT == 256 && tile.end - tile.first <= 128)",
-             "if (BT == 256 && tile.end - tile.first <= 256)", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_last_step_dropped", "the experts' FP8 kernel leaves the last 64 of each sum out",
              "cc/common/fp8_grouped.cu", "steps = K / kBK;", "steps = K / kBK - 1;", FP8_GROUPED_CUDA, cuda=True,
              module="v4_linear_test"),

@@ -580,35 +580,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < BT / 2; ++i) acc[i] = 0.0f;
     load(it);
     convert(af[0], raw[0]);
-    // The sum, its products Tokens wide: an expert's last tile of at most half BT tokens takes them half
-    // as wide (the other half's columns would be the next expert's rows or zeros, never written: on
-    // average half of each expert's last tile; a helper's reading of the SASS, thirty-fourth session).
-    const auto sum = [&]<int Tokens>() {
-      for (int step = 0; step < steps; ++step, ++it) {
-        const uint32_t stage = (it % S::kStages) * S::kStageBytes;
+    for (int step = 0; step < steps; ++step, ++it) {
+      const uint32_t stage = (it % S::kStages) * S::kStageBytes;
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          wgmma::fence_operand(acc);
-          wgmma::fence();  // (af written by this thread since the last product)
-          wgmma::mma_rs<__nv_bfloat16, 0, Tokens>(acc, af[kk % 2], wgmma::desc_add(x_desc, stage + 32 * kk));
-          wgmma::commit();
-          wgmma::wait<1>();  // the product before done: its fragment free, and at kk 0 the step before's stage
-          wgmma::fence_operand(acc);
-          if (kk == 0 && step > 0) {
-            __syncwarp();
-            if (lane == 0) wgmma::bar_arrive(empty + (it - 1) % S::kStages);
-          }
-          if (kk < 3) {
-            convert(af[(kk + 1) % 2], raw[kk + 1]);
-          } else if (step + 1 < steps) {  // the next step's first slice, while this one's last runs
-            load(it + 1);
-            convert(af[0], raw[0]);
-          }
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma::fence_operand(acc);
+        wgmma::fence();  // (af written by this thread since the last product)
+        wgmma::mma_rs<__nv_bfloat16, 0, BT>(acc, af[kk % 2], wgmma::desc_add(x_desc, stage + 32 * kk));
+        wgmma::commit();
+        wgmma::wait<1>();  // the product before done: its fragment free, and at kk 0 the step before's stage
+        wgmma::fence_operand(acc);
+        if (kk == 0 && step > 0) {
+          __syncwarp();
+          if (lane == 0) wgmma::bar_arrive(empty + (it - 1) % S::kStages);
+        }
+        if (kk < 3) {
+          convert(af[(kk + 1) % 2], raw[kk + 1]);
+        } else if (step + 1 < steps) {  // the next step's first slice, while this one's last runs
+          load(it + 1);
+          convert(af[0], raw[0]);
         }
       }
-    };
-    if (BT == 256 && tile.end - tile.first <= 128) sum.template operator()<128>();
-    else sum.template operator()<BT>();
+    }
     wgmma::wait<0>();
     wgmma::fence_operand(acc);
     __syncwarp();

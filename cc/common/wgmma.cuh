@@ -269,11 +269,10 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[64], uint64_t a, uint64_t b,
                : V4_WGMMA_OUT64 \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1), "n"(TransB))
 
-// N: 256 or 128, into d's first N / 2 (d may be wider: a narrower product on a wider accumulator's
-// first columns, whose layout is the wider one's prefix).
-template <typename T, int TransB = 1, int N = 256, int M>
-__device__ __forceinline__ void mma_rs(float (&d)[M], const uint32_t* a, uint64_t b) {
-  static_assert((N == 128 || N == 256) && M >= N / 2, "v4::wgmma::mma_rs: N of 128 or 256, d at least N / 2");
+// N: 256 or 128 (d of N / 2).
+template <typename T, int TransB = 1, int N = 256>
+__device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t* a, uint64_t b) {
+  static_assert(N == 128 || N == 256, "v4::wgmma::mma_rs: N of 128 or 256");
   if constexpr (N == 128) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N128_RS("bf16");
     else V4_WGMMA_M64N128_RS("f16");
