@@ -281,6 +281,10 @@ MUTATIONS = (
              "the row's key norm twice (r_k of i, not of j)", "cc/ops/gated_delta_rule.cu",
              "v0 * m.rk[r] * m.rk[c] * decay(s, r, c)", "v0 * m.rk[r] * m.rk[r] * decay(s, r, c)", PLANES_CUDA,
              cuda=True),
+    Mutation("delta_rule_prepare_planes_u_pairs_swapped", "prepare on planes: U's bfloat16 pairs stored with their "
+             "two columns swapped", "cc/ops/gated_delta_rule.cu",
+             "(rows + r) * DimsT::dv + col) =\n              pack2<__nv_bfloat16>(x0, x1);",
+             "(rows + r) * DimsT::dv + col) =\n              pack2<__nv_bfloat16>(x1, x0);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_prepare_planes_w_unscaled", "prepare on planes: W's M without r_k (W taken from k's raw "
              "rows as if normalised)", "cc/ops/gated_delta_rule.cu", "bw = s.beta[c] * s.E[c] * m.rk[c];",
              "bw = s.beta[c] * s.E[c];", PLANES_CUDA, cuda=True),
@@ -376,8 +380,8 @@ MUTATIONS = (
              "to += stage * kWgTile + tile_at;", "to += tile_at;", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wgmma_dv_local_pitch", "the recurrence on wgmma: the base's pairs (U's, dv_local's "
              "bfloat16) read at a pitch of 32 elements, not the copies' 40", "cc/ops/gated_delta_rule.cu",
-             "widen(*reinterpret_cast<const BasePair<kFold>*>(base + r * kBasePitch + c))",
-             "widen(*reinterpret_cast<const BasePair<kFold>*>(base + r * kCols + c))", PLANES_CUDA, cuda=True),
+             "widen(*reinterpret_cast<const uint32_t*>(base + r * kBasePitch + c))",
+             "widen(*reinterpret_cast<const uint32_t*>(base + r * kCols + c))", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_local_planes_dv_local_pairs_swapped", "local_grads on planes: dv_local's bfloat16 pairs "
              "stored with their two columns swapped", "cc/ops/gated_delta_rule.cu",
              "            pack2<__nv_bfloat16>(v0, v1);\n      });", "            pack2<__nv_bfloat16>(v1, v0);\n      });",

@@ -239,7 +239,8 @@ struct Args {
   int64_t T;
   int hk, hv, dk, dv;
   float scale;  // Dk^-0.5
-  float *u, *w, *k_tilde, *gamma;            // prepare
+  void* u;                                   // prepare: U (float32; bfloat16 for kPlanes)
+  float *w, *k_tilde, *gamma;
   float *ai, *kkl;                           // and in the backward, Ai and L * K K^T for wy_grads
   const void* h;                             // the forward's states (float32; bfloat16 for kPlanes)
   const void* v_new;                         // and corrected values (float32; bfloat16 for kPlanes)
@@ -995,7 +996,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 #pragma unroll
   for (int i = 0; i < kRows; ++i) x[i] = m.R[i * m.ldr + col];
   forward_substitution(x, m.A, kPitch64);
-  float* out = value ? p.u + base * d.dv + tid : p.w + base * d.dk + (tid - d.dv);
+  float* out = value ? static_cast<float*>(p.u) + base * d.dv + tid : p.w + base * d.dk + (tid - d.dv);
   const int stride = value ? d.dv : d.dk;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) out[i * stride] = x[i];
@@ -1114,7 +1115,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
   if (values)
     plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
         m.mu, kPlane64, kLo64, m.v, kPlaneRow, 0, kRows, DimsT::dv, kRows,
-        [&](int r, int col, float x0, float x1) { store2(p.u + (rows + r) * DimsT::dv + col, x0, x1); });
+        [&](int r, int col, float x0, float x1) {  // bfloat16 (tools/delta_rule_split_check.py --stored u)
+          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.u) + (rows + r) * DimsT::dv + col) =
+              pack2<__nv_bfloat16>(x0, x1);
+        });
   auto* w = reinterpret_cast<__nv_bfloat16*>(p.w + rows * DimsT::dk);
   plane_gemm<4, false, false, true, false, kNever, kNever, Tri::kLowerA, kT>(
       m.mw, kPlane64, kLo64, m.k, kPlaneRow, 0, kRows, DimsT::dk, kRows, [&](int r, int col, float x0, float x1) {
@@ -1144,13 +1148,8 @@ struct RecurrenceArgs {
 
 constexpr int kCols = 32, kColPitch = kCols + 8;
 
-// The recurrence's base on planes: U in float32, the folded (backward) kernels' dv_local in bfloat16;
-// a thread's pair of it as it lies (BasePair) and widened to float32.
-template <bool kFold>
-using BaseOf = std::conditional_t<kFold, __nv_bfloat16, float>;
-template <bool kFold>
-using BasePair = std::conditional_t<kFold, uint32_t, float2>;
-__device__ __forceinline__ float2 widen(float2 v) { return v; }
+// The recurrence's base on planes, U (forward) or dv_local (the folded backward), is bfloat16: a
+// thread's pair of it as it lies (uint32_t), widened to float32.
 __device__ __forceinline__ float2 widen(uint32_t v) { return unpack2<__nv_bfloat16>(v); }
 
 // The index of document blockIdx.z's i-th chunk in the recurrence's order (last first where
@@ -1323,7 +1322,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
   // lie (widened there, the read would be waited on at once), turned into `base`.
   const int base_at = (x0 + g) * DimsT::dv + col0 + xc + 2 * t;
   float2 base[2] = {};
-  BasePair<kFold> next_base[2] = {};
+  uint32_t next_base[2] = {};
   const auto load = [&](int stage, int64_t chunk) {
     const int64_t head = chunk * p.heads + h;
     const auto* a = reinterpret_cast<const __nv_bfloat16*>(p.a + head * kRows * d.dk) + to_rows;
@@ -1344,9 +1343,9 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
         else *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
       }
     }
-    const auto* from = static_cast<const BaseOf<kFold>*>(p.base) + head * kRows * d.dv + base_at;  // (no add on planes)
-    next_base[0] = *reinterpret_cast<const BasePair<kFold>*>(from);
-    next_base[1] = *reinterpret_cast<const BasePair<kFold>*>(from + 8 * DimsT::dv);
+    const auto* from = static_cast<const __nv_bfloat16*>(p.base) + head * kRows * d.dv + base_at;  // (no add on planes)
+    next_base[0] = *reinterpret_cast<const uint32_t*>(from);
+    next_base[1] = *reinterpret_cast<const uint32_t*>(from + 8 * DimsT::dv);
     commit_copies();
   };
   // kFold: the token of this thread's d_o row in the chunk load() takes next, read a step ahead.
@@ -1438,7 +1437,7 @@ __global__ void __launch_bounds__(kThreads) recurrence_planes_kernel(RecurrenceA
 // once a warpgroup, where the 16 warps' ldmatrix fragments read a and S four times over and waited on
 // shared memory for 45% of the forward's samples (ncu of the H100, thirty-fourth session: 3,478 cycles a
 // chunk, shared memory 67% busy). a, b (and kFold's eq) come `stages` deep in 128-byte swizzle, the
-// base [64, 32] (U in float32, kFold's dv_local in bfloat16) and kFold's d_o beside them; S [pk, 32]
+// base [64, 32] (U, kFold's dv_local: bfloat16) and kFold's d_o beside them; S [pk, 32]
 // and x [64, 32] are bfloat16 MN-major operands, the first 64 bytes of 128-byte swizzled rows. x is
 // written into shared memory as sign_b x (negation is exact), so that the second product's sum is the
 // one the state adds; kFold's eq^T d_o adds into the same accumulator. The state stays in float32 in
@@ -1449,7 +1448,7 @@ template <bool kFold>
 struct WgRecurrenceSmem {
   static constexpr int stages = kFold ? 3 : 4;  // as deep as 227 KB allows
   unsigned char *a, *b, *eq = nullptr, *d_o = nullptr, *S, *X;
-  BaseOf<kFold>* base;
+  __nv_bfloat16* base;
   float* decay;   // each stage's chunk decay
   int64_t* head;  // each stage's chunk * heads + h
   template <typename DimsT>
@@ -1463,7 +1462,7 @@ struct WgRecurrenceSmem {
     }
     S = c.take<unsigned char>(d.pk * 128);
     X = c.take<unsigned char>(kRows * 128);
-    base = c.take<BaseOf<kFold>>(stages * kRows * kBasePitch);
+    base = c.take<__nv_bfloat16>(stages * kRows * kBasePitch);
     decay = c.take<float>(stages);
     head = c.take<int64_t>(stages);
     c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
@@ -1492,15 +1491,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
   // This thread's places in the copies, the same every chunk (u the copy's number): a [64, 128] tile's
   // piece tid + 128 u is 16 bytes at row tid / 16 + 8 u, global offset 8 tid + 1,024 u elements, and
   // in the swizzle (its row's place in a group of 8 the same for every u) tile_at + 1,024 u bytes.
-  // base [64, 32]: float32 row tid / 8 + 16 u, column tid % 8 * 4; bfloat16 row tid / 4 + 32 u, column
-  // tid % 4 * 8. d_o [64, 32] and S's rows for the state out: row tid / 4 + 32 u, column tid % 4 * 8,
-  // in the swizzle rows_at + 4,096 u bytes.
+  // base [64, 32], d_o [64, 32] and S's rows for the state out: row tid / 4 + 32 u, column tid % 4 * 8,
+  // in the swizzle (d_o, S) rows_at + 4,096 u bytes.
   const int tile_at = wgmma::sw128_offset<kRows>(tid / 16, tid % 16 * 8);
   const int rows_at = wgmma::sw128_offset<kRows>(tid / 4, tid % 4 * 8), row4 = tid / 4, col4 = tid % 4 * 8;
-  using Base = BaseOf<kFold>;
-  constexpr int kPer = 16 / sizeof(Base), kPieces = kCols / kPer, kPass = kWgThreads / kPieces;  // (a copy's)
-  const int base_from = tid / kPieces * DimsT::dv + tid % kPieces * kPer;
-  const int base_to = tid / kPieces * kBasePitch + tid % kPieces * kPer;
+  static_assert(kCols == 32, "the base's rows four pieces of 16 bytes");
+  const int base_from = row4 * DimsT::dv + col4, base_to = row4 * kBasePitch + col4;
   for (int i = tid; i < DimsT::pk * 128 / 16; i += kWgThreads) reinterpret_cast<uint4*>(m.S)[i] = make_uint4(0, 0, 0, 0);
   // kFold: the tokens of this thread's two d_o rows of the chunk loaded next, read a step ahead.
   int64_t tok[2] = {};
@@ -1512,7 +1508,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
     }
   };
   // Chunk i's tiles into stage i % kStages: a, b (and eq) [64, 128] bfloat16, eight copies a thread of
-  // each; base [64, 32] float32, four; d_o [64, 32] bfloat16, two; and its head's place and decay, which
+  // each; base [64, 32] bfloat16, two; d_o [64, 32] bfloat16, two; and its head's place and decay, which
   // the step reads from shared memory (from global memory, at the step's start, their latency was
   // the step's).
   const auto load = [&](int64_t i, int64_t chunk) {
@@ -1540,10 +1536,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
                     p.d_o + (real ? (tok[u] * p.heads + h) * d.dv + col0 + col4 : 0), real);
       }
     }
-    const Base* base = static_cast<const Base*>(p.base) + head * kRows * d.dv + col0 + base_from;
-    Base* to = m.base + stage * kRows * kBasePitch + base_to;
+    const auto* base = static_cast<const __nv_bfloat16*>(p.base) + head * kRows * d.dv + col0 + base_from;
+    __nv_bfloat16* to = m.base + stage * kRows * kBasePitch + base_to;
 #pragma unroll
-    for (int u = 0; u < kRows / kPass; ++u) copy16(to + kPass * kBasePitch * u, base + kPass * DimsT::dv * u);
+    for (int u = 0; u < 2; ++u) copy16(to + 32 * kBasePitch * u, base + 32 * DimsT::dv * u);
   };
   for (int i = 0; i < kStages - 1; ++i) {
     const int64_t chunk = chunk_at(i);
@@ -1590,13 +1586,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) recurrence_wgmma_kernel(Recurre
     wgmma::wait<0>();
     wgmma::fence_operand(x);
     {
-      const Base* base = m.base + stage * kRows * kBasePitch;
+      const __nv_bfloat16* base = m.base + stage * kRows * kBasePitch;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = 16 * warp + g + 8 * half, c = 8 * j + 2 * t;
-          const float2 b0 = widen(*reinterpret_cast<const BasePair<kFold>*>(base + r * kBasePitch + c));
+          const float2 b0 = widen(*reinterpret_cast<const uint32_t*>(base + r * kBasePitch + c));
           const float v0 = b0.x + p.sign_a * x[4 * j + 2 * half], v1 = b0.y + p.sign_a * x[4 * j + 2 * half + 1];
           // v_new (forward) and dv_new (backward) in bfloat16, as their readers take them
           // (tools/delta_rule_split_check.py --stored v_new,dv_new)
@@ -2885,8 +2881,8 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
                                   "is folded)");
     TORCH_CHECK(r.x_out.scalar_type() == at::kBFloat16,
                 "v4_gated_delta_rule: the plane kernels' recurrence writes v_new and dv_new in bfloat16");
-    TORCH_CHECK(r.base.scalar_type() == (fold != nullptr ? at::kBFloat16 : at::kFloat),
-                "v4_gated_delta_rule: the plane kernels' recurrence takes U in float32 and dv_local in bfloat16");
+    TORCH_CHECK(r.base.scalar_type() == at::kBFloat16,
+                "v4_gated_delta_rule: the plane kernels' recurrence takes U and dv_local in bfloat16");
     if (fold != nullptr) {
       a.eq = fold->eq;
       a.d_o = static_cast<const __nv_bfloat16*>(fold->d_o);
@@ -2922,7 +2918,8 @@ void fused(Fused& f, bool backward) {
   const int hk = f.q.size(1), hv = f.v.size(1);
   const Dims d(f.q.size(2), f.v.size(2));
   const auto f32 = f.q.options().dtype(at::kFloat);
-  // The states across chunks (h, d_state): bfloat16 for the plane kernels, which take them rounded.
+  // The states across chunks (h, d_state) and the values between passes (U, v_new): bfloat16 for the
+  // plane kernels, which take them rounded.
   const auto states = kPlanes<kMode, DimsT> ? f.q.options().dtype(at::kBFloat16) : f32;
   const auto rows = [&](int64_t width) { return at::empty({chunks, hv, kRows, width}, f32); };
   Args a{};
@@ -2939,10 +2936,11 @@ void fused(Fused& f, bool backward) {
   a.dv = d.dv;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.dk)));
   const dim3 grid(chunks, hv);
-  // W, Kt and gamma (and U in the forward pass).
-  at::Tensor u = backward ? at::Tensor() : rows(d.dv), w = rows(d.dk), k_tilde = rows(d.dk);
-  at::Tensor gamma = at::empty({chunks, hv}, f32);
-  a.u = backward ? nullptr : u.data_ptr<float>();
+  // W, Kt and gamma (and U in the forward pass: bfloat16 on planes, as the recurrence's base reads it;
+  // tools/delta_rule_split_check.py --stored u: A_log's worst error as without it).
+  at::Tensor u = backward ? at::Tensor() : at::empty({chunks, hv, kRows, d.dv}, states);
+  at::Tensor w = rows(d.dk), k_tilde = rows(d.dk), gamma = at::empty({chunks, hv}, f32);
+  a.u = backward ? nullptr : u.data_ptr();
   a.w = w.data_ptr<float>();
   a.k_tilde = k_tilde.data_ptr<float>();
   a.gamma = gamma.data_ptr<float>();

@@ -94,8 +94,10 @@ def test_fp8_dequantize_and_no_quantization_config_keep_the_model_dtype():
 # above the weights, copied from docs/benchmarks.md: (proxy, --finetune, tokens, checkpointing, FP8,
 # measured GiB, the section, the delta rule's path). bf16 throughout; "full": every weight trains
 # but what the family freezes (the bench's mode); "lora": r=16 on attention and experts, every other weight frozen. The path
-# (Qwen3.5; GLM-5 has no delta rule), the code's era: "dqkwg" for runs with every CUDA kernel of
-# today but the key heads' sums in clusters (the twenty-seventh to thirty-second sessions), "all" for those before the delta rule's state and intra
+# (Qwen3.5; GLM-5 has no delta rule), the code's era: "dv_local" for runs with every CUDA kernel of today
+# but U in bf16 (the thirty-fifth session's first), "sums" for those before dv_local in bf16 (the
+# thirty-fourth), "dqkwg" for those before the key heads' sums in clusters (the twenty-seventh to
+# thirty-second sessions), "all" for those before the delta rule's state and intra
 # gradients became one kernel (the experts' SwiGLU and the combine too: 2026-12-03 on), "loss" for runs with the LM
 # head's loss kernel but those on ATen (stop 31), "block" for runs with the Gated DeltaNet
 # block's (the delta rule's, the conv's and the gated norm's) but the loss on ATen, "rule" for runs
@@ -113,6 +115,7 @@ FP8_EXPERTS = "The delta rule's branches merged; the experts' FP8 kernel's first
 CUTS = "The delta rule's blind instruction cuts measured: 3.27 ms on the device at 8K, fla 2.46 (2026-12-06, twenty-sixth session)"
 DQKWG = "The delta rule's state and intra gradients as one kernel: fla's wall time at 8K (2026-12-06, twenty-seventh session)"
 SUMS_RUN = "The delta rule's recurrence on Hopper's wgmma: the op past fla at 32K (2026-12-07, thirty-fourth session)"
+DV_LOCAL_RUN = "The thirty-fourth session's blind commits on the H100; the experts' narrow tile reverted (2026-12-07, thirty-fifth session)"
 MEASURED = [
     ("glm5", "full", 4096, False, False, 14.5, COMBINE, None),
     ("glm5", "full", 16384, True, False, 20.3, BLOCKS, None),
@@ -141,6 +144,7 @@ MEASURED = [
     ("qwen3_5", "full", 65536, True, False, 17.5, DQKWG, "dqkwg"),
     ("qwen3_5", "full", 4096, False, False, 5.9, SUMS_RUN, "sums"),
     ("qwen3_5", "full", 65536, True, False, 15.0, SUMS_RUN, "sums"),
+    ("qwen3_5", "full", 65536, True, False, 14.8, DV_LOCAL_RUN, "dv_local"),
 ]
 TOLERANCE = 0.10
 # The CUDA kernels that each era's code lacked (it ran their ATen paths): the planner leaves them out.
@@ -149,13 +153,16 @@ MOE = ("fused_swiglu", "fused_combine")  # the experts' SwiGLU and combine kerne
 # kernels); "dqkwg": those as one, from the twenty-seventh.
 # Every era here but "sums" wrote each value head's share of dq and dk in fp32 and summed them after (the
 # plane kernels sum them in clusters since the thirty-third session: fused_key_sums), and every one kept
-# dv_local in fp32 (bf16 on planes since the thirty-fourth: fused_bf16_dv_local).
-DV_LOCAL = ("fused_bf16_dv_local",)
+# dv_local in fp32 (bf16 on planes since the thirty-fourth: fused_bf16_dv_local); every one, "dv_local" too,
+# kept U in fp32 (bf16 on planes since the thirty-fifth: fused_bf16_u).
+U = ("fused_bf16_u",)
+DV_LOCAL = ("fused_bf16_dv_local",) + U
 SUMS = ("fused_key_sums",) + DV_LOCAL
 LACKED = {"rule": ("fused_conv", "fused_norm", "fused_loss", "fused_dqkwg") + MOE + SUMS,
           "block": ("fused_loss", "fused_dqkwg") + MOE + SUMS,
           None: ("fused_loss", "fused_fp8_experts", "fused_dqkwg") + MOE + SUMS,
-          "loss": ("fused_dqkwg",) + MOE + SUMS, "all": ("fused_dqkwg",) + SUMS, "dqkwg": SUMS, "sums": DV_LOCAL}
+          "loss": ("fused_dqkwg",) + MOE + SUMS, "all": ("fused_dqkwg",) + SUMS, "dqkwg": SUMS, "sums": DV_LOCAL,
+          "dv_local": U}
 # The delta rule's two paths measured on the same code otherwise (the combine before it became
 # one node, stop 27, which both had alike): what the fused path saves is their difference.
 SAVING = [
@@ -253,6 +260,28 @@ def test_the_fused_delta_rule_keeps_v_new_as_its_kernels_store_it():
 
     assert v_new(base) == 4096 * nv * dv * 2
     assert v_new(dataclasses.replace(base, dtype_bytes=4)) == 4096 * nv * dv * 4
+
+
+def test_the_fused_forward_holds_u_as_its_kernels_store_it():
+    """The fused forward's work holds U [P, value heads, dv] (prepare's output, the recurrence's base):
+    bf16 on the plane kernels (gated_delta_rule.cu's prepare_planes_kernel writes it so), fp32
+    otherwise and before fused_bf16_u; beside W and K~ [P, value heads, dk] in fp32 and the chunks'
+    decays. The bytes by hand."""
+    config = proxy_config("qwen3_5", False)
+    base = plan.Setup(config_from_dict(config, "qwen3_5"), config, seq_len=4096)
+    nv, dk, dv = config["linear_num_value_heads"], config["linear_key_head_dim"], config["linear_value_head_dim"]
+    P, chunks = 4096, 4096 // 64
+
+    def work(setup):
+        (t,) = [t for m in plan.qwen3_5_layer(plan._ctx(setup, (4096,)), 0).forward if m.label == "gated delta rule"
+                for t in m.terms if t.what.startswith("delta rule forward:")]
+        return t.bytes
+
+    rest = 2 * P * nv * dk * 4 + chunks * nv * 4
+    assert work(base) == P * nv * dv * 2 + rest
+    with mock.patch.object(plan, "fused_bf16_u", lambda *args: False):
+        assert work(base) == P * nv * dv * 4 + rest
+    assert work(dataclasses.replace(base, dtype_bytes=4)) == P * nv * dv * 4 + rest
 
 
 def test_the_reverse_recurrence_on_planes_holds_e_q_where_fp32_holds_dh_local():

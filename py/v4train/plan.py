@@ -817,12 +817,19 @@ def delta_rule_aten(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mom
     return forward, first_pass, backward
 
 
+def fused_bf16_u(setup: Setup) -> bool:
+    """Whether the plane kernels keep U, the values the forward's recurrence corrects (prepare's output,
+    its base), in bf16, where the kernels before kept it in fp32. A switch of its own so that the peaks
+    measured before it are predicted as that code ran."""
+    return True
+
+
 def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Moment], list[Moment]]:
     """The delta rule's fused path (gated_delta_rule.cc's FusedRule, gated_delta_rule.cu's host
     function fused()): adds what the autograd node keeps to the block's `s`; returns the moments of
     its forward pass, of a checkpointed first pass and of its backward. The kernels' work tensors
     are fp32 (float64 for dg) whatever the model's dtype, but for the states across chunks (h,
-    d_state), v_new, dv_local and dv_new, which its plane kernels (bf16 at widths 128: gated_delta_rule.cu's
+    d_state), U, v_new, dv_local and dv_new, which its plane kernels (bf16 at widths 128: gated_delta_rule.cu's
     kPlanes) keep in bf16."""
     cfg, T, b = c.cfg, c.tokens, c.b
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -855,8 +862,9 @@ def delta_rule_fused(c: Ctx, s: Saved, conv: int) -> tuple[list[Moment], list[Mo
     # (freed when it returns), the output.
     block = Term("the block's locals: qkv before and after the conv [T, conv dim], z [T, vd], a (float64)",
                  T * ((2 * conv + nv * dv) * b + nv * INT64))
-    work = [Term("delta rule forward: U [.., dv], W and K~ [.., dk] (fp32) and the chunks' decays",
-                 rows(dv) + 2 * rows(dk) + gamma),
+    u = P * nv * dv * (b if planes and fused_bf16_u(c.setup) else FP32)  # U [chunks, value heads, 64, dv]
+    work = [Term("delta rule forward: U [.., dv] (fp32; bf16 on planes), W and K~ [.., dk] (fp32) and the chunks' "
+                 "decays", u + 2 * rows(dk) + gamma),
             Term("delta rule's output o [T, value heads, dv]", T * nv * dv * b)]
     forward = [Moment("gated delta rule", tuple(held + [block] + work))]
     inputs = Term("the block's input h [T, H], beta and g (float64)", T * (cfg.hidden_size * b + nv * (b + INT64)))
