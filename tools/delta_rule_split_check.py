@@ -19,7 +19,9 @@ documents of 129 tokens or more, few and narrow: --long judges v4_gated_delta_ru
 documents of parity/test_gated_delta_rule.py instead (1, 63, 64, 65 and 4,097 tokens, widths 128,
 the slow decay under which the state crosses chunks; one seed a sample), where a dot 1% off fails.
 --stored u,v_new: the values U and v_new as a kernel would store them between its passes (fla's
-bf16), rounded wherever they are read, their gradients passed unrounded. --stored dv_local,dv_new:
+bf16), rounded wherever they are read, their gradients passed unrounded (both bf16 on planes: U since
+the thirty-fifth session, when 500 samples gave A_log's worst error as without it, 7.46 times the
+reference's, and the long documents g's gradient 4.51-4.91e-3 from float32's against 4.03-4.41e-3). --stored dv_local,dv_new:
 v_new's gradient from the chunk's own outputs, and its whole gradient, as the backward kernels
 would store them (both bf16 on planes: dv_new since 2bc5023, dv_local since the thirty-fourth session,
 when 500 samples gave A_log's worst error as without it, 7.46 times the reference's, and the long
