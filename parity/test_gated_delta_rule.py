@@ -4,6 +4,7 @@ a packed batch equals each document run alone, so no state leaks from one docume
 (the Qwen3.5 training bug other trainers report most)."""
 
 import functools
+import re
 
 import pytest
 import torch
@@ -89,6 +90,11 @@ def _judged_on_cuda(sample, seed: int):
     return prof
 
 
+def _prepare_blocks(prof) -> set[int]:
+    """prepare_planes_kernel's blocks a multiprocessor (its template argument kBlocks) in each launch."""
+    return {int(re.search(r",\s*(?:\(int\))?(\d+)>\(", n).group(1)) for n in _ran(prof, "prepare_planes_kernel")}
+
+
 def _folded(prof, recurrence: str) -> set[bool]:
     """For each launch of the recurrence kernel `recurrence`: whether it is the folded (backward) one."""
     return {"true>(" in n.replace(" ", "") for n in _ran(prof, recurrence)}
@@ -103,7 +109,8 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
     state's gradient from each chunk's outputs itself (its `true` instance, from E Q as local_grads
     wrote it): every gradient against the reference and its float64 truth over documents across chunk
     boundaries (1, 63, 64, 65 and 4,097 tokens); the profile shows the planes kernels ran, not the
-    float32 ones, and the folded recurrence in the backward alone (on Hopper, its wgmma kernel)."""
+    float32 ones, the folded recurrence in the backward alone (on Hopper, its wgmma kernel), and prepare
+    at three blocks a multiprocessor (V4TRAIN_GDR_VARIANTS unset: every variant)."""
     prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
     for planes, plain in (("prepare_planes_kernel", "prepare_kernel"), ("output_planes_kernel", "output_kernel"),
                           ("dqkwg_planes_kernel", "state_grads_kernel"), ("dqkwg_planes_kernel", "intra_grads_kernel"),
@@ -112,6 +119,7 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
     # The recurrence: Hopper's warpgroup kernel on compute capability 9.0, the warps' elsewhere.
     recurrence = "recurrence_wgmma_kernel" if torch.cuda.get_device_capability() == (9, 0) else "recurrence_planes_kernel"
     assert _folded(prof, recurrence) == {True, False}, (recurrence, _ran(prof, "recurrence_"))  # backward, forward
+    assert _prepare_blocks(prof) == {3}, _ran(prof, "prepare_planes_kernel")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -119,12 +127,14 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
 def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence(monkeypatch):
     """V4TRAIN_GDR_VARIANTS=none takes the recurrence on the warps' mma.sync kernel
     (recurrence_planes_kernel), which devices after Hopper run from the PTX (the wgmma kernel is
-    sm_90a's alone): on Hopper it is judged as the test above judges the default, forward and folded
-    backward over documents across chunk boundaries, every gradient against the float64 truth."""
+    sm_90a's alone), and prepare at two blocks a multiprocessor: on Hopper they are judged as the test
+    above judges the default, forward and folded backward over documents across chunk boundaries,
+    every gradient against the float64 truth."""
     monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", "none")
     prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
     assert _folded(prof, "recurrence_planes_kernel") == {True, False} and not _ran(prof, "recurrence_wgmma_kernel"), \
         _ran(prof, "recurrence_")
+    assert _prepare_blocks(prof) == {2}, _ran(prof, "prepare_planes_kernel")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")

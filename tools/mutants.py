@@ -285,6 +285,9 @@ MUTATIONS = (
              "two columns swapped", "cc/ops/gated_delta_rule.cu",
              "(rows + r) * DimsT::dv + col) =\n              pack2<__nv_bfloat16>(x0, x1);",
              "(rows + r) * DimsT::dv + col) =\n              pack2<__nv_bfloat16>(x1, x0);", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_prepare_planes_mw_over_mu_lo", "prepare on planes: W's M planes start at U's lo plane "
+             "(both over A and Ai's bytes), so U's lo plane is W's hi", "cc/ops/gated_delta_rule.cu",
+             "    mw = mu + 2 * kRows * kPlane64;", "    mw = mu + kRows * kPlane64;", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_prepare_planes_w_unscaled", "prepare on planes: W's M without r_k (W taken from k's raw "
              "rows as if normalised)", "cc/ops/gated_delta_rule.cu", "bw = s.beta[c] * s.E[c] * m.rk[c];",
              "bw = s.beta[c] * s.E[c];", PLANES_CUDA, cuda=True),

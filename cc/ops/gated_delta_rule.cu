@@ -1007,26 +1007,32 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 // 16 rows (below), and X = Ai R runs on tensor cores from the raw bfloat16 rows with R's row scales folded into Ai's columns:
 // U = (Ai diag(beta)) v and W = (Ai diag(beta E r_k)) k, M = Ai diag(.) as planes and v, k exact, two
 // products for three (wy_grads' own fold). K K^T is one exact product of k's raw rows, the norms
-// applied after it (as build_qp_planes' Q K^T).
+// applied after it (as build_qp_planes' Q K^T). M's planes take A's and Ai's bytes, dead once the
+// inverse is in registers: 73.8 KB a block, three a multiprocessor (kBlocks 3; ncu of the H100,
+// thirty-fourth session, at two: 40% of the issue slots busy, 0.64 warps of 4 eligible a scheduler).
 struct PreparePlanesSmem {
   Info* info;
   float *rk, *A, *Ai;              // r_k [64]; A [64, 68]; Ai [64, 68]: the inverse's rows handed over
-  __nv_bfloat16 *k, *v, *mu, *mw;  // k's and v's raw rows [64, kPlaneRow]; M's planes [2][64, kPlane64], U's and W's
+  __nv_bfloat16 *k, *v, *mu, *mw;  // k's and v's raw rows [64, kPlaneRow]; M's planes [2][64, kPlane64], U's and
+                                   // W's, over A and Ai
   template <typename DimsT>
   __host__ __device__ PreparePlanesSmem(Carve& c, const DimsT&) {
     info = c.take<Info>(1);
     rk = c.take<float>(kRows);
-    A = c.take<float>(kRows * kPitch64);
-    Ai = c.take<float>(kRows * kPitch64);
     k = c.take<__nv_bfloat16>(kRows * kPlaneRow);
     v = c.take<__nv_bfloat16>(kRows * kPlaneRow);
-    mu = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
-    mw = c.take<__nv_bfloat16>(2 * kRows * kPlane64);
+    unsigned char* inverse = c.take<unsigned char>(larger(2 * kRows * kPitch64 * sizeof(float),
+                                                          2 * 2 * kRows * kPlane64 * sizeof(__nv_bfloat16)));
+    A = reinterpret_cast<float*>(inverse);
+    Ai = A + kRows * kPitch64;
+    mu = reinterpret_cast<__nv_bfloat16*>(inverse);
+    mw = mu + 2 * kRows * kPlane64;
   }
 };
 
-template <typename DimsT>  // two blocks a multiprocessor
-__global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args p) {
+// kBlocks: blocks a multiprocessor (3: 80 registers, a few bytes spilled; 2: 104, none).
+template <typename DimsT, int kBlocks>
+__global__ void __launch_bounds__(kPrepareThreads, kBlocks) prepare_planes_kernel(Args p) {
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   constexpr int kT = kPrepareThreads, kLo64 = kRows * kPlane64;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1102,7 +1108,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_planes_kernel(Args
       }
     }
   }
-  // M's planes from the registers: Ai with column c scaled by beta_c (U's) and by beta_c E_c r_k,c (W's).
+  // M's planes from the registers, over A and Ai (every read of them was before the last block's
+  // barrier): Ai with column c scaled by beta_c (U's) and by beta_c E_c r_k,c (W's).
   const float bu = s.beta[c], bw = s.beta[c] * s.E[c] * m.rk[c];
 #pragma unroll
   for (int r = 0; r < 16; ++r) {
@@ -2866,6 +2873,13 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned clu
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
 }
 
+// The plane kernels' variants on Hopper (V4TRAIN_GDR_VARIANTS, a comma list; unset: both; `none`: neither,
+// the kernels devices after Hopper run, judged there by parity/test_gated_delta_rule.py): `wgmma`, the
+// recurrence on warpgroup products (recurrence_wgmma_kernel, where the sm_90a build runs), and
+// `prepare3`, prepare_planes_kernel at three blocks a multiprocessor (at two without it).
+enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2 };
+inline unsigned variants() { return env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma", "prepare3"}, kWgmma | kPrepare3); }
+
 // fold (kPlanes, the backward): add = eq^T d_o formed in the kernel (RecurrenceArgs), r.add undefined.
 template <Mode kMode, typename DimsT>
 void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args* fold = nullptr) {
@@ -2890,11 +2904,11 @@ void recurrence(const Recurrence& r, const Plan& plan, const Dims& d, const Args
       a.T = fold->T;
     }
     // Hopper's warpgroup products where the sm_90a build runs; elsewhere (a later device, on the PTX)
-    // the warps' mma.sync, which V4TRAIN_GDR_VARIANTS=none also takes on Hopper (its parity there).
+    // the warps' mma.sync, which V4TRAIN_GDR_VARIANTS without wgmma also takes on Hopper (variants()).
     // (The wgmma kernel stores sign_b x for x, exact only for a sign: every caller's sign_b is +-1.)
     TORCH_CHECK(std::abs(r.sign_b) == 1.0, "v4_gated_delta_rule: the plane kernels' recurrence takes sign_b +-1, got ",
                 r.sign_b);
-    const bool wgmma_on = env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma"}, 1) & 1;
+    const bool wgmma_on = variants() & kWgmma;
     const auto on = [&]<bool kFold>() {
       if (wgmma_on && wgmma::capable(r.base.get_device(), smem_bytes<WgRecurrenceSmem<kFold>>(d)))
         launch<WgRecurrenceSmem<kFold>, kWgThreads>(recurrence_wgmma_kernel<DimsT, kFold>, grid, d, a);
@@ -2956,7 +2970,10 @@ void fused(Fused& f, bool backward) {
   {
     const c10::cuda::CUDAStreamGuard on(prepare_stream.stream());
     if constexpr (kPlanes<kMode, DimsT>)
-      launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT>, grid, d, a);
+      if (variants() & kPrepare3)
+        launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 3>, grid, d, a);
+      else
+        launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 2>, grid, d, a);
     else
       launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
   }
