@@ -65,6 +65,29 @@ def profile(fn, device, top=12):
         print(f"    {sum(spans) / 1e3:8.3f} ms on the device: all {len(spans)} kernels, copies and fills, once each")
 
 
+def host_profile(fn, top=8):
+    """Where a CUDA call's wall time goes beside its kernels: when its first kernel starts and its last
+    ends, from the call's start, against the kernels' own time; and the host's `top` ops by their own
+    CPU time (a read back that waits on the device shows as the op that reads)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not host or not kernels:
+        return
+    start = min(e.time_range.start for e in host)
+    first, last = min(k.time_range.start for k in kernels), max(k.time_range.end for k in kernels)
+    busy = sum(k.time_range.elapsed_us() for k in kernels)
+    print(f"    forward: the first kernel {(first - start) / 1e3:.3f} ms after the call's start, the last done at "
+          f"{(last - start) / 1e3:.3f} ms; the device busy {busy / 1e3:.3f} ms of that")
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"    {e.self_cpu_time_total / 1e3:8.3f} ms host x{e.count:<5d} {e.key[:110]}")
+
+
 def fla_gated_delta_rule(unchecked: bool):
     """(row name, fn): flash-linear-attention's chunk_gated_delta_rule on v4_gated_delta_rule's arguments
     (q and k L2-normalised in its kernel, scale 1/sqrt(K), one packed batch); None where fla is not
@@ -102,7 +125,8 @@ def main(argv=None):
                         help="which implementations to time: reference, cpp, fla (the op's peer, where it has one)")
     parser.add_argument("--fla_unchecked", action="store_true",
                         help="time fla where it refuses this Triton for wrong gradients (fla issue 640)")
-    parser.add_argument("--profile", action="store_true", help="also print where a forward+backward spends its time")
+    parser.add_argument("--profile", action="store_true", help="also print where a forward+backward spends its time "
+                        "(on CUDA, and the forward's wall time beside its kernels)")
     parser.add_argument("--cases", default="", help="comma list of indices into each op's benchmark cases (default: all)")
     parser.add_argument("--once", action="store_true",
                         help="one forward+backward of each case, untimed, in-place ops left out: for a profiler to "
@@ -164,6 +188,8 @@ def main(argv=None):
             print(f"| {op_name} | {shape} | {impl} | {fwd_ms:.3f} | {fb_ms - fwd_ms:.3f} | {fb_ms:.3f} | {peak} |", flush=True)
             if args.profile:
                 profile(fwd_bwd, args.device)
+                if args.device == "cuda":
+                    host_profile(fwd)
 
 
 if __name__ == "__main__":
