@@ -1008,7 +1008,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_kernel(Args p) {
 // U = (Ai diag(beta)) v and W = (Ai diag(beta E r_k)) k, M = Ai diag(.) as planes and v, k exact, two
 // products for three (wy_grads' own fold). K K^T is one exact product of k's raw rows, the norms
 // applied after it (as build_qp_planes' Q K^T). M's planes take A's and Ai's bytes, dead once the
-// inverse is in registers: 73.8 KB a block, three a multiprocessor (kBlocks 3; ncu of the H100,
+// inverse is in registers: 73.7 KB a block, three a multiprocessor (kBlocks 3; ncu of the H100,
 // thirty-fourth session, at two: 40% of the issue slots busy, 0.64 warps of 4 eligible a scheduler).
 struct PreparePlanesSmem {
   Info* info;
@@ -2969,13 +2969,15 @@ void fused(Fused& f, bool backward) {
   SideStream prepare_stream(backward);
   {
     const c10::cuda::CUDAStreamGuard on(prepare_stream.stream());
-    if constexpr (kPlanes<kMode, DimsT>)
-      if (variants() & kPrepare3)
-        launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 3>, grid, d, a);
-      else
-        launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 2>, grid, d, a);
-    else
+    if constexpr (!kPlanes<kMode, DimsT>) {
       launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
+    } else if (variants() & kPrepare3) {  // (three blocks take 224 of the 228 KB: the largest carve-out, asked)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(prepare_planes_kernel<DimsT, 3>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+      launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 3>, grid, d, a);
+    } else {
+      launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 2>, grid, d, a);
+    }
   }
   if (!backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
