@@ -2936,6 +2936,7 @@ void fused(Fused& f, bool backward) {
   // plane kernels, which take them rounded.
   const auto states = kPlanes<kMode, DimsT> ? f.q.options().dtype(at::kBFloat16) : f32;
   const auto rows = [&](int64_t width) { return at::empty({chunks, hv, kRows, width}, f32); };
+  const auto values = [&] { return at::empty({chunks, hv, kRows, d.dv}, states); };  // U, v_new, dv_local, dv_new
   Args a{};
   a.q = f.q.data_ptr();
   a.k = f.k.data_ptr();
@@ -2952,7 +2953,7 @@ void fused(Fused& f, bool backward) {
   const dim3 grid(chunks, hv);
   // W, Kt and gamma (and U in the forward pass: bfloat16 on planes, as the recurrence's base reads it;
   // tools/delta_rule_split_check.py --stored u: A_log's worst error as without it).
-  at::Tensor u = backward ? at::Tensor() : at::empty({chunks, hv, kRows, d.dv}, states);
+  at::Tensor u = backward ? at::Tensor() : values();
   at::Tensor w = rows(d.dk), k_tilde = rows(d.dk), gamma = at::empty({chunks, hv}, f32);
   a.u = backward ? nullptr : u.data_ptr();
   a.w = w.data_ptr<float>();
@@ -2983,7 +2984,7 @@ void fused(Fused& f, bool backward) {
     Recurrence r{u, w, k_tilde, at::Tensor(), gamma, -1.0, 1.0, false};
     r.state_out = at::empty({chunks, hv, d.dk, d.dv}, states);
     // v_new as the states: bfloat16 on planes (what their products take, kept for the backward in half the bytes)
-    r.x_out = at::empty({chunks, hv, kRows, d.dv}, states);
+    r.x_out = values();
     recurrence<kMode, DimsT>(r, f.plan, d);
     f.h = r.state_out;
     f.v_new = r.x_out;
@@ -3004,8 +3005,8 @@ void fused(Fused& f, bool backward) {
   constexpr bool fold = kPlanes<kMode, DimsT>;
   // dv_local: bfloat16 on planes (tools/delta_rule_split_check.py --stored dv_local: A_log's worst error and g's
   // distance from float32 on the long documents as without it), the recurrence's base.
-  Recurrence r{fold ? at::empty({chunks, hv, kRows, d.dv}, f.q.options().dtype(at::kBFloat16)) : rows(d.dv), k_tilde, w,
-               fold ? at::Tensor() : at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0, true};
+  Recurrence r{values(), k_tilde, w, fold ? at::Tensor() : at::empty({chunks, hv, d.dk, d.dv}, f32), gamma, 1.0, -1.0,
+               true};
   at::Tensor eq = fold ? at::empty({chunks, hv, kRows, d.dk}, f.q.options().dtype(at::kBFloat16)) : at::Tensor();
   a.dv_local = r.base.data_ptr();
   if constexpr (fold) {
@@ -3017,7 +3018,7 @@ void fused(Fused& f, bool backward) {
   }
   prepare_stream.join();
   r.state_out = at::empty({chunks, hv, d.dk, d.dv}, states);
-  r.x_out = at::empty({chunks, hv, kRows, d.dv}, states);  // dv_new: bfloat16 on planes, as v_new
+  r.x_out = values();  // dv_new: bfloat16 on planes, as v_new
   recurrence<kMode, DimsT>(r, f.plan, d, fold ? &a : nullptr);
   r.base.reset();
   r.add.reset();
