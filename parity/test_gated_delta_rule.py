@@ -137,6 +137,18 @@ def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence(mon
     assert _prepare_blocks(prof) == {2}, _ran(prof, "prepare_planes_kernel")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="no Hopper GPU (the warpgroup output kernel is sm_90a's alone)")
+def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_output_on_wgmma(monkeypatch):
+    """V4TRAIN_GDR_VARIANTS with output_wgmma (opt-in) takes the output on warpgroup products
+    (output_wgmma_kernel) in place of output_planes_kernel: judged as the default is, every gradient
+    and the output against the float64 truth on the long documents, and the output along each path."""
+    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", "wgmma,prepare3,output_wgmma")
+    prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
+    assert _ran(prof, "output_wgmma_kernel") and not _ran(prof, "output_planes_kernel"), _ran(prof, "output_")
+    _judge_paths(OP, "cuda", torch.bfloat16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 @pytest.mark.parametrize("rep", [1, 3, 4, 9])
 def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(rep):

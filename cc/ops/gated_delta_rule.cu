@@ -369,7 +369,7 @@ __device__ __forceinline__ void copy16_fill(void* dst, const void* src, bool val
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+__host__ __device__ __forceinline__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // dst [prows, pcols] (pitch ld) = src [rows, cols] (float32, row stride `stride`), zero outside it:
 // asynchronous 16-byte copies where the rows allow (then wait_copies() and a barrier before reading),
@@ -1829,6 +1829,183 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   }
 }
 
+// output_planes_kernel on Hopper's warpgroup products (the variant `output_wgmma`; sm_90a): one
+// warpgroup a chunk and head. At 32K tokens output_planes took 0.941 ms against fla's chunk_fwd_o
+// 0.677 (H100, thirty-sixth session), latency-bound (43% of the issue slots busy, 1.2 eligible warps a
+// scheduler): its 16 warps read each fragment from shared memory by ldmatrix, several warps the same
+// one. Here q, k, v_new and h land by cp.async in 128-byte swizzle (80 KB, two blocks a
+// multiprocessor), all four in flight from the block's start; Q K^T is one m64n64 product of q's and
+// k's raw rows (K-major), scaled in its accumulator as build_qp_planes scales it (r_q, scale, r_k, the
+// decay, the lower triangle); P's hi and lo bf16 planes are the next products' A registers as the
+// accumulator lies (columns 16 kk.. of it are slice kk's fragment), times v_new (MN-major): exact, as
+// output_planes' two products; E Q rounded to bf16 (the site q S, one product) from q's rows in
+// registers times h (MN-major). o [64, 128] in the accumulator, staged over q's and k's bytes and
+// written a token row at a time. The sums' order differs from output_planes' (one accumulator for its
+// acc and cross): not bit-equal, judged against the truth.
+struct WgOutputSmem {
+  static constexpr int kPitch = 128 + 8;  // o's staged rows (bfloat16): 16 bytes apart in the banks
+  unsigned char *q, *k, *v_new, *h;       // [64, 128] K-major, [64, 128] K-major, [64 tokens, 128] and
+                                          // [128, 128] MN-major; o staged [64, kPitch] over q and k
+  float* rn;                              // r_q [64], then r_k [64]
+  Info* info;
+  template <typename DimsT>
+  __host__ __device__ WgOutputSmem(Carve& c, const DimsT&) {
+    static_assert(kRows * kPitch * 2 <= 2 * kRows * 256, "o staged within q's and k's bytes");
+    q = c.take<unsigned char>(kRows * 256);
+    k = c.take<unsigned char>(kRows * 256);
+    v_new = c.take<unsigned char>(kRows * 256);
+    h = c.take<unsigned char>(128 * 256);
+    rn = c.take<float>(2 * kRows);
+    info = c.take<Info>(1);
+    c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
+  }
+};
+
+template <typename DimsT>
+__global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
+#if defined(V4_HAS_WGMMA)
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  using Smem = WgOutputSmem;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  // The copies, before load_info (ChunkBlock's early): a thread's pieces are 16 bytes at rows tid / 16
+  // + 8 u, columns tid % 16 * 8, in three groups: q and k (by slot, zeros past T), v_new, h.
+  const int r16 = tid / 16, c16 = tid % 16 * 8;
+  const ChunkBlock<Smem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const Smem& m, int64_t head) {
+    const int kh = blockIdx.y / (p.hv / p.hk);
+    const auto *q_in = static_cast<const __nv_bfloat16*>(p.q), *k_in = static_cast<const __nv_bfloat16*>(p.k);
+#pragma unroll
+    for (int u = 0; u < kRows / 8; ++u) {
+      const int r = r16 + 8 * u, to = wgmma::sw128_offset<kRows>(r, c16);
+      const int64_t tok = p.slots[static_cast<int64_t>(blockIdx.x) * kRows + r];
+      const bool in = tok < p.T;
+      const int64_t from = ((in ? tok : 0) * p.hk + kh) * DimsT::dk + c16;
+      copy16_fill(m.q + to, q_in + from, in);
+      copy16_fill(m.k + to, k_in + from, in);
+    }
+    commit_copies();
+    const auto* v_in = static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv;
+#pragma unroll
+    for (int u = 0; u < kRows / 8; ++u)
+      copy16(m.v_new + wgmma::sw128_offset<kRows>(r16 + 8 * u, c16), v_in + (r16 + 8 * u) * DimsT::dv + c16);
+    commit_copies();
+    const auto* h_in = static_cast<const __nv_bfloat16*>(p.h) + head * DimsT::dk * DimsT::dv;
+#pragma unroll
+    for (int u = 0; u < DimsT::dk / 8; ++u)
+      copy16(m.h + wgmma::sw128_offset<DimsT::dk>(r16 + 8 * u, c16), h_in + (r16 + 8 * u) * DimsT::dv + c16);
+    commit_copies();
+  });
+  const auto& m = b.m;
+  const Info& s = b.s;
+  asm volatile("cp.async.wait_group 2;\n" ::);  // q's and k's rows
+  wgmma::fence_shared();
+  __syncthreads();
+  // Q K^T from the raw rows: q as A, k as B, both K-major.
+  float qk[kRows / 2] = {};
+  const uint64_t q_desc = wgmma::desc128(wgmma::saddr(m.q), 16, 1024), k_desc = wgmma::desc128(wgmma::saddr(m.k), 16, 1024);
+  wgmma::fence_operand(qk);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < DimsT::dk / 16; ++kk)
+    wgmma::mma<__nv_bfloat16, kRows, 0, 0>(qk, wgmma::desc_add(q_desc, wgmma::sw128_k_step<kRows>(kk)),
+                                           wgmma::desc_add(k_desc, wgmma::sw128_k_step<kRows>(kk)));
+  wgmma::commit();
+  {  // r_q and r_k while it runs, a thread a row (q's rows by threads 0..63, k's by 64..)
+    const int r = tid % kRows;
+    const unsigned char* x = tid < kRows ? m.q : m.k;
+    float ss = 0.0f;
+#pragma unroll
+    for (int c8 = 0; c8 < DimsT::dk / 8; ++c8) {
+      const uint4 v = *reinterpret_cast<const uint4*>(x + wgmma::sw128_offset<kRows>(r, 8 * c8));
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = widen(w[i]);
+        ss = fmaf(f.x, f.x, ss);
+        ss = fmaf(f.y, f.y, ss);
+      }
+    }
+    m.rn[tid] = rsqrtf(ss + 1e-6f);
+  }
+  __syncthreads();  // the norms
+  wgmma::wait<0>();
+  wgmma::fence_operand(qk);
+  // This thread's rows r0, r0 + 8 (its accumulators' and its A fragments'). P's planes: slice kk's
+  // fragment register i is columns 16 kk + 8 (i / 2) + 2 t (+1) of row r0 + 8 (i % 2), the accumulator's
+  // qk[4 j + 2 half + e] with j = 2 kk + i / 2, half = i % 2.
+  const int r0 = 16 * warp + g;
+  uint32_t ph[kRows / 16][4], pl[kRows / 16][4];
+#pragma unroll
+  for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + 8 * half, c = 8 * j + 2 * t;
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        v[e] = c + e <= r ? qk[4 * j + 2 * half + e] * m.rn[r] * p.scale * m.rn[kRows + c + e] * decay(s, r, c + e) : 0.0f;
+      const uint32_t hi = pack2<__nv_bfloat16>(v[0], v[1]);
+      const float2 hf = widen(hi);
+      ph[j / 2][half + 2 * (j % 2)] = hi;
+      pl[j / 2][half + 2 * (j % 2)] = pack2<__nv_bfloat16>(v[0] - hf.x, v[1] - hf.y);
+    }
+  }
+  // E Q rounded to bfloat16 (normalise_rows' order: x r_q scale E), slice kk's register i at row r0 + 8 (i %
+  // 2), columns 16 kk + 8 (i / 2) + 2 t (+1), from q's raw rows.
+  uint32_t eq[DimsT::dk / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < DimsT::dk / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = r0 + 8 * (i % 2), c = 16 * kk + 8 * (i / 2) + 2 * t;
+      const float2 x = widen(*reinterpret_cast<const uint32_t*>(m.q + wgmma::sw128_offset<kRows>(r, c)));
+      eq[kk][i] = pack2<__nv_bfloat16>(x.x * m.rn[r] * p.scale * s.E[r], x.y * m.rn[r] * p.scale * s.E[r]);
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);  // v_new and h
+  wgmma::fence_shared();
+  __syncthreads();  // and everyone's; every read of q's rows (above) is done
+  // o = P_hi v_new + P_lo v_new + (E Q) h: v_new [64 tokens, 128] and h [128, 128] MN-major (their
+  // 64-column blocks 64 and 128 rows of 128 bytes apart).
+  float o[DimsT::dv / 2] = {};
+  const uint64_t v_desc = wgmma::desc128(wgmma::saddr(m.v_new), kRows * 128, 1024),
+                 h_desc = wgmma::desc128(wgmma::saddr(m.h), DimsT::dk * 128, 1024);
+  wgmma::fence_operand(o);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(o, ph[kk], wgmma::desc_add(v_desc, kk * 2048));
+    wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(o, pl[kk], wgmma::desc_add(v_desc, kk * 2048));
+  }
+#pragma unroll
+  for (int kk = 0; kk < DimsT::dk / 16; ++kk)
+    wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(o, eq[kk], wgmma::desc_add(h_desc, kk * 2048));
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operand(o);
+  // o staged as token rows over q's and k's bytes (no product reads them now), then 16 bytes a copy.
+  auto* staged = reinterpret_cast<__nv_bfloat16*>(m.q);
+#pragma unroll
+  for (int j = 0; j < DimsT::dv / 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      *reinterpret_cast<uint32_t*>(staged + (r0 + 8 * half) * Smem::kPitch + 8 * j + 2 * t) =
+          pack2<__nv_bfloat16>(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
+  __syncthreads();
+  auto* out = static_cast<__nv_bfloat16*>(p.o);
+#pragma unroll
+  for (int u = 0; u < kRows / 8; ++u) {
+    const int r = r16 + 8 * u;
+    const int64_t tok = s.slot[r];
+    if (tok < p.T)
+      *reinterpret_cast<uint4*>(out + (tok * p.hv + b.h) * DimsT::dv + c16) =
+          *reinterpret_cast<const uint4*>(staged + r * Smem::kPitch + c16);
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
 // ---- Backward --------------------------------------------------------------------------------------
 
 struct LocalSmem {
@@ -2873,12 +3050,16 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned clu
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args));
 }
 
-// The plane kernels' variants on Hopper (V4TRAIN_GDR_VARIANTS, a comma list; unset: both; `none`: neither,
-// the kernels devices after Hopper run, judged there by parity/test_gated_delta_rule.py): `wgmma`, the
-// recurrence on warpgroup products (recurrence_wgmma_kernel, where the sm_90a build runs), and
-// `prepare3`, prepare_planes_kernel at three blocks a multiprocessor (at two without it).
-enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2 };
-inline unsigned variants() { return env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma", "prepare3"}, kWgmma | kPrepare3); }
+// The plane kernels' variants on Hopper (V4TRAIN_GDR_VARIANTS, a comma list; unset: wgmma and prepare3;
+// `none`: none, the kernels devices after Hopper run, judged there by parity/test_gated_delta_rule.py):
+// `wgmma`, the recurrence on warpgroup products (recurrence_wgmma_kernel, where the sm_90a build runs),
+// `prepare3`, prepare_planes_kernel at three blocks a multiprocessor (at two without it), and
+// `output_wgmma`, the output on warpgroup products (output_wgmma_kernel; opt-in until it is judged and
+// timed on a GPU).
+enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4 };
+inline unsigned variants() {
+  return env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma", "prepare3", "output_wgmma"}, kWgmma | kPrepare3);
+}
 
 // fold (kPlanes, the backward): add = eq^T d_o formed in the kernel (RecurrenceArgs), r.add undefined.
 template <Mode kMode, typename DimsT>
@@ -2992,8 +3173,16 @@ void fused(Fused& f, bool backward) {
     a.h = f.h.data_ptr();
     a.v_new = f.v_new.data_ptr();
     a.o = f.o.data_ptr();
-    if constexpr (kPlanes<kMode, DimsT>) launch<OutputPlanesSmem>(output_planes_kernel<DimsT>, grid, d, a);
-    else launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
+    if constexpr (kPlanes<kMode, DimsT>) {
+      // (its copies of q's and k's rows are 16 bytes each: output_planes copies unaligned rows by elements)
+      if ((variants() & kOutputWgmma) && aligned16(a.q) && aligned16(a.k) &&
+          wgmma::capable(f.q.get_device(), smem_bytes<WgOutputSmem>(d)))
+        launch<WgOutputSmem, kWgThreads>(output_wgmma_kernel<DimsT>, grid, d, a);
+      else
+        launch<OutputPlanesSmem>(output_planes_kernel<DimsT>, grid, d, a);
+    } else {
+      launch<OutputSmem>(output_kernel<T, kMode, DimsT>, grid, d, a);
+    }
     return;
   }
   a.h = f.h.data_ptr();
