@@ -138,14 +138,17 @@ def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence(mon
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="no Hopper GPU (the warpgroup output kernel is sm_90a's alone)")
-def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_output_on_wgmma(monkeypatch):
-    """V4TRAIN_GDR_VARIANTS with output_wgmma (opt-in) takes the output on warpgroup products
-    (output_wgmma_kernel) in place of output_planes_kernel: judged as the default is, every gradient
-    and the output against the float64 truth on the long documents, and the output along each path."""
-    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", "wgmma,prepare3,output_wgmma")
+                    reason="no Hopper GPU (the warpgroup kernels are sm_90a's alone)")
+@pytest.mark.parametrize("variant,kernel,instead", [("output_wgmma", "output_wgmma_kernel", "output_planes_kernel"),
+                                                    ("local_wgmma", "local_wgmma_kernel", "local_grads_planes_kernel")])
+def test_the_planes_kernels_pass_the_judge_on_cuda_with_a_chunk_kernel_on_wgmma(monkeypatch, variant, kernel, instead):
+    """V4TRAIN_GDR_VARIANTS with output_wgmma or local_wgmma (opt-in) takes the output, or local_grads
+    (dv_local and E Q for the reverse recurrence), on warpgroup products in place of the planes kernel:
+    judged as the default is, every gradient and the output against the float64 truth on the long
+    documents, and along each path."""
+    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", f"wgmma,prepare3,{variant}")
     prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
-    assert _ran(prof, "output_wgmma_kernel") and not _ran(prof, "output_planes_kernel"), _ran(prof, "output_")
+    assert _ran(prof, kernel) and not _ran(prof, instead), (_ran(prof, kernel), _ran(prof, instead))
     _judge_paths(OP, "cuda", torch.bfloat16)
 
 

@@ -59,8 +59,9 @@ PLANES_CUDA = tuple(f"parity/test_gated_delta_rule.py::{test}" for test in (
     "test_each_path_of_the_output_and_gradients[cuda-bfloat16]", "test_the_planes_kernels_pass_the_judge_on_cuda",
     "test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence"))
 
-# The output on warpgroup products (V4TRAIN_GDR_VARIANTS=...,output_wgmma; opt-in): judged whole and along each path.
-OUTPUT_WGMMA_CUDA = ("parity/test_gated_delta_rule.py::test_the_planes_kernels_pass_the_judge_on_cuda_with_the_output_on_wgmma",)
+# The output and local_grads on warpgroup products (V4TRAIN_GDR_VARIANTS=...,output_wgmma or local_wgmma; opt-in):
+# judged whole and along each path.
+CHUNK_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "chunk_kernel_on_wgmma")
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
     """The op's own parity target, as `tools/bazel test //parity:<op>` runs it."""
@@ -397,21 +398,32 @@ MUTATIONS = (
     Mutation("delta_rule_wgmma_decay_next_stage", "the recurrence on wgmma: a step takes the next stage's chunk "
              "decay", "cc/ops/gated_delta_rule.cu", "const float dec = m.decay[stage];",
              "const float dec = m.decay[(stage + 1) % kStages];", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_output_wgmma_diagonal_dropped", "the output on wgmma (opt-in): P's diagonal left out "
-             "(a token's own key and value)", "cc/ops/gated_delta_rule.cu",
-             "v[e] = c + e <= r ? qk[4 * j + 2 * half + e]", "v[e] = c + e < r ? qk[4 * j + 2 * half + e]",
-             OUTPUT_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_chunk_wgmma_diagonal_dropped", "the output and local_grads on wgmma (opt-in): P's "
+             "diagonal left out (a token's own key and value)", "cc/ops/gated_delta_rule.cu",
+             "return c <= r ? x * rn[r] * scale", "return c < r ? x * rn[r] * scale", CHUNK_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_output_wgmma_h_lead", "the output on wgmma (opt-in): h's descriptor takes v_new's "
              "distance between 64-column blocks (o's columns 64.. from h's rows 64.. of its first block)",
              "cc/ops/gated_delta_rule.cu", "h_desc = wgmma::desc128(wgmma::saddr(m.h), DimsT::dk * 128, 1024);",
-             "h_desc = wgmma::desc128(wgmma::saddr(m.h), kRows * 128, 1024);", OUTPUT_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_output_wgmma_p_fragment_swapped", "the output on wgmma (opt-in): P's hi plane in the A "
-             "fragment with registers 1 and 2 swapped (row + 8's columns for column + 8's)", "cc/ops/gated_delta_rule.cu",
-             "ph[j / 2][half + 2 * (j % 2)] = hi;", "ph[j / 2][2 * half + j % 2] = hi;", OUTPUT_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_output_wgmma_eq_undecayed", "the output on wgmma (opt-in): E Q without E (q's decay "
-             "to the chunk's start)", "cc/ops/gated_delta_rule.cu",
-             "x.x * m.rn[r] * p.scale * s.E[r], x.y * m.rn[r] * p.scale * s.E[r]",
-             "x.x * m.rn[r] * p.scale, x.y * m.rn[r] * p.scale", OUTPUT_WGMMA_CUDA, cuda=True),
+             "h_desc = wgmma::desc128(wgmma::saddr(m.h), kRows * 128, 1024);", CHUNK_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_chunk_wgmma_p_fragment_swapped", "the output and local_grads on wgmma (opt-in): P's (P^T's) "
+             "hi plane in the A fragment with registers 1 and 2 swapped (row + 8's columns for column + 8's)",
+             "cc/ops/gated_delta_rule.cu", "hi[j / 2][half + 2 * (j % 2)] = h;", "hi[j / 2][2 * half + j % 2] = h;",
+             CHUNK_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_chunk_wgmma_eq_undecayed", "the output and local_grads on wgmma (opt-in): E Q without E "
+             "(q's decay to the chunk's start)", "cc/ops/gated_delta_rule.cu", "return x * rn[r] * scale * s.E[r];",
+             "return x * rn[r] * scale;", CHUNK_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_local_wgmma_p_untransposed", "local_grads on wgmma (opt-in): Q K^T's accumulator (P) "
+             "where K Q^T's (P^T) belongs", "cc/ops/gated_delta_rule.cu", "wg_gram(kq, m.k, m.q);",
+             "wg_gram(kq, m.q, m.k);", CHUNK_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_local_wgmma_eq_pairs_swapped", "local_grads on wgmma (opt-in): E Q's bfloat16 pairs "
+             "written with their two columns swapped", "cc/ops/gated_delta_rule.cu",
+             "w[i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.x), wg_eq(m.rn, p.scale, s, r, x.y));",
+             "w[i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.y), wg_eq(m.rn, p.scale, s, r, x.x));",
+             CHUNK_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_local_wgmma_d_o_of_key_head", "local_grads on wgmma (opt-in): d_o's rows of the key head "
+             "(blockIdx.y / rep) for the value head's", "cc/ops/gated_delta_rule.cu",
+             "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);",
+             "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, kh, p);", CHUNK_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_wgmma_h_out_half", "the recurrence on wgmma: the state out's rows 64.. written over rows "
              "0.. (h's second half never written)", "cc/ops/gated_delta_rule.cu",
              "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u)", "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * (u % 2))",

@@ -1829,32 +1829,143 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
   }
 }
 
-// output_planes_kernel on Hopper's warpgroup products (the variant `output_wgmma`; sm_90a): one
-// warpgroup a chunk and head. At 32K tokens output_planes took 0.941 ms against fla's chunk_fwd_o
-// 0.677 (H100, thirty-sixth session), latency-bound (43% of the issue slots busy, 1.2 eligible warps a
-// scheduler): its 16 warps read each fragment from shared memory by ldmatrix, several warps the same
-// one. Here q, k, v_new and h land by cp.async in 128-byte swizzle (80 KB, two blocks a
-// multiprocessor), all four in flight from the block's start; Q K^T is one m64n64 product of q's and
-// k's raw rows (K-major), scaled in its accumulator as build_qp_planes scales it (r_q, scale, r_k, the
-// decay, the lower triangle); P's hi and lo bf16 planes are the next products' A registers as the
-// accumulator lies (columns 16 kk.. of it are slice kk's fragment), times v_new (MN-major): exact, as
-// output_planes' two products; E Q rounded to bf16 (the site q S, one product) from q's rows in
-// registers times h (MN-major). o [64, 128] in the accumulator, staged over q's and k's bytes and
-// written a token row at a time. The sums' order differs from output_planes' (one accumulator for its
-// acc and cross): not bit-equal, judged against the truth.
+// ---- The per-chunk products on Hopper's warpgroup products (sm_90a): one warpgroup (kWgThreads) a
+// chunk and head, the operands in 128-byte swizzle ([64, 128] bfloat16 tiles, 16 KB), the [64, 64]
+// products' accumulators turned into the next products' A registers as they lie (columns 16 kk.. of an
+// accumulator are slice kk's fragment). Helpers of output_wgmma_kernel and local_wgmma_kernel.
+
+constexpr int kWgTileBytes = kRows * 256;  // a [64, 128] bfloat16 tile
+constexpr int kWgPitch = 128 + 8;          // a staged [64, 128] result's rows (bfloat16): 16 bytes apart in the banks
+
+// A thread's copies of a [64, 128] tile: 16 bytes at rows kWgRow + 8 u (u < 8), columns kWgCol.
+__device__ __forceinline__ int wg_row() { return threadIdx.x / 16; }
+__device__ __forceinline__ int wg_col() { return threadIdx.x % 16 * 8; }
+
+// The chunk's rows of x [T, heads, 128] (head `head`) by slot, zeros past T, into `tile` (cp.async:
+// the caller commits).
+__device__ __forceinline__ void wg_rows_by_slot(unsigned char* tile, const __nv_bfloat16* x, int heads, int head,
+                                                const Args& p) {
+  const int c = wg_col();
+#pragma unroll
+  for (int u = 0; u < kRows / 8; ++u) {
+    const int r = wg_row() + 8 * u;
+    const int64_t tok = p.slots[static_cast<int64_t>(blockIdx.x) * kRows + r];
+    const bool in = tok < p.T;
+    copy16_fill(tile + wgmma::sw128_offset<kRows>(r, c), x + ((in ? tok : 0) * heads + head) * 128 + c, in);
+  }
+}
+
+// rows [rows, 128] bfloat16 (contiguous) into `tile` (sw128_offset<rows>; cp.async: the caller commits).
+template <int kTileRows>
+__device__ __forceinline__ void wg_rows(unsigned char* tile, const __nv_bfloat16* rows) {
+  const int c = wg_col();
+#pragma unroll
+  for (int u = 0; u < kTileRows / 8; ++u) {
+    const int r = wg_row() + 8 * u;
+    copy16(tile + wgmma::sw128_offset<kTileRows>(r, c), rows + r * 128 + c);
+  }
+}
+
+// rn[i] = rsqrt(|q_i|^2 + 1e-6), rn[64 + i] likewise of k, from their tiles, a thread a row (the squares
+// summed in column order: row_rnorm's lanes sum in another, so an ulp from the other kernels' norms).
+__device__ __forceinline__ void wg_row_rnorms(float* rn, const unsigned char* q, const unsigned char* k) {
+  const int r = threadIdx.x % kRows;
+  const unsigned char* x = threadIdx.x < kRows ? q : k;
+  float ss = 0.0f;
+#pragma unroll
+  for (int c8 = 0; c8 < 16; ++c8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(x + wgmma::sw128_offset<kRows>(r, 8 * c8));
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = widen(w[i]);
+      ss = fmaf(f.x, f.x, ss);
+      ss = fmaf(f.y, f.y, ss);
+    }
+  }
+  rn[threadIdx.x] = rsqrtf(ss + 1e-6f);
+}
+
+// The m64n64 product a b^T of two K-major tiles (A's rows, B's rows: 128 columns each) into acc.
+__device__ __forceinline__ void wg_gram(float (&acc)[kRows / 2], const unsigned char* a, const unsigned char* b) {
+  const uint64_t a_desc = wgmma::desc128(wgmma::saddr(a), 16, 1024), b_desc = wgmma::desc128(wgmma::saddr(b), 16, 1024);
+  wgmma::fence_operand(acc);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < 128 / 16; ++kk)
+    wgmma::mma<__nv_bfloat16, kRows, 0, 0>(acc, wgmma::desc_add(a_desc, wgmma::sw128_k_step<kRows>(kk)),
+                                           wgmma::desc_add(b_desc, wgmma::sw128_k_step<kRows>(kk)));
+  wgmma::commit();
+}
+
+// P's element (query r, key c) from its raw dot x = q_r . k_c: build_qp_planes' scaling (r_q, scale, r_k,
+// the decay), in the lower triangle with its diagonal.
+__device__ __forceinline__ float wg_p(const float* rn, float scale, const Info& s, int r, int c, float x) {
+  return c <= r ? x * rn[r] * scale * rn[kRows + c] * decay(s, r, c) : 0.0f;
+}
+
+// E Q's element from q's raw x in row r: normalise_rows' order (x r_q scale E).
+__device__ __forceinline__ float wg_eq(const float* rn, float scale, const Info& s, int r, float x) {
+  return x * rn[r] * scale * s.E[r];
+}
+
+// A [64, 64] accumulator (rows 16 warp + g (+8), columns 8 j + 2 t (+1): acc[4 j + 2 half + e]) as the hi
+// and lo bfloat16 planes of the next product's A fragments, value(row, col, x) giving each element from
+// its accumulator x: slice kk's register i holds row 16 warp + g + 8 (i % 2), columns 16 kk + 8 (i / 2) +
+// 2 t (+1), so j = 2 kk + i / 2 and half = i % 2.
+template <typename Value>
+__device__ __forceinline__ void wg_planes(uint32_t (&hi)[kRows / 16][4], uint32_t (&lo)[kRows / 16][4],
+                                          const float (&acc)[kRows / 2], Value&& value) {
+  const int lane = threadIdx.x % 32, r0 = 16 * (threadIdx.x / 32) + lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < kRows / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + 8 * half, c = 8 * j + 2 * t;
+      const float v0 = value(r, c, acc[4 * j + 2 * half]), v1 = value(r, c + 1, acc[4 * j + 2 * half + 1]);
+      const uint32_t h = pack2<__nv_bfloat16>(v0, v1);
+      const float2 hf = widen(h);
+      hi[j / 2][half + 2 * (j % 2)] = h;
+      lo[j / 2][half + 2 * (j % 2)] = pack2<__nv_bfloat16>(v0 - hf.x, v1 - hf.y);
+    }
+  }
+}
+
+// A [64, 128] accumulator (rows 16 warp + g (+8), columns 8 j + 2 t (+1)) rounded to bfloat16 into
+// `staged` [64, kWgPitch]; the caller's barrier precedes the reads.
+__device__ __forceinline__ void wg_stage(__nv_bfloat16* staged, const float (&acc)[64]) {
+  const int lane = threadIdx.x % 32, r0 = 16 * (threadIdx.x / 32) + lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      *reinterpret_cast<uint32_t*>(staged + (r0 + 8 * half) * kWgPitch + 8 * j + 2 * t) =
+          pack2<__nv_bfloat16>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+}
+
+// output_planes_kernel on warpgroup products (the variant `output_wgmma`). At 32K tokens output_planes
+// took 0.941 ms against fla's chunk_fwd_o 0.677 (H100, thirty-sixth session), latency-bound (43% of
+// the issue slots busy, 1.2 eligible warps a scheduler): its 16 warps read each fragment from shared
+// memory by ldmatrix, several warps the same one. Here q, k, v_new and h land by cp.async from the
+// block's start (80 KB, two blocks a multiprocessor); Q K^T is one m64n64 product of q's and k's raw
+// rows (K-major), scaled in its accumulator as build_qp_planes scales it (r_q, scale, r_k, the decay,
+// the lower triangle); P's hi and lo planes times v_new (MN-major): exact, as output_planes' two
+// products; E Q rounded to bf16 (the site q S, one product) from q's rows in registers times h
+// (MN-major). o [64, 128] in the accumulator, staged over q's and k's bytes and written a token row at
+// a time. The sums' order differs from output_planes' (one accumulator for its acc and cross): not
+// bit-equal, judged against the truth.
 struct WgOutputSmem {
-  static constexpr int kPitch = 128 + 8;  // o's staged rows (bfloat16): 16 bytes apart in the banks
-  unsigned char *q, *k, *v_new, *h;       // [64, 128] K-major, [64, 128] K-major, [64 tokens, 128] and
-                                          // [128, 128] MN-major; o staged [64, kPitch] over q and k
-  float* rn;                              // r_q [64], then r_k [64]
+  unsigned char *q, *k, *v_new, *h;  // [64, 128] K-major, [64, 128] K-major, [64 tokens, 128] and
+                                     // [128, 128] MN-major; o staged [64, kWgPitch] over q and k
+  float* rn;                         // r_q [64], then r_k [64]
   Info* info;
   template <typename DimsT>
   __host__ __device__ WgOutputSmem(Carve& c, const DimsT&) {
-    static_assert(kRows * kPitch * 2 <= 2 * kRows * 256, "o staged within q's and k's bytes");
-    q = c.take<unsigned char>(kRows * 256);
-    k = c.take<unsigned char>(kRows * 256);
-    v_new = c.take<unsigned char>(kRows * 256);
-    h = c.take<unsigned char>(128 * 256);
+    static_assert(kRows * kWgPitch * 2 <= 2 * kWgTileBytes, "o staged within q's and k's bytes");
+    q = c.take<unsigned char>(kWgTileBytes);
+    k = c.take<unsigned char>(kWgTileBytes);
+    v_new = c.take<unsigned char>(kWgTileBytes);
+    h = c.take<unsigned char>(2 * kWgTileBytes);
     rn = c.take<float>(2 * kRows);
     info = c.take<Info>(1);
     c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
@@ -1865,34 +1976,16 @@ template <typename DimsT>
 __global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
 #if defined(V4_HAS_WGMMA)
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
-  using Smem = WgOutputSmem;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  // The copies, before load_info (ChunkBlock's early): a thread's pieces are 16 bytes at rows tid / 16
-  // + 8 u, columns tid % 16 * 8, in three groups: q and k (by slot, zeros past T), v_new, h.
-  const int r16 = tid / 16, c16 = tid % 16 * 8;
-  const ChunkBlock<Smem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const Smem& m, int64_t head) {
+  // The copies, before load_info (ChunkBlock's early), in three groups: q and k, v_new, h.
+  const ChunkBlock<WgOutputSmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgOutputSmem& m, int64_t head) {
     const int kh = blockIdx.y / (p.hv / p.hk);
-    const auto *q_in = static_cast<const __nv_bfloat16*>(p.q), *k_in = static_cast<const __nv_bfloat16*>(p.k);
-#pragma unroll
-    for (int u = 0; u < kRows / 8; ++u) {
-      const int r = r16 + 8 * u, to = wgmma::sw128_offset<kRows>(r, c16);
-      const int64_t tok = p.slots[static_cast<int64_t>(blockIdx.x) * kRows + r];
-      const bool in = tok < p.T;
-      const int64_t from = ((in ? tok : 0) * p.hk + kh) * DimsT::dk + c16;
-      copy16_fill(m.q + to, q_in + from, in);
-      copy16_fill(m.k + to, k_in + from, in);
-    }
+    wg_rows_by_slot(m.q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh, p);
+    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, p);
     commit_copies();
-    const auto* v_in = static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv;
-#pragma unroll
-    for (int u = 0; u < kRows / 8; ++u)
-      copy16(m.v_new + wgmma::sw128_offset<kRows>(r16 + 8 * u, c16), v_in + (r16 + 8 * u) * DimsT::dv + c16);
+    wg_rows<kRows>(m.v_new, static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv);
     commit_copies();
-    const auto* h_in = static_cast<const __nv_bfloat16*>(p.h) + head * DimsT::dk * DimsT::dv;
-#pragma unroll
-    for (int u = 0; u < DimsT::dk / 8; ++u)
-      copy16(m.h + wgmma::sw128_offset<DimsT::dk>(r16 + 8 * u, c16), h_in + (r16 + 8 * u) * DimsT::dv + c16);
+    wg_rows<DimsT::dk>(m.h, static_cast<const __nv_bfloat16*>(p.h) + head * DimsT::dk * DimsT::dv);
     commit_copies();
   });
   const auto& m = b.m;
@@ -1900,58 +1993,17 @@ __global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
   asm volatile("cp.async.wait_group 2;\n" ::);  // q's and k's rows
   wgmma::fence_shared();
   __syncthreads();
-  // Q K^T from the raw rows: q as A, k as B, both K-major.
   float qk[kRows / 2] = {};
-  const uint64_t q_desc = wgmma::desc128(wgmma::saddr(m.q), 16, 1024), k_desc = wgmma::desc128(wgmma::saddr(m.k), 16, 1024);
-  wgmma::fence_operand(qk);
-  wgmma::fence();
-#pragma unroll
-  for (int kk = 0; kk < DimsT::dk / 16; ++kk)
-    wgmma::mma<__nv_bfloat16, kRows, 0, 0>(qk, wgmma::desc_add(q_desc, wgmma::sw128_k_step<kRows>(kk)),
-                                           wgmma::desc_add(k_desc, wgmma::sw128_k_step<kRows>(kk)));
-  wgmma::commit();
-  {  // r_q and r_k while it runs, a thread a row (q's rows by threads 0..63, k's by 64..)
-    const int r = tid % kRows;
-    const unsigned char* x = tid < kRows ? m.q : m.k;
-    float ss = 0.0f;
-#pragma unroll
-    for (int c8 = 0; c8 < DimsT::dk / 8; ++c8) {
-      const uint4 v = *reinterpret_cast<const uint4*>(x + wgmma::sw128_offset<kRows>(r, 8 * c8));
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = widen(w[i]);
-        ss = fmaf(f.x, f.x, ss);
-        ss = fmaf(f.y, f.y, ss);
-      }
-    }
-    m.rn[tid] = rsqrtf(ss + 1e-6f);
-  }
-  __syncthreads();  // the norms
+  wg_gram(qk, m.q, m.k);     // Q K^T from the raw rows
+  wg_row_rnorms(m.rn, m.q, m.k);  // while it runs
+  __syncthreads();                // the norms
   wgmma::wait<0>();
   wgmma::fence_operand(qk);
-  // This thread's rows r0, r0 + 8 (its accumulators' and its A fragments'). P's planes: slice kk's
-  // fragment register i is columns 16 kk + 8 (i / 2) + 2 t (+1) of row r0 + 8 (i % 2), the accumulator's
-  // qk[4 j + 2 half + e] with j = 2 kk + i / 2, half = i % 2.
-  const int r0 = 16 * warp + g;
-  uint32_t ph[kRows / 16][4], pl[kRows / 16][4];
-#pragma unroll
-  for (int j = 0; j < kRows / 8; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = r0 + 8 * half, c = 8 * j + 2 * t;
-      float v[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        v[e] = c + e <= r ? qk[4 * j + 2 * half + e] * m.rn[r] * p.scale * m.rn[kRows + c + e] * decay(s, r, c + e) : 0.0f;
-      const uint32_t hi = pack2<__nv_bfloat16>(v[0], v[1]);
-      const float2 hf = widen(hi);
-      ph[j / 2][half + 2 * (j % 2)] = hi;
-      pl[j / 2][half + 2 * (j % 2)] = pack2<__nv_bfloat16>(v[0] - hf.x, v[1] - hf.y);
-    }
-  }
-  // E Q rounded to bfloat16 (normalise_rows' order: x r_q scale E), slice kk's register i at row r0 + 8 (i %
-  // 2), columns 16 kk + 8 (i / 2) + 2 t (+1), from q's raw rows.
+  uint32_t ph[kRows / 16][4], pl[kRows / 16][4];  // P's planes: query r, key c
+  wg_planes(ph, pl, qk, [&](int r, int c, float x) { return wg_p(m.rn, p.scale, s, r, c, x); });
+  // E Q rounded to bfloat16, slice kk's register i at row r0 + 8 (i % 2), columns 16 kk + 8 (i / 2) + 2 t
+  // (+1), from q's raw rows.
+  const int lane = threadIdx.x % 32, r0 = 16 * (threadIdx.x / 32) + lane / 4, t = lane % 4;
   uint32_t eq[DimsT::dk / 16][4];
 #pragma unroll
   for (int kk = 0; kk < DimsT::dk / 16; ++kk) {
@@ -1959,7 +2011,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
     for (int i = 0; i < 4; ++i) {
       const int r = r0 + 8 * (i % 2), c = 16 * kk + 8 * (i / 2) + 2 * t;
       const float2 x = widen(*reinterpret_cast<const uint32_t*>(m.q + wgmma::sw128_offset<kRows>(r, c)));
-      eq[kk][i] = pack2<__nv_bfloat16>(x.x * m.rn[r] * p.scale * s.E[r], x.y * m.rn[r] * p.scale * s.E[r]);
+      eq[kk][i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.x), wg_eq(m.rn, p.scale, s, r, x.y));
     }
   }
   asm volatile("cp.async.wait_group 0;\n" ::);  // v_new and h
@@ -1985,21 +2037,16 @@ __global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
   wgmma::fence_operand(o);
   // o staged as token rows over q's and k's bytes (no product reads them now), then 16 bytes a copy.
   auto* staged = reinterpret_cast<__nv_bfloat16*>(m.q);
-#pragma unroll
-  for (int j = 0; j < DimsT::dv / 8; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      *reinterpret_cast<uint32_t*>(staged + (r0 + 8 * half) * Smem::kPitch + 8 * j + 2 * t) =
-          pack2<__nv_bfloat16>(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
+  wg_stage(staged, o);
   __syncthreads();
   auto* out = static_cast<__nv_bfloat16*>(p.o);
 #pragma unroll
   for (int u = 0; u < kRows / 8; ++u) {
-    const int r = r16 + 8 * u;
+    const int r = wg_row() + 8 * u;
     const int64_t tok = s.slot[r];
     if (tok < p.T)
-      *reinterpret_cast<uint4*>(out + (tok * p.hv + b.h) * DimsT::dv + c16) =
-          *reinterpret_cast<const uint4*>(staged + r * Smem::kPitch + c16);
+      *reinterpret_cast<uint4*>(out + (tok * p.hv + b.h) * DimsT::dv + wg_col()) =
+          *reinterpret_cast<const uint4*>(staged + r * kWgPitch + wg_col());
   }
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
@@ -2101,6 +2148,104 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
         *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.dv_local) + (head * kRows + r) * d.dv + c) =
             pack2<__nv_bfloat16>(v0, v1);
       });
+}
+
+// local_grads_planes_kernel on warpgroup products (the variant `local_wgmma`): dv_local = P^T d_o and E Q
+// rounded (the reverse recurrence's, p.eq) for one chunk and head. At 32K tokens local_grads_planes
+// took 0.654 ms against fla's chunk_bwd_dv_local 0.360 (H100, thirty-sixth session), latency-bound
+// (51% of the issue slots busy). K Q^T is one m64n64 product (k as A: its accumulator is P^T, key rows
+// c, query columns r), scaled as the output's P; P^T's hi and lo planes as A registers times d_o
+// (MN-major, token rows by slot): exact, as local_grads_planes' two products. q, k and d_o by cp.async
+// from the block's start: 51 KB, four blocks a multiprocessor (122 registers).
+struct WgLocalSmem {
+  unsigned char *q, *k, *d_o;  // [64, 128] K-major, [64, 128] K-major, [64 tokens, 128] MN-major; dv_local
+                               // staged [64, kWgPitch] over q and k
+  float* rn;                   // r_q [64], then r_k [64]
+  Info* info;
+  template <typename DimsT>
+  __host__ __device__ WgLocalSmem(Carve& c, const DimsT&) {
+    static_assert(kRows * kWgPitch * 2 <= 2 * kWgTileBytes, "dv_local staged within q's and k's bytes");
+    q = c.take<unsigned char>(kWgTileBytes);
+    k = c.take<unsigned char>(kWgTileBytes);
+    d_o = c.take<unsigned char>(kWgTileBytes);
+    rn = c.take<float>(2 * kRows);
+    info = c.take<Info>(1);
+    c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
+  }
+};
+
+template <typename DimsT>
+__global__ void __launch_bounds__(kWgThreads, 4) local_wgmma_kernel(Args p) {
+#if defined(V4_HAS_WGMMA)
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  // The copies, before load_info (ChunkBlock's early), in two groups: q and k, d_o.
+  const ChunkBlock<WgLocalSmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgLocalSmem& m, int64_t) {
+    const int kh = blockIdx.y / (p.hv / p.hk);
+    wg_rows_by_slot(m.q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh, p);
+    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, p);
+    commit_copies();
+    wg_rows_by_slot(m.d_o, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);
+    commit_copies();
+  });
+  const auto& m = b.m;
+  const Info& s = b.s;
+  asm volatile("cp.async.wait_group 1;\n" ::);  // q's and k's rows
+  wgmma::fence_shared();
+  __syncthreads();
+  float kq[kRows / 2] = {};
+  wg_gram(kq, m.k, m.q);          // K Q^T from the raw rows: P^T's dots
+  wg_row_rnorms(m.rn, m.q, m.k);  // while it runs
+  __syncthreads();                // the norms
+  wgmma::wait<0>();
+  wgmma::fence_operand(kq);
+  uint32_t th[kRows / 16][4], tl[kRows / 16][4];  // P^T's planes: key c, query r
+  wg_planes(th, tl, kq, [&](int c, int r, float x) { return wg_p(m.rn, p.scale, s, r, c, x); });
+  {  // E Q rounded to bfloat16 out, 16 bytes a copy from q's rows
+    __nv_bfloat16* eq = p.eq + b.head * kRows * DimsT::dk + wg_col();
+#pragma unroll
+    for (int u = 0; u < kRows / 8; ++u) {
+      const int r = wg_row() + 8 * u;
+      const uint4 v = *reinterpret_cast<const uint4*>(m.q + wgmma::sw128_offset<kRows>(r, wg_col()));
+      uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = widen(w[i]);
+        w[i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.x), wg_eq(m.rn, p.scale, s, r, x.y));
+      }
+      *reinterpret_cast<uint4*>(eq + r * DimsT::dk) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);  // d_o
+  wgmma::fence_shared();
+  __syncthreads();  // and everyone's; every read of q's rows (above) is done
+  // dv_local = P^T_hi d_o + P^T_lo d_o: d_o [64 tokens, 128] MN-major.
+  float dv[DimsT::dv / 2] = {};
+  const uint64_t d_o_desc = wgmma::desc128(wgmma::saddr(m.d_o), kRows * 128, 1024);
+  wgmma::fence_operand(dv);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(dv, th[kk], wgmma::desc_add(d_o_desc, kk * 2048));
+    wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(dv, tl[kk], wgmma::desc_add(d_o_desc, kk * 2048));
+  }
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operand(dv);
+  // dv_local in bfloat16 (tools/delta_rule_split_check.py --stored dv_local), staged over q's and k's
+  // bytes, then 16 bytes a copy into the chunk's rows.
+  auto* staged = reinterpret_cast<__nv_bfloat16*>(m.q);
+  wg_stage(staged, dv);
+  __syncthreads();
+  auto* out = static_cast<__nv_bfloat16*>(p.dv_local) + b.head * kRows * DimsT::dv + wg_col();
+#pragma unroll
+  for (int u = 0; u < kRows / 8; ++u) {
+    const int r = wg_row() + 8 * u;
+    *reinterpret_cast<uint4*>(out + r * DimsT::dv) = *reinterpret_cast<const uint4*>(staged + r * kWgPitch + wg_col());
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
 }
 
 struct StateSmem {
@@ -3054,11 +3199,11 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned clu
 // `none`: none, the kernels devices after Hopper run, judged there by parity/test_gated_delta_rule.py):
 // `wgmma`, the recurrence on warpgroup products (recurrence_wgmma_kernel, where the sm_90a build runs),
 // `prepare3`, prepare_planes_kernel at three blocks a multiprocessor (at two without it), and
-// `output_wgmma`, the output on warpgroup products (output_wgmma_kernel; opt-in until it is judged and
-// timed on a GPU).
-enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4 };
+// `output_wgmma` and `local_wgmma`, the output and local_grads on warpgroup products (output_wgmma_kernel,
+// local_wgmma_kernel; opt-in until they are judged and timed on a GPU).
+enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8 };
 inline unsigned variants() {
-  return env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma", "prepare3", "output_wgmma"}, kWgmma | kPrepare3);
+  return env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma", "prepare3", "output_wgmma", "local_wgmma"}, kWgmma | kPrepare3);
 }
 
 // fold (kPlanes, the backward): add = eq^T d_o formed in the kernel (RecurrenceArgs), r.add undefined.
@@ -3200,7 +3345,16 @@ void fused(Fused& f, bool backward) {
   a.dv_local = r.base.data_ptr();
   if constexpr (fold) {
     a.eq = static_cast<__nv_bfloat16*>(eq.data_ptr());
-    launch<LocalPlanesSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
+    // (its copies of q's, k's and d_o's rows are 16 bytes each: local_grads_planes copies unaligned rows by elements)
+    if ((variants() & kLocalWgmma) && aligned16(a.q) && aligned16(a.k) &&
+        wgmma::capable(f.q.get_device(), smem_bytes<WgLocalSmem>(d))) {
+      // (four blocks take 214 of the 228 KB: the largest carve-out, asked)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(local_wgmma_kernel<DimsT>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          cudaSharedmemCarveoutMaxShared));
+      launch<WgLocalSmem, kWgThreads>(local_wgmma_kernel<DimsT>, grid, d, a);
+    } else {
+      launch<LocalPlanesSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
+    }
   } else {
     a.dh_local = r.add.data_ptr<float>();
     launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
