@@ -330,6 +330,17 @@ def test_the_experts_fp8_registers_kernel_on_cuda_is_within_the_bound_and_equals
         _assert_same_bits(runs["tail128"], runs["staged"])
 
 
+@CUDA
+def test_tail128_on_cuda_equals_staged_where_experts_end_on_whole_tiles(monkeypatch):
+    """V4TRAIN_FP8_GROUPED_VARIANTS=tail128 where experts end exactly on a whole 256-row tile (512, 256,
+    2,048: tails of no rows) beside others (3,000 and 9,000 rows, one row, none): both ways equal to
+    staged's bits, every row written by one of the two launches."""
+    kernels = {"staged": ["grouped_kernel<false", "grouped_kernel<true"],
+               "tail128": [f"registers_kernel<{way},{n}" for way in ("false", "true") for n in (128, 256)]}
+    runs, _ = _variant_runs(monkeypatch, "256x128", OUT, 53, kernels, counts=[512, 0, 256, 3000, 1, 2048, 9000])
+    _assert_same_bits(runs["tail128"], runs["staged"])
+
+
 def _grouped_kinds(prof) -> list[str]:
     """The exact kernels' launches, sorted, spaces dropped: grouped_kernel<true|false (backward?) or
     registers_kernel<true|false,BT."""

@@ -494,7 +494,7 @@ MUTATIONS = (
     Mutation("fp8_registers_tail_first_rows_skipped", "the experts' FP8 kernel with tail128 (opt-in): each "
              "expert's tail starts 128 rows past its cut (those rows of y never written)", "cc/common/fp8_grouped.cu",
              "(split == BM ? end : start) = cut;", "(split == BM ? end : start) = split == BM ? cut : cut + BM;",
-             ("parity/test_fp8_linear.py", "-k", "registers_kernel_on_cuda and 256x128"), cuda=True,
+             ("parity/test_fp8_linear.py", "-k", "(registers_kernel_on_cuda and 256x128) or tail128"), cuda=True,
              module="v4_linear_test"),
     Mutation("fp8_registers_rows_below", "the experts' FP8 forward (fp8_registers_kernel): each A fragment's rows "
              "+8 read from the first 8", "cc/common/fp8_grouped.cu",
