@@ -403,8 +403,8 @@ MUTATIONS = (
              "return c <= r ? x * rn[r] * scale", "return c < r ? x * rn[r] * scale", CHUNK_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_output_wgmma_h_lead", "the output on wgmma (opt-in): h's descriptor takes v_new's "
              "distance between 64-column blocks (o's columns 64.. from h's rows 64.. of its first block)",
-             "cc/ops/gated_delta_rule.cu", "h_desc = wgmma::desc128(wgmma::saddr(m.h), DimsT::dk * 128, 1024);",
-             "h_desc = wgmma::desc128(wgmma::saddr(m.h), kRows * 128, 1024);", CHUNK_WGMMA_CUDA, cuda=True),
+             "cc/ops/gated_delta_rule.cu", "h_desc = wgmma::desc128(wgmma::saddr(h), DimsT::dk * 128, 1024);",
+             "h_desc = wgmma::desc128(wgmma::saddr(h), kRows * 128, 1024);", CHUNK_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_chunk_wgmma_p_fragment_swapped", "the output and local_grads on wgmma (opt-in): P's (P^T's) "
              "hi plane in the A fragment with registers 1 and 2 swapped (row + 8's columns for column + 8's)",
              "cc/ops/gated_delta_rule.cu", "hi[j / 2][half + 2 * (j % 2)] = h;", "hi[j / 2][2 * half + j % 2] = h;",
@@ -413,8 +413,8 @@ MUTATIONS = (
              "(q's decay to the chunk's start)", "cc/ops/gated_delta_rule.cu", "return x * rn[r] * scale * s.E[r];",
              "return x * rn[r] * scale;", CHUNK_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_local_wgmma_p_untransposed", "local_grads on wgmma (opt-in): Q K^T's accumulator (P) "
-             "where K Q^T's (P^T) belongs", "cc/ops/gated_delta_rule.cu", "wg_gram(kq, m.k, m.q);",
-             "wg_gram(kq, m.q, m.k);", CHUNK_WGMMA_CUDA, cuda=True),
+             "where K Q^T's (P^T) belongs", "cc/ops/gated_delta_rule.cu", "wg_gram_after_copies<1>(kq, m.k, m.q,",
+             "wg_gram_after_copies<1>(kq, m.q, m.k,", CHUNK_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_local_wgmma_eq_pairs_swapped", "local_grads on wgmma (opt-in): E Q's bfloat16 pairs "
              "written with their two columns swapped", "cc/ops/gated_delta_rule.cu",
              "w[i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.x), wg_eq(m.rn, p.scale, s, r, x.y));",
@@ -423,7 +423,7 @@ MUTATIONS = (
     Mutation("delta_rule_local_wgmma_d_o_of_key_head", "local_grads on wgmma (opt-in): d_o's rows of the key head "
              "(blockIdx.y / rep) for the value head's", "cc/ops/gated_delta_rule.cu",
              "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);",
-             "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, kh, p);", CHUNK_WGMMA_CUDA, cuda=True),
+             "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y / (p.hv / p.hk), p);", CHUNK_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_wgmma_h_out_half", "the recurrence on wgmma: the state out's rows 64.. written over rows "
              "0.. (h's second half never written)", "cc/ops/gated_delta_rule.cu",
              "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u)", "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * (u % 2))",

@@ -1954,51 +1954,75 @@ __device__ __forceinline__ void wg_stage(__nv_bfloat16* staged, const float (&ac
 // (MN-major). o [64, 128] in the accumulator, staged over q's and k's bytes and written a token row at
 // a time. The sums' order differs from output_planes' (one accumulator for its acc and cross): not
 // bit-equal, judged against the truth.
-struct WgOutputSmem {
-  unsigned char *q, *k, *v_new, *h;  // [64, 128] K-major, [64, 128] K-major, [64 tokens, 128] and
-                                     // [128, 128] MN-major; o staged [64, kWgPitch] over q and k
-  float* rn;                         // r_q [64], then r_k [64]
+// A chunk kernel's carve: q's and k's tiles ([64, 128] K-major), kExtra more tiles after them, r_q and r_k,
+// Info. A [64, 128] result is staged over q's and k's bytes once no product reads them.
+template <int kExtra>
+struct WgChunkSmem {
+  unsigned char *q, *k, *extra;
+  float* rn;  // r_q [64], then r_k [64]
   Info* info;
   template <typename DimsT>
-  __host__ __device__ WgOutputSmem(Carve& c, const DimsT&) {
-    static_assert(kRows * kWgPitch * 2 <= 2 * kWgTileBytes, "o staged within q's and k's bytes");
+  __host__ __device__ WgChunkSmem(Carve& c, const DimsT&) {
+    static_assert(kRows * kWgPitch * 2 <= 2 * kWgTileBytes, "a result staged within q's and k's bytes");
     q = c.take<unsigned char>(kWgTileBytes);
     k = c.take<unsigned char>(kWgTileBytes);
-    v_new = c.take<unsigned char>(kWgTileBytes);
-    h = c.take<unsigned char>(2 * kWgTileBytes);
+    extra = c.take<unsigned char>(kExtra * kWgTileBytes);
     rn = c.take<float>(2 * kRows);
     info = c.take<Info>(1);
     c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
   }
 };
+using WgOutputSmem = WgChunkSmem<3>;  // extra: v_new [64 tokens, 128] MN-major, then h [128, 128] MN-major
+using WgLocalSmem = WgChunkSmem<1>;   // extra: d_o [64 tokens, 128] MN-major
+
+// The start of both kernels: q's and k's rows by slot (the first commit group; the caller's copies
+// after it), Info (ChunkBlock's load_info) while they fly.
+template <int kExtra, typename DimsT, typename Later>
+struct WgChunkBlock : ChunkBlock<WgChunkSmem<kExtra>, DimsT> {
+  __device__ WgChunkBlock(const Args& p, unsigned char* smem, Later later)
+      : ChunkBlock<WgChunkSmem<kExtra>, DimsT>(p, wgmma::sw128_aligned(smem), [&](const WgChunkSmem<kExtra>& m, int64_t head) {
+          const int kh = blockIdx.y / (p.hv / p.hk);
+          wg_rows_by_slot(m.q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh, p);
+          wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, p);
+          commit_copies();
+          later(m, head);
+        }) {}
+};
+
+// Once q's and k's rows are in (kLater commit groups after theirs still in flight): acc = a b^T of two
+// of their tiles (wg_gram), the norms taken while it runs; acc complete on return.
+template <int kLater>
+__device__ __forceinline__ void wg_gram_after_copies(float (&acc)[kRows / 2], const unsigned char* a,
+                                                     const unsigned char* b, float* rn, const unsigned char* q,
+                                                     const unsigned char* k) {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kLater));
+  wgmma::fence_shared();
+  __syncthreads();
+  wg_gram(acc, a, b);
+  wg_row_rnorms(rn, q, k);
+  __syncthreads();  // the norms
+  wgmma::wait<0>();
+  wgmma::fence_operand(acc);
+}
 
 template <typename DimsT>
 __global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
 #if defined(V4_HAS_WGMMA)
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
-  // The copies, before load_info (ChunkBlock's early), in three groups: q and k, v_new, h.
-  const ChunkBlock<WgOutputSmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgOutputSmem& m, int64_t head) {
-    const int kh = blockIdx.y / (p.hv / p.hk);
-    wg_rows_by_slot(m.q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh, p);
-    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, p);
+  // The copies in three groups: q and k, v_new, h.
+  const auto v_h = [&](const WgOutputSmem& m, int64_t head) {
+    wg_rows<kRows>(m.extra, static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv);
     commit_copies();
-    wg_rows<kRows>(m.v_new, static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv);
+    wg_rows<DimsT::dk>(m.extra + kWgTileBytes, static_cast<const __nv_bfloat16*>(p.h) + head * DimsT::dk * DimsT::dv);
     commit_copies();
-    wg_rows<DimsT::dk>(m.h, static_cast<const __nv_bfloat16*>(p.h) + head * DimsT::dk * DimsT::dv);
-    commit_copies();
-  });
+  };
+  const WgChunkBlock<3, DimsT, decltype(v_h)> b(p, smem, v_h);
   const auto& m = b.m;
   const Info& s = b.s;
-  asm volatile("cp.async.wait_group 2;\n" ::);  // q's and k's rows
-  wgmma::fence_shared();
-  __syncthreads();
+  const unsigned char *v_new = m.extra, *h = m.extra + kWgTileBytes;
   float qk[kRows / 2] = {};
-  wg_gram(qk, m.q, m.k);     // Q K^T from the raw rows
-  wg_row_rnorms(m.rn, m.q, m.k);  // while it runs
-  __syncthreads();                // the norms
-  wgmma::wait<0>();
-  wgmma::fence_operand(qk);
+  wg_gram_after_copies<2>(qk, m.q, m.k, m.rn, m.q, m.k);  // Q K^T from the raw rows
   uint32_t ph[kRows / 16][4], pl[kRows / 16][4];  // P's planes: query r, key c
   wg_planes(ph, pl, qk, [&](int r, int c, float x) { return wg_p(m.rn, p.scale, s, r, c, x); });
   // E Q rounded to bfloat16, slice kk's register i at row r0 + 8 (i % 2), columns 16 kk + 8 (i / 2) + 2 t
@@ -2020,8 +2044,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
   // o = P_hi v_new + P_lo v_new + (E Q) h: v_new [64 tokens, 128] and h [128, 128] MN-major (their
   // 64-column blocks 64 and 128 rows of 128 bytes apart).
   float o[DimsT::dv / 2] = {};
-  const uint64_t v_desc = wgmma::desc128(wgmma::saddr(m.v_new), kRows * 128, 1024),
-                 h_desc = wgmma::desc128(wgmma::saddr(m.h), DimsT::dk * 128, 1024);
+  const uint64_t v_desc = wgmma::desc128(wgmma::saddr(v_new), kRows * 128, 1024),
+                 h_desc = wgmma::desc128(wgmma::saddr(h), DimsT::dk * 128, 1024);
   wgmma::fence_operand(o);
   wgmma::fence();
 #pragma unroll
@@ -2157,48 +2181,22 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
 // c, query columns r), scaled as the output's P; P^T's hi and lo planes as A registers times d_o
 // (MN-major, token rows by slot): exact, as local_grads_planes' two products. q, k and d_o by cp.async
 // from the block's start: 51 KB, four blocks a multiprocessor (122 registers).
-struct WgLocalSmem {
-  unsigned char *q, *k, *d_o;  // [64, 128] K-major, [64, 128] K-major, [64 tokens, 128] MN-major; dv_local
-                               // staged [64, kWgPitch] over q and k
-  float* rn;                   // r_q [64], then r_k [64]
-  Info* info;
-  template <typename DimsT>
-  __host__ __device__ WgLocalSmem(Carve& c, const DimsT&) {
-    static_assert(kRows * kWgPitch * 2 <= 2 * kWgTileBytes, "dv_local staged within q's and k's bytes");
-    q = c.take<unsigned char>(kWgTileBytes);
-    k = c.take<unsigned char>(kWgTileBytes);
-    d_o = c.take<unsigned char>(kWgTileBytes);
-    rn = c.take<float>(2 * kRows);
-    info = c.take<Info>(1);
-    c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
-  }
-};
-
 template <typename DimsT>
 __global__ void __launch_bounds__(kWgThreads, 4) local_wgmma_kernel(Args p) {
 #if defined(V4_HAS_WGMMA)
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   extern __shared__ __align__(16) unsigned char smem[];
-  // The copies, before load_info (ChunkBlock's early), in two groups: q and k, d_o.
-  const ChunkBlock<WgLocalSmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgLocalSmem& m, int64_t) {
-    const int kh = blockIdx.y / (p.hv / p.hk);
-    wg_rows_by_slot(m.q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh, p);
-    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, p);
+  // The copies in two groups: q and k, d_o (its rows by slot).
+  const auto rows_of_d_o = [&](const WgLocalSmem& m, int64_t) {
+    wg_rows_by_slot(m.extra, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);
     commit_copies();
-    wg_rows_by_slot(m.d_o, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);
-    commit_copies();
-  });
+  };
+  const WgChunkBlock<1, DimsT, decltype(rows_of_d_o)> b(p, smem, rows_of_d_o);
   const auto& m = b.m;
   const Info& s = b.s;
-  asm volatile("cp.async.wait_group 1;\n" ::);  // q's and k's rows
-  wgmma::fence_shared();
-  __syncthreads();
+  const unsigned char* d_o = m.extra;
   float kq[kRows / 2] = {};
-  wg_gram(kq, m.k, m.q);          // K Q^T from the raw rows: P^T's dots
-  wg_row_rnorms(m.rn, m.q, m.k);  // while it runs
-  __syncthreads();                // the norms
-  wgmma::wait<0>();
-  wgmma::fence_operand(kq);
+  wg_gram_after_copies<1>(kq, m.k, m.q, m.rn, m.q, m.k);  // K Q^T from the raw rows: P^T's dots
   uint32_t th[kRows / 16][4], tl[kRows / 16][4];  // P^T's planes: key c, query r
   wg_planes(th, tl, kq, [&](int c, int r, float x) { return wg_p(m.rn, p.scale, s, r, c, x); });
   {  // E Q rounded to bfloat16 out, 16 bytes a copy from q's rows
@@ -2221,7 +2219,7 @@ __global__ void __launch_bounds__(kWgThreads, 4) local_wgmma_kernel(Args p) {
   __syncthreads();  // and everyone's; every read of q's rows (above) is done
   // dv_local = P^T_hi d_o + P^T_lo d_o: d_o [64 tokens, 128] MN-major.
   float dv[DimsT::dv / 2] = {};
-  const uint64_t d_o_desc = wgmma::desc128(wgmma::saddr(m.d_o), kRows * 128, 1024);
+  const uint64_t d_o_desc = wgmma::desc128(wgmma::saddr(d_o), kRows * 128, 1024);
   wgmma::fence_operand(dv);
   wgmma::fence();
 #pragma unroll
