@@ -1065,7 +1065,9 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
     const CUtensorMap w_map = transposed ? wgmma::tensor_map_swizzled(w0, w_rows, in, in, kBK, true)
                                          : wgmma::tensor_map_swizzled(w0, w_rows, in, in, kRsRows, true, kBK);
     // BT tokens a tile, x's map in boxes of BT rows, find_tile's cut at `split`.
-    const auto registers = [&]<int BT>(const CUtensorMap& map, int split) {
+    const auto registers = [&]<int BT>(int split) {
+      const CUtensorMap map =
+          BT == S::BM ? x_map : wgmma::tensor_map_swizzled(xs.const_data_ptr(), rows, xs.size(1), xs.size(1), BT);
       Args b = a;
       b.split = split;
       const dim3 rs_grid = persistent_grid(x, E, N, BT, kRsRows);
@@ -1074,11 +1076,10 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
       else wgmma::launch(fp8_registers_kernel<false, BT>, rs_grid, kThreads, Rs<BT>::kSmem, stream, map, w_map, b);
     };
     if (S::BM == 256 && (grouped_variants() & kTail128)) {
-      registers.template operator()<256>(x_map, 256);  // the whole tiles
-      registers.template operator()<128>(wgmma::tensor_map_swizzled(xs.const_data_ptr(), rows, xs.size(1), xs.size(1), 128),
-                                         256);  // the tails
+      registers.template operator()<256>(256);  // the whole tiles
+      registers.template operator()<128>(256);  // the tails
     } else {
-      registers.template operator()<S::BM>(x_map, 0);
+      registers.template operator()<S::BM>(0);
     }
     return;
   }

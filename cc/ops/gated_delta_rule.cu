@@ -1837,7 +1837,7 @@ __global__ void __launch_bounds__(kThreads, 2) output_planes_kernel(Args p) {  /
 constexpr int kWgTileBytes = kRows * 256;  // a [64, 128] bfloat16 tile
 constexpr int kWgPitch = 128 + 8;          // a staged [64, 128] result's rows (bfloat16): 16 bytes apart in the banks
 
-// A thread's copies of a [64, 128] tile: 16 bytes at rows kWgRow + 8 u (u < 8), columns kWgCol.
+// A thread's copies of a [64, 128] tile: 16 bytes at rows wg_row() + 8 u (u < 8), columns wg_col()..
 __device__ __forceinline__ int wg_row() { return threadIdx.x / 16; }
 __device__ __forceinline__ int wg_col() { return threadIdx.x % 16 * 8; }
 
@@ -1931,6 +1931,18 @@ __device__ __forceinline__ void wg_planes(uint32_t (&hi)[kRows / 16][4], uint32_
   }
 }
 
+// acc += P_hi b + P_lo b, P's (or P^T's) planes from wg_planes times b [64 tokens, 128] MN-major (its
+// 64-column blocks 64 rows of 128 bytes apart): issued, not committed (the caller fences before).
+__device__ __forceinline__ void wg_planes_times(float (&acc)[64], const uint32_t (&hi)[kRows / 16][4],
+                                                const uint32_t (&lo)[kRows / 16][4], const unsigned char* b) {
+  const uint64_t b_desc = wgmma::desc128(wgmma::saddr(b), kRows * 128, 1024);
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    wgmma::mma_rs<__nv_bfloat16, 1, 128>(acc, hi[kk], wgmma::desc_add(b_desc, kk * 2048));
+    wgmma::mma_rs<__nv_bfloat16, 1, 128>(acc, lo[kk], wgmma::desc_add(b_desc, kk * 2048));
+  }
+}
+
 // A [64, 128] accumulator (rows 16 warp + g (+8), columns 8 j + 2 t (+1)) rounded to bfloat16 into
 // `staged` [64, kWgPitch]; the caller's barrier precedes the reads.
 __device__ __forceinline__ void wg_stage(__nv_bfloat16* staged, const float (&acc)[64]) {
@@ -1943,17 +1955,6 @@ __device__ __forceinline__ void wg_stage(__nv_bfloat16* staged, const float (&ac
           pack2<__nv_bfloat16>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
 }
 
-// output_planes_kernel on warpgroup products (the variant `output_wgmma`). At 32K tokens output_planes
-// took 0.941 ms against fla's chunk_fwd_o 0.677 (H100, thirty-sixth session), latency-bound (43% of
-// the issue slots busy, 1.2 eligible warps a scheduler): its 16 warps read each fragment from shared
-// memory by ldmatrix, several warps the same one. Here q, k, v_new and h land by cp.async from the
-// block's start (80 KB, two blocks a multiprocessor); Q K^T is one m64n64 product of q's and k's raw
-// rows (K-major), scaled in its accumulator as build_qp_planes scales it (r_q, scale, r_k, the decay,
-// the lower triangle); P's hi and lo planes times v_new (MN-major): exact, as output_planes' two
-// products; E Q rounded to bf16 (the site q S, one product) from q's rows in registers times h
-// (MN-major). o [64, 128] in the accumulator, staged over q's and k's bytes and written a token row at
-// a time. The sums' order differs from output_planes' (one accumulator for its acc and cross): not
-// bit-equal, judged against the truth.
 // A chunk kernel's carve: q's and k's tiles ([64, 128] K-major), kExtra more tiles after them, r_q and r_k,
 // Info. A [64, 128] result is staged over q's and k's bytes once no product reads them.
 template <int kExtra>
@@ -2005,6 +2006,17 @@ __device__ __forceinline__ void wg_gram_after_copies(float (&acc)[kRows / 2], co
   wgmma::fence_operand(acc);
 }
 
+// output_planes_kernel on warpgroup products (the variant `output_wgmma`). At 32K tokens output_planes
+// took 0.941 ms against fla's chunk_fwd_o 0.677 (H100, thirty-sixth session), latency-bound (43% of
+// the issue slots busy, 1.2 eligible warps a scheduler): its 16 warps read each fragment from shared
+// memory by ldmatrix, several warps the same one. Here q, k, v_new and h land by cp.async from the
+// block's start (80 KB, two blocks a multiprocessor); Q K^T is one m64n64 product of q's and k's raw
+// rows (K-major), scaled in its accumulator as build_qp_planes scales it (r_q, scale, r_k, the decay,
+// the lower triangle); P's hi and lo planes times v_new (MN-major): exact, as output_planes' two
+// products; E Q rounded to bf16 (the site q S, one product) from q's rows in registers times h
+// (MN-major). o [64, 128] in the accumulator, staged over q's and k's bytes and written a token row at
+// a time. The sums' order differs from output_planes' (one accumulator for its acc and cross): not
+// bit-equal, judged against the truth.
 template <typename DimsT>
 __global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
 #if defined(V4_HAS_WGMMA)
@@ -2041,18 +2053,13 @@ __global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
   asm volatile("cp.async.wait_group 0;\n" ::);  // v_new and h
   wgmma::fence_shared();
   __syncthreads();  // and everyone's; every read of q's rows (above) is done
-  // o = P_hi v_new + P_lo v_new + (E Q) h: v_new [64 tokens, 128] and h [128, 128] MN-major (their
-  // 64-column blocks 64 and 128 rows of 128 bytes apart).
+  // o = P_hi v_new + P_lo v_new + (E Q) h: h [128, 128] MN-major (its 64-column blocks 128 rows of 128
+  // bytes apart).
   float o[DimsT::dv / 2] = {};
-  const uint64_t v_desc = wgmma::desc128(wgmma::saddr(v_new), kRows * 128, 1024),
-                 h_desc = wgmma::desc128(wgmma::saddr(h), DimsT::dk * 128, 1024);
+  const uint64_t h_desc = wgmma::desc128(wgmma::saddr(h), DimsT::dk * 128, 1024);
   wgmma::fence_operand(o);
   wgmma::fence();
-#pragma unroll
-  for (int kk = 0; kk < kRows / 16; ++kk) {
-    wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(o, ph[kk], wgmma::desc_add(v_desc, kk * 2048));
-    wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(o, pl[kk], wgmma::desc_add(v_desc, kk * 2048));
-  }
+  wg_planes_times(o, ph, pl, v_new);
 #pragma unroll
   for (int kk = 0; kk < DimsT::dk / 16; ++kk)
     wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(o, eq[kk], wgmma::desc_add(h_desc, kk * 2048));
@@ -2217,16 +2224,11 @@ __global__ void __launch_bounds__(kWgThreads, 4) local_wgmma_kernel(Args p) {
   asm volatile("cp.async.wait_group 0;\n" ::);  // d_o
   wgmma::fence_shared();
   __syncthreads();  // and everyone's; every read of q's rows (above) is done
-  // dv_local = P^T_hi d_o + P^T_lo d_o: d_o [64 tokens, 128] MN-major.
+  // dv_local = P^T_hi d_o + P^T_lo d_o.
   float dv[DimsT::dv / 2] = {};
-  const uint64_t d_o_desc = wgmma::desc128(wgmma::saddr(d_o), kRows * 128, 1024);
   wgmma::fence_operand(dv);
   wgmma::fence();
-#pragma unroll
-  for (int kk = 0; kk < kRows / 16; ++kk) {
-    wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(dv, th[kk], wgmma::desc_add(d_o_desc, kk * 2048));
-    wgmma::mma_rs<__nv_bfloat16, 1, DimsT::dv>(dv, tl[kk], wgmma::desc_add(d_o_desc, kk * 2048));
-  }
+  wg_planes_times(dv, th, tl, d_o);
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::fence_operand(dv);
@@ -3168,11 +3170,15 @@ size_t smem_bytes(const Dims& d) {
 }
 
 // cluster_y > 0: in clusters of (1, cluster_y) blocks (a chunk's value heads of one key head:
-// sum_over_value_heads), which a cluster of 1 takes too.
+// sum_over_value_heads), which a cluster of 1 takes too. max_carveout: the largest shared-memory
+// carve-out asked, for a kernel whose blocks a multiprocessor fit only in it.
 template <typename Smem, int Threads = kThreads, typename Kernel, typename A>
-void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned cluster_y = 0) {
+void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned cluster_y = 0, bool max_carveout = false) {
   const size_t bytes = smem_bytes<Smem>(d);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  if (max_carveout)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
   if (cluster_y == 0) {
     kernel<<<grid, Threads, bytes, at::cuda::getCurrentCUDAStream()>>>(args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -3296,10 +3302,8 @@ void fused(Fused& f, bool backward) {
     const c10::cuda::CUDAStreamGuard on(prepare_stream.stream());
     if constexpr (!kPlanes<kMode, DimsT>) {
       launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
-    } else if (variants() & kPrepare3) {  // (three blocks take 224 of the 228 KB: the largest carve-out, asked)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(prepare_planes_kernel<DimsT, 3>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-      launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 3>, grid, d, a);
+    } else if (variants() & kPrepare3) {  // (three blocks: 224 of the 228 KB)
+      launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 3>, grid, d, a, 0, true);
     } else {
       launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 2>, grid, d, a);
     }
@@ -3345,14 +3349,10 @@ void fused(Fused& f, bool backward) {
     a.eq = static_cast<__nv_bfloat16*>(eq.data_ptr());
     // (its copies of q's, k's and d_o's rows are 16 bytes each: local_grads_planes copies unaligned rows by elements)
     if ((variants() & kLocalWgmma) && aligned16(a.q) && aligned16(a.k) &&
-        wgmma::capable(f.q.get_device(), smem_bytes<WgLocalSmem>(d))) {
-      // (four blocks take 214 of the 228 KB: the largest carve-out, asked)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(local_wgmma_kernel<DimsT>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-      launch<WgLocalSmem, kWgThreads>(local_wgmma_kernel<DimsT>, grid, d, a);
-    } else {
+        wgmma::capable(f.q.get_device(), smem_bytes<WgLocalSmem>(d)))
+      launch<WgLocalSmem, kWgThreads>(local_wgmma_kernel<DimsT>, grid, d, a, 0, true);  // (four blocks: 214 of 228 KB)
+    else
       launch<LocalPlanesSmem>(local_grads_planes_kernel<DimsT>, grid, d, a);
-    }
   } else {
     a.dh_local = r.add.data_ptr<float>();
     launch<LocalSmem>(local_grads_kernel<T, kMode, DimsT>, grid, d, a);
