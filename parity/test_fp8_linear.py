@@ -312,33 +312,16 @@ def test_the_experts_fp8_registers_kernel_on_cuda_is_within_the_bound_and_equals
     bound kept says the tensor core sums a product's 16 terms in an order that depends on which operand
     is A). At 128 inputs
     the forward's tile is two steps, at 128 outputs the backward's. The profile shows which kernel ran
-    each way. With 256-token tiles also V4TRAIN_FP8_GROUPED_VARIANTS=tail128 (two launches a way: the
-    experts' whole tiles, then their tails in tiles of 128), equal to staged's bits."""
+    each way."""
     rows = int(tile.split("x")[0])
-    kernels = {"none": [f"registers_kernel<false,{rows}", f"registers_kernel<true,{rows}"],
-               "staged": ["grouped_kernel<false", "grouped_kernel<true"]}
-    if rows == 256:  # tail128: the whole 256-row tiles, then each expert's tail (COUNTS' 184, 1, 129 and 40) in 128s
-        kernels["tail128"] = [f"registers_kernel<{way},{n}" for way in ("false", "true") for n in (128, 256)]
-    runs, (q, scale, x, dy) = _variant_runs(monkeypatch, tile, max(shape.get("out", OUT), shape.get("inp", IN)), 47,
-                                            kernels, **shape)
+    runs, (q, scale, x, dy) = _variant_runs(monkeypatch, tile, max(shape.get("out", OUT), shape.get("inp", IN)), 47, {
+        "none": [f"registers_kernel<false,{rows}", f"registers_kernel<true,{rows}"],
+        "staged": ["grouped_kernel<false", "grouped_kernel<true"]}, **shape)
     w = dequantize_fp8(q, scale, torch.float64)
     ratios = (assert_within(runs["none"][0].cpu(), _grouped_bound(x.detach(), w.transpose(1, 2)), "y"),
               assert_within(runs["none"][1].cpu(), _grouped_bound(dy, w), "x's gradient"))
     print(f"registers kernel, tile {tile}, {shape}: max |error| / bound = {ratios[0]:.3f} (y), {ratios[1]:.3f} (dx)")
     _assert_same_bits(runs["none"], runs["staged"])
-    if "tail128" in runs:
-        _assert_same_bits(runs["tail128"], runs["staged"])
-
-
-@CUDA
-def test_tail128_on_cuda_equals_staged_where_experts_end_on_whole_tiles(monkeypatch):
-    """V4TRAIN_FP8_GROUPED_VARIANTS=tail128 where experts end exactly on a whole 256-row tile (512, 256,
-    2,048: tails of no rows) beside others (3,000 and 9,000 rows, one row, none): both ways equal to
-    staged's bits, every row written by one of the two launches."""
-    kernels = {"staged": ["grouped_kernel<false", "grouped_kernel<true"],
-               "tail128": [f"registers_kernel<{way},{n}" for way in ("false", "true") for n in (128, 256)]}
-    runs, _ = _variant_runs(monkeypatch, "256x128", OUT, 53, kernels, counts=[512, 0, 256, 3000, 1, 2048, 9000])
-    _assert_same_bits(runs["tail128"], runs["staged"])
 
 
 def _grouped_kinds(prof) -> list[str]:

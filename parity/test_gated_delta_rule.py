@@ -100,6 +100,9 @@ def _folded(prof, recurrence: str) -> set[bool]:
     return {"true>(" in n.replace(" ", "") for n in _ran(prof, recurrence)}
 
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_the_planes_kernels_pass_the_judge_on_cuda():
     """bf16 at Qwen3.5's widths takes the kernels on planes (cc/ops/gated_delta_rule.cu kPlanes), the
@@ -109,46 +112,36 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
     state's gradient from each chunk's outputs itself (its `true` instance, from E Q as local_grads
     wrote it): every gradient against the reference and its float64 truth over documents across chunk
     boundaries (1, 63, 64, 65 and 4,097 tokens); the profile shows the planes kernels ran, not the
-    float32 ones, the folded recurrence in the backward alone (on Hopper, its wgmma kernel), and prepare
-    at three blocks a multiprocessor (V4TRAIN_GDR_VARIANTS unset: every variant)."""
+    float32 ones, the folded recurrence in the backward alone, and prepare at three blocks a
+    multiprocessor (V4TRAIN_GDR_VARIANTS unset: every variant). On Hopper the recurrence, the output
+    and local_grads run on warpgroup products; elsewhere on the warps' (the test below judges those
+    on Hopper)."""
     prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
-    for planes, plain in (("prepare_planes_kernel", "prepare_kernel"), ("output_planes_kernel", "output_kernel"),
-                          ("dqkwg_planes_kernel", "state_grads_kernel"), ("dqkwg_planes_kernel", "intra_grads_kernel"),
-                          ("wy_grads_planes_kernel", "wy_grads_kernel")):
+    output, local, recurrence = (("output_wgmma_kernel", "local_wgmma_kernel", "recurrence_wgmma_kernel") if HOPPER
+                                 else ("output_planes_kernel", "local_grads_planes_kernel", "recurrence_planes_kernel"))
+    for planes, plain in (("prepare_planes_kernel", "prepare_kernel"), (output, "output_kernel"),
+                          (local, "local_grads_kernel"), ("dqkwg_planes_kernel", "state_grads_kernel"),
+                          ("dqkwg_planes_kernel", "intra_grads_kernel"), ("wy_grads_planes_kernel", "wy_grads_kernel")):
         assert _ran(prof, planes) and not _ran(prof, plain), (planes, _ran(prof, plain))
-    # The recurrence: Hopper's warpgroup kernel on compute capability 9.0, the warps' elsewhere.
-    recurrence = "recurrence_wgmma_kernel" if torch.cuda.get_device_capability() == (9, 0) else "recurrence_planes_kernel"
     assert _folded(prof, recurrence) == {True, False}, (recurrence, _ran(prof, "recurrence_"))  # backward, forward
     assert _prepare_blocks(prof) == {3}, _ran(prof, "prepare_planes_kernel")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="no Hopper GPU (elsewhere the warps' recurrence is the default, judged above)")
+@pytest.mark.skipif(not HOPPER, reason="no Hopper GPU (elsewhere these kernels are the default, judged above)")
 def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence(monkeypatch):
-    """V4TRAIN_GDR_VARIANTS=none takes the recurrence on the warps' mma.sync kernel
-    (recurrence_planes_kernel), which devices after Hopper run from the PTX (the wgmma kernel is
-    sm_90a's alone), and prepare at two blocks a multiprocessor: on Hopper they are judged as the test
-    above judges the default, forward and folded backward over documents across chunk boundaries,
-    every gradient against the float64 truth."""
+    """V4TRAIN_GDR_VARIANTS=none takes the recurrence, the output and local_grads on the warps' mma.sync
+    (recurrence_planes_kernel, output_planes_kernel, local_grads_planes_kernel), which devices after
+    Hopper run from the PTX (the warpgroup kernels are sm_90a's alone), and prepare at two blocks a
+    multiprocessor: on Hopper they are judged as the test above judges the default, forward and folded
+    backward over documents across chunk boundaries, every gradient against the float64 truth, and the
+    output along each path."""
     monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", "none")
     prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
     assert _folded(prof, "recurrence_planes_kernel") == {True, False} and not _ran(prof, "recurrence_wgmma_kernel"), \
         _ran(prof, "recurrence_")
+    for warps, wgmma in (("output_planes_kernel", "output_wgmma_kernel"), ("local_grads_planes_kernel", "local_wgmma_kernel")):
+        assert _ran(prof, warps) and not _ran(prof, wgmma), (_ran(prof, warps), _ran(prof, wgmma))
     assert _prepare_blocks(prof) == {2}, _ran(prof, "prepare_planes_kernel")
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="no Hopper GPU (the warpgroup kernels are sm_90a's alone)")
-@pytest.mark.parametrize("variant,kernel,instead", [("output_wgmma", "output_wgmma_kernel", "output_planes_kernel"),
-                                                    ("local_wgmma", "local_wgmma_kernel", "local_grads_planes_kernel")])
-def test_the_planes_kernels_pass_the_judge_on_cuda_with_a_chunk_kernel_on_wgmma(monkeypatch, variant, kernel, instead):
-    """V4TRAIN_GDR_VARIANTS with output_wgmma or local_wgmma (opt-in) takes the output, or local_grads
-    (dv_local and E Q for the reverse recurrence), on warpgroup products in place of the planes kernel:
-    judged as the default is, every gradient and the output against the float64 truth on the long
-    documents, and along each path."""
-    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", f"wgmma,prepare3,{variant}")
-    prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
-    assert _ran(prof, kernel) and not _ran(prof, instead), (_ran(prof, kernel), _ran(prof, instead))
     _judge_paths(OP, "cuda", torch.bfloat16)
 
 

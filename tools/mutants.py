@@ -54,14 +54,13 @@ FP8_DEQUANTIZE_CUDA = ("parity/test_fp8_linear.py", "-k", "dequantisation_on_cud
 # Its products on FP8 tensor cores: the experts both ways and a dense map's backward.
 FP8_E4M3_CUDA = ("parity/test_fp8_linear.py", "-k", "fp8_tensor_cores")
 # The delta rule's kernels on planes (bf16 at Qwen3.5's widths): the output and every gradient along each
-# path (judge's bf16 bound passed the output 8.9% off), then judged whole with each recurrence.
+# path (judge's bf16 bound passed the output 8.9% off), then judged whole: the default (on Hopper the
+# recurrence, output and local_grads on wgmma), then V4TRAIN_GDR_VARIANTS=none (the warps' kernels, whole and
+# along each path).
 PLANES_CUDA = tuple(f"parity/test_gated_delta_rule.py::{test}" for test in (
     "test_each_path_of_the_output_and_gradients[cuda-bfloat16]", "test_the_planes_kernels_pass_the_judge_on_cuda",
     "test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence"))
 
-# The output and local_grads on warpgroup products (V4TRAIN_GDR_VARIANTS=...,output_wgmma or local_wgmma; opt-in):
-# judged whole and along each path.
-CHUNK_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "chunk_kernel_on_wgmma")
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
     """The op's own parity target, as `tools/bazel test //parity:<op>` runs it."""
@@ -398,32 +397,32 @@ MUTATIONS = (
     Mutation("delta_rule_wgmma_decay_next_stage", "the recurrence on wgmma: a step takes the next stage's chunk "
              "decay", "cc/ops/gated_delta_rule.cu", "const float dec = m.decay[stage];",
              "const float dec = m.decay[(stage + 1) % kStages];", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_chunk_wgmma_diagonal_dropped", "the output and local_grads on wgmma (opt-in): P's "
+    Mutation("delta_rule_chunk_wgmma_diagonal_dropped", "the output and local_grads on wgmma: P's "
              "diagonal left out (a token's own key and value)", "cc/ops/gated_delta_rule.cu",
-             "return c <= r ? x * rn[r] * scale", "return c < r ? x * rn[r] * scale", CHUNK_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_output_wgmma_h_lead", "the output on wgmma (opt-in): h's descriptor takes v_new's "
+             "return c <= r ? x * rn[r] * scale", "return c < r ? x * rn[r] * scale", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_output_wgmma_h_lead", "the output on wgmma: h's descriptor takes v_new's "
              "distance between 64-column blocks (o's columns 64.. from h's rows 64.. of its first block)",
              "cc/ops/gated_delta_rule.cu", "h_desc = wgmma::desc128(wgmma::saddr(h), DimsT::dk * 128, 1024);",
-             "h_desc = wgmma::desc128(wgmma::saddr(h), kRows * 128, 1024);", CHUNK_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_chunk_wgmma_p_fragment_swapped", "the output and local_grads on wgmma (opt-in): P's (P^T's) "
+             "h_desc = wgmma::desc128(wgmma::saddr(h), kRows * 128, 1024);", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_chunk_wgmma_p_fragment_swapped", "the output and local_grads on wgmma: P's (P^T's) "
              "hi plane in the A fragment with registers 1 and 2 swapped (row + 8's columns for column + 8's)",
              "cc/ops/gated_delta_rule.cu", "hi[j / 2][half + 2 * (j % 2)] = h;", "hi[j / 2][2 * half + j % 2] = h;",
-             CHUNK_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_chunk_wgmma_eq_undecayed", "the output and local_grads on wgmma (opt-in): E Q without E "
+             PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_chunk_wgmma_eq_undecayed", "the output and local_grads on wgmma: E Q without E "
              "(q's decay to the chunk's start)", "cc/ops/gated_delta_rule.cu", "return x * rn[r] * scale * s.E[r];",
-             "return x * rn[r] * scale;", CHUNK_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_local_wgmma_p_untransposed", "local_grads on wgmma (opt-in): Q K^T's accumulator (P) "
+             "return x * rn[r] * scale;", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_local_wgmma_p_untransposed", "local_grads on wgmma: Q K^T's accumulator (P) "
              "where K Q^T's (P^T) belongs", "cc/ops/gated_delta_rule.cu", "wg_gram_after_copies<1>(kq, m.k, m.q,",
-             "wg_gram_after_copies<1>(kq, m.q, m.k,", CHUNK_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_local_wgmma_eq_pairs_swapped", "local_grads on wgmma (opt-in): E Q's bfloat16 pairs "
+             "wg_gram_after_copies<1>(kq, m.q, m.k,", PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_local_wgmma_eq_pairs_swapped", "local_grads on wgmma: E Q's bfloat16 pairs "
              "written with their two columns swapped", "cc/ops/gated_delta_rule.cu",
              "w[i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.x), wg_eq(m.rn, p.scale, s, r, x.y));",
              "w[i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.y), wg_eq(m.rn, p.scale, s, r, x.x));",
-             CHUNK_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_local_wgmma_d_o_of_key_head", "local_grads on wgmma (opt-in): d_o's rows of the key head "
+             PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_local_wgmma_d_o_of_key_head", "local_grads on wgmma: d_o's rows of the key head "
              "(blockIdx.y / rep) for the value head's", "cc/ops/gated_delta_rule.cu",
              "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);",
-             "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y / (p.hv / p.hk), p);", CHUNK_WGMMA_CUDA, cuda=True),
+             "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y / (p.hv / p.hk), p);", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wgmma_h_out_half", "the recurrence on wgmma: the state out's rows 64.. written over rows "
              "0.. (h's second half never written)", "cc/ops/gated_delta_rule.cu",
              "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u)", "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * (u % 2))",
@@ -491,11 +490,6 @@ MUTATIONS = (
     Mutation("fp8_grouped_ahead_slot_reused", "the experts' FP8 kernel loads a step's weights into the registers of "
              "one not yet converted", "cc/common/fp8_grouped.cu", "fetch(f[(j + kAhead - 1) % kAhead], load);",
              "fetch(f[(j + kAhead - 2) % kAhead], load);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),
-    Mutation("fp8_registers_tail_first_rows_skipped", "the experts' FP8 kernel with tail128 (opt-in): each "
-             "expert's tail starts 128 rows past its cut (those rows of y never written)", "cc/common/fp8_grouped.cu",
-             "(split == BM ? end : start) = cut;", "(split == BM ? end : start) = split == BM ? cut : cut + BM;",
-             ("parity/test_fp8_linear.py", "-k", "(registers_kernel_on_cuda and 256x128) or tail128"), cuda=True,
-             module="v4_linear_test"),
     Mutation("fp8_registers_rows_below", "the experts' FP8 forward (fp8_registers_kernel): each A fragment's rows "
              "+8 read from the first 8", "cc/common/fp8_grouped.cu",
              "constexpr int frag[4] = {0, 8 * kBK, 8, 8 * kBK + 8};", "constexpr int frag[4] = {0, 0, 8, 8};",

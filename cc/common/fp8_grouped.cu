@@ -68,7 +68,6 @@ struct Args {
   const int* offsets;      // [E]: the end of each expert's rows
   __nv_bfloat16* y;        // [rows, N]
   int E, out, in;
-  int split = 0;           // find_tile's: 0, or each expert's rows cut after its whole tiles of `split` rows
 };
 
 // The row tiles: each expert's rows in tiles of BM, ceil(rows_e / BM) tiles an expert, counted
@@ -78,20 +77,14 @@ struct Tile {
 };
 
 // Tile `tile`'s expert and rows (of E experts from `first` on, whose rows end at offsets[first..]: the
-// expert counted from first); with tile < 0, Tile{-1, the number of tiles, 0}. split > 0 cuts each
-// expert's rows after its last whole tile of `split` rows: split == BM takes the rows before the cut
-// (whole tiles alone), split > BM the rows after it (the expert's tail, in tiles of BM).
+// expert counted from first); with tile < 0, Tile{-1, the number of tiles, 0}.
 template <int BM>
-__device__ Tile find_tile(const int* offsets, int E, int tile, int first = 0, int split = 0) {
+__device__ Tile find_tile(const int* offsets, int E, int tile, int first = 0) {
   const int lane = threadIdx.x % 32;
   int before = 0;  // the tiles of the rounds before
   for (int e0 = 0; e0 < E; e0 += 32) {
     const int e = e0 + lane, g = first + e;
-    int start = e < E && g > 0 ? offsets[g - 1] : 0, end = e < E ? offsets[g] : 0;
-    if (split > 0) {
-      const int cut = start + (end - start) / split * split;
-      (split == BM ? end : start) = cut;
-    }
+    const int start = e < E && g > 0 ? offsets[g - 1] : 0, end = e < E ? offsets[g] : 0;
     const int tiles = e < E ? (end - start + BM - 1) / BM : 0;
     int upto = tiles;
     for (int o = 1; o < 32; o *= 2) {
@@ -472,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // K: the sum (in, or transposed out); N: y's columns, the features (out, or in).
   const int K = Transposed ? a.out : a.in, N = Transposed ? a.in : a.out;
   const int steps = K / kBK, col_tiles = N / kRsRows;
-  const int tiles = find_tile<BT>(a.offsets, a.E, -1, 0, a.split).first * col_tiles;
+  const int tiles = find_tile<BT>(a.offsets, a.E, -1).first * col_tiles;
   const int wg = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);
   const int lane = threadIdx.x % 32;
 
@@ -482,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int blocks_in = a.in / kScaleBlock;
     int it = 0;  // steps so far, over every tile: the ring's position and phase
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const Tile tile = find_tile<BT>(a.offsets, a.E, t / col_tiles, 0, a.split);
+      const Tile tile = find_tile<BT>(a.offsets, a.E, t / col_tiles);
       const int f0 = t % col_tiles * kRsRows, w_row = tile.expert * a.out + (Transposed ? 0 : f0);
       // The scale block of (out rows, in columns): forward (f0, the step's), transposed (the step's, f0).
       const float* scale =
@@ -580,7 +573,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   int it = 0;
   for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Tile tile = find_tile<BT>(a.offsets, a.E, t / col_tiles, 0, a.split);
+    const Tile tile = find_tile<BT>(a.offsets, a.E, t / col_tiles);
     const int f0 = t % col_tiles * kRsRows;
     float acc[BT / 2];
 #pragma unroll
@@ -1023,13 +1016,8 @@ enum class Choice { kWide, kTall, kOff };
 // the same bits (twenty-ninth session). `staged` names fp8_grouped_kernel both ways instead (the
 // weight dequantised into shared memory), kept so that the CUDA test compares two independent kernels
 // bit for bit.
-// `tail128` (opt-in until timed): with 256-token tiles, fp8_registers_kernel in two launches, the experts'
-// whole 256-row tiles, then each expert's tail in tiles of 128 (fp8_registers_kernel<.., 128>): a tail's
-// padding under 128 rows, not 256 (an expert's last 256-row tile is half padding on average, 12.5% of
-// the products at 1,024 rows an expert; 14bad1f's narrow last tile inside one kernel made it slower:
-// docs/benchmarks.md, thirty-fifth session). The same bits: each element's sums do not depend on the tile.
-enum GroupedVariant : unsigned { kStaged = 1, kTail128 = 2 };  // (bit i: env_variants' name i)
-unsigned grouped_variants() { return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"staged", "tail128"}); }
+enum GroupedVariant : unsigned { kStaged = 1 };  // (bit i: env_variants' name i)
+unsigned grouped_variants() { return env_variants("V4TRAIN_FP8_GROUPED_VARIANTS", {"staged"}); }
 Choice tile_choice(int64_t rows, int64_t experts) {
   const char* v = std::getenv("V4TRAIN_FP8_GROUPED_TILE");
   const std::string_view s = v == nullptr ? "" : v;
@@ -1064,23 +1052,10 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sca
     const void* w0 = w.const_data_ptr();
     const CUtensorMap w_map = transposed ? wgmma::tensor_map_swizzled(w0, w_rows, in, in, kBK, true)
                                          : wgmma::tensor_map_swizzled(w0, w_rows, in, in, kRsRows, true, kBK);
-    // BT tokens a tile, x's map in boxes of BT rows, find_tile's cut at `split`.
-    const auto registers = [&]<int BT>(int split) {
-      const CUtensorMap map =
-          BT == S::BM ? x_map : wgmma::tensor_map_swizzled(xs.const_data_ptr(), rows, xs.size(1), xs.size(1), BT);
-      Args b = a;
-      b.split = split;
-      const dim3 rs_grid = persistent_grid(x, E, N, BT, kRsRows);
-      if (transposed)
-        wgmma::launch(fp8_registers_kernel<true, BT>, rs_grid, kThreads, Rs<BT>::kSmem, stream, map, w_map, b);
-      else wgmma::launch(fp8_registers_kernel<false, BT>, rs_grid, kThreads, Rs<BT>::kSmem, stream, map, w_map, b);
-    };
-    if (S::BM == 256 && (grouped_variants() & kTail128)) {
-      registers.template operator()<256>(256);  // the whole tiles
-      registers.template operator()<128>(256);  // the tails
-    } else {
-      registers.template operator()<S::BM>(0);
-    }
+    const dim3 rs_grid = persistent_grid(x, E, N, S::BM, kRsRows);
+    if (transposed)
+      wgmma::launch(fp8_registers_kernel<true, S::BM>, rs_grid, kThreads, R::kSmem, stream, x_map, w_map, a);
+    else wgmma::launch(fp8_registers_kernel<false, S::BM>, rs_grid, kThreads, R::kSmem, stream, x_map, w_map, a);
     return;
   }
   if (transposed) wgmma::launch(fp8_grouped_kernel<true, S>, grid, kThreads, S::kSmem, stream, x_map, a);
