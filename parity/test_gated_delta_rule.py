@@ -145,15 +145,39 @@ def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence(mon
     _judge_paths(OP, "cuda", torch.bfloat16)
 
 
+# Every variant of V4TRAIN_GDR_VARIANTS, dqkwg_wgmma (opt-in) among them.
+WITH_DQKWG_WGMMA = "wgmma,prepare3,output_wgmma,local_wgmma,dqkwg_wgmma"
+
+
+@pytest.mark.skipif(not HOPPER, reason="no Hopper GPU (the warpgroup kernels are sm_90a's alone)")
+def test_the_planes_kernels_pass_the_judge_on_cuda_with_dqkwg_on_wgmma(monkeypatch):
+    """V4TRAIN_GDR_VARIANTS with dqkwg_wgmma (opt-in) takes dqkwg (q's gradient, k's and G's parts, W's
+    gradient) on warpgroup products (dqkwg_wgmma_kernel) in place of dqkwg_planes_kernel: judged as
+    the default is, every gradient against the float64 truth on the long documents, and along each
+    path (g's through E, Kt and L, and q's and k's through Q K^T are its sums)."""
+    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", WITH_DQKWG_WGMMA)
+    prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
+    assert _ran(prof, "dqkwg_wgmma_kernel") and not _ran(prof, "dqkwg_planes_kernel"), _ran(prof, "dqkwg_")
+    _judge_paths(OP, "cuda", torch.bfloat16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-@pytest.mark.parametrize("rep", [1, 3, 4, 9])
-def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(rep):
+@pytest.mark.parametrize("rep,variants", [(1, None), (3, None), (4, None), (9, None),
+                                          pytest.param(1, WITH_DQKWG_WGMMA, id="1-dqkwg_wgmma"),
+                                          pytest.param(3, WITH_DQKWG_WGMMA, id="3-dqkwg_wgmma")])
+def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(monkeypatch, rep, variants):
     """The plane kernels write q's and k's gradients summed over a key head's value heads, the blocks
     of one cluster (gated_delta_rule.cu sum_over_value_heads): 1 (Qwen3.5's small models), 3 (27B) and 4
     (397B-A17B) value heads a key head, at Qwen3.5's widths in bf16, every gradient against the
     reference and its float64 truth across chunk boundaries; past the cluster's 8 blocks the float32
-    kernels and their separate sum take it (the profile shows which ran)."""
+    kernels and their separate sum take it (the profile shows which ran). With dqkwg_wgmma (on Hopper)
+    its warpgroup's sum over 1 and 3 value heads."""
     from v4train.testing.samples import Sample
+
+    if variants is not None:
+        if not HOPPER:
+            pytest.skip("no Hopper GPU (the warpgroup kernels are sm_90a's alone)")
+        monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", variants)
 
     lengths = [1, 63, 65, 200]
     leaves = leaves_for(lengths, 2, rep, 128, 128, torch.bfloat16, "cuda", 5, decay=0.01)
@@ -164,6 +188,8 @@ def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(rep):
     on_planes = rep <= 8
     assert bool(_ran(prof, "wy_grads_planes_kernel")) == on_planes, _ran(prof, "wy_grads_kernel")
     assert bool(_ran(prof, "sum_value_heads_kernel")) != on_planes, _ran(prof, "sum_value_heads_kernel")
+    if variants is not None:
+        assert _ran(prof, "dqkwg_wgmma_kernel") and not _ran(prof, "dqkwg_planes_kernel"), _ran(prof, "dqkwg_")
 
 
 PATHS = [(leaf, site) for leaf, sites in gated_delta_rule.PATH_SITES.items() for site in sites]

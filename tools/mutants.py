@@ -61,6 +61,10 @@ PLANES_CUDA = tuple(f"parity/test_gated_delta_rule.py::{test}" for test in (
     "test_each_path_of_the_output_and_gradients[cuda-bfloat16]", "test_the_planes_kernels_pass_the_judge_on_cuda",
     "test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence"))
 
+# dqkwg on warpgroup products (V4TRAIN_GDR_VARIANTS=...,dqkwg_wgmma; opt-in): judged whole and along each
+# path on the long documents, then over 1 and 3 value heads a key head.
+DQKWG_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "dqkwg_on_wgmma or dqkwg_wgmma")
+
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
     """The op's own parity target, as `tools/bazel test //parity:<op>` runs it."""
@@ -354,8 +358,9 @@ MUTATIONS = (
              "const float dot = __shfl_sync(0xffffffffu, x, n), r = m.rk[i];", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_early_h_for_d_state", "dqkwg: the copies issued before "
              "load_info (ChunkBlock's early) take h for d_state", "cc/ops/gated_delta_rule.cu",
-             "static_cast<const __nv_bfloat16*>(p.d_state) + kState * head",
-             "static_cast<const __nv_bfloat16*>(p.h) + kState * head", PLANES_CUDA, cuda=True),
+             "copy_rows<128>(m.S, kPlaneRow, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head",
+             "copy_rows<128>(m.S, kPlaneRow, static_cast<const __nv_bfloat16*>(p.h) + kState * head", PLANES_CUDA,
+             cuda=True),
     Mutation("delta_rule_dqkwg_dw_from_v_new", "dqkwg_planes_kernel: dw's product takes v_new's rows (v's hi "
              "plane) for dv_new's (Y's second half)", "cc/ops/gated_delta_rule.cu",
              "plane_gemm<4, false, true, true, true>(m.Y + kRows * kPlaneRow, kPlaneRow, 0, m.H,",
@@ -421,8 +426,31 @@ MUTATIONS = (
              PLANES_CUDA, cuda=True),
     Mutation("delta_rule_local_wgmma_d_o_of_key_head", "local_grads on wgmma: d_o's rows of the key head "
              "(blockIdx.y / rep) for the value head's", "cc/ops/gated_delta_rule.cu",
-             "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);",
-             "static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y / (p.hv / p.hk), p);", PLANES_CUDA, cuda=True),
+             "wg_rows_by_slot(m.extra, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);",
+             "wg_rows_by_slot(m.extra, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y / (p.hv / p.hk), p);",
+             PLANES_CUDA, cuda=True),
+    Mutation("delta_rule_dqkwg_wgmma_pt_untransposed", "dqkwg on wgmma (opt-in): dPL^T's dots taken as dPL's "
+             "(d_o v_new^T for v_new d_o^T), so k's gradient takes dPL's planes untransposed",
+             "cc/ops/gated_delta_rule.cu", "wg_gram(pt, m.vn, m.d_o);", "wg_gram(pt, m.d_o, m.vn);", DQKWG_WGMMA_CUDA,
+             cuda=True),
+    Mutation("delta_rule_dqkwg_wgmma_dk_tilde_unscaled", "dqkwg on wgmma (opt-in): k's part takes dk_tilde without "
+             "the decay to the chunk's end (Kt)", "cc/ops/gated_delta_rule.cu",
+             "    acc[i] *= s.Kt[r];\n    acc[i + 1] *= s.Kt[r];\n", "", DQKWG_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_dqkwg_wgmma_e_before_decay", "dqkwg on wgmma (opt-in): G's term through E (Q . dq_state) "
+             "taken before dq_state's rows are scaled by E", "cc/ops/gated_delta_rule.cu",
+             "    acc[i] *= s.E[r];\n    acc[i + 1] *= s.E[r];\n    const float2 x = pair_of(m.q, r, c);\n"
+             "    e[r / 8 % 2] += x.x * m.rn[r] * p.scale * acc[i] + x.y * m.rn[r] * p.scale * acc[i + 1];\n",
+             "    const float2 x = pair_of(m.q, r, c);\n"
+             "    e[r / 8 % 2] += x.x * m.rn[r] * p.scale * acc[i] + x.y * m.rn[r] * p.scale * acc[i + 1];\n"
+             "    acc[i] *= s.E[r];\n    acc[i + 1] *= s.E[r];\n", DQKWG_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_dqkwg_wgmma_norm_dot_first_row", "dqkwg on wgmma (opt-in): q's norm backward takes the "
+             "thread's first row's dot (r0's) for its second row (r0 + 8) too", "cc/ops/gated_delta_rule.cu",
+             "const float rq = m.rn[r], d = dots[r / 8 % 2];", "const float rq = m.rn[r], d = dots[0];",
+             DQKWG_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_dqkwg_wgmma_dgamma_half", "dqkwg on wgmma (opt-in): dgamma = <h, d_state> over the "
+             "states' first 64 columns alone (one of their two tiles)", "cc/ops/gated_delta_rule.cu",
+             "for (int u = 0; u < 2 * kWgTileBytes / (16 * kWgThreads); ++u) {",
+             "for (int u = 0; u < kWgTileBytes / (16 * kWgThreads); ++u) {", DQKWG_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_wgmma_h_out_half", "the recurrence on wgmma: the state out's rows 64.. written over rows "
              "0.. (h's second half never written)", "cc/ops/gated_delta_rule.cu",
              "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u)", "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * (u % 2))",

@@ -569,26 +569,28 @@ __device__ __forceinline__ void forward_substitution(float (&x)[kRows], const fl
 // in every thread of the row. Every thread calls it. (One thread a row, 64 dependent float64
 // additions, took 8% of wy_grads.) At kLd = 68 a warp's column reads Z_ji (its rows j 8 apart, the
 // same bank) are 8-way bank conflicted; at 65 two-way, its row reads one float a load.
-template <int kLd = kPitch64>
+template <int kLd = kPitch64, int kBlockThreads = kThreads>
 __device__ __forceinline__ double antisymmetric_row_sum(const float* Z) {
-  static_assert(kRowThreads >= 1 && kRowThreads <= 32 && kRows % kRowThreads == 0, "a row's threads in one warp");
-  constexpr int kSpan = kRows / kRowThreads;
-  const int i = threadIdx.x / kRowThreads, j0 = threadIdx.x % kRowThreads * kSpan;
+  constexpr int kRowT = kBlockThreads / kRows;  // (kRowThreads in a block of kThreads)
+  static_assert(kRowT >= 1 && kRowT <= 32 && kRows % kRowT == 0, "a row's threads in one warp");
+  constexpr int kSpan = kRows / kRowT;
+  const int i = threadIdx.x / kRowT, j0 = threadIdx.x % kRowT * kSpan;
   double acc = 0.0;
 #pragma unroll
   for (int j = j0; j < j0 + kSpan; ++j) acc += static_cast<double>(Z[i * kLd + j]) - Z[j * kLd + i];
 #pragma unroll
-  for (int o = 1; o < kRowThreads; o *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  for (int o = 1; o < kRowT; o *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   return acc;
 }
 
-// The block's sum of one float a thread (every thread calls it).
+// The block's sum of one float a thread (every thread of the block's kBlockWarps calls it).
+template <int kBlockWarps = kWarps>
 __device__ float block_sum(float x, float* scratch) {
   x = warp_sum(x);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
   __syncthreads();
   float total = 0.0f;
-  for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  for (int w = 0; w < kBlockWarps; ++w) total += scratch[w];
   __syncthreads();
   return total;
 }
@@ -602,12 +604,13 @@ __device__ float block_sum(float x, float* scratch) {
 // written and read again at 32K tokens, and a launch of their own (0.45 ms). Rank j sums rows j, j +
 // ranks, ..., reading the other blocks' shared memory (distributed shared memory); the second barrier
 // keeps every block's rows until the others have read them.
+template <int kBlockThreads = kThreads>
 __device__ __forceinline__ void sum_over_value_heads(const float* rows, int ld, __nv_bfloat16* out, const Info& s,
                                                      const Args& p, int kh) {
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
   const int ranks = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  constexpr int kQuads = 128 / 4, kPass = kThreads / kQuads;  // a row's quads (128 wide: kPlanes); rows a pass
+  constexpr int kQuads = 128 / 4, kPass = kBlockThreads / kQuads;  // a row's quads (128 wide: kPlanes); rows a pass
   const int c = threadIdx.x % kQuads * 4;
   cluster.sync();  // every block's rows are in
   for (int i = rank + threadIdx.x / kQuads * ranks; i < kRows; i += kPass * ranks) {
@@ -1886,16 +1889,35 @@ __device__ __forceinline__ void wg_row_rnorms(float* rn, const unsigned char* q,
   rn[threadIdx.x] = rsqrtf(ss + 1e-6f);
 }
 
-// The m64n64 product a b^T of two K-major tiles (A's rows, B's rows: 128 columns each) into acc.
-__device__ __forceinline__ void wg_gram(float (&acc)[kRows / 2], const unsigned char* a, const unsigned char* b) {
+// The m64nN product a b^T of two K-major tiles (A's 64 rows, B's N = 2 kHalf rows: 128 columns each)
+// into acc: issued and committed, the caller waits.
+template <int kHalf>
+__device__ __forceinline__ void wg_gram(float (&acc)[kHalf], const unsigned char* a, const unsigned char* b) {
   const uint64_t a_desc = wgmma::desc128(wgmma::saddr(a), 16, 1024), b_desc = wgmma::desc128(wgmma::saddr(b), 16, 1024);
   wgmma::fence_operand(acc);
   wgmma::fence();
 #pragma unroll
   for (int kk = 0; kk < 128 / 16; ++kk)
-    wgmma::mma<__nv_bfloat16, kRows, 0, 0>(acc, wgmma::desc_add(a_desc, wgmma::sw128_k_step<kRows>(kk)),
-                                           wgmma::desc_add(b_desc, wgmma::sw128_k_step<kRows>(kk)));
+    wgmma::mma<__nv_bfloat16, 2 * kHalf, 0, 0>(acc, wgmma::desc_add(a_desc, wgmma::sw128_k_step<kRows>(kk)),
+                                               wgmma::desc_add(b_desc, wgmma::sw128_k_step<2 * kHalf>(kk)));
   wgmma::commit();
+}
+
+// f(r, c, i) for each pair of an m64nN accumulator's registers (N = 2 kHalf): i and i + 1 hold row r
+// (16 warp + g, + 8), columns c and c + 1 (8 j + 2 t).
+template <int kHalf, typename F>
+__device__ __forceinline__ void wg_pairs(F&& f) {
+  const int lane = threadIdx.x % 32, r0 = 16 * (threadIdx.x / 32) + lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < kHalf / 4; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) f(r0 + 8 * half, 8 * j + 2 * t, 4 * j + 2 * half);
+}
+
+// The sum over a row's four threads (a quad: the accumulator's lanes of one row) in each of them.
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // P's element (query r, key c) from its raw dot x = q_r . k_c: build_qp_planes' scaling (r_q, scale, r_k,
@@ -1941,6 +1963,17 @@ __device__ __forceinline__ void wg_planes_times(float (&acc)[64], const uint32_t
     wgmma::mma_rs<__nv_bfloat16, 1, 128>(acc, hi[kk], wgmma::desc_add(b_desc, kk * 2048));
     wgmma::mma_rs<__nv_bfloat16, 1, 128>(acc, lo[kk], wgmma::desc_add(b_desc, kk * 2048));
   }
+}
+
+// acc += P_hi b + P_lo b (wg_planes_times) as one product group, complete on return.
+__device__ __forceinline__ void wg_planes_times_waited(float (&acc)[64], const uint32_t (&hi)[kRows / 16][4],
+                                                       const uint32_t (&lo)[kRows / 16][4], const unsigned char* b) {
+  wgmma::fence_operand(acc);
+  wgmma::fence();
+  wg_planes_times(acc, hi, lo, b);
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operand(acc);
 }
 
 // A [64, 128] accumulator (rows 16 warp + g (+8), columns 8 j + 2 t (+1)) rounded to bfloat16 into
@@ -2226,12 +2259,7 @@ __global__ void __launch_bounds__(kWgThreads, 4) local_wgmma_kernel(Args p) {
   __syncthreads();  // and everyone's; every read of q's rows (above) is done
   // dv_local = P^T_hi d_o + P^T_lo d_o.
   float dv[DimsT::dv / 2] = {};
-  wgmma::fence_operand(dv);
-  wgmma::fence();
-  wg_planes_times(dv, th, tl, d_o);
-  wgmma::commit();
-  wgmma::wait<0>();
-  wgmma::fence_operand(dv);
+  wg_planes_times_waited(dv, th, tl, d_o);
   // dv_local in bfloat16 (tools/delta_rule_split_check.py --stored dv_local), staged over q's and k's
   // bytes, then 16 bytes a copy into the chunk's rows.
   auto* staged = reinterpret_cast<__nv_bfloat16*>(m.q);
@@ -2624,6 +2652,215 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   __syncthreads();
   q_grad_and_g<DimsT::dk>(p, s, m.q, m.rq, m.DQ, kLdF, m.dG, m.t, rows, dgamma);
   sum_over_value_heads(m.DQ, kLdF, p.dq_keys, s, p, b.kh);
+}
+
+// dqkwg_planes_kernel on warpgroup products (the variant `dqkwg_wgmma`; opt-in until it is judged and
+// timed on a GPU). At 32K tokens dqkwg_planes took 2.69 ms against fla's chunk_bwd_dqkwg 2.36 (H100,
+// thirty-seventh session), latency-bound: 31% of the issue slots busy, 0.54 eligible warps a scheduler,
+// its 16 warps reading each product's fragments from shared memory by ldmatrix and passing its results
+// through float32 tiles. Here one warpgroup a chunk and head: the operands land by cp.async from the
+// block's start in three groups in the order of use (q and k; h, dv_new, d_o and d_state; v_new) and
+// the products keep their results in the accumulators, each product as dqkwg_planes takes it:
+//   dw = -(dv_new h^T) and dq = E (d_o h^T), one product each; dq staged in float32 over dv_new's and
+//   h's bytes (once read) until its last term;
+//   dk = Kt dk_tilde + (diag(r_q s) dPL)^T q, dk_tilde = v_new d_state^T one product, dPL^T from
+//   v_new d_o^T (value rows, query columns: as local_wgmma's P^T) as planes times q (MN-major);
+//   Z = dPL * (Q K^T scaled) staged over d_state's bytes for G's term through L;
+//   dq += (dPL diag(r_k)) k as planes times k (MN-major), q's norm backward from the accumulator, and
+//   the cluster's sum over value heads.
+// 152 KB: one block a multiprocessor. The sums' order differs from dqkwg_planes' (not bit-equal).
+struct WgDqkwgSmem {
+  static constexpr int kLdZ = kRows + 1;  // Z's pitch: antisymmetric_row_sum's column reads two-way conflicted
+  unsigned char *q, *k, *d_o, *vn, *dvn, *h, *S;  // [64, 128] tiles in 128-byte swizzle; h, S (d_state) [128, 128]
+  float* dq;                // q's gradient [64, kLdF] over dv_new's and h's bytes (adjacent), once read
+  float* Z;                 // [64, kLdZ] over d_state's bytes, once read
+  float *rn, *e, *scratch;  // r_q [64] then r_k [64]; G's term through E a row; block_sum's a warp
+  double *dG, *t;           // G's gradient a row, and its term through Kt
+  Info* info;
+  template <typename DimsT>
+  __host__ __device__ WgDqkwgSmem(Carve& c, const DimsT&) {
+    static_assert(kRows * DqkwgSmem::kLdF * sizeof(float) <= 3 * kWgTileBytes, "dq within dv_new's and h's bytes");
+    static_assert(kRows * kLdZ * sizeof(float) <= 2 * kWgTileBytes, "Z within d_state's bytes");
+    q = c.take<unsigned char>(kWgTileBytes);
+    k = c.take<unsigned char>(kWgTileBytes);
+    d_o = c.take<unsigned char>(kWgTileBytes);
+    vn = c.take<unsigned char>(kWgTileBytes);
+    dvn = c.take<unsigned char>(kWgTileBytes);
+    h = c.take<unsigned char>(2 * kWgTileBytes);
+    S = c.take<unsigned char>(2 * kWgTileBytes);
+    dq = reinterpret_cast<float*>(dvn);
+    Z = reinterpret_cast<float*>(S);
+    rn = c.take<float>(2 * kRows);
+    e = c.take<float>(kRows);
+    scratch = c.take<float>(kWgThreads / 32);
+    dG = c.take<double>(kRows);
+    t = c.take<double>(kRows);
+    info = c.take<Info>(1);
+    c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
+  }
+};
+
+template <typename DimsT>
+__global__ void __launch_bounds__(kWgThreads, 1) dqkwg_wgmma_kernel(Args p) {
+#if defined(V4_HAS_WGMMA)
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kState = DimsT::dk * DimsT::dv, kLdF = DqkwgSmem::kLdF, kLdZ = WgDqkwgSmem::kLdZ;
+  const ChunkBlock<WgDqkwgSmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgDqkwgSmem& m, int64_t head) {
+    const int kh = blockIdx.y / (p.hv / p.hk);
+    wg_rows_by_slot(m.q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh, p);
+    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, p);
+    commit_copies();
+    wg_rows<DimsT::dk>(m.h, static_cast<const __nv_bfloat16*>(p.h) + kState * head);
+    wg_rows<kRows>(m.dvn, static_cast<const __nv_bfloat16*>(p.dv_new) + head * kRows * DimsT::dv);
+    wg_rows_by_slot(m.d_o, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);
+    wg_rows<DimsT::dk>(m.S, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head);
+    commit_copies();
+    wg_rows<kRows>(m.vn, static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv);
+    commit_copies();
+  });
+  const auto& m = b.m;
+  const Info& s = b.s;
+  const int64_t rows = b.rows;
+  const int tid = threadIdx.x, lane = tid % 32, r0 = 16 * (tid / 32) + lane / 4;
+  // A raw row's pair of columns (c, c + 1) from q's or k's tile.
+  const auto pair_of = [](const unsigned char* tile, int r, int c) {
+    return widen(*reinterpret_cast<const uint32_t*>(tile + wgmma::sw128_offset<kRows>(r, c)));
+  };
+  constexpr int kN = DimsT::dk / 2;  // a [64, 128] accumulator's registers
+  // 1. q and k in: their rows' norms.
+  asm volatile("cp.async.wait_group 2;\n" ::);
+  __syncthreads();
+  wg_row_rnorms(m.rn, m.q, m.k);
+  // 2. h, dv_new, d_o and d_state in: dgamma = <h, d_state> while dw = -(dv_new h^T) runs, dw written
+  // from its accumulator; then dq = E (d_o h^T), and G's term through E (Q . dq) before dq is staged.
+  asm volatile("cp.async.wait_group 1;\n" ::);
+  wgmma::fence_shared();
+  __syncthreads();  // (and the norms)
+  float acc[kN] = {};
+  wg_gram(acc, m.dvn, m.h);
+  float dot = 0.0f;
+#pragma unroll
+  for (int u = 0; u < 2 * kWgTileBytes / (16 * kWgThreads); ++u) {  // (h's and d_state's tiles lie alike)
+    const int at = (u * kWgThreads + tid) * 16;
+    const uint4 x = *reinterpret_cast<const uint4*>(m.h + at), y = *reinterpret_cast<const uint4*>(m.S + at);
+    const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 a = widen(xs[i]), c = widen(ys[i]);
+      dot += a.x * c.x + a.y * c.y;
+    }
+  }
+  const float dgamma = block_sum<kWgThreads / 32>(dot, m.scratch);  // (synchronises)
+  wgmma::wait<0>();
+  wgmma::fence_operand(acc);
+  auto* dw = reinterpret_cast<__nv_bfloat16*>(p.dw + rows * DimsT::dk);
+  wg_pairs<kN>([&](int r, int c, int i) {
+    *reinterpret_cast<uint32_t*>(dw + r * DimsT::dk + c) = pack2<__nv_bfloat16>(-acc[i], -acc[i + 1]);
+    acc[i] = acc[i + 1] = 0.0f;
+  });
+  wg_gram(acc, m.d_o, m.h);
+  wgmma::wait<0>();
+  wgmma::fence_operand(acc);
+  float e[2] = {};  // rows r0 and r0 + 8
+  wg_pairs<kN>([&](int r, int c, int i) {
+    acc[i] *= s.E[r];
+    acc[i + 1] *= s.E[r];
+    const float2 x = pair_of(m.q, r, c);
+    e[r / 8 % 2] += x.x * m.rn[r] * p.scale * acc[i] + x.y * m.rn[r] * p.scale * acc[i + 1];
+  });
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float x = quad_sum(e[half]);
+    if (lane % 4 == 0) m.e[r0 + 8 * half] = x;
+  }
+  __syncthreads();  // every warp's products are done with dv_new's and h's bytes
+  wg_pairs<kN>([&](int r, int c, int i) { store2(m.dq + r * kLdF + c, acc[i], acc[i + 1]); });
+  // 3. v_new in: dk_tilde = v_new d_state^T and dPL^T's dots v_new d_o^T; G's term through Kt
+  // (Kt K . dk_tilde), then dk = Kt dk_tilde + (diag(r_q s) dPL)^T's planes times q.
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  wgmma::fence_shared();
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
+  wg_gram(acc, m.vn, m.S);
+  float pt[kRows / 2] = {};
+  wg_gram(pt, m.vn, m.d_o);
+  wgmma::wait<0>();
+  wgmma::fence_operand(acc);
+  wgmma::fence_operand(pt);
+  float kt[2] = {};
+  wg_pairs<kN>([&](int r, int c, int i) {
+    const float2 x = pair_of(m.k, r, c);
+    kt[r / 8 % 2] += x.x * m.rn[kRows + r] * acc[i] + x.y * m.rn[kRows + r] * acc[i + 1];
+    acc[i] *= s.Kt[r];
+    acc[i + 1] *= s.Kt[r];
+  });
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float x = quad_sum(kt[half]);
+    if (lane % 4 == 0) m.t[r0 + 8 * half] = s.Kt[r0 + 8 * half] * x;
+  }
+  uint32_t th[kRows / 16][4], tl[kRows / 16][4];  // (diag(r_q s) dPL)^T's planes: value row c, query r
+  wg_planes(th, tl, pt, [&](int c, int r, float x) { return c <= r ? x * decay(s, r, c) * (m.rn[r] * p.scale) : 0.0f; });
+  wg_planes_times_waited(acc, th, tl, m.q);
+  wg_pairs<kN>([&](int r, int c, int i) { store2(p.dk_part + (rows + r) * DimsT::dk + c, acc[i], acc[i + 1]); });
+  // 4. Q K^T (raw rows) and dPL = (d_o v_new^T) * L: Z = dPL * Q K^T scaled as build_qp_planes scales
+  // P (r_q, s, r_k), staged for G's term through L; dPL diag(r_k) as planes (split_dpl's pk).
+  float qk[kRows / 2] = {}, dpl[kRows / 2] = {};
+  wg_gram(qk, m.q, m.k);
+  wg_gram(dpl, m.d_o, m.vn);
+  wgmma::wait<0>();
+  wgmma::fence_operand(qk);
+  wgmma::fence_operand(dpl);
+  __syncthreads();  // every warp's products are done with d_state's bytes
+  wg_pairs<kRows / 2>([&](int r, int c, int i) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      dpl[i + n] = c + n <= r ? dpl[i + n] * decay(s, r, c + n) : 0.0f;
+      m.Z[r * kLdZ + c + n] = dpl[i + n] * (qk[i + n] * m.rn[r] * p.scale * m.rn[kRows + c + n]);
+    }
+  });
+  uint32_t ph[kRows / 16][4], pl[kRows / 16][4];  // dPL diag(r_k)'s planes: query row r, value c
+  wg_planes(ph, pl, dpl, [&](int, int c, float x) { return x * m.rn[kRows + c]; });
+  __syncthreads();  // Z is in
+  if (const double z = antisymmetric_row_sum<kLdZ, kWgThreads>(m.Z); tid % (kWgThreads / kRows) == 0) {
+    const int i = tid / (kWgThreads / kRows);
+    m.dG[i] = z + (static_cast<double>(m.e[i]) - m.t[i]);  // (L's term first, as dqkwg_planes sums)
+  }
+  // 5. dq += dPL diag(r_k)'s planes times k (MN-major), from its staged rows; then through q's norm.
+  wg_pairs<kN>([&](int r, int c, int i) {
+    const float2 x = *reinterpret_cast<const float2*>(m.dq + r * kLdF + c);
+    acc[i] = x.x;
+    acc[i + 1] = x.y;
+  });
+  wg_planes_times_waited(acc, ph, pl, m.k);
+  // normalised_backward's out = r (dy - y (y . dy)), y = q r (the normalised row), dy = s dq.
+  float yd[2] = {};
+  wg_pairs<kN>([&](int r, int c, int i) {
+    const float2 x = pair_of(m.q, r, c);
+    yd[r / 8 % 2] += x.x * m.rn[r] * p.scale / p.scale * (p.scale * acc[i]) +
+                     x.y * m.rn[r] * p.scale / p.scale * (p.scale * acc[i + 1]);
+  });
+  const float dots[2] = {quad_sum(yd[0]), quad_sum(yd[1])};
+  wg_pairs<kN>([&](int r, int c, int i) {
+    const float2 x = pair_of(m.q, r, c);
+    const float rq = m.rn[r], d = dots[r / 8 % 2];
+    const float y0 = x.x * rq * p.scale / p.scale, y1 = x.y * rq * p.scale / p.scale;
+    store2(m.dq + r * kLdF + c, rq * (p.scale * acc[i] - y0 * d), rq * (p.scale * acc[i + 1] - y1 * d));
+  });
+  sum_over_value_heads<kWgThreads>(m.dq, kLdF, p.dq_keys, s, p, b.kh);  // (its cluster barriers order dq's rows and dG)
+  if (tid < kRows) {
+    double v = m.dG[tid];
+    if (tid == kRows - 1) {
+      for (int j = 0; j < kRows; ++j) v += m.t[j];
+      v += static_cast<double>(dgamma) * s.gamma;
+    }
+    p.dg_part[rows + tid] = v;
+  }
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
 }
 
 struct WySmem {
@@ -3204,10 +3441,11 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned clu
 // `wgmma`, the recurrence on warpgroup products (recurrence_wgmma_kernel, where the sm_90a build runs),
 // `prepare3`, prepare_planes_kernel at three blocks a multiprocessor (at two without it), and
 // `output_wgmma` and `local_wgmma`, the output and local_grads on warpgroup products (output_wgmma_kernel,
-// local_wgmma_kernel: 0.597 and 0.513 ms at 32K against their planes kernels' 0.926 and 0.653, H100).
-enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8 };
+// local_wgmma_kernel: 0.597 and 0.513 ms at 32K against their planes kernels' 0.926 and 0.653, H100); and
+// `dqkwg_wgmma`, dqkwg on warpgroup products (dqkwg_wgmma_kernel; opt-in until judged and timed on a GPU).
+enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8, kDqkwgWgmma = 16 };
 inline unsigned variants() {
-  return env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma", "prepare3", "output_wgmma", "local_wgmma"},
+  return env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma", "prepare3", "output_wgmma", "local_wgmma", "dqkwg_wgmma"},
                       kWgmma | kPrepare3 | kOutputWgmma | kLocalWgmma);
 }
 
@@ -3392,7 +3630,12 @@ void fused(Fused& f, bool backward) {
   const auto cluster = static_cast<unsigned>(hv / hk);
   if constexpr (planes) {
     a.dq_keys = static_cast<__nv_bfloat16*>(dq.data_ptr());
-    launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a, cluster);
+    // (its copies of q's, k's and d_o's rows are 16 bytes each, as local_wgmma's)
+    if ((variants() & kDqkwgWgmma) && aligned16(a.q) && aligned16(a.k) &&
+        wgmma::capable(f.q.get_device(), smem_bytes<WgDqkwgSmem>(d)))
+      launch<WgDqkwgSmem, kWgThreads>(dqkwg_wgmma_kernel<DimsT>, grid, d, a, cluster);
+    else
+      launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a, cluster);
   } else {
     a.dq = dq.data_ptr<float>();
     launch<IntraSmem>(intra_grads_kernel<T, kMode, DimsT>, grid, d, a);
