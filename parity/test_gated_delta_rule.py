@@ -128,7 +128,7 @@ def test_the_planes_kernels_pass_the_judge_on_cuda():
 
 
 @pytest.mark.skipif(not HOPPER, reason="no Hopper GPU (elsewhere these kernels are the default, judged above)")
-def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence(monkeypatch):
+def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_kernels(monkeypatch):
     """V4TRAIN_GDR_VARIANTS=none takes the recurrence, the output and local_grads on the warps' mma.sync
     (recurrence_planes_kernel, output_planes_kernel, local_grads_planes_kernel), which devices after
     Hopper run from the PTX (the warpgroup kernels are sm_90a's alone), and prepare at two blocks a

@@ -59,7 +59,7 @@ FP8_E4M3_CUDA = ("parity/test_fp8_linear.py", "-k", "fp8_tensor_cores")
 # along each path).
 PLANES_CUDA = tuple(f"parity/test_gated_delta_rule.py::{test}" for test in (
     "test_each_path_of_the_output_and_gradients[cuda-bfloat16]", "test_the_planes_kernels_pass_the_judge_on_cuda",
-    "test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_recurrence"))
+    "test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_kernels"))
 
 # dqkwg on warpgroup products (V4TRAIN_GDR_VARIANTS=...,dqkwg_wgmma; opt-in): judged whole and along each
 # path on the long documents, then over 1 and 3 value heads a key head.
