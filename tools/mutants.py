@@ -341,10 +341,10 @@ MUTATIONS = (
              "pair's second row (lane 16) added to row i0 + 1, not i0 + 16", "cc/ops/gated_delta_rule.cu",
              "if (lane % 16 == 0) m.sv[i0 + lane / 16 * kWarps] += x;", "if (lane % 16 == 0) m.sv[i0 + lane / 16] += x;",
              PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_wy_planes_early_rows_first_slot", "wy_grads on planes: the copies of k's and v's rows "
-             "issued before load_info take the thread's first row's slot for its second (rows 32.. hold rows 0..'s "
-             "tokens)", "cc/ops/gated_delta_rule.cu",
-             "for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0 + u * (kThreads / kPieces)];",
+    Mutation("delta_rule_wy_planes_early_rows_first_slot", "wy_grads (and now prepare) on planes: the copies of "
+             "k's and v's rows issued before load_info take the thread's first row's slot for its second (rows "
+             "32.. hold rows 0..'s tokens)", "cc/ops/gated_delta_rule.cu",
+             "for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0 + u * (Threads / kPieces)];",
              "for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0];", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_wy_planes_early_ai_upper_rows", "wy_grads on planes: Ai's floats loaded before load_info "
              "take rows tid / 16 for both of a thread's quads (Ai's rows 32.. hold rows 0..'s)",

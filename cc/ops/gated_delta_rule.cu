@@ -828,21 +828,21 @@ struct EarlyRows {
   const __nv_bfloat16* x;
   int heads, head;
 };
-template <bool kFill = false, typename... Rows>
+template <bool kFill = false, int Threads = kThreads, typename... Rows>
 __device__ __forceinline__ void load_rows_early(const int64_t* slots, int64_t T_, Rows... in) {
-  constexpr int kPieces = 128 / 8, kPasses = kRows * kPieces / kThreads;  // 16 bytes each
-  static_assert(kThreads % kPieces == 0 && kRows % (kThreads / kPieces) == 0, "whole rows a pass");
+  constexpr int kPieces = 128 / 8, kPasses = kRows * kPieces / Threads;  // 16 bytes each
+  static_assert(Threads % kPieces == 0 && kRows % (Threads / kPieces) == 0, "whole rows a pass");
   const int i0 = threadIdx.x / kPieces, c = threadIdx.x % kPieces * 8;
   int64_t tok[kPasses];
 #pragma unroll
-  for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0 + u * (kThreads / kPieces)];
+  for (int u = 0; u < kPasses; ++u) tok[u] = slots[i0 + u * (Threads / kPieces)];
   // kFill: padding rows zero without a branch by token (cp.async's zero fill; plain: a select), from
   // token 0's row: under one, local_grads' smem base left the uniform registers and its product
   // spilled (64 registers). Else a padding row's 16 bytes are stored as zeros.
   const auto rows = [&](const EarlyRows& r, auto piece) {
 #pragma unroll
     for (int u = 0; u < kPasses; ++u) {
-      __nv_bfloat16* at = r.dst + (i0 + u * (kThreads / kPieces)) * kPlaneRow + c;
+      __nv_bfloat16* at = r.dst + (i0 + u * (Threads / kPieces)) * kPlaneRow + c;
       const auto row = [&](int64_t t) { return r.x + (t * r.heads + r.head) * 128 + c; };
       if constexpr (kFill) {
         const bool in_doc = tok[u] < T_;
@@ -1039,14 +1039,22 @@ __global__ void __launch_bounds__(kPrepareThreads, kBlocks) prepare_planes_kerne
   static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
   constexpr int kT = kPrepareThreads, kLo64 = kRows * kPlane64;
   extern __shared__ __align__(16) unsigned char smem[];
-  const ChunkBlock<PreparePlanesSmem, DimsT> b(p, smem);
+  const bool values = p.u != nullptr;  // the forward pass (the backward's recomputation needs no U)
+  // k's and v's raw rows issued before load_info (ChunkBlock's early), so that they fly during its
+  // dependent loads and scan (issued after it, they waited three round trips to start).
+  const ChunkBlock<PreparePlanesSmem, DimsT> b(p, smem, [&](const PreparePlanesSmem& m, int64_t) {
+    const int64_t* slots = p.slots + static_cast<int64_t>(blockIdx.x) * kRows;
+    const EarlyRows k{m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, static_cast<int>(blockIdx.y) / (p.hv / p.hk)};
+    if (values)
+      load_rows_early<false, kT>(slots, p.T, k, EarlyRows{m.v, static_cast<const __nv_bfloat16*>(p.v), p.hv,
+                                                          static_cast<int>(blockIdx.y)});
+    else
+      load_rows_early<false, kT>(slots, p.T, k);
+  });
   const auto& m = b.m;
   Info& s = b.s;
   const int64_t rows = b.rows;
   const int h = b.h, tid = threadIdx.x;
-  const bool values = p.u != nullptr;  // the forward pass (the backward's recomputation needs no U)
-  load_rows_split<kT>(m.k, -1, static_cast<const __nv_bfloat16*>(p.k), p.hk, b.kh, s, p.T);
-  if (values) load_rows_split<kT>(m.v, -1, static_cast<const __nv_bfloat16*>(p.v), p.hv, h, s, p.T);
   wait_copies();
   __syncthreads();
   row_rnorms<kT>(m.rk, m.k, kPlaneRow);
