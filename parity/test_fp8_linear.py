@@ -36,13 +36,13 @@ SHAPES = [(1, 128, 128), (1, 6144, 1536), (37, 384, 256), (37, 1280, 6144), (409
 
 
 def activations(m: int, k: int, gen: torch.Generator, signed: bool) -> torch.Tensor:
-    """bf16 [m, k] with the spread that makes the block scales matter: rows and 128-column blocks
-    2^-6..2^6 apart (tokens and channels of different sizes), outliers 50x, so that most of a
+    """bf16 [m, k] with the spread that makes the block scales matter: rows and 128-column blocks (the
+    last one partial where k is no multiple of 128) 2^-6..2^6 apart (tokens and channels of different sizes), outliers 50x, so that most of a
     block with an outlier lands in e4m3's subnormals. Nonnegative values leave the bound nothing to
     cancel: there it is tight enough to catch a wrong scale of a few percent."""
     x = torch.randn(m, k, generator=gen)
     x *= 2.0 ** torch.randint(-6, 7, (m, 1), generator=gen)
-    x *= (2.0 ** torch.randint(-6, 7, (1, k // BLOCK), generator=gen)).repeat_interleave(BLOCK, -1)
+    x *= (2.0 ** torch.randint(-6, 7, (1, -(-k // BLOCK)), generator=gen)).repeat_interleave(BLOCK, -1)[:, :k]
     outliers = torch.rand(m, k, generator=gen) < 0.002
     x = torch.where(outliers, x * 50, x)
     return (x if signed else x.abs()).to(torch.bfloat16)
@@ -88,16 +88,16 @@ def test_the_activations_quantisation_on_cuda_is_its_definition_bit_for_bit(m, k
 
 @CUDA
 def test_the_dequantisation_on_cuda_equals_the_references_where_its_threads_step(monkeypatch):
-    """fp8.cu's dequantize_kernel on weights of more than its grid's 135,168 chunks of 64 (columns a
-    multiple of 64: four vectors of 16 a thread, the grid a quarter of one vector's), so that each
-    thread's (matrix, row, chunk) steps with carries: a [576, 16384] map (rows of a partial block)
-    through the dense product, and [6, 576, 7168] experts through the grouped one (which its FP8
-    kernel declines: 576 rows are no whole blocks), where a step carries a row in 86% of steps and a
-    matrix in 7% (emulated). The products on the reference's dequantisation are the same GEMMs, so
-    every value equal means every weight equal."""
+    """fp8.cu's dequantize_kernel where its threads' (matrix, row, chunk) places step with carries:
+    [576, 16400] (one vector of 16 a thread: 590,400 of them against a grid of 540,672 threads) and
+    [576, 16384] maps (rows of a partial block) through the dense product, and [6, 576, 7168] experts
+    (four vectors a thread where the columns are a multiple of 64: 387,072 chunks against 270,336
+    threads) through the grouped one (which its FP8 kernel declines: 576 rows are no whole blocks),
+    where a step carries a row in 71% of steps (emulated). The products on the reference's
+    dequantisation are the same GEMMs, so every value equal means every weight equal."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
     gen = torch.Generator().manual_seed(7)
-    for cols in (16384, 16400):  # (16,400 columns: one vector of 16 a thread, 540,672 of them a pass)
+    for cols in (16384, 16400):
         q, scale = quantize_fp8(torch.randn(576, cols, generator=gen) * 0.05)
         x = activations(8, cols, gen, signed=True).cuda()
         y = v4_linear_test.linear(x, Linear(q.cuda(), scale.cuda()))

@@ -51,8 +51,9 @@ __device__ __forceinline__ void advance(int64_t& major, int64_t& minor, int64_t 
 // out[m, r, c] = float(w[m, r, c]) * scale[m, r / 128, c / 128] in fp32, rounded once to T (what
 // the reference computes). A thread takes kPer vectors of 16 weights at a time, one scale for all
 // (cols is a multiple of 16 kPer, and 16 kPer divides 128): kPer 4 (64 weights) where the columns
-// allow, its four 16-byte loads in flight at once (with one, 16 bytes a thread in flight, the GLM-5
-// proxy's 70 launches a step read at about 45% of the H100's bandwidth: 2.60 ms). The thread's place
+// allow. With one, 16 bytes a thread were in flight, and the GLM-5 proxy's 70 launches a step read at
+// about 45% of the H100's bandwidth (2.60 ms); at four, ptxas issues the loads two at a time (its
+// SASS: two, the first half's stores, two more), 32 bytes a thread. The thread's place
 // (m, r, c), chunk c of row r of matrix m, advances with its index by the grid's stride in the same
 // parts (step), which the host divides out. Most launches are one pass of the loop (the dense maps),
 // and with the stride's parts and the first place divided in every thread (six int64 divisions) the
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t i = v * kChunk;
     uint4 packed[kPer];
 #pragma unroll
-    for (int u = 0; u < kPer; ++u) packed[u] = reinterpret_cast<const uint4*>(w + i)[u];
+    for (int u = 0; u < kPer; ++u) packed[u] = __ldg(reinterpret_cast<const uint4*>(w + i) + u);
     const float s = scale[(m * scale_rows + r / kBlock) * scale_cols + c * kChunk / kBlock];
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(packed);
     __align__(16) T values[kChunk];
@@ -104,13 +105,13 @@ bool dequantize_fp8(const at::Tensor& weight, const at::Tensor& scale, at::Scala
   if (reinterpret_cast<uintptr_t>(w.const_data_ptr()) % 16 != 0) return false;
   out = at::empty(weight.sizes(), weight.options().dtype(dtype));
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  // kPer vectors a thread a pass; the grid a kPer-th of one vector a thread's (132 x 16 blocks), so that
-  // the places step as they did (the test of the steps' carries keeps its shapes).
+  // kPer vectors a thread a pass; at most 132 x 8 blocks (every multiprocessor's 2,048 threads) at four,
+  // 132 x 16 at one.
   const auto launch = [&](auto* typed, auto per) {
     using T = std::remove_pointer_t<decltype(typed)>;
     constexpr int kPer = decltype(per)::value;
     const int64_t chunks = w.numel() / (kVec * kPer), per_row = cols / (kVec * kPer);
-    const int blocks = int(std::min<int64_t>((chunks + kThreads - 1) / kThreads, int64_t(132) * 16 / kPer));
+    const int blocks = int(std::min<int64_t>((chunks + kThreads - 1) / kThreads, int64_t(132) * (kPer == 4 ? 8 : 16)));
     const int64_t stride = int64_t(blocks) * kThreads;
     const Steps step{stride / per_row / rows, stride / per_row % rows, stride % per_row};
     dequantize_kernel<T, kPer><<<blocks, kThreads, 0, stream>>>(static_cast<const uint8_t*>(w.const_data_ptr()),
