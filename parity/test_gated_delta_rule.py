@@ -145,19 +145,22 @@ def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_kernels(monkey
     _judge_paths(OP, "cuda", torch.bfloat16)
 
 
-# Every variant of V4TRAIN_GDR_VARIANTS, dqkwg_wgmma (opt-in) among them.
-WITH_DQKWG_WGMMA = "wgmma,prepare3,output_wgmma,local_wgmma,dqkwg_wgmma"
+# V4TRAIN_GDR_VARIANTS's default, to which the opt-in variants are added.
+DEFAULT_VARIANTS = "wgmma,prepare3,output_wgmma,local_wgmma"
+WITH_DQKWG_WGMMA = f"{DEFAULT_VARIANTS},dqkwg_wgmma"
 
 
 @pytest.mark.skipif(not HOPPER, reason="no Hopper GPU (the warpgroup kernels are sm_90a's alone)")
-def test_the_planes_kernels_pass_the_judge_on_cuda_with_dqkwg_on_wgmma(monkeypatch):
-    """V4TRAIN_GDR_VARIANTS with dqkwg_wgmma (opt-in) takes dqkwg (q's gradient, k's and G's parts, W's
-    gradient) on warpgroup products (dqkwg_wgmma_kernel) in place of dqkwg_planes_kernel: judged as
-    the default is, every gradient against the float64 truth on the long documents, and along each
-    path (g's through E, Kt and L, and q's and k's through Q K^T are its sums)."""
-    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", WITH_DQKWG_WGMMA)
+@pytest.mark.parametrize("variant,kernel,instead", [("dqkwg_wgmma", "dqkwg_wgmma_kernel", "dqkwg_planes_kernel"),
+                                                    ("prepare_wgmma", "prepare_wgmma_kernel", "prepare_planes_kernel")])
+def test_the_planes_kernels_pass_the_judge_on_cuda_with_an_opt_in_kernel_on_wgmma(monkeypatch, variant, kernel, instead):
+    """V4TRAIN_GDR_VARIANTS with dqkwg_wgmma or prepare_wgmma (opt-in) takes dqkwg (q's gradient, k's
+    and G's parts, W's gradient), or prepare (the forward's and the backward's recomputation: K K^T,
+    the inverse, U, W and K~), on warpgroup products in place of the planes kernel: judged as the
+    default is, every gradient against the float64 truth on the long documents, and along each path."""
+    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", f"{DEFAULT_VARIANTS},{variant}")
     prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
-    assert _ran(prof, "dqkwg_wgmma_kernel") and not _ran(prof, "dqkwg_planes_kernel"), _ran(prof, "dqkwg_")
+    assert _ran(prof, kernel) and not _ran(prof, instead), (_ran(prof, kernel), _ran(prof, instead))
     _judge_paths(OP, "cuda", torch.bfloat16)
 
 

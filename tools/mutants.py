@@ -61,9 +61,10 @@ PLANES_CUDA = tuple(f"parity/test_gated_delta_rule.py::{test}" for test in (
     "test_each_path_of_the_output_and_gradients[cuda-bfloat16]", "test_the_planes_kernels_pass_the_judge_on_cuda",
     "test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_kernels"))
 
-# dqkwg on warpgroup products (V4TRAIN_GDR_VARIANTS=...,dqkwg_wgmma; opt-in): judged whole and along each
-# path on the long documents, then over 1 and 3 value heads a key head.
-DQKWG_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "dqkwg_on_wgmma or dqkwg_wgmma")
+# dqkwg and prepare on warpgroup products (V4TRAIN_GDR_VARIANTS=...,dqkwg_wgmma or prepare_wgmma; opt-in):
+# judged whole and along each path on the long documents; dqkwg's then over 1 and 3 value heads a key head.
+DQKWG_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "dqkwg_wgmma")
+PREPARE_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "prepare_wgmma")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -451,6 +452,23 @@ MUTATIONS = (
              "states' first 64 columns alone (one of their two tiles)", "cc/ops/gated_delta_rule.cu",
              "for (int u = 0; u < 2 * kWgTileBytes / (16 * kWgThreads); ++u) {",
              "for (int u = 0; u < kWgTileBytes / (16 * kWgThreads); ++u) {", DQKWG_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_prepare_wgmma_merge_sign", "prepare on wgmma (opt-in): Ai_10 = +D_1 (A_10 D_0), the "
+             "merge's sign dropped", "cc/ops/gated_delta_rule.cu",
+             "wg_block_product<16, 16>(m.Ai, 16, 0, m.Ai, 16, 16, m.A, 0, 16, -1.0f);",
+             "wg_block_product<16, 16>(m.Ai, 16, 0, m.Ai, 16, 16, m.A, 0, 16, 1.0f);", PREPARE_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_prepare_wgmma_halves_short_sum", "prepare on wgmma (opt-in): A_h0 Ai_00 of the 32-row halves "
+             "summed over its first 16 terms", "cc/ops/gated_delta_rule.cu",
+             "wg_block_product<32, 32>(m.A, 0, 32, m.A, 32, 0, m.Ai, 0, 0, 1.0f);",
+             "wg_block_product<32, 16>(m.A, 0, 32, m.A, 32, 0, m.Ai, 0, 0, 1.0f);", PREPARE_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_prepare_wgmma_w_unnormed", "prepare on wgmma (opt-in): W's planes without r_k (Ai diag(beta "
+             "E) times k's raw rows)", "cc/ops/gated_delta_rule.cu",
+             "return x * (s.beta[c] * s.E[c] * m.rn[c]); });", "return x * (s.beta[c] * s.E[c]); });",
+             PREPARE_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_prepare_wgmma_kkl_with_beta", "prepare on wgmma (opt-in): kkl (wy_grads' L * K K^T) stored "
+             "with beta, as A", "cc/ops/gated_delta_rule.cu",
+             "if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, k0, k1);\n  });\n  {  // K~",
+             "if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, s.beta[r] * k0, s.beta[r] * k1);\n  });\n"
+             "  {  // K~", PREPARE_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_wgmma_h_out_half", "the recurrence on wgmma: the state out's rows 64.. written over rows "
              "0.. (h's second half never written)", "cc/ops/gated_delta_rule.cu",
              "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u)", "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * (u % 2))",

@@ -1033,6 +1033,19 @@ struct PreparePlanesSmem {
   }
 };
 
+// x = (I + A_bb)^-1 x for the 16 rows i0.. of a thread's column c (forward substitution over the
+// diagonal block of the strictly lower A [64, kPitch64] at i0), then x into Ai's rows i0.. of column c.
+__device__ __forceinline__ void diagonal_solve(float (&x)[16], const float* A, float* Ai, int i0, int c) {
+#pragma unroll
+  for (int r = 1; r < 16; ++r) {
+    const float* a = A + (i0 + r) * kPitch64 + i0;
+#pragma unroll
+    for (int j = 0; j < r; ++j) x[r] = fmaf(-a[j], x[j], x[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < 16; ++r) Ai[(i0 + r) * kPitch64 + c] = x[r];
+}
+
 // kBlocks: blocks a multiprocessor (3: 80 registers, a few bytes spilled; 2: 104, none).
 template <typename DimsT, int kBlocks>
 __global__ void __launch_bounds__(kPrepareThreads, kBlocks) prepare_planes_kernel(Args p) {
@@ -1089,14 +1102,7 @@ __global__ void __launch_bounds__(kPrepareThreads, kBlocks) prepare_planes_kerne
   for (int r = 0; r < 16; ++r) x[r] = i0 + r == c ? 1.0f : 0.0f;
   for (int st = 0; st < kRows; st += 16) {
     if (i0 == st && c < st + 16) {
-#pragma unroll
-      for (int r = 1; r < 16; ++r) {
-        const float* a = m.A + (i0 + r) * kPitch64 + i0;
-#pragma unroll
-        for (int j = 0; j < r; ++j) x[r] = fmaf(-a[j], x[j], x[r]);
-      }
-#pragma unroll
-      for (int r = 0; r < 16; ++r) m.Ai[(i0 + r) * kPitch64 + c] = x[r];
+      diagonal_solve(x, m.A, m.Ai, i0, c);
     }
     __syncthreads();
     if (i0 > st && c < st + 16) {
@@ -2047,6 +2053,168 @@ __device__ __forceinline__ void wg_gram_after_copies(float (&acc)[kRows / 2], co
   wgmma::fence_operand(acc);
 }
 
+// prepare_planes_kernel on warpgroup products (the variant `prepare_wgmma`; opt-in until it is judged and
+// timed on a GPU). At 32K tokens prepare_planes took 1.736 ms for its two launches against fla's kkt_solve
+// 0.359 + recompute_w_u x2 0.925 (H100, thirty-seventh session), latency-bound (46% of the issue slots at
+// three blocks a multiprocessor): its inverse solves the four 16-row blocks in series, each a 120-step chain
+// on one or two warps between barriers. Here one warpgroup a chunk and head: k and v land by cp.async before
+// load_info (v's group waited for at U's product); K K^T is one m64n64 product of k's raw rows (the norms and
+// the decay after it, as prepare_planes' epilogue); the inverse Ai = (I + A)^-1 takes the four diagonal 16 x
+// 16 blocks' forward substitutions at once (prepare_planes' chains, the same bits), then merges them in two
+// levels of products on the warps (fp32), Ai_10 = -D_1 (A_10 D_0) and Ai_32 likewise, then Ai's lower left 32
+// x 32 = -Ai_11' (A' Ai_00') of the 32-row halves; U = Ai diag(beta) v and W = Ai diag(beta E r_k) k as Ai's
+// planes (as prepare_planes' M planes) times v and k (MN-major) on wgmma. 70 KB: three blocks a
+// multiprocessor. Ai's off-diagonal blocks and the products' sums differ in order from prepare_planes' (not
+// bit-equal).
+struct WgPrepareSmem {
+  unsigned char *k, *v;  // [64, 128] tiles in 128-byte swizzle
+  float *A, *Ai;         // [64, kPitch64]; the merges' partial products in A's upper triangle (unused);
+                         // then U and W staged in bfloat16 [64, kWgPitch] over A's and Ai's bytes
+  float* rn;             // r_k [64] (twice: wg_row_rnorms' second half)
+  Info* info;
+  template <typename DimsT>
+  __host__ __device__ WgPrepareSmem(Carve& c, const DimsT&) {
+    static_assert(kRows * kWgPitch * sizeof(__nv_bfloat16) <= kRows * kPitch64 * sizeof(float), "a result in A");
+    k = c.take<unsigned char>(kWgTileBytes);
+    v = c.take<unsigned char>(kWgTileBytes);
+    A = c.take<float>(kRows * kPitch64);
+    Ai = c.take<float>(kRows * kPitch64);
+    rn = c.take<float>(2 * kRows);
+    info = c.take<Info>(1);
+    c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
+  }
+};
+
+// out[ro + r][co + c] = sign * sum over j < kK of a[ra + r][ca + j] b[rb + j][cb + c] for r, c < kN, in
+// [64, kPitch64] float32 matrices in shared memory (zeros above a triangle's diagonal summed as they
+// are), kN * kN / kWgThreads elements a thread of the warpgroup, two chains each.
+template <int kN, int kK>
+__device__ __forceinline__ void wg_block_product(float* out, int ro, int co, const float* a, int ra, int ca,
+                                                 const float* b, int rb, int cb, float sign) {
+  static_assert(kN * kN % kWgThreads == 0, "whole elements a thread");
+#pragma unroll
+  for (int u = 0; u < kN * kN / kWgThreads; ++u) {
+    const int e = threadIdx.x + u * kWgThreads, r = e / kN, c = e % kN;
+    float acc[2] = {0.0f, 0.0f};  // two chains
+#pragma unroll
+    for (int j = 0; j < kK; ++j) acc[j % 2] = fmaf(a[(ra + r) * kPitch64 + ca + j], b[(rb + j) * kPitch64 + cb + c], acc[j % 2]);
+    out[(ro + r) * kPitch64 + co + c] = sign * (acc[0] + acc[1]);
+  }
+}
+
+template <typename DimsT>
+__global__ void __launch_bounds__(kWgThreads, 3) prepare_wgmma_kernel(Args p) {
+#if defined(V4_HAS_WGMMA)
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  const bool values = p.u != nullptr;  // the forward pass (the backward's recomputation needs no U)
+  const ChunkBlock<WgPrepareSmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgPrepareSmem& m, int64_t) {
+    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, blockIdx.y / (p.hv / p.hk), p);
+    commit_copies();
+    if (values) wg_rows_by_slot(m.v, static_cast<const __nv_bfloat16*>(p.v), p.hv, blockIdx.y, p);
+    commit_copies();  // (v's group, empty in the backward: waited for before U's product)
+  });
+  const auto& m = b.m;
+  const Info& s = b.s;
+  const int64_t rows = b.rows;
+  const int tid = threadIdx.x;
+  // 1. K K^T of the raw rows, the norms while it runs; A = beta L (K K^T) (strictly lower, zeros above,
+  // as prepare_planes' epilogue forms it) and kkl = L (K K^T) for wy_grads (the backward).
+  float kk[kRows / 2] = {};
+  wg_gram_after_copies<1>(kk, m.k, m.k, m.rn, m.k, m.k);
+  wg_pairs<kRows / 2>([&](int r, int c, int i) {
+    const float k0 = c < r ? kk[i] * m.rn[r] * m.rn[c] * decay(s, r, c) : 0.0f;
+    const float k1 = c + 1 < r ? kk[i + 1] * m.rn[r] * m.rn[c + 1] * decay(s, r, c + 1) : 0.0f;
+    store2(m.A + r * kPitch64 + c, s.beta[r] * k0, s.beta[r] * k1);
+    if (c / 16 > r / 16) store2(m.Ai + r * kPitch64 + c, 0.0f, 0.0f);  // (Ai's blocks above its diagonal)
+    if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, k0, k1);
+  });
+  {  // K~ = exp(G_63 - G) K as bfloat16 (K = k r_k), 16 bytes a copy from k's rows, and gamma
+    auto* k_tilde = reinterpret_cast<__nv_bfloat16*>(p.k_tilde + rows * DimsT::dk) + wg_col();
+#pragma unroll
+    for (int u = 0; u < kRows / 8; ++u) {
+      const int r = wg_row() + 8 * u;
+      const uint4 x4 = *reinterpret_cast<const uint4*>(m.k + wgmma::sw128_offset<kRows>(r, wg_col()));
+      uint32_t w[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = widen(w[i]);
+        w[i] = pack2<__nv_bfloat16>(s.Kt[r] * (x.x * m.rn[r]), s.Kt[r] * (x.y * m.rn[r]));
+      }
+      *reinterpret_cast<uint4*>(k_tilde + r * DimsT::dk) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    if (tid == 0) p.gamma[b.chunk * p.hv + b.h] = s.gamma;
+  }
+  __syncthreads();  // A is in
+  // 2. The diagonal blocks D_b = (I + A_bb)^-1, all four at once, a thread a column (prepare_planes'
+  // substitution of block b's rows with its other blocks' terms zero: the same bits).
+  if (tid < kRows) {
+    const int i0 = tid / 16 * 16, c = tid;
+    float x[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) x[r] = i0 + r == c ? 1.0f : 0.0f;
+    diagonal_solve(x, m.A, m.Ai, i0, c);
+  }
+  __syncthreads();
+  // 3. The 16-row pairs: Ai_10 = -D_1 (A_10 D_0), Ai_32 = -D_3 (A_32 D_2), the partial products in A's
+  // upper triangle (rows 0.. and 32.., columns 16.. and 48..).
+  wg_block_product<16, 16>(m.A, 0, 16, m.A, 16, 0, m.Ai, 0, 0, 1.0f);
+  wg_block_product<16, 16>(m.A, 32, 48, m.A, 48, 32, m.Ai, 32, 32, 1.0f);
+  __syncthreads();
+  wg_block_product<16, 16>(m.Ai, 16, 0, m.Ai, 16, 16, m.A, 0, 16, -1.0f);
+  wg_block_product<16, 16>(m.Ai, 48, 32, m.Ai, 48, 48, m.A, 32, 48, -1.0f);
+  __syncthreads();
+  // 4. The 32-row halves: Ai's lower left = -Ai_hh (A_h0 Ai_00) with the halves' inverses from 3, the
+  // partial product in A's upper right (rows 0..31, columns 32..63).
+  wg_block_product<32, 32>(m.A, 0, 32, m.A, 32, 0, m.Ai, 0, 0, 1.0f);
+  __syncthreads();
+  wg_block_product<32, 32>(m.Ai, 32, 0, m.Ai, 32, 32, m.A, 0, 32, -1.0f);
+  __syncthreads();  // Ai is in
+  if (p.ai != nullptr) {  // (the backward: for wy_grads, float32 [64, 64])
+#pragma unroll
+    for (int u = 0; u < kRows * kRows / 4 / kWgThreads; ++u) {
+      const int e = tid + u * kWgThreads, r = e / (kRows / 4), c = e % (kRows / 4) * 4;
+      *reinterpret_cast<float4*>(p.ai + (rows + r) * kRows + c) = *reinterpret_cast<const float4*>(m.Ai + r * kPitch64 + c);
+    }
+  }
+  // 5. M's planes from Ai in the accumulator's layout: column c scaled by beta_c (U's) and by
+  // beta_c E_c r_k,c (W's), as prepare_planes splits them.
+  float ai[kRows / 2];
+  wg_pairs<kRows / 2>([&](int r, int c, int i) {
+    const float2 x = *reinterpret_cast<const float2*>(m.Ai + r * kPitch64 + c);
+    ai[i] = x.x;
+    ai[i + 1] = x.y;
+  });
+  uint32_t wh[kRows / 16][4], wl[kRows / 16][4];
+  wg_planes(wh, wl, ai, [&](int, int c, float x) { return x * (s.beta[c] * s.E[c] * m.rn[c]); });
+  asm volatile("cp.async.wait_group 0;\n" ::);  // v
+  wgmma::fence_shared();
+  __syncthreads();  // and every read of A and Ai is done: the results are staged over them
+  // 6. U = M_U v (the forward) and W = M_W k, bfloat16, staged and written 16 bytes a copy.
+  const auto product = [&](const uint32_t (&hi)[kRows / 16][4], const uint32_t (&lo)[kRows / 16][4],
+                           const unsigned char* tile, float* staging, __nv_bfloat16* out) {
+    float acc[DimsT::dk / 2] = {};
+    wg_planes_times_waited(acc, hi, lo, tile);
+    auto* staged = reinterpret_cast<__nv_bfloat16*>(staging);
+    wg_stage(staged, acc);
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kRows / 8; ++u) {
+      const int r = wg_row() + 8 * u;
+      *reinterpret_cast<uint4*>(out + r * 128 + wg_col()) = *reinterpret_cast<const uint4*>(staged + r * kWgPitch + wg_col());
+    }
+  };
+  if (values) {
+    uint32_t uh[kRows / 16][4], ul[kRows / 16][4];
+    wg_planes(uh, ul, ai, [&](int, int c, float x) { return x * s.beta[c]; });
+    product(uh, ul, m.v, m.A, static_cast<__nv_bfloat16*>(p.u) + rows * DimsT::dv);
+  }
+  product(wh, wl, m.k, m.Ai, reinterpret_cast<__nv_bfloat16*>(p.w + rows * DimsT::dk));
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
 // output_planes_kernel on warpgroup products (the variant `output_wgmma`, on by default). At 32K tokens output_planes
 // took 0.941 ms against fla's chunk_fwd_o 0.677 (H100, thirty-sixth session), latency-bound (43% of
 // the issue slots busy, 1.2 eligible warps a scheduler): its 16 warps read each fragment from shared
@@ -2222,13 +2390,13 @@ __global__ void __launch_bounds__(kThreads, 2) local_grads_planes_kernel(Args p)
       });
 }
 
-// local_grads_planes_kernel on warpgroup products (the variant `local_wgmma`, on by default): dv_local = P^T d_o and E Q
-// rounded (the reverse recurrence's, p.eq) for one chunk and head. At 32K tokens local_grads_planes
-// took 0.654 ms against fla's chunk_bwd_dv_local 0.360 (H100, thirty-sixth session), latency-bound
-// (51% of the issue slots busy). K Q^T is one m64n64 product (k as A: its accumulator is P^T, key rows
-// c, query columns r), scaled as the output's P; P^T's hi and lo planes as A registers times d_o
-// (MN-major, token rows by slot): exact, as local_grads_planes' two products. q, k and d_o by cp.async
-// from the block's start: 51 KB, four blocks a multiprocessor (122 registers).
+// local_grads_planes_kernel on warpgroup products (the variant `local_wgmma`, on by default): dv_local = P^T
+// d_o and E Q rounded (the reverse recurrence's, p.eq) for one chunk and head. At 32K tokens
+// local_grads_planes took 0.654 ms against fla's chunk_bwd_dv_local 0.360 (H100, thirty-sixth session),
+// latency-bound (51% of the issue slots busy). K Q^T is one m64n64 product (k as A: its accumulator is P^T,
+// key rows c, query columns r), scaled as the output's P; P^T's hi and lo planes as A registers times d_o
+// (MN-major, token rows by slot): exact, as local_grads_planes' two products. q, k and d_o by cp.async from
+// the block's start: 51 KB, four blocks a multiprocessor (122 registers).
 template <typename DimsT>
 __global__ void __launch_bounds__(kWgThreads, 4) local_wgmma_kernel(Args p) {
 #if defined(V4_HAS_WGMMA)
@@ -2810,7 +2978,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) dqkwg_wgmma_kernel(Args p) {
     if (lane % 4 == 0) m.t[r0 + 8 * half] = s.Kt[r0 + 8 * half] * x;
   }
   uint32_t th[kRows / 16][4], tl[kRows / 16][4];  // (diag(r_q s) dPL)^T's planes: value row c, query r
-  wg_planes(th, tl, pt, [&](int c, int r, float x) { return c <= r ? x * decay(s, r, c) * (m.rn[r] * p.scale) : 0.0f; });
+  wg_planes(th, tl, pt,
+            [&](int c, int r, float x) { return c <= r ? x * decay(s, r, c) * (m.rn[r] * p.scale) : 0.0f; });
   wg_planes_times_waited(acc, th, tl, m.q);
   wg_pairs<kN>([&](int r, int c, int i) { store2(p.dk_part + (rows + r) * DimsT::dk + c, acc[i], acc[i + 1]); });
   // 4. Q K^T (raw rows) and dPL = (d_o v_new^T) * L: Z = dPL * Q K^T scaled as build_qp_planes scales
@@ -3450,10 +3619,14 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned clu
 // `prepare3`, prepare_planes_kernel at three blocks a multiprocessor (at two without it), and
 // `output_wgmma` and `local_wgmma`, the output and local_grads on warpgroup products (output_wgmma_kernel,
 // local_wgmma_kernel: 0.597 and 0.513 ms at 32K against their planes kernels' 0.926 and 0.653, H100); and
-// `dqkwg_wgmma`, dqkwg on warpgroup products (dqkwg_wgmma_kernel; opt-in until judged and timed on a GPU).
-enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8, kDqkwgWgmma = 16 };
+// `dqkwg_wgmma` and `prepare_wgmma`, dqkwg and prepare on warpgroup products (dqkwg_wgmma_kernel,
+// prepare_wgmma_kernel; opt-in until judged and timed on a GPU).
+enum Variant : unsigned {
+  kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8, kDqkwgWgmma = 16, kPrepareWgmma = 32
+};
 inline unsigned variants() {
-  return env_variants("V4TRAIN_GDR_VARIANTS", {"wgmma", "prepare3", "output_wgmma", "local_wgmma", "dqkwg_wgmma"},
+  return env_variants("V4TRAIN_GDR_VARIANTS",
+                      {"wgmma", "prepare3", "output_wgmma", "local_wgmma", "dqkwg_wgmma", "prepare_wgmma"},
                       kWgmma | kPrepare3 | kOutputWgmma | kLocalWgmma);
 }
 
@@ -3549,6 +3722,9 @@ void fused(Fused& f, bool backward) {
     const c10::cuda::CUDAStreamGuard on(prepare_stream.stream());
     if constexpr (!kPlanes<kMode, DimsT>) {
       launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
+    } else if ((variants() & kPrepareWgmma) && aligned16(a.k) && (backward || aligned16(a.v)) &&
+               wgmma::capable(f.q.get_device(), smem_bytes<WgPrepareSmem>(d))) {  // (16-byte copies of k and v)
+      launch<WgPrepareSmem, kWgThreads>(prepare_wgmma_kernel<DimsT>, grid, d, a, 0, true);  // (three blocks)
     } else if (variants() & kPrepare3) {  // (three blocks: 224 of the 228 KB)
       launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 3>, grid, d, a, 0, true);
     } else {
