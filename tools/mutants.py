@@ -420,10 +420,9 @@ MUTATIONS = (
     Mutation("delta_rule_local_wgmma_p_untransposed", "local_grads on wgmma: Q K^T's accumulator (P) "
              "where K Q^T's (P^T) belongs", "cc/ops/gated_delta_rule.cu", "wg_gram_after_copies<1>(kq, m.k, m.q,",
              "wg_gram_after_copies<1>(kq, m.q, m.k,", PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_local_wgmma_eq_pairs_swapped", "local_grads on wgmma: E Q's bfloat16 pairs "
-             "written with their two columns swapped", "cc/ops/gated_delta_rule.cu",
-             "w[i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.x), wg_eq(m.rn, p.scale, s, r, x.y));",
-             "w[i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.y), wg_eq(m.rn, p.scale, s, r, x.x));",
+    Mutation("delta_rule_local_wgmma_eq_pairs_swapped", "local_grads on wgmma: E Q's bfloat16 pairs written with their "
+             "two columns swapped (in wg_map_rows, which prepare_wgmma's K~ shares)", "cc/ops/gated_delta_rule.cu",
+             "w[i] = pack2<__nv_bfloat16>(f(r, x.x), f(r, x.y));", "w[i] = pack2<__nv_bfloat16>(f(r, x.y), f(r, x.x));",
              PLANES_CUDA, cuda=True),
     Mutation("delta_rule_local_wgmma_d_o_of_key_head", "local_grads on wgmma: d_o's rows of the key head "
              "(blockIdx.y / rep) for the value head's", "cc/ops/gated_delta_rule.cu",
@@ -466,9 +465,9 @@ MUTATIONS = (
              PREPARE_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_prepare_wgmma_kkl_with_beta", "prepare on wgmma (opt-in): kkl (wy_grads' L * K K^T) stored "
              "with beta, as A", "cc/ops/gated_delta_rule.cu",
-             "if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, k0, k1);\n  });\n  {  // K~",
+             "if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, k0, k1);\n  });\n  // K~",
              "if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, s.beta[r] * k0, s.beta[r] * k1);\n  });\n"
-             "  {  // K~", PREPARE_WGMMA_CUDA, cuda=True),
+             "  // K~", PREPARE_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_wgmma_h_out_half", "the recurrence on wgmma: the state out's rows 64.. written over rows "
              "0.. (h's second half never written)", "cc/ops/gated_delta_rule.cu",
              "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u)", "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * (u % 2))",

@@ -1993,13 +1993,39 @@ __device__ __forceinline__ void wg_planes_times_waited(float (&acc)[64], const u
 // A [64, 128] accumulator (rows 16 warp + g (+8), columns 8 j + 2 t (+1)) rounded to bfloat16 into
 // `staged` [64, kWgPitch]; the caller's barrier precedes the reads.
 __device__ __forceinline__ void wg_stage(__nv_bfloat16* staged, const float (&acc)[64]) {
-  const int lane = threadIdx.x % 32, r0 = 16 * (threadIdx.x / 32) + lane / 4, t = lane % 4;
+  wg_pairs<64>([&](int r, int c, int i) {
+    *reinterpret_cast<uint32_t*>(staged + r * kWgPitch + c) = pack2<__nv_bfloat16>(acc[i], acc[i + 1]);
+  });
+}
+
+// A [64, 128] accumulator rounded to bfloat16 into out's rows (128 apart), staged in `staged` [64,
+// kWgPitch] (free of readers: the caller's barrier or waits say so) and copied 16 bytes at a time.
+__device__ __forceinline__ void wg_write(__nv_bfloat16* out, const float (&acc)[64], __nv_bfloat16* staged) {
+  wg_stage(staged, acc);
+  __syncthreads();
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int u = 0; u < kRows / 8; ++u) {
+    const int r = wg_row() + 8 * u;
+    *reinterpret_cast<uint4*>(out + r * 128 + wg_col()) = *reinterpret_cast<const uint4*>(staged + r * kWgPitch + wg_col());
+  }
+}
+
+// out's rows [64, 128] bfloat16 (128 apart) = f(r, x) of each element x of the [64, 128] tile's row r,
+// 16 bytes a copy.
+template <typename F>
+__device__ __forceinline__ void wg_map_rows(__nv_bfloat16* out, const unsigned char* tile, F&& f) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
-      *reinterpret_cast<uint32_t*>(staged + (r0 + 8 * half) * kWgPitch + 8 * j + 2 * t) =
-          pack2<__nv_bfloat16>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+  for (int u = 0; u < kRows / 8; ++u) {
+    const int r = wg_row() + 8 * u;
+    const uint4 v = *reinterpret_cast<const uint4*>(tile + wgmma::sw128_offset<kRows>(r, wg_col()));
+    uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 x = widen(w[i]);
+      w[i] = pack2<__nv_bfloat16>(f(r, x.x), f(r, x.y));
+    }
+    *reinterpret_cast<uint4*>(out + r * 128 + wg_col()) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
 }
 
 // A chunk kernel's carve: q's and k's tiles ([64, 128] K-major), kExtra more tiles after them, r_q and r_k,
@@ -2129,22 +2155,10 @@ __global__ void __launch_bounds__(kWgThreads, 3) prepare_wgmma_kernel(Args p) {
     if (c / 16 > r / 16) store2(m.Ai + r * kPitch64 + c, 0.0f, 0.0f);  // (Ai's blocks above its diagonal)
     if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, k0, k1);
   });
-  {  // K~ = exp(G_63 - G) K as bfloat16 (K = k r_k), 16 bytes a copy from k's rows, and gamma
-    auto* k_tilde = reinterpret_cast<__nv_bfloat16*>(p.k_tilde + rows * DimsT::dk) + wg_col();
-#pragma unroll
-    for (int u = 0; u < kRows / 8; ++u) {
-      const int r = wg_row() + 8 * u;
-      const uint4 x4 = *reinterpret_cast<const uint4*>(m.k + wgmma::sw128_offset<kRows>(r, wg_col()));
-      uint32_t w[4] = {x4.x, x4.y, x4.z, x4.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 x = widen(w[i]);
-        w[i] = pack2<__nv_bfloat16>(s.Kt[r] * (x.x * m.rn[r]), s.Kt[r] * (x.y * m.rn[r]));
-      }
-      *reinterpret_cast<uint4*>(k_tilde + r * DimsT::dk) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    if (tid == 0) p.gamma[b.chunk * p.hv + b.h] = s.gamma;
-  }
+  // K~ = exp(G_63 - G) K as bfloat16 (K = k r_k), and gamma.
+  wg_map_rows(reinterpret_cast<__nv_bfloat16*>(p.k_tilde + rows * DimsT::dk), m.k,
+              [&](int r, float x) { return s.Kt[r] * (x * m.rn[r]); });
+  if (tid == 0) p.gamma[b.chunk * p.hv + b.h] = s.gamma;
   __syncthreads();  // A is in
   // 2. The diagonal blocks D_b = (I + A_bb)^-1, all four at once, a thread a column (prepare_planes'
   // substitution of block b's rows with its other blocks' terms zero: the same bits).
@@ -2195,14 +2209,7 @@ __global__ void __launch_bounds__(kWgThreads, 3) prepare_wgmma_kernel(Args p) {
                            const unsigned char* tile, float* staging, __nv_bfloat16* out) {
     float acc[DimsT::dk / 2] = {};
     wg_planes_times_waited(acc, hi, lo, tile);
-    auto* staged = reinterpret_cast<__nv_bfloat16*>(staging);
-    wg_stage(staged, acc);
-    __syncthreads();
-#pragma unroll
-    for (int u = 0; u < kRows / 8; ++u) {
-      const int r = wg_row() + 8 * u;
-      *reinterpret_cast<uint4*>(out + r * 128 + wg_col()) = *reinterpret_cast<const uint4*>(staged + r * kWgPitch + wg_col());
-    }
+    wg_write(out, acc, reinterpret_cast<__nv_bfloat16*>(staging));
   };
   if (values) {
     uint32_t uh[kRows / 16][4], ul[kRows / 16][4];
@@ -2415,21 +2422,8 @@ __global__ void __launch_bounds__(kWgThreads, 4) local_wgmma_kernel(Args p) {
   wg_gram_after_copies<1>(kq, m.k, m.q, m.rn, m.q, m.k);  // K Q^T from the raw rows: P^T's dots
   uint32_t th[kRows / 16][4], tl[kRows / 16][4];  // P^T's planes: key c, query r
   wg_planes(th, tl, kq, [&](int c, int r, float x) { return wg_p(m.rn, p.scale, s, r, c, x); });
-  {  // E Q rounded to bfloat16 out, 16 bytes a copy from q's rows
-    __nv_bfloat16* eq = p.eq + b.head * kRows * DimsT::dk + wg_col();
-#pragma unroll
-    for (int u = 0; u < kRows / 8; ++u) {
-      const int r = wg_row() + 8 * u;
-      const uint4 v = *reinterpret_cast<const uint4*>(m.q + wgmma::sw128_offset<kRows>(r, wg_col()));
-      uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 x = widen(w[i]);
-        w[i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.x), wg_eq(m.rn, p.scale, s, r, x.y));
-      }
-      *reinterpret_cast<uint4*>(eq + r * DimsT::dk) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-  }
+  // E Q rounded to bfloat16 out, from q's rows.
+  wg_map_rows(p.eq + b.head * kRows * DimsT::dk, m.q, [&](int r, float x) { return wg_eq(m.rn, p.scale, s, r, x); });
   asm volatile("cp.async.wait_group 0;\n" ::);  // d_o
   wgmma::fence_shared();
   __syncthreads();  // and everyone's; every read of q's rows (above) is done
@@ -2438,15 +2432,8 @@ __global__ void __launch_bounds__(kWgThreads, 4) local_wgmma_kernel(Args p) {
   wg_planes_times_waited(dv, th, tl, d_o);
   // dv_local in bfloat16 (tools/delta_rule_split_check.py --stored dv_local), staged over q's and k's
   // bytes, then 16 bytes a copy into the chunk's rows.
-  auto* staged = reinterpret_cast<__nv_bfloat16*>(m.q);
-  wg_stage(staged, dv);
-  __syncthreads();
-  auto* out = static_cast<__nv_bfloat16*>(p.dv_local) + b.head * kRows * DimsT::dv + wg_col();
-#pragma unroll
-  for (int u = 0; u < kRows / 8; ++u) {
-    const int r = wg_row() + 8 * u;
-    *reinterpret_cast<uint4*>(out + r * DimsT::dv) = *reinterpret_cast<const uint4*>(staged + r * kWgPitch + wg_col());
-  }
+  wg_write(static_cast<__nv_bfloat16*>(p.dv_local) + b.head * kRows * DimsT::dv, dv,
+           reinterpret_cast<__nv_bfloat16*>(m.q));
 #else
   __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
 #endif
