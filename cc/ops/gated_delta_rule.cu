@@ -3481,6 +3481,270 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   sum_over_value_heads(m.D, kLdD, p.dk_keys, s, p, b.kh);
 }
 
+// wy_grads_planes_kernel on warpgroup products (the variant `wy_grads_wgmma`; opt-in until it is judged
+// and timed on a GPU). At 32K tokens wy_grads_planes took 1.635 ms against fla's prepare_wy_repr_bwd
+// 1.089 (H100, thirty-seventh session), bound by shared memory (L1 78% busy: every fragment read by
+// ldmatrix, by several warps, and dR through float32 tiles). Here one warpgroup a chunk and head, its
+// products each as wy_grads_planes takes it, their results in the accumulators:
+//   Y = dv_new (beta V)^T + dw (beta E K)^T, one product each (bfloat16 values against k's and v's raw
+//   rows), the columns scaled after; dR_V = Ai^T dv_new and dR_K = Ai^T dw, Ai's planes (MN-major, as
+//   the A operand: Ai^T) times the values, two products each; v's gradient beta dR_V written from the
+//   accumulator;
+//   Ai^T Y (both as planes, three products), then dM = -(Ai^T Y) Ai^T strictly lower, Ai^T Y's planes
+//   from the accumulator times Ai's planes (K-major: Ai^T); beta's and G's terms from dM and KKL in
+//   the accumulator's layout, Z staged for G's term through L;
+//   (C + C^T) diag(r_k) in bfloat16 (each lower element written at its place and at its transpose's),
+//   times k's raw rows (MN-major) onto beta E dR_K; k_part added, the norm's backward from the
+//   accumulator, and the cluster's sum over value heads.
+// About 100 KB: two blocks a multiprocessor. The sums' order differs from wy_grads_planes' (not bit-equal).
+struct WgWySmem {
+  static constexpr int kLdZ = kRows + 1;         // antisymmetric_row_sum's column reads two-way conflicted
+  static constexpr int kPlaneBytes = kRows * 128;  // a [64, 64] bfloat16 tile; a lo plane this far after its hi
+  unsigned char *k, *v, *dvn, *dw;  // [64, 128] tiles in 128-byte swizzle (k's and v's rows by slot)
+  unsigned char *ai, *y;            // Ai's and Y's planes: [64, 64] tiles, hi then lo
+  unsigned char* c;                 // (C + C^T) diag(r_k) in bfloat16, [64, 64], over Y's hi plane once read
+  float* Z;                         // [64, kLdZ] over v's and dv_new's bytes once read
+  float* dk;                        // k's gradient [64, kLdF] over v's, dv_new's and dw's bytes at the end
+  float* rk;                        // r_k [64] (twice: wg_row_rnorms' second half)
+  double* dG;                       // G's gradient a row
+  Info* info;
+  template <typename DimsT>
+  __host__ __device__ WgWySmem(Carve& c_, const DimsT&) {
+    static_assert(kRows * kLdZ * sizeof(float) <= 2 * kWgTileBytes, "Z within v's and dv_new's bytes");
+    static_assert(kRows * DqkwgSmem::kLdF * sizeof(float) <= 3 * kWgTileBytes, "dk within v's, dv_new's and dw's");
+    k = c_.take<unsigned char>(kWgTileBytes);
+    v = c_.take<unsigned char>(kWgTileBytes);
+    dvn = c_.take<unsigned char>(kWgTileBytes);
+    dw = c_.take<unsigned char>(kWgTileBytes);
+    ai = c_.take<unsigned char>(2 * kPlaneBytes);
+    y = c_.take<unsigned char>(2 * kPlaneBytes);
+    c = y;
+    Z = reinterpret_cast<float*>(v);
+    dk = reinterpret_cast<float*>(v);
+    rk = c_.take<float>(2 * kRows);
+    dG = c_.take<double>(kRows);
+    info = c_.take<Info>(1);
+    c_.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
+  }
+};
+
+template <typename DimsT>
+__global__ void __launch_bounds__(kWgThreads, 2) wy_grads_wgmma_kernel(Args p) {
+#if defined(V4_HAS_WGMMA)
+  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kLdF = DqkwgSmem::kLdF, kLdZ = WgWySmem::kLdZ, kPlane = WgWySmem::kPlaneBytes;
+  constexpr int kN = DimsT::dk / 2;  // a [64, 128] accumulator's registers
+  // Ai's floats (a thread's quads: rows tid / 16 + 8 u, columns tid % 16 * 4) loaded before load_info,
+  // split into planes after it.
+  float4 ai[kRows * kRows / 4 / kWgThreads];
+  const ChunkBlock<WgWySmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgWySmem& m, int64_t head) {
+    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, blockIdx.y / (p.hv / p.hk), p);
+    wg_rows_by_slot(m.v, static_cast<const __nv_bfloat16*>(p.v), p.hv, blockIdx.y, p);
+    wg_rows<kRows>(m.dvn, static_cast<const __nv_bfloat16*>(p.dv_new) + head * kRows * DimsT::dv);
+    wg_rows<kRows>(m.dw, reinterpret_cast<const __nv_bfloat16*>(p.dw + head * kRows * DimsT::dk));  // (as dqkwg wrote it)
+    commit_copies();
+#pragma unroll
+    for (int u = 0; u < kRows * kRows / 4 / kWgThreads; ++u)
+      ai[u] = *reinterpret_cast<const float4*>(p.ai + (head * kRows + threadIdx.x / 16 + 8 * u) * kRows + threadIdx.x % 16 * 4);
+  });
+  const auto& m = b.m;
+  const Info& s = b.s;
+  const int64_t rows = b.rows;
+  const int h = b.h, tid = threadIdx.x, lane = tid % 32, r0 = 16 * (tid / 32) + lane / 4;
+  const auto pair_of = [](const unsigned char* tile, int r, int c) {  // a raw row's columns (c, c + 1)
+    return widen(*reinterpret_cast<const uint32_t*>(tile + wgmma::sw128_offset<kRows>(r, c)));
+  };
+  // Descriptors: Ai's planes as A MN-major (Ai^T) and as B K-major (times Ai^T); Y's planes, dv_new, dw
+  // and k as B MN-major; the (C + C^T) tile as A K-major.
+  const uint64_t ai_mn = wgmma::desc128(wgmma::saddr(m.ai), kRows * 128, 1024),
+                 ai_k = wgmma::desc128(wgmma::saddr(m.ai), 16, 1024),
+                 y_mn = wgmma::desc128(wgmma::saddr(m.y), kRows * 128, 1024),
+                 dvn_mn = wgmma::desc128(wgmma::saddr(m.dvn), kRows * 128, 1024),
+                 dw_mn = wgmma::desc128(wgmma::saddr(m.dw), kRows * 128, 1024),
+                 k_mn = wgmma::desc128(wgmma::saddr(m.k), kRows * 128, 1024),
+                 c_k = wgmma::desc128(wgmma::saddr(m.c), 16, 1024);
+  // acc += Ai^T x (x [64 tokens, 128] MN-major): Ai's two planes, x exact. Issued and committed.
+  const auto ai_t_times = [&](float (&acc)[kN], uint64_t x) {
+    wgmma::fence_operand(acc);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kRows / 16; ++kk) {
+      wgmma::mma<__nv_bfloat16, 128, 1, 1>(acc, wgmma::desc_add(ai_mn, kk * 2048), wgmma::desc_add(x, kk * 2048));
+      wgmma::mma<__nv_bfloat16, 128, 1, 1>(acc, wgmma::desc_add(ai_mn, kPlane + kk * 2048), wgmma::desc_add(x, kk * 2048));
+    }
+    wgmma::commit();
+  };
+  // 1. Every copy in: Ai's planes; Y's two products, dR_V = Ai^T dv_new, and the norms while they run.
+#pragma unroll
+  for (int u = 0; u < kRows * kRows / 4 / kWgThreads; ++u) {
+    const int at = wgmma::sw128_offset<kRows>(tid / 16 + 8 * u, tid % 16 * 4);
+    const uint32_t h01 = pack2<__nv_bfloat16>(ai[u].x, ai[u].y), h23 = pack2<__nv_bfloat16>(ai[u].z, ai[u].w);
+    const float2 f01 = widen(h01), f23 = widen(h23);
+    *reinterpret_cast<uint2*>(m.ai + at) = make_uint2(h01, h23);
+    *reinterpret_cast<uint2*>(m.ai + kPlane + at) =
+        make_uint2(pack2<__nv_bfloat16>(ai[u].x - f01.x, ai[u].y - f01.y), pack2<__nv_bfloat16>(ai[u].z - f23.x, ai[u].w - f23.y));
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  wgmma::fence_shared();
+  __syncthreads();
+  float yv[kRows / 2] = {}, yk[kRows / 2] = {}, dr[kN] = {};
+  wg_gram(yv, m.dvn, m.v);
+  wg_gram(yk, m.dw, m.k);
+  ai_t_times(dr, dvn_mn);
+  wg_row_rnorms(m.rk, m.k, m.k);
+  __syncthreads();  // the norms
+  wgmma::wait<1>();
+  wgmma::fence_operand(yv);
+  wgmma::fence_operand(yk);
+  // Y's column j takes beta_j (V's) and beta_j E_j r_k,j (K's), as wy_grads_planes scales its quarters.
+  wg_pairs<kRows / 2>([&](int r, int c, int i) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n) yv[i + n] = yv[i + n] * s.beta[c + n] + yk[i + n] * s.beta[c + n] * s.E[c + n] * m.rk[c + n];
+    const int at = wgmma::sw128_offset<kRows>(r, c);
+    const uint32_t hi = pack2<__nv_bfloat16>(yv[i], yv[i + 1]);
+    const float2 hf = widen(hi);
+    *reinterpret_cast<uint32_t*>(m.y + at) = hi;
+    *reinterpret_cast<uint32_t*>(m.y + kPlane + at) = pack2<__nv_bfloat16>(yv[i] - hf.x, yv[i + 1] - hf.y);
+  });
+  wgmma::wait<0>();
+  wgmma::fence_operand(dr);
+  // v's gradient beta dR_V, and V . dR_V a row (rows r0 and r0 + 8).
+  auto* dv = static_cast<__nv_bfloat16*>(p.dv_out);
+  float sv[2] = {};
+  wg_pairs<kN>([&](int r, int c, int i) {
+    const float2 x = pair_of(m.v, r, c);
+    sv[r / 8 % 2] += x.x * dr[i] + x.y * dr[i + 1];
+    const int64_t tok = s.slot[r];
+    if (tok < p.T)
+      *reinterpret_cast<uint32_t*>(dv + (tok * p.hv + h) * DimsT::dv + c) = pack2<__nv_bfloat16>(s.beta[r] * dr[i], s.beta[r] * dr[i + 1]);
+  });
+  wgmma::fence_shared();
+  __syncthreads();  // Y's planes are in; every product is done with v's and dv_new's bytes
+  // 2. Ai^T Y (three products); then dM = -(Ai^T Y) Ai^T, strictly lower.
+  float aty[kRows / 2] = {};
+  wgmma::fence_operand(aty);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    const uint64_t a = wgmma::desc_add(ai_mn, kk * 2048), y = wgmma::desc_add(y_mn, kk * 2048);
+    wgmma::mma<__nv_bfloat16, 64, 1, 1>(aty, a, y);
+    wgmma::mma<__nv_bfloat16, 64, 1, 1>(aty, wgmma::desc_add(a, kPlane), y);
+    wgmma::mma<__nv_bfloat16, 64, 1, 1>(aty, a, wgmma::desc_add(y, kPlane));
+  }
+  wgmma::commit();
+  // KKL in the accumulator's layout, loaded while the products run.
+  float kl[kRows / 2];
+  wg_pairs<kRows / 2>([&](int r, int c, int i) {
+    const float2 x = *reinterpret_cast<const float2*>(p.kkl + (rows + r) * kRows + c);
+    kl[i] = x.x;
+    kl[i + 1] = x.y;
+  });
+  wgmma::wait<0>();
+  wgmma::fence_operand(aty);
+  uint32_t th[kRows / 16][4], tl[kRows / 16][4];
+  wg_planes(th, tl, aty, [](int, int, float x) { return x; });
+  float dm[kRows / 2] = {};
+  wgmma::fence_operand(dm);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) {
+    const uint64_t a = wgmma::desc_add(ai_k, kk * 32);
+    wgmma::mma_rs<__nv_bfloat16, 0, 64>(dm, th[kk], a);
+    wgmma::mma_rs<__nv_bfloat16, 0, 64>(dm, tl[kk], a);
+    wgmma::mma_rs<__nv_bfloat16, 0, 64>(dm, th[kk], wgmma::desc_add(a, kPlane));
+  }
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operand(dm);
+  __syncthreads();  // every product is done with Y's planes (the C tile's bytes)
+  // dR_K = Ai^T dw, while dM's terms are formed (issued here, not beside Ai^T Y: the accumulators of both
+  // and dM's planes at once spilled).
+#pragma unroll
+  for (int i = 0; i < kN; ++i) dr[i] = 0.0f;
+  ai_t_times(dr, dw_mn);
+  // 3. From dM: beta's term KKL . dM a row; Z = beta KKL * dM (G's term through L); (C + C^T) diag(r_k)
+  // in bfloat16, C = beta L dM strictly lower: C's (r, c) at its place scaled by r_k,c and at its
+  // transpose's scaled by r_k,r, the diagonal zero. From dR_K: G's and beta's terms through k . dR_K.
+  float sa[2] = {}, sk[2] = {};
+  wg_pairs<kRows / 2>([&](int r, int c, int i) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      const int j = c + n;
+      const float x = j < r ? -dm[i + n] : 0.0f;
+      sa[r / 8 % 2] += kl[i + n] * x;
+      m.Z[r * kLdZ + j] = s.beta[r] * kl[i + n] * x;
+      if (j < r) {
+        const float cc = s.beta[r] * decay(s, r, j) * x;
+        *reinterpret_cast<__nv_bfloat16*>(m.c + wgmma::sw128_offset<kRows>(r, j)) = __float2bfloat16_rn(cc * m.rk[j]);
+        *reinterpret_cast<__nv_bfloat16*>(m.c + wgmma::sw128_offset<kRows>(j, r)) = __float2bfloat16_rn(cc * m.rk[r]);
+      } else if (j == r) {
+        *reinterpret_cast<__nv_bfloat16*>(m.c + wgmma::sw128_offset<kRows>(r, r)) = __float2bfloat16_rn(0.0f);
+      }
+    }
+  });
+  wgmma::wait<0>();
+  wgmma::fence_operand(dr);
+  wg_pairs<kN>([&](int r, int c, int i) {
+    const float2 x = pair_of(m.k, r, c);
+    sk[r / 8 % 2] += x.x * dr[i] + x.y * dr[i + 1];
+  });
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r0 + 8 * half;
+    const float a = quad_sum(sa[half]), v_dot = quad_sum(sv[half]), k_dot = m.rk[r] * quad_sum(sk[half]);
+    if (lane % 4 == 0) {
+      const int64_t tok = s.slot[r];
+      if (tok < p.T) p.dbeta[tok * p.hv + h] = v_dot + s.E[r] * k_dot + a;
+      m.dG[r] = static_cast<double>(s.beta[r]) * s.E[r] * k_dot;
+    }
+  }
+  wgmma::fence_shared();
+  __syncthreads();  // Z, the C tile and dG's first terms are in
+  if (const double z = antisymmetric_row_sum<kLdZ, kWgThreads>(m.Z); tid % (kWgThreads / kRows) == 0) {
+    const int i = tid / (kWgThreads / kRows);
+    m.dG[i] += z + p.dg_part[rows + i];
+  }
+  // 4. k's gradient: dk_part + ((C + C^T) diag(r_k) k + beta E dR_K), then through the norm.
+  wg_pairs<kN>([&](int r, int c, int i) {
+    const float be = s.beta[r] * s.E[r];
+    dr[i] *= be;
+    dr[i + 1] *= be;
+  });
+  wgmma::fence_operand(dr);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk)
+    wgmma::mma<__nv_bfloat16, 128, 0, 1>(dr, wgmma::desc_add(c_k, kk * 32), wgmma::desc_add(k_mn, kk * 2048));
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operand(dr);
+  float yd[2] = {};
+  wg_pairs<kN>([&](int r, int c, int i) {
+    const float2 part = *reinterpret_cast<const float2*>(p.dk_part + (rows + r) * DimsT::dk + c);
+    dr[i] = part.x + dr[i];
+    dr[i + 1] = part.y + dr[i + 1];
+    const float2 x = pair_of(m.k, r, c);
+    yd[r / 8 % 2] += x.x * m.rk[r] * dr[i] + x.y * m.rk[r] * dr[i + 1];
+  });
+  // normalised_backward's out = r (dy - y (y . dy)), y = k r_k (the normalised row), dy = dk: rows of
+  // tokens alone (a padding slot's row is summed by no one).
+  const float dots[2] = {quad_sum(yd[0]), quad_sum(yd[1])};
+  __syncthreads();  // every read of Z is done: k's gradient is staged over it
+  wg_pairs<kN>([&](int r, int c, int i) {
+    const float2 x = pair_of(m.k, r, c);
+    const float rr = m.rk[r], d = dots[r / 8 % 2];
+    store2(m.dk + r * kLdF + c, rr * (dr[i] - x.x * rr * d), rr * (dr[i + 1] - x.y * rr * d));
+  });
+  scan64(m.dG, true);  // g_s's gradient: the sum of G_i's over i >= s
+  __syncthreads();
+  if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
+  sum_over_value_heads<kWgThreads>(m.dk, kLdF, p.dk_keys, s, p, b.kh);
+#else
+  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
+#endif
+}
+
 // A side stream forked from the current one (`use`; else the current one itself), joined back at
 // join() or, on an exception, when it leaves scope: declared after the tensors the side stream
 // writes, it joins before they go back to the main stream's cache.
@@ -3606,14 +3870,15 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned clu
 // `prepare3`, prepare_planes_kernel at three blocks a multiprocessor (at two without it), and
 // `output_wgmma` and `local_wgmma`, the output and local_grads on warpgroup products (output_wgmma_kernel,
 // local_wgmma_kernel: 0.597 and 0.513 ms at 32K against their planes kernels' 0.926 and 0.653, H100); and
-// `dqkwg_wgmma` and `prepare_wgmma`, dqkwg and prepare on warpgroup products (dqkwg_wgmma_kernel,
-// prepare_wgmma_kernel; opt-in until judged and timed on a GPU).
+// `dqkwg_wgmma`, `prepare_wgmma` and `wy_grads_wgmma`, dqkwg, prepare and wy_grads on warpgroup products
+// (dqkwg_wgmma_kernel, prepare_wgmma_kernel, wy_grads_wgmma_kernel; opt-in until judged and timed on a GPU).
 enum Variant : unsigned {
-  kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8, kDqkwgWgmma = 16, kPrepareWgmma = 32
+  kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8, kDqkwgWgmma = 16, kPrepareWgmma = 32,
+  kWyGradsWgmma = 64
 };
 inline unsigned variants() {
   return env_variants("V4TRAIN_GDR_VARIANTS",
-                      {"wgmma", "prepare3", "output_wgmma", "local_wgmma", "dqkwg_wgmma", "prepare_wgmma"},
+                      {"wgmma", "prepare3", "output_wgmma", "local_wgmma", "dqkwg_wgmma", "prepare_wgmma", "wy_grads_wgmma"},
                       kWgmma | kPrepare3 | kOutputWgmma | kLocalWgmma);
 }
 
@@ -3821,7 +4086,11 @@ void fused(Fused& f, bool backward) {
   a.dg = f.dg.data_ptr<double>();
   if constexpr (planes) {
     a.dk_keys = static_cast<__nv_bfloat16*>(dk.data_ptr());
-    launch<WyPlanesSmem>(wy_grads_planes_kernel<DimsT>, grid, d, a, cluster);
+    if ((variants() & kWyGradsWgmma) && aligned16(a.k) && aligned16(a.v) &&
+        wgmma::capable(f.q.get_device(), smem_bytes<WgWySmem>(d)))
+      launch<WgWySmem, kWgThreads>(wy_grads_wgmma_kernel<DimsT>, grid, d, a, cluster);
+    else
+      launch<WyPlanesSmem>(wy_grads_planes_kernel<DimsT>, grid, d, a, cluster);
     f.dq = dq;
     f.dk = dk;
   } else {
