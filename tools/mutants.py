@@ -67,6 +67,7 @@ PLANES_CUDA = tuple(f"parity/test_gated_delta_rule.py::{test}" for test in (
 DQKWG_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "dqkwg_wgmma")
 PREPARE_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "prepare_wgmma")
 WY_GRADS_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "wy_grads_wgmma")
+DQKWG_OR_WY_GRADS_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "dqkwg_wgmma or wy_grads_wgmma")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -440,15 +441,16 @@ MUTATIONS = (
              "    acc[i] *= s.Kt[r];\n    acc[i + 1] *= s.Kt[r];\n", "", DQKWG_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_wgmma_e_before_decay", "dqkwg on wgmma (opt-in): G's term through E (Q . dq_state) "
              "taken before dq_state's rows are scaled by E", "cc/ops/gated_delta_rule.cu",
-             "    acc[i] *= s.E[r];\n    acc[i + 1] *= s.E[r];\n    const float2 x = pair_of(m.q, r, c);\n"
+             "    acc[i] *= s.E[r];\n    acc[i + 1] *= s.E[r];\n    const float2 x = wg_pair(m.q, r, c);\n"
              "    e[r / 8 % 2] += x.x * m.rn[r] * p.scale * acc[i] + x.y * m.rn[r] * p.scale * acc[i + 1];\n",
-             "    const float2 x = pair_of(m.q, r, c);\n"
+             "    const float2 x = wg_pair(m.q, r, c);\n"
              "    e[r / 8 % 2] += x.x * m.rn[r] * p.scale * acc[i] + x.y * m.rn[r] * p.scale * acc[i + 1];\n"
              "    acc[i] *= s.E[r];\n    acc[i + 1] *= s.E[r];\n", DQKWG_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_dqkwg_wgmma_norm_dot_first_row", "dqkwg on wgmma (opt-in): q's norm backward takes the "
-             "thread's first row's dot (r0's) for its second row (r0 + 8) too", "cc/ops/gated_delta_rule.cu",
-             "const float rq = m.rn[r], d = dots[r / 8 % 2];", "const float rq = m.rn[r], d = dots[0];",
-             DQKWG_WGMMA_CUDA, cuda=True),
+    Mutation("delta_rule_wgmma_norm_dot_first_row", "dqkwg and wy_grads on wgmma (opt-in): q's and k's norm "
+             "backward (wg_normalised_backward) takes the thread's first row's dot (r0's) for its second row "
+             "(r0 + 8) too", "cc/ops/gated_delta_rule.cu",
+             "const float rq = rn[r], d = dots[r / 8 % 2];", "const float rq = rn[r], d = dots[0];",
+             DQKWG_OR_WY_GRADS_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_dqkwg_wgmma_dgamma_half", "dqkwg on wgmma (opt-in): dgamma = <h, d_state> over the "
              "states' first 64 columns alone (one of their two tiles)", "cc/ops/gated_delta_rule.cu",
              "for (int u = 0; u < 2 * kWgTileBytes / (16 * kWgThreads); ++u) {",
@@ -482,10 +484,6 @@ MUTATIONS = (
              "diagonal kept (not strictly lower) in beta's and G's terms and in C", "cc/ops/gated_delta_rule.cu",
              "const float x = j < r ? -dm[i + n] : 0.0f;", "const float x = -dm[i + n];", WY_GRADS_WGMMA_CUDA,
              cuda=True),
-    Mutation("delta_rule_wy_grads_wgmma_norm_dot_first_row", "wy_grads on wgmma (opt-in): k's norm backward takes "
-             "the thread's first row's dot (r0's) for its second row (r0 + 8) too", "cc/ops/gated_delta_rule.cu",
-             "const float rr = m.rk[r], d = dots[r / 8 % 2];", "const float rr = m.rk[r], d = dots[0];",
-             WY_GRADS_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_wy_grads_wgmma_dbeta_without_kkl", "wy_grads on wgmma (opt-in): beta's gradient without "
              "its term through A (KKL . dM)", "cc/ops/gated_delta_rule.cu",
              "= v_dot + s.E[r] * k_dot + a;", "= v_dot + s.E[r] * k_dot;", WY_GRADS_WGMMA_CUDA, cuda=True),

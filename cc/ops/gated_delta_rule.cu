@@ -1934,6 +1934,11 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Row r's pair of columns (c, c + 1) of a [64, 128] bfloat16 tile in 128-byte swizzle, as floats.
+__device__ __forceinline__ float2 wg_pair(const unsigned char* tile, int r, int c) {
+  return widen(*reinterpret_cast<const uint32_t*>(tile + wgmma::sw128_offset<kRows>(r, c)));
+}
+
 // P's element (query r, key c) from its raw dot x = q_r . k_c: build_qp_planes' scaling (r_q, scale, r_k,
 // the decay), in the lower triangle with its diagonal.
 __device__ __forceinline__ float wg_p(const float* rn, float scale, const Info& s, int r, int c, float x) {
@@ -1988,6 +1993,25 @@ __device__ __forceinline__ void wg_planes_times_waited(float (&acc)[64], const u
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::fence_operand(acc);
+}
+
+// normalised_backward's out = r (dy - y (y . dy)) from a [64, 128] accumulator: y the raw row of `tile`
+// normalised (times rn[r] scale / scale, as load_normalised stores it), dy = scale acc, each row's dot
+// summed over its quad; out [64, ld] float32 in shared memory, free of readers.
+__device__ __forceinline__ void wg_normalised_backward(float* out, int ld, const float (&acc)[64], const unsigned char* tile,
+                                                       const float* rn, float scale) {
+  float yd[2] = {};  // rows r0 and r0 + 8
+  wg_pairs<64>([&](int r, int c, int i) {
+    const float2 x = wg_pair(tile, r, c);
+    yd[r / 8 % 2] += x.x * rn[r] * scale / scale * (scale * acc[i]) + x.y * rn[r] * scale / scale * (scale * acc[i + 1]);
+  });
+  const float dots[2] = {quad_sum(yd[0]), quad_sum(yd[1])};
+  wg_pairs<64>([&](int r, int c, int i) {
+    const float2 x = wg_pair(tile, r, c);
+    const float rq = rn[r], d = dots[r / 8 % 2];
+    const float y0 = x.x * rq * scale / scale, y1 = x.y * rq * scale / scale;
+    store2(out + r * ld + c, rq * (scale * acc[i] - y0 * d), rq * (scale * acc[i + 1] - y1 * d));
+  });
 }
 
 // A [64, 128] accumulator (rows 16 warp + g (+8), columns 8 j + 2 t (+1)) rounded to bfloat16 into
@@ -2262,7 +2286,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) output_wgmma_kernel(Args p) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = r0 + 8 * (i % 2), c = 16 * kk + 8 * (i / 2) + 2 * t;
-      const float2 x = widen(*reinterpret_cast<const uint32_t*>(m.q + wgmma::sw128_offset<kRows>(r, c)));
+      const float2 x = wg_pair(m.q, r, c);
       eq[kk][i] = pack2<__nv_bfloat16>(wg_eq(m.rn, p.scale, s, r, x.x), wg_eq(m.rn, p.scale, s, r, x.y));
     }
   }
@@ -2886,10 +2910,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) dqkwg_wgmma_kernel(Args p) {
   const Info& s = b.s;
   const int64_t rows = b.rows;
   const int tid = threadIdx.x, lane = tid % 32, r0 = 16 * (tid / 32) + lane / 4;
-  // A raw row's pair of columns (c, c + 1) from q's or k's tile.
-  const auto pair_of = [](const unsigned char* tile, int r, int c) {
-    return widen(*reinterpret_cast<const uint32_t*>(tile + wgmma::sw128_offset<kRows>(r, c)));
-  };
   constexpr int kN = DimsT::dk / 2;  // a [64, 128] accumulator's registers
   // 1. q and k in: their rows' norms.
   asm volatile("cp.async.wait_group 2;\n" ::);
@@ -2929,7 +2949,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) dqkwg_wgmma_kernel(Args p) {
   wg_pairs<kN>([&](int r, int c, int i) {
     acc[i] *= s.E[r];
     acc[i + 1] *= s.E[r];
-    const float2 x = pair_of(m.q, r, c);
+    const float2 x = wg_pair(m.q, r, c);
     e[r / 8 % 2] += x.x * m.rn[r] * p.scale * acc[i] + x.y * m.rn[r] * p.scale * acc[i + 1];
   });
 #pragma unroll
@@ -2954,7 +2974,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) dqkwg_wgmma_kernel(Args p) {
   wgmma::fence_operand(pt);
   float kt[2] = {};
   wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = pair_of(m.k, r, c);
+    const float2 x = wg_pair(m.k, r, c);
     kt[r / 8 % 2] += x.x * m.rn[kRows + r] * acc[i] + x.y * m.rn[kRows + r] * acc[i + 1];
     acc[i] *= s.Kt[r];
     acc[i + 1] *= s.Kt[r];
@@ -2999,20 +3019,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) dqkwg_wgmma_kernel(Args p) {
     acc[i + 1] = x.y;
   });
   wg_planes_times_waited(acc, ph, pl, m.k);
-  // normalised_backward's out = r (dy - y (y . dy)), y = q r (the normalised row), dy = s dq.
-  float yd[2] = {};
-  wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = pair_of(m.q, r, c);
-    yd[r / 8 % 2] += x.x * m.rn[r] * p.scale / p.scale * (p.scale * acc[i]) +
-                     x.y * m.rn[r] * p.scale / p.scale * (p.scale * acc[i + 1]);
-  });
-  const float dots[2] = {quad_sum(yd[0]), quad_sum(yd[1])};
-  wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = pair_of(m.q, r, c);
-    const float rq = m.rn[r], d = dots[r / 8 % 2];
-    const float y0 = x.x * rq * p.scale / p.scale, y1 = x.y * rq * p.scale / p.scale;
-    store2(m.dq + r * kLdF + c, rq * (p.scale * acc[i] - y0 * d), rq * (p.scale * acc[i + 1] - y1 * d));
-  });
+  wg_normalised_backward(m.dq, kLdF, acc, m.q, m.rn, p.scale);  // through q's norm (dy = s dq)
   sum_over_value_heads<kWgThreads>(m.dq, kLdF, p.dq_keys, s, p, b.kh);  // (its cluster barriers order dq's rows and dG)
   if (tid < kRows) {
     double v = m.dG[tid];
@@ -3552,9 +3559,6 @@ __global__ void __launch_bounds__(kWgThreads, 2) wy_grads_wgmma_kernel(Args p) {
   const Info& s = b.s;
   const int64_t rows = b.rows;
   const int h = b.h, tid = threadIdx.x, lane = tid % 32, r0 = 16 * (tid / 32) + lane / 4;
-  const auto pair_of = [](const unsigned char* tile, int r, int c) {  // a raw row's columns (c, c + 1)
-    return widen(*reinterpret_cast<const uint32_t*>(tile + wgmma::sw128_offset<kRows>(r, c)));
-  };
   // Descriptors: Ai's planes as A MN-major (Ai^T) and as B K-major (times Ai^T); Y's planes, dv_new, dw
   // and k as B MN-major; the (C + C^T) tile as A K-major.
   const uint64_t ai_mn = wgmma::desc128(wgmma::saddr(m.ai), kRows * 128, 1024),
@@ -3579,11 +3583,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) wy_grads_wgmma_kernel(Args p) {
 #pragma unroll
   for (int u = 0; u < kRows * kRows / 4 / kWgThreads; ++u) {
     const int at = wgmma::sw128_offset<kRows>(tid / 16 + 8 * u, tid % 16 * 4);
-    const uint32_t h01 = pack2<__nv_bfloat16>(ai[u].x, ai[u].y), h23 = pack2<__nv_bfloat16>(ai[u].z, ai[u].w);
-    const float2 f01 = widen(h01), f23 = widen(h23);
-    *reinterpret_cast<uint2*>(m.ai + at) = make_uint2(h01, h23);
-    *reinterpret_cast<uint2*>(m.ai + kPlane + at) =
-        make_uint2(pack2<__nv_bfloat16>(ai[u].x - f01.x, ai[u].y - f01.y), pack2<__nv_bfloat16>(ai[u].z - f23.x, ai[u].w - f23.y));
+    store_split4(reinterpret_cast<__nv_bfloat16*>(m.ai + at), kPlane / 2, ai[u]);
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
   wgmma::fence_shared();
@@ -3601,11 +3601,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) wy_grads_wgmma_kernel(Args p) {
   wg_pairs<kRows / 2>([&](int r, int c, int i) {
 #pragma unroll
     for (int n = 0; n < 2; ++n) yv[i + n] = yv[i + n] * s.beta[c + n] + yk[i + n] * s.beta[c + n] * s.E[c + n] * m.rk[c + n];
-    const int at = wgmma::sw128_offset<kRows>(r, c);
-    const uint32_t hi = pack2<__nv_bfloat16>(yv[i], yv[i + 1]);
-    const float2 hf = widen(hi);
-    *reinterpret_cast<uint32_t*>(m.y + at) = hi;
-    *reinterpret_cast<uint32_t*>(m.y + kPlane + at) = pack2<__nv_bfloat16>(yv[i] - hf.x, yv[i + 1] - hf.y);
+    store_split2(reinterpret_cast<__nv_bfloat16*>(m.y + wgmma::sw128_offset<kRows>(r, c)), kPlane / 2, yv[i], yv[i + 1]);
   });
   wgmma::wait<0>();
   wgmma::fence_operand(dr);
@@ -3613,7 +3609,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) wy_grads_wgmma_kernel(Args p) {
   auto* dv = static_cast<__nv_bfloat16*>(p.dv_out);
   float sv[2] = {};
   wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = pair_of(m.v, r, c);
+    const float2 x = wg_pair(m.v, r, c);
     sv[r / 8 % 2] += x.x * dr[i] + x.y * dr[i + 1];
     const int64_t tok = s.slot[r];
     if (tok < p.T)
@@ -3686,7 +3682,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) wy_grads_wgmma_kernel(Args p) {
   wgmma::wait<0>();
   wgmma::fence_operand(dr);
   wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = pair_of(m.k, r, c);
+    const float2 x = wg_pair(m.k, r, c);
     sk[r / 8 % 2] += x.x * dr[i] + x.y * dr[i + 1];
   });
 #pragma unroll
@@ -3719,23 +3715,13 @@ __global__ void __launch_bounds__(kWgThreads, 2) wy_grads_wgmma_kernel(Args p) {
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::fence_operand(dr);
-  float yd[2] = {};
   wg_pairs<kN>([&](int r, int c, int i) {
     const float2 part = *reinterpret_cast<const float2*>(p.dk_part + (rows + r) * DimsT::dk + c);
     dr[i] = part.x + dr[i];
     dr[i + 1] = part.y + dr[i + 1];
-    const float2 x = pair_of(m.k, r, c);
-    yd[r / 8 % 2] += x.x * m.rk[r] * dr[i] + x.y * m.rk[r] * dr[i + 1];
   });
-  // normalised_backward's out = r (dy - y (y . dy)), y = k r_k (the normalised row), dy = dk: rows of
-  // tokens alone (a padding slot's row is summed by no one).
-  const float dots[2] = {quad_sum(yd[0]), quad_sum(yd[1])};
   __syncthreads();  // every read of Z is done: k's gradient is staged over it
-  wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = pair_of(m.k, r, c);
-    const float rr = m.rk[r], d = dots[r / 8 % 2];
-    store2(m.dk + r * kLdF + c, rr * (dr[i] - x.x * rr * d), rr * (dr[i + 1] - x.y * rr * d));
-  });
+  wg_normalised_backward(m.dk, kLdF, dr, m.k, m.rk, 1.0f);  // through k's norm (dy = dk; a padding row's is summed by no one)
   scan64(m.dG, true);  // g_s's gradient: the sum of G_i's over i >= s
   __syncthreads();
   if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
