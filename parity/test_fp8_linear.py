@@ -37,9 +37,10 @@ SHAPES = [(1, 128, 128), (1, 6144, 1536), (37, 384, 256), (37, 1280, 6144), (409
 
 def activations(m: int, k: int, gen: torch.Generator, signed: bool) -> torch.Tensor:
     """bf16 [m, k] with the spread that makes the block scales matter: rows and 128-column blocks (the
-    last one partial where k is no multiple of 128) 2^-6..2^6 apart (tokens and channels of different sizes), outliers 50x, so that most of a
-    block with an outlier lands in e4m3's subnormals. Nonnegative values leave the bound nothing to
-    cancel: there it is tight enough to catch a wrong scale of a few percent."""
+    last one partial where k is no multiple of 128) 2^-6..2^6 apart (tokens and channels of different
+    sizes), outliers 50x, so that most of a block with an outlier lands in e4m3's subnormals.
+    Nonnegative values leave the bound nothing to cancel: there it is tight enough to catch a wrong
+    scale of a few percent."""
     x = torch.randn(m, k, generator=gen)
     x *= 2.0 ** torch.randint(-6, 7, (m, 1), generator=gen)
     x *= (2.0 ** torch.randint(-6, 7, (1, -(-k // BLOCK)), generator=gen)).repeat_interleave(BLOCK, -1)[:, :k]
