@@ -85,7 +85,12 @@ def test_a_two_process_run_resumes_exactly_and_refuses_another_world_size(tmp_pa
     assert "Traceback" not in other.stderr
     _train(tmp_path / "split", *args, "--resume_from=latest", processes=2)
     assert [r["step"] for r in metrics(str(tmp_path / "split"))] == [1, 2, 3, 4]
-    assert os.path.exists(tmp_path / "split" / "checkpoint-2" / "rng_state.rank1.safetensors")
+    checkpoint = tmp_path / "split" / "checkpoint-2"
+    assert os.path.exists(checkpoint / "rng_state.rank1.safetensors")
+    # Each rank's optimizer shards in safetensors, and no pickle anywhere (none is ever unpickled).
+    files = sorted(str(f.relative_to(checkpoint)) for f in checkpoint.rglob("*") if f.is_file())
+    assert {"optimizer/rank0.safetensors", "optimizer/rank1.safetensors"} <= set(files), files
+    assert all(f.endswith((".safetensors", ".json", ".jinja")) for f in files), files
     for field in ("loss", "grad_norm"):  # every rank's dropout masks continue as they would have
         assert_close(_curve(tmp_path / "split", field), _curve(tmp_path / "whole", field), f"resumed {field}")
 
@@ -126,6 +131,59 @@ def test_a_rank_killed_mid_checkpoint_ends_the_job_and_the_resume_is_exact(tmp_p
     for field in ("loss", "grad_norm"):
         assert_close(_curve(tmp_path / "split", field), _curve(tmp_path / "whole", field), f"resumed {field}")
 
+
+def test_a_rank_whose_optimizer_shards_cannot_be_written_fails_the_checkpoint_on_every_rank(tmp_path):
+    """Rank 1's write of its optimizer shards fails (an OSError, as a full disk gives) in
+    checkpoint-4: every rank learns it in the write's collective, rank 0 says which checkpoint is kept,
+    no rank waits for another, and checkpoint-2 stays the last complete one."""
+    args = ["--max_steps=6", "--save_interval=2", "--micro_batch_size=1"]
+    result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", DEVICE, "--nproc_per_node=2", *args,
+                     env={**ENV, "V4TRAIN_KILL_AT": "optimizer-shards:2:raise", "V4TRAIN_KILL_RANK": "1"})
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert re.search(r"writing \S*checkpoint-4 failed \(rank 1: fault injected at optimizer-shards .*\); the last "
+                     r"complete checkpoint, \S*checkpoint-2, is kept", result.stderr), result.stderr[-3000:]
+    assert sorted(p for p in os.listdir(tmp_path / "o") if p.startswith("checkpoint-")) == ["checkpoint-2"]
+
+
+class _Payload:
+    """Unpickled, it would run a shell command: what a hostile torch.distributed.checkpoint
+    .metadata (a pickle) can carry."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_an_optimizer_folder_of_torch_distributed_checkpoint_is_refused_unread(tmp_path):
+    """A checkpoint whose optimizer/ holds torch.distributed.checkpoint's files (an earlier v4train
+    wrote them so), its .metadata a pickle, the manifest rewritten to match as someone who can write
+    the folder would: the resume stops on one line naming the folder, and the pickle's code never
+    runs (torch.distributed.checkpoint's load unpickles .metadata with pickle.load)."""
+    import hashlib
+    import json
+    import pickle
+    import shutil
+
+    args = ["--max_steps=4", "--save_interval=2", "--micro_batch_size=1"]
+    _train(tmp_path / "run", *args, "--stop_at_step=2", processes=2)
+    checkpoint, marker = tmp_path / "run" / "checkpoint-2", tmp_path / "payload-ran"
+    shutil.rmtree(checkpoint / "optimizer")
+    (checkpoint / "optimizer").mkdir()
+    (checkpoint / "optimizer" / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    (checkpoint / "optimizer" / "__0_0.distcp").write_bytes(b"")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("optimizer/")}
+    for name in (".metadata", "__0_0.distcp"):
+        content = (checkpoint / "optimizer" / name).read_bytes()
+        manifest["files"]["optimizer/" + name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'run'}", DEVICE, "--nproc_per_node=2", *args,
+                     "--resume_from=latest", env=ENV)
+    assert result.returncode != 0 and f"{checkpoint}/optimizer: holds torch.distributed.checkpoint's files" \
+        in result.stderr, result.stderr[-3000:]
+    assert not marker.exists(), "the pickle's code ran"
 
 @pytest.mark.parametrize("action", ["raise", "hang"])
 def test_a_rank_that_fails_or_hangs_ends_the_job(action, tmp_path):

@@ -2,8 +2,8 @@
 
 A checkpoint holds what a user loads (a PEFT adapter, or full weights in Hugging Face layout,
 plus the tokenizer files) and what an exact resume needs: optimizer moments
-(optimizer.safetensors; a run of several processes: optimizer/, torch.distributed.checkpoint's
-shards, each rank's own), the random generators' states (rng_state.safetensors for torch's,
+(optimizer.safetensors; a run of several processes: optimizer/rank{r}.safetensors, each rank's
+shards), the random generators' states (rng_state.safetensors for torch's,
 rng_state.json for Python's) and the step and data position (trainer_state.json). Nothing in a
 checkpoint is unpickled: a checkpoint can carry no code (an older one's rng_state.pt is read with
 torch.load(weights_only=True), which refuses anything but tensors and plain values). manifest.json, written last, lists every file with its size and sha256: a
@@ -144,8 +144,8 @@ def save(output_dir: str, step: int, *, model, adapters, lcfg, optimizer_state: 
     that fails (a full disk) raises CheckpointError saying which checkpoint is kept. Adapters and
     optimizer state come whole, and `rng` holds every rank's generators (rng_states(), default
     this process's): a run of many processes has its rank 0 write what every rank gathered; its
-    optimizer state instead goes through `write_sharded(folder)`, torch.distributed.checkpoint's
-    sharded save into the checkpoint's folder (distributed.SHARDED), each rank its own shards; and
+    optimizer state instead goes through `write_sharded(folder)`, distributed.save_sharded into the
+    checkpoint's folder (distributed.SHARDED), each rank its own shards; and
     a full fine-tuning's `weights` come whole, one at a time as hf_checkpoint.write takes them
     (distributed.gathered; default: the model's own)."""
     final = os.path.join(output_dir, f"checkpoint-{step}")
@@ -231,7 +231,7 @@ def load(path: str, *, model, adapters, lcfg, optimizer, world: World = World())
     sharded = os.path.join(path, SHARDED)
     try:
         if os.path.isdir(sharded):
-            optimizer.load_sharded(path, state["optimizer_steps"])
+            optimizer.load_sharded(path, world.rank, state["optimizer_steps"])
         else:
             optimizer.load_state(load_file(os.path.join(path, "optimizer.safetensors")), state["optimizer_steps"])
     except ValueError as e:

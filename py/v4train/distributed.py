@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from v4train.atomic import kill_point
 from v4train.layer_call import ExpertParallel
 
 
@@ -259,7 +260,12 @@ def copies(t: torch.Tensor) -> int:
     return n
 
 
-SHARDED = "optimizer"  # the folder of a checkpoint that holds torch.distributed.checkpoint's shards
+SHARDED = "optimizer"  # a checkpoint's folder of the optimizer state's shards: rank{r}.safetensors a rank
+
+
+def shard_file(folder: str, rank: int) -> str:
+    """Where rank `rank` keeps its shards of the optimizer state in the checkpoint `folder`."""
+    return os.path.join(folder, SHARDED, f"rank{rank}.safetensors")
 
 
 def as_sharded(like: torch.Tensor, shard_: torch.Tensor) -> torch.Tensor:
@@ -271,23 +277,57 @@ def as_sharded(like: torch.Tensor, shard_: torch.Tensor) -> torch.Tensor:
 
 
 def save_sharded(state: dict[str, torch.Tensor], world: World, folder: str | None) -> None:
-    """torch.distributed.checkpoint's save of `state` (DTensors: each rank writes its own shards)
-    into SHARDED under rank 0's `folder` (the other ranks pass None and get its name from rank 0)."""
-    import torch.distributed.checkpoint as dcp
+    """Each rank writes its shards `state` (by name) to shard_file under rank 0's `folder` (the other
+    ranks pass None and get its name from rank 0): safetensors, so that a checkpoint holds no pickle
+    (torch.distributed.checkpoint's .metadata is one, and unpickling it runs whatever it names). A
+    collective: every rank returns once all have written, and a write that failed on any rank is an
+    OSError on every rank naming it (rank 0's checkpoint.save reports it; no rank waits)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
 
-    dcp.save(state, checkpoint_id=os.path.join(world.broadcast(folder), SHARDED))
-
-
-def load_sharded(state: dict[str, torch.Tensor], folder: str) -> None:
-    """Fills `state` (this rank's shards, as as_sharded makes them) from SHARDED under `folder`,
-    written by a run of the same layout; a key or shape it lacks is a ValueError naming it."""
-    import torch.distributed.checkpoint as dcp
-
+    folder = world.broadcast(folder)
+    error = None
     try:
-        dcp.load(state, checkpoint_id=os.path.join(folder, SHARDED))
-    except Exception as e:  # DCP wraps what went wrong on every rank
-        raise ValueError(f"{os.path.join(folder, SHARDED)}: cannot be loaded into this run's optimizer state "
-                         f"({str(e).splitlines()[0][:300]})") from None
+        kill_point("optimizer-shards")  # (the tests' fault injection)
+        os.makedirs(os.path.join(folder, SHARDED), exist_ok=True)
+        save_file({k: t.detach().cpu().contiguous() for k, t in state.items()}, shard_file(folder, world.rank),
+                  metadata={"rank": str(world.rank), "world_size": str(world.size)})
+    except (OSError, RuntimeError, SafetensorError) as e:
+        error = f"rank {world.rank}: {e}"
+    errors = [e for e in world.gather(error) if e]
+    if errors:
+        raise OSError("; ".join(errors))
+
+
+def load_sharded(state: dict[str, torch.Tensor], folder: str, rank: int) -> None:
+    """Fills `state` (this rank's shards, by name) from its shard_file under `folder`, written by a
+    run of the same layout: a name it lacks or adds, or a shard of another shape, is a ValueError
+    naming it. An optimizer/ of torch.distributed.checkpoint (an earlier v4train's) is refused
+    unread: its .metadata is a pickle."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = shard_file(folder, rank)
+    if not os.path.exists(path):
+        if os.path.exists(os.path.join(folder, SHARDED, ".metadata")):
+            raise ValueError("holds torch.distributed.checkpoint's files (an earlier v4train's), whose .metadata is "
+                             "a pickle, which v4train does not unpickle (it could run code); resume with the version "
+                             "that wrote it, or start a new run from the checkpoint's adapter or weights")
+        raise ValueError(f"lacks {os.path.basename(path)}, rank {rank}'s shards")
+    try:
+        saved = load_file(path)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{os.path.basename(path)}: not a safetensors file ({e})") from None
+    missing, extra = sorted(set(state) - set(saved)), sorted(set(saved) - set(state))
+    if missing or extra:
+        raise ValueError(f"{os.path.basename(path)}: " + "; ".join(
+            f"{what} {names[:3]}" for what, names in (("lacks", missing), ("has more", extra)) if names)
+            + " (was the checkpoint made with other trainable weights?)")
+    for key, t in state.items():
+        if saved[key].shape != t.shape or not saved[key].is_floating_point():
+            raise ValueError(f"{os.path.basename(path)}: {key} is {saved[key].dtype} {tuple(saved[key].shape)}, "
+                             f"expected a floating shard of {tuple(t.shape)}")
+        t.copy_(saved[key])
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

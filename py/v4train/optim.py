@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from v4train.distributed import as_sharded, assign, copies, load_sharded, local, whole
+from v4train.distributed import assign, copies, load_sharded, local, whole
 from v4train.ops import OpTable
 
 
@@ -92,17 +92,17 @@ class AdamW:
         return self._state(whole)
 
     def sharded_state(self) -> dict[str, torch.Tensor]:
-        """The moments and masters by name as DTensors over this rank's shards (what
-        torch.distributed.checkpoint saves rank by rank, and loads into in place)."""
-        return self._state(as_sharded)
+        """The moments and masters by name, this rank's shards (what each rank saves of a run of
+        several processes, and loads into in place)."""
+        return self._state(lambda p, shard_: shard_)
 
-    def load_sharded(self, folder: str, step_count: int) -> None:
-        """The state torch.distributed.checkpoint wrote under `folder` (a run of the same layout),
-        each rank's shards checked as load_state checks whole tensors (ValueError naming them)."""
+    def load_sharded(self, folder: str, rank: int, step_count: int) -> None:
+        """Rank `rank`'s shards as save_sharded wrote them under `folder` (a run of the same layout),
+        each checked as load_state checks whole tensors (ValueError naming them)."""
         state = self.sharded_state()
-        load_sharded(state, folder)
+        load_sharded(state, folder, rank)
         for key, t in state.items():
-            _check_value(key, local(t))
+            _check_value(key, t)
         self.step_count = step_count
 
     def load_state(self, tensors: dict[str, torch.Tensor], step_count: int) -> None:

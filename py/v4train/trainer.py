@@ -415,7 +415,7 @@ class Trainer:
         adapters = None if self.adapters is None else dict(distributed.gathered(self.adapters))
         weights = distributed.gathered(self.model.weights()) if self.adapters is None and world.size > 1 else None
         rng = world.gather(checkpoint.rng_states())
-        # One process: the optimizer state in a file; several: each rank writes its shards (DCP).
+        # One process: the optimizer state in a file; several: each rank writes its shards.
         whole = self.optimizer.state_tensors() if world.size == 1 else None
         shards = None if world.size == 1 else self.optimizer.sharded_state()
         if world.main:
@@ -430,7 +430,10 @@ class Trainer:
             if weights is not None:
                 distributed.take_part(weights)
             if shards is not None:
-                distributed.save_sharded(shards, world, None)
+                try:
+                    distributed.save_sharded(shards, world, None)
+                except OSError as e:  # every rank's error, which rank 0 reports as its CheckpointError
+                    raise checkpoint.CheckpointError(f"writing checkpoint-{step} failed ({e})") from None
         world.barrier()
 
     # -- the run --------------------------------------------------------------------------------
