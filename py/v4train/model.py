@@ -1,7 +1,6 @@
 """A causal LM of either family: a tree of torch.nn.Modules whose parameter names are the
 transformers names (model.embed_tokens.weight, model.layers.{i}.self_attn.q_a_proj.weight, ...,
-lm_head.weight), the shape FSDP2 (`fully_shard`), DTensor and torch.distributed.checkpoint
-attach to.
+lm_head.weight), the shape FSDP2 (`fully_shard`) and DTensor attach to.
 
 The forward pass is embed -> one op call per decoder layer -> final norm -> LM-head loss, every
 step an op of the run's OpTable (`use_ops`), so the C++ path swaps the functions and keeps the
