@@ -2,6 +2,7 @@
 run v4train on them."""
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -180,6 +181,30 @@ def copy_model(tmp_path, tensors=None, config=None, base=BASE) -> str:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(c, f)
     return d
+
+
+def replace_files(checkpoint, remove: list[str], add: dict[str, bytes]) -> None:
+    """Files of a checkpoint removed and added, the manifest rewritten to match (as an attacker
+    who can write the folder would: the manifest guards against damage, not against intent)."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    for name in remove:
+        os.remove(checkpoint / name)
+        del manifest["files"][name]
+    for name, content in add.items():
+        (checkpoint / name).write_bytes(content)
+        manifest["files"][name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+class Payload:
+    """Unpickled, it would run a shell command (touch `marker`): what a hostile pickle in a
+    checkpoint can carry (rng_state.pt, torch.distributed.checkpoint's .metadata)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
 
 
 def last_json(stdout: str) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from golden_cases import BASE, CHAT, QWEN_BASE, SMALL, last_json, metrics, run_cli
+from golden_cases import BASE, CHAT, QWEN_BASE, SMALL, Payload, last_json, metrics, replace_files, run_cli
 from v4train.testing.compare import assert_close, assert_rel_close
 
 # Loopback for gloo (a test machine's hostname may not resolve to a reachable interface).
@@ -145,40 +145,18 @@ def test_a_rank_whose_optimizer_shards_cannot_be_written_fails_the_checkpoint_on
     assert sorted(p for p in os.listdir(tmp_path / "o") if p.startswith("checkpoint-")) == ["checkpoint-2"]
 
 
-class _Payload:
-    """Unpickled, it would run a shell command: what a hostile torch.distributed.checkpoint
-    .metadata (a pickle) can carry."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
 def test_an_optimizer_folder_of_torch_distributed_checkpoint_is_refused_unread(tmp_path):
     """A checkpoint whose optimizer/ holds torch.distributed.checkpoint's files (an earlier v4train
     wrote them so), its .metadata a pickle, the manifest rewritten to match as someone who can write
     the folder would: the resume stops on one line naming the folder, and the pickle's code never
     runs (torch.distributed.checkpoint's load unpickles .metadata with pickle.load)."""
-    import hashlib
-    import json
     import pickle
-    import shutil
 
     args = ["--max_steps=4", "--save_interval=2", "--micro_batch_size=1"]
     _train(tmp_path / "run", *args, "--stop_at_step=2", processes=2)
     checkpoint, marker = tmp_path / "run" / "checkpoint-2", tmp_path / "payload-ran"
-    shutil.rmtree(checkpoint / "optimizer")
-    (checkpoint / "optimizer").mkdir()
-    (checkpoint / "optimizer" / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
-    (checkpoint / "optimizer" / "__0_0.distcp").write_bytes(b"")
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
-    manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("optimizer/")}
-    for name in (".metadata", "__0_0.distcp"):
-        content = (checkpoint / "optimizer" / name).read_bytes()
-        manifest["files"]["optimizer/" + name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
-    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    replace_files(checkpoint, ["optimizer/rank0.safetensors", "optimizer/rank1.safetensors"],
+                  {"optimizer/.metadata": pickle.dumps(Payload(str(marker))), "optimizer/__0_0.distcp": b""})
     result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'run'}", DEVICE, "--nproc_per_node=2", *args,
                      "--resume_from=latest", env=ENV)
     assert result.returncode != 0 and f"{checkpoint}/optimizer: holds torch.distributed.checkpoint's files" \

@@ -10,40 +10,18 @@ import shutil
 import pytest
 import torch
 
-from golden_cases import ROOT, RUN, SMALL, error_line, run_cli, run_copy, run_train, stopped_run  # noqa: F401 (fixtures)
+from golden_cases import (ROOT, RUN, SMALL, Payload, error_line, replace_files, run_cli, run_copy,  # noqa: F401
+                          run_train, stopped_run)
 
 CASE = os.path.join(ROOT, "qwen3_5_moe_sharded")
-
-
-def _replace(checkpoint, remove: list[str], add: dict[str, bytes]) -> None:
-    """Files of a checkpoint removed and added, the manifest rewritten to match (as an attacker
-    who can write the folder would: the manifest guards against damage, not against intent)."""
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
-    for name in remove:
-        os.remove(checkpoint / name)
-        del manifest["files"][name]
-    for name, content in add.items():
-        (checkpoint / name).write_bytes(content)
-        manifest["files"][name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
-    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
-
-
-class _Payload:
-    """Unpickled, it would run a shell command: what a hostile rng_state.pt carries."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 def test_1_a_pickle_in_a_checkpoint_never_runs(run_copy, tmp_path):
     marker = tmp_path / "payload-ran"
     pt = tmp_path / "rng_state.pt"
-    torch.save({"torch": torch.get_rng_state(), "python": _Payload(str(marker))}, pt)
+    torch.save({"torch": torch.get_rng_state(), "python": Payload(str(marker))}, pt)
     checkpoint = run_copy / "checkpoint-2"
-    _replace(checkpoint, ["rng_state.safetensors", "rng_state.json"], {"rng_state.pt": pt.read_bytes()})
+    replace_files(checkpoint, ["rng_state.safetensors", "rng_state.json"], {"rng_state.pt": pt.read_bytes()})
     result = run_train(*RUN, f"--output_dir={run_copy}", "--resume_from=latest")
     assert f"{checkpoint}/rng_state.pt: refused: not plain tensors and values" in error_line(result)
     assert not marker.exists(), "the pickle's code ran"
@@ -56,7 +34,7 @@ def test_1_an_earlier_checkpoint_of_plain_values_still_resumes(run_copy, tmp_pat
 
     pt = tmp_path / "rng_state.pt"
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, pt)
-    _replace(run_copy / "checkpoint-2", ["rng_state.safetensors", "rng_state.json"], {"rng_state.pt": pt.read_bytes()})
+    replace_files(run_copy / "checkpoint-2", ["rng_state.safetensors", "rng_state.json"], {"rng_state.pt": pt.read_bytes()})
     result = run_train(*RUN, f"--output_dir={run_copy}", "--resume_from=latest")
     assert result.returncode == 0, result.stderr[-3000:]
 
