@@ -40,10 +40,16 @@ LAUNCHER_FLAGS = ("nproc_per_node", "torchrun_args")
 SOURCES_ENV = "V4TRAIN_FLAG_SOURCES"
 
 
-def launch(config: RunConfig, argv: list[str]) -> None:
-    """--nproc_per_node=N from a plain command: torch's own launcher (torch.distributed.run) takes
-    this process's place and starts N copies of train.py with the same flags (LOCAL_RANK tells
-    each its device). Refused before any work when there are fewer GPUs than processes."""
+def launch(config: RunConfig, argv: list[str]) -> int:
+    """--nproc_per_node=N from a plain command: torch's own launcher (torch.distributed.run, in this
+    process) starts N copies of train.py with the same flags (LOCAL_RANK tells each its device), and
+    the run's exit status is the first failed rank's (2: its bad input, said in its own line), told
+    in one line, not as the launcher's traceback. Refused before any work when there are fewer GPUs
+    than processes."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
     n = FLAGS.nproc_per_node
     if config.device == "cuda" and n > torch.cuda.device_count():
         raise FlagError(f"--nproc_per_node={n}: this machine has {torch.cuda.device_count()} GPU(s), one process "
@@ -58,8 +64,18 @@ def launch(config: RunConfig, argv: list[str]) -> None:
     rendezvous = shlex.split(FLAGS.torchrun_args) or ["--standalone"]
     sys.stdout.flush()
     os.environ[SOURCES_ENV] = json.dumps(SOURCES)  # which flags came from a flagfile: the ranks get them expanded
-    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", *rendezvous,
-                              os.path.abspath(__file__), *own, f"--device={config.device}"])
+    try:
+        run(parse_args([f"--nproc_per_node={n}", *rendezvous, os.path.abspath(__file__), *own,
+                        f"--device={config.device}"]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        how = f"was ended by {failure.signal_name()}" if code < 0 else f"exited with status {code}"
+        print(f"train: rank {rank} of {n} {how}; the job is stopped (its own lines above say why)", file=sys.stderr)
+        return 128 - code if code < 0 else code
+    except SignalException as e:  # the launcher itself was signalled; it has ended the ranks
+        return 128 + int(e.sigval)
+    return 0
 
 
 def main(argv):
@@ -79,7 +95,7 @@ def exit_status() -> int:
     try:
         config = RunConfig.from_flags()
         if FLAGS.nproc_per_node and not distributed.launched():
-            launch(config, ARGV)
+            return launch(config, ARGV)
         return Trainer(config).run()
     except (FlagError, ValueError, ops.CppOpUnavailable) as e:  # data, config, checkpoint errors are ValueErrors
         print(f"train: {e}", file=sys.stderr)

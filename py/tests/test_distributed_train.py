@@ -139,7 +139,7 @@ def test_a_rank_whose_optimizer_shards_cannot_be_written_fails_the_checkpoint_on
     args = ["--max_steps=6", "--save_interval=2", "--micro_batch_size=1"]
     result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'o'}", DEVICE, "--nproc_per_node=2", *args,
                      env={**ENV, "V4TRAIN_KILL_AT": "optimizer-shards:2:raise", "V4TRAIN_KILL_RANK": "1"})
-    assert result.returncode != 0, result.stderr[-3000:]
+    assert result.returncode == 2, result.stderr[-3000:]
     assert re.search(r"writing \S*checkpoint-4 failed \(rank 1: fault injected at optimizer-shards .*\); the last "
                      r"complete checkpoint, \S*checkpoint-2, is kept", result.stderr), result.stderr[-3000:]
     assert sorted(p for p in os.listdir(tmp_path / "o") if p.startswith("checkpoint-")) == ["checkpoint-2"]
@@ -159,9 +159,12 @@ def test_an_optimizer_folder_of_torch_distributed_checkpoint_is_refused_unread(t
                   {"optimizer/.metadata": pickle.dumps(Payload(str(marker))), "optimizer/__0_0.distcp": b""})
     result = run_cli("train.py", *SMALL, f"--output_dir={tmp_path / 'run'}", DEVICE, "--nproc_per_node=2", *args,
                      "--resume_from=latest", env=ENV)
-    assert result.returncode != 0 and f"{checkpoint}/optimizer: holds torch.distributed.checkpoint's files" \
+    assert result.returncode == 2 and f"{checkpoint}/optimizer: holds torch.distributed.checkpoint's files" \
         in result.stderr, result.stderr[-3000:]
     assert not marker.exists(), "the pickle's code ran"
+    # The launcher: the first failed rank's status, said in one line, no traceback of its own.
+    assert re.search(r"train: rank [01] of 2 exited with status 2; the job is stopped", result.stderr), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 @pytest.mark.parametrize("action", ["raise", "hang"])
 def test_a_rank_that_fails_or_hangs_ends_the_job(action, tmp_path):
