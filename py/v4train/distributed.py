@@ -290,8 +290,7 @@ def save_sharded(state: dict[str, torch.Tensor], world: World, folder: str | Non
     try:
         kill_point("optimizer-shards")  # (the tests' fault injection)
         os.makedirs(os.path.join(folder, SHARDED), exist_ok=True)
-        save_file({k: t.detach().cpu().contiguous() for k, t in state.items()}, shard_file(folder, world.rank),
-                  metadata={"rank": str(world.rank), "world_size": str(world.size)})
+        save_file({k: t.detach().cpu().contiguous() for k, t in state.items()}, shard_file(folder, world.rank))
     except (OSError, RuntimeError, SafetensorError) as e:
         error = f"rank {world.rank}: {e}"
     errors = [e for e in world.gather(error) if e]
