@@ -89,13 +89,13 @@ def test_the_activations_quantisation_on_cuda_is_its_definition_bit_for_bit(m, k
 
 @CUDA
 def test_the_dequantisation_on_cuda_equals_the_references_where_its_threads_step(monkeypatch):
-    """fp8.cu's dequantize_kernel where its threads' (matrix, row, chunk) places step with carries:
-    [576, 16400] (one vector of 16 a thread: 590,400 of them against a grid of 540,672 threads) and
-    [576, 16384] maps (rows of a partial block) through the dense product, and [6, 576, 7168] experts
-    (four vectors a thread where the columns are a multiple of 64: 387,072 chunks against 270,336
-    threads) through the grouped one (which its FP8 kernel declines: 576 rows are no whole blocks),
-    where a step carries a row in 71% of steps (emulated). The products on the reference's
-    dequantisation are the same GEMMs, so every value equal means every weight equal."""
+    """fp8.cu's dequantize_kernel on weights of more than its grid's 540,672 vectors of 16, so that
+    each thread's (matrix, row, vector) steps with carries: [576, 16384] and [576, 16400] maps (rows
+    of a partial block; 16,400 columns end in a partial column block) through the dense product, and
+    [6, 576, 7168] experts through the grouped one (which its FP8 kernel declines: 576 rows are no
+    whole blocks), where a step carries a row in 86% of steps and a matrix in 7% (emulated). The
+    products on the reference's dequantisation are the same GEMMs, so every value equal means every
+    weight equal."""
     monkeypatch.setenv("V4TRAIN_FP8_TENSOR_CORES", "none")
     gen = torch.Generator().manual_seed(7)
     for cols in (16384, 16400):

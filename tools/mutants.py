@@ -519,9 +519,6 @@ MUTATIONS = (
     Mutation("fp8_dequantize_matrix_carry_dropped", "the dequantisation's threads step past a matrix's last row "
              "without moving to the next matrix", "cc/common/fp8.cu", "    advance(m, r, step_m, 0, rows);",
              "    m += step_m;", FP8_DEQUANTIZE_CUDA, cuda=True, module="v4_linear_test"),
-    Mutation("fp8_dequantize_chunk_scale_column", "the dequantisation at four vectors a thread takes the scale "
-             "column of a vector's index, not of its chunk of 64 (a quarter of the blocks' scales)", "cc/common/fp8.cu",
-             "c * kChunk / kBlock];", "c * kVec / kBlock];", FP8_DEQUANTIZE_CUDA, cuda=True, module="v4_linear_test"),
     Mutation("fp8_grouped_one_scale_a_tile", "the experts' FP8 kernel scales both halves of a column tile by its "
              "first half's block", "cc/common/fp8_grouped.cu", "f.s[h] = __ldg(ss + h * s_half);",
              "f.s[h] = __ldg(ss);", FP8_GROUPED_CUDA, cuda=True, module="v4_linear_test"),

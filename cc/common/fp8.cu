@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "cc/common/backend.h"
@@ -49,45 +48,37 @@ __device__ __forceinline__ void advance(int64_t& major, int64_t& minor, int64_t 
 }
 
 // out[m, r, c] = float(w[m, r, c]) * scale[m, r / 128, c / 128] in fp32, rounded once to T (what
-// the reference computes). A thread takes kPer vectors of 16 weights at a time, one scale for all
-// (cols is a multiple of 16 kPer, and 16 kPer divides 128): kPer 4 (64 weights) where the columns
-// allow. With one, 16 bytes a thread were in flight, and the GLM-5 proxy's 70 launches a step read at
-// about 45% of the H100's bandwidth (2.60 ms); at four, ptxas issues the loads two at a time (its
-// SASS: two, the first half's stores, two more), 32 bytes a thread. The thread's place
-// (m, r, c), chunk c of row r of matrix m, advances with its index by the grid's stride in the same
-// parts (step), which the host divides out. Most launches are one pass of the loop (the dense maps),
-// and with the stride's parts and the first place divided in every thread (six int64 divisions) the
-// GLM-5 proxy's 70 launches took 3.09 ms against 2.64 with the place divided in each pass (H100,
-// 2026-12-06). The first place's divisions are 32-bit (a thread's index, rows and chunks a row are
-// under 2^31).
+// the reference computes). A thread's 16 weights share one scale: cols is a multiple of 16. The
+// thread's place (m, r, c), vector c of row r of matrix m, advances with its index by the grid's
+// stride in the same parts (step), which the host divides out. Most launches are one pass of the
+// loop (the dense maps), and with the stride's parts and the first place divided in every thread
+// (six int64 divisions) the GLM-5 proxy's 70 launches took 3.09 ms against 2.64 with the place
+// divided in each pass (H100, 2026-12-06). The first place's divisions are 32-bit (a thread's
+// index, rows and vectors a row are under 2^31).
 struct Steps {
   int64_t m, r, c;
 };
-template <typename T, int kPer>
+template <typename T>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale, T* __restrict__ out,
-                      int64_t chunks, int64_t rows, int64_t cols, int64_t scale_rows, int64_t scale_cols, Steps step) {
-  constexpr int kChunk = kVec * kPer;  // weights a thread a pass
-  static_assert(kBlock % kChunk == 0, "a chunk within one scale block");
-  const uint32_t per_row = uint32_t(cols / kChunk), v0 = blockIdx.x * kThreads + threadIdx.x;
+                      int64_t vecs, int64_t rows, int64_t cols, int64_t scale_rows, int64_t scale_cols, Steps step) {
+  const uint32_t per_row = uint32_t(cols / kVec), v0 = blockIdx.x * kThreads + threadIdx.x;
   const int64_t stride = int64_t(gridDim.x) * kThreads, step_c = step.c, step_r = step.r, step_m = step.m;
   int64_t c = v0 % per_row, r = v0 / per_row % uint32_t(rows), m = v0 / per_row / uint32_t(rows);
-  for (int64_t v = v0; v < chunks; v += stride) {
-    const int64_t i = v * kChunk;
-    uint4 packed[kPer];
+  for (int64_t v = v0; v < vecs; v += stride) {
+    const int64_t i = v * kVec;
+    const float s = scale[(m * scale_rows + r / kBlock) * scale_cols + c * kVec / kBlock];
+    const uint4 packed = *reinterpret_cast<const uint4*>(w + i);
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
+    __align__(16) T values[kVec];
 #pragma unroll
-    for (int u = 0; u < kPer; ++u) packed[u] = __ldg(reinterpret_cast<const uint4*>(w + i) + u);
-    const float s = scale[(m * scale_rows + r / kBlock) * scale_cols + c * kChunk / kBlock];
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(packed);
-    __align__(16) T values[kChunk];
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
+    for (int j = 0; j < kVec; ++j) {
       __nv_fp8_e4m3 f;
       f.__x = bytes[j];
       values[j] = rounded<T>(float(f) * s);
     }
 #pragma unroll
-    for (int j = 0; j < int(kChunk * sizeof(T) / 16); ++j)
+    for (int j = 0; j < int(kVec * sizeof(T) / 16); ++j)
       reinterpret_cast<uint4*>(out + i)[j] = reinterpret_cast<const uint4*>(values)[j];
     advance(r, c, step_r, step_c, per_row);  // (r may pass rows once: the next call carries it)
     advance(m, r, step_m, 0, rows);
@@ -104,28 +95,21 @@ bool dequantize_fp8(const at::Tensor& weight, const at::Tensor& scale, at::Scala
   const at::Tensor w = weight.contiguous(), s = scale.to(at::kFloat).contiguous();
   if (reinterpret_cast<uintptr_t>(w.const_data_ptr()) % 16 != 0) return false;
   out = at::empty(weight.sizes(), weight.options().dtype(dtype));
+  const int64_t vecs = w.numel() / kVec;
+  const int blocks = int(std::min<int64_t>((vecs + kThreads - 1) / kThreads, int64_t(132) * 16));
+  const int64_t stride = int64_t(blocks) * kThreads, per_row = cols / kVec;
+  const Steps step{stride / per_row / rows, stride / per_row % rows, stride % per_row};
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  // kPer vectors a thread a pass; at most 132 x 8 blocks (every multiprocessor's 2,048 threads) at four,
-  // 132 x 16 at one.
-  const auto launch = [&](auto* typed, auto per) {
+  const auto launch = [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
-    constexpr int kPer = decltype(per)::value;
-    const int64_t chunks = w.numel() / (kVec * kPer), per_row = cols / (kVec * kPer);
-    const int blocks = int(std::min<int64_t>((chunks + kThreads - 1) / kThreads, int64_t(132) * (kPer == 4 ? 8 : 16)));
-    const int64_t stride = int64_t(blocks) * kThreads;
-    const Steps step{stride / per_row / rows, stride / per_row % rows, stride % per_row};
-    dequantize_kernel<T, kPer><<<blocks, kThreads, 0, stream>>>(static_cast<const uint8_t*>(w.const_data_ptr()),
-                                                               s.const_data_ptr<float>(), typed, chunks, rows, cols,
-                                                               s.size(-2), s.size(-1), step);
+    dequantize_kernel<T><<<blocks, kThreads, 0, stream>>>(static_cast<const uint8_t*>(w.const_data_ptr()),
+                                                         s.const_data_ptr<float>(), typed, vecs, rows, cols,
+                                                         s.size(-2), s.size(-1), step);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  const auto typed = [&](auto per) {
-    if (dtype == at::kBFloat16) launch(reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()), per);
-    else if (dtype == at::kHalf) launch(reinterpret_cast<__half*>(out.mutable_data_ptr()), per);
-    else launch(out.mutable_data_ptr<float>(), per);
-  };
-  if (cols % (4 * kVec) == 0) typed(std::integral_constant<int, 4>{});
-  else typed(std::integral_constant<int, 1>{});
+  if (dtype == at::kBFloat16) launch(reinterpret_cast<__nv_bfloat16*>(out.mutable_data_ptr()));
+  else if (dtype == at::kHalf) launch(reinterpret_cast<__half*>(out.mutable_data_ptr()));
+  else launch(out.mutable_data_ptr<float>());
   return true;
 }
 
