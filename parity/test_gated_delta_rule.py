@@ -145,34 +145,25 @@ def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_kernels(monkey
     _judge_paths(OP, "cuda", torch.bfloat16)
 
 
-# V4TRAIN_GDR_VARIANTS's default, to which the opt-in variants are added.
+# V4TRAIN_GDR_VARIANTS's default, to which the opt-in variant wy_grads_wgmma is added.
 DEFAULT_VARIANTS = "wgmma,prepare3,output_wgmma,local_wgmma"
-WITH_DQKWG_WGMMA = f"{DEFAULT_VARIANTS},dqkwg_wgmma"
 WITH_WY_GRADS_WGMMA = f"{DEFAULT_VARIANTS},wy_grads_wgmma"
-# The opt-in kernels on warpgroup products: (variant, its kernel, the planes kernel it replaces).
-OPT_IN = [("dqkwg_wgmma", "dqkwg_wgmma_kernel", "dqkwg_planes_kernel"),
-          ("prepare_wgmma", "prepare_wgmma_kernel", "prepare_planes_kernel"),
-          ("wy_grads_wgmma", "wy_grads_wgmma_kernel", "wy_grads_planes_kernel")]
 
 
 @pytest.mark.skipif(not HOPPER, reason="no Hopper GPU (the warpgroup kernels are sm_90a's alone)")
-@pytest.mark.parametrize("variant,kernel,instead", OPT_IN)
-def test_the_planes_kernels_pass_the_judge_on_cuda_with_an_opt_in_kernel_on_wgmma(monkeypatch, variant, kernel, instead):
-    """V4TRAIN_GDR_VARIANTS with dqkwg_wgmma, prepare_wgmma or wy_grads_wgmma (opt-in) takes dqkwg (q's
-    gradient, k's and G's parts, W's gradient), prepare (the forward's and the backward's recomputation:
-    K K^T, the inverse, U, W and K~), or wy_grads (the UT transform's backward: v's, beta's, k's and g's
-    gradients) on warpgroup products in place of the planes kernel: judged as the default is, every
-    gradient against the float64 truth on the long documents, and along each path."""
-    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", f"{DEFAULT_VARIANTS},{variant}")
+def test_the_planes_kernels_pass_the_judge_on_cuda_with_wy_grads_on_wgmma(monkeypatch):
+    """V4TRAIN_GDR_VARIANTS with wy_grads_wgmma (opt-in) takes wy_grads (the UT transform's backward:
+    v's, beta's, k's and g's gradients) on warpgroup products in place of the planes kernel: judged as
+    the default is, every gradient against the float64 truth on the long documents, and along each
+    path."""
+    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", WITH_WY_GRADS_WGMMA)
     prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
-    assert _ran(prof, kernel) and not _ran(prof, instead), (_ran(prof, kernel), _ran(prof, instead))
+    assert _ran(prof, "wy_grads_wgmma_kernel") and not _ran(prof, "wy_grads_planes_kernel"), _ran(prof, "wy_grads_")
     _judge_paths(OP, "cuda", torch.bfloat16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 @pytest.mark.parametrize("rep,variants", [(1, None), (3, None), (4, None), (9, None),
-                                          pytest.param(1, WITH_DQKWG_WGMMA, id="1-dqkwg_wgmma"),
-                                          pytest.param(3, WITH_DQKWG_WGMMA, id="3-dqkwg_wgmma"),
                                           pytest.param(1, WITH_WY_GRADS_WGMMA, id="1-wy_grads_wgmma"),
                                           pytest.param(3, WITH_WY_GRADS_WGMMA, id="3-wy_grads_wgmma")])
 def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(monkeypatch, rep, variants):
@@ -180,8 +171,8 @@ def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(monkeypatch, rep, va
     of one cluster (gated_delta_rule.cu sum_over_value_heads): 1 (Qwen3.5's small models), 3 (27B) and 4
     (397B-A17B) value heads a key head, at Qwen3.5's widths in bf16, every gradient against the
     reference and its float64 truth across chunk boundaries; past the cluster's 8 blocks the float32
-    kernels and their separate sum take it (the profile shows which ran). With dqkwg_wgmma or
-    wy_grads_wgmma (on Hopper) their warpgroup's sum over 1 and 3 value heads."""
+    kernels and their separate sum take it (the profile shows which ran). With wy_grads_wgmma (on
+    Hopper) its warpgroup's sum over 1 and 3 value heads."""
     from v4train.testing.samples import Sample
 
     if variants is not None:
@@ -199,8 +190,6 @@ def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(monkeypatch, rep, va
     wy = "wy_grads_wgmma_kernel" if variants == WITH_WY_GRADS_WGMMA else "wy_grads_planes_kernel"
     assert bool(_ran(prof, wy)) == on_planes, (_ran(prof, wy), _ran(prof, "wy_grads_kernel"))
     assert bool(_ran(prof, "sum_value_heads_kernel")) != on_planes, _ran(prof, "sum_value_heads_kernel")
-    if variants == WITH_DQKWG_WGMMA:
-        assert _ran(prof, "dqkwg_wgmma_kernel") and not _ran(prof, "dqkwg_planes_kernel"), _ran(prof, "dqkwg_")
     if variants == WITH_WY_GRADS_WGMMA:
         assert not _ran(prof, "wy_grads_planes_kernel"), _ran(prof, "wy_grads_planes_kernel")
 

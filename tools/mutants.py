@@ -61,13 +61,9 @@ PLANES_CUDA = tuple(f"parity/test_gated_delta_rule.py::{test}" for test in (
     "test_each_path_of_the_output_and_gradients[cuda-bfloat16]", "test_the_planes_kernels_pass_the_judge_on_cuda",
     "test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_kernels"))
 
-# dqkwg, prepare and wy_grads on warpgroup products (V4TRAIN_GDR_VARIANTS=...,dqkwg_wgmma, prepare_wgmma or
-# wy_grads_wgmma; opt-in): judged whole and along each path on the long documents; dqkwg's and wy_grads' then
-# over 1 and 3 value heads a key head.
-DQKWG_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "dqkwg_wgmma")
-PREPARE_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "prepare_wgmma")
+# wy_grads on warpgroup products (V4TRAIN_GDR_VARIANTS=...,wy_grads_wgmma; opt-in): judged whole and along each
+# path on the long documents, then over 1 and 3 value heads a key head.
 WY_GRADS_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "wy_grads_wgmma")
-DQKWG_OR_WY_GRADS_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "dqkwg_wgmma or wy_grads_wgmma")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -424,7 +420,7 @@ MUTATIONS = (
              "where K Q^T's (P^T) belongs", "cc/ops/gated_delta_rule.cu", "wg_gram_after_copies<1>(kq, m.k, m.q,",
              "wg_gram_after_copies<1>(kq, m.q, m.k,", PLANES_CUDA, cuda=True),
     Mutation("delta_rule_local_wgmma_eq_pairs_swapped", "local_grads on wgmma: E Q's bfloat16 pairs written with their "
-             "two columns swapped (in wg_map_rows, which prepare_wgmma's K~ shares)", "cc/ops/gated_delta_rule.cu",
+             "two columns swapped (in wg_map_rows)", "cc/ops/gated_delta_rule.cu",
              "w[i] = pack2<__nv_bfloat16>(f(r, x.x), f(r, x.y));", "w[i] = pack2<__nv_bfloat16>(f(r, x.y), f(r, x.x));",
              PLANES_CUDA, cuda=True),
     Mutation("delta_rule_local_wgmma_d_o_of_key_head", "local_grads on wgmma: d_o's rows of the key head "
@@ -432,46 +428,11 @@ MUTATIONS = (
              "wg_rows_by_slot(m.extra, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);",
              "wg_rows_by_slot(m.extra, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y / (p.hv / p.hk), p);",
              PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_dqkwg_wgmma_pt_untransposed", "dqkwg on wgmma (opt-in): dPL^T's dots taken as dPL's "
-             "(d_o v_new^T for v_new d_o^T), so k's gradient takes dPL's planes untransposed",
-             "cc/ops/gated_delta_rule.cu", "wg_gram(pt, m.vn, m.d_o);", "wg_gram(pt, m.d_o, m.vn);", DQKWG_WGMMA_CUDA,
-             cuda=True),
-    Mutation("delta_rule_dqkwg_wgmma_dk_tilde_unscaled", "dqkwg on wgmma (opt-in): k's part takes dk_tilde without "
-             "the decay to the chunk's end (Kt)", "cc/ops/gated_delta_rule.cu",
-             "    acc[i] *= s.Kt[r];\n    acc[i + 1] *= s.Kt[r];\n", "", DQKWG_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_dqkwg_wgmma_e_before_decay", "dqkwg on wgmma (opt-in): G's term through E (Q . dq_state) "
-             "taken before dq_state's rows are scaled by E", "cc/ops/gated_delta_rule.cu",
-             "    acc[i] *= s.E[r];\n    acc[i + 1] *= s.E[r];\n    const float2 x = wg_pair(m.q, r, c);\n"
-             "    e[r / 8 % 2] += x.x * m.rn[r] * p.scale * acc[i] + x.y * m.rn[r] * p.scale * acc[i + 1];\n",
-             "    const float2 x = wg_pair(m.q, r, c);\n"
-             "    e[r / 8 % 2] += x.x * m.rn[r] * p.scale * acc[i] + x.y * m.rn[r] * p.scale * acc[i + 1];\n"
-             "    acc[i] *= s.E[r];\n    acc[i + 1] *= s.E[r];\n", DQKWG_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_wgmma_norm_dot_first_row", "dqkwg and wy_grads on wgmma (opt-in): q's and k's norm "
+    Mutation("delta_rule_wgmma_norm_dot_first_row", "wy_grads on wgmma (opt-in): k's norm "
              "backward (wg_normalised_backward) takes the thread's first row's dot (r0's) for its second row "
              "(r0 + 8) too", "cc/ops/gated_delta_rule.cu",
              "const float rq = rn[r], d = dots[r / 8 % 2];", "const float rq = rn[r], d = dots[0];",
-             DQKWG_OR_WY_GRADS_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_dqkwg_wgmma_dgamma_half", "dqkwg on wgmma (opt-in): dgamma = <h, d_state> over the "
-             "states' first 64 columns alone (one of their two tiles)", "cc/ops/gated_delta_rule.cu",
-             "for (int u = 0; u < 2 * kWgTileBytes / (16 * kWgThreads); ++u) {",
-             "for (int u = 0; u < kWgTileBytes / (16 * kWgThreads); ++u) {", DQKWG_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_prepare_wgmma_merge_sign", "prepare on wgmma (opt-in): Ai_10 = +D_1 (A_10 D_0), the "
-             "merge's sign dropped", "cc/ops/gated_delta_rule.cu",
-             "wg_block_product<16, 16>(m.Ai, 16, 0, m.Ai, 16, 16, m.A, 0, 16, -1.0f);",
-             "wg_block_product<16, 16>(m.Ai, 16, 0, m.Ai, 16, 16, m.A, 0, 16, 1.0f);", PREPARE_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_prepare_wgmma_halves_short_sum", "prepare on wgmma (opt-in): A_h0 Ai_00 of the 32-row halves "
-             "summed over its first 16 terms", "cc/ops/gated_delta_rule.cu",
-             "wg_block_product<32, 32>(m.A, 0, 32, m.A, 32, 0, m.Ai, 0, 0, 1.0f);",
-             "wg_block_product<32, 16>(m.A, 0, 32, m.A, 32, 0, m.Ai, 0, 0, 1.0f);", PREPARE_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_prepare_wgmma_w_unnormed", "prepare on wgmma (opt-in): W's planes without r_k (Ai diag(beta "
-             "E) times k's raw rows)", "cc/ops/gated_delta_rule.cu",
-             "return x * (s.beta[c] * s.E[c] * m.rn[c]); });", "return x * (s.beta[c] * s.E[c]); });",
-             PREPARE_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_prepare_wgmma_kkl_with_beta", "prepare on wgmma (opt-in): kkl (wy_grads' L * K K^T) stored "
-             "with beta, as A", "cc/ops/gated_delta_rule.cu",
-             "if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, k0, k1);\n  });\n  // K~",
-             "if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, s.beta[r] * k0, s.beta[r] * k1);\n  });\n"
-             "  // K~", PREPARE_WGMMA_CUDA, cuda=True),
+             WY_GRADS_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_wy_grads_wgmma_c_upper_zero", "wy_grads on wgmma (opt-in): (C + C^T)'s upper half "
              "(C's transposes) written as zeros, so k's gradient takes C alone", "cc/ops/gated_delta_rule.cu",
              "(m.c + wgmma::sw128_offset<kRows>(j, r)) = __float2bfloat16_rn(cc * m.rk[r]);",

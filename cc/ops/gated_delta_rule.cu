@@ -583,14 +583,13 @@ __device__ __forceinline__ double antisymmetric_row_sum(const float* Z) {
   return acc;
 }
 
-// The block's sum of one float a thread (every thread of the block's kBlockWarps calls it).
-template <int kBlockWarps = kWarps>
+// The block's sum of one float a thread (every thread of the block calls it).
 __device__ float block_sum(float x, float* scratch) {
   x = warp_sum(x);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
   __syncthreads();
   float total = 0.0f;
-  for (int w = 0; w < kBlockWarps; ++w) total += scratch[w];
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
   __syncthreads();
   return total;
 }
@@ -2103,149 +2102,6 @@ __device__ __forceinline__ void wg_gram_after_copies(float (&acc)[kRows / 2], co
   wgmma::fence_operand(acc);
 }
 
-// prepare_planes_kernel on warpgroup products (the variant `prepare_wgmma`; opt-in until it is judged and
-// timed on a GPU). At 32K tokens prepare_planes took 1.736 ms for its two launches against fla's kkt_solve
-// 0.359 + recompute_w_u x2 0.925 (H100, thirty-seventh session), latency-bound (46% of the issue slots at
-// three blocks a multiprocessor): its inverse solves the four 16-row blocks in series, each a 120-step chain
-// on one or two warps between barriers. Here one warpgroup a chunk and head: k and v land by cp.async before
-// load_info (v's group waited for at U's product); K K^T is one m64n64 product of k's raw rows (the norms and
-// the decay after it, as prepare_planes' epilogue); the inverse Ai = (I + A)^-1 takes the four diagonal 16 x
-// 16 blocks' forward substitutions at once (prepare_planes' chains, the same bits), then merges them in two
-// levels of products on the warps (fp32), Ai_10 = -D_1 (A_10 D_0) and Ai_32 likewise, then Ai's lower left 32
-// x 32 = -Ai_11' (A' Ai_00') of the 32-row halves; U = Ai diag(beta) v and W = Ai diag(beta E r_k) k as Ai's
-// planes (as prepare_planes' M planes) times v and k (MN-major) on wgmma. 70 KB: three blocks a
-// multiprocessor. Ai's off-diagonal blocks and the products' sums differ in order from prepare_planes' (not
-// bit-equal).
-struct WgPrepareSmem {
-  unsigned char *k, *v;  // [64, 128] tiles in 128-byte swizzle
-  float *A, *Ai;         // [64, kPitch64]; the merges' partial products in A's upper triangle (unused);
-                         // then U and W staged in bfloat16 [64, kWgPitch] over A's and Ai's bytes
-  float* rn;             // r_k [64] (twice: wg_row_rnorms' second half)
-  Info* info;
-  template <typename DimsT>
-  __host__ __device__ WgPrepareSmem(Carve& c, const DimsT&) {
-    static_assert(kRows * kWgPitch * sizeof(__nv_bfloat16) <= kRows * kPitch64 * sizeof(float), "a result in A");
-    k = c.take<unsigned char>(kWgTileBytes);
-    v = c.take<unsigned char>(kWgTileBytes);
-    A = c.take<float>(kRows * kPitch64);
-    Ai = c.take<float>(kRows * kPitch64);
-    rn = c.take<float>(2 * kRows);
-    info = c.take<Info>(1);
-    c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
-  }
-};
-
-// out[ro + r][co + c] = sign * sum over j < kK of a[ra + r][ca + j] b[rb + j][cb + c] for r, c < kN, in
-// [64, kPitch64] float32 matrices in shared memory (zeros above a triangle's diagonal summed as they
-// are), kN * kN / kWgThreads elements a thread of the warpgroup, two chains each.
-template <int kN, int kK>
-__device__ __forceinline__ void wg_block_product(float* out, int ro, int co, const float* a, int ra, int ca,
-                                                 const float* b, int rb, int cb, float sign) {
-  static_assert(kN * kN % kWgThreads == 0, "whole elements a thread");
-#pragma unroll
-  for (int u = 0; u < kN * kN / kWgThreads; ++u) {
-    const int e = threadIdx.x + u * kWgThreads, r = e / kN, c = e % kN;
-    float acc[2] = {0.0f, 0.0f};  // two chains
-#pragma unroll
-    for (int j = 0; j < kK; ++j) acc[j % 2] = fmaf(a[(ra + r) * kPitch64 + ca + j], b[(rb + j) * kPitch64 + cb + c], acc[j % 2]);
-    out[(ro + r) * kPitch64 + co + c] = sign * (acc[0] + acc[1]);
-  }
-}
-
-template <typename DimsT>
-__global__ void __launch_bounds__(kWgThreads, 3) prepare_wgmma_kernel(Args p) {
-#if defined(V4_HAS_WGMMA)
-  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
-  extern __shared__ __align__(16) unsigned char smem[];
-  const bool values = p.u != nullptr;  // the forward pass (the backward's recomputation needs no U)
-  const ChunkBlock<WgPrepareSmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgPrepareSmem& m, int64_t) {
-    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, blockIdx.y / (p.hv / p.hk), p);
-    commit_copies();
-    if (values) wg_rows_by_slot(m.v, static_cast<const __nv_bfloat16*>(p.v), p.hv, blockIdx.y, p);
-    commit_copies();  // (v's group, empty in the backward: waited for before U's product)
-  });
-  const auto& m = b.m;
-  const Info& s = b.s;
-  const int64_t rows = b.rows;
-  const int tid = threadIdx.x;
-  // 1. K K^T of the raw rows, the norms while it runs; A = beta L (K K^T) (strictly lower, zeros above,
-  // as prepare_planes' epilogue forms it) and kkl = L (K K^T) for wy_grads (the backward).
-  float kk[kRows / 2] = {};
-  wg_gram_after_copies<1>(kk, m.k, m.k, m.rn, m.k, m.k);
-  wg_pairs<kRows / 2>([&](int r, int c, int i) {
-    const float k0 = c < r ? kk[i] * m.rn[r] * m.rn[c] * decay(s, r, c) : 0.0f;
-    const float k1 = c + 1 < r ? kk[i + 1] * m.rn[r] * m.rn[c + 1] * decay(s, r, c + 1) : 0.0f;
-    store2(m.A + r * kPitch64 + c, s.beta[r] * k0, s.beta[r] * k1);
-    if (c / 16 > r / 16) store2(m.Ai + r * kPitch64 + c, 0.0f, 0.0f);  // (Ai's blocks above its diagonal)
-    if (p.kkl != nullptr) store2(p.kkl + (rows + r) * kRows + c, k0, k1);
-  });
-  // K~ = exp(G_63 - G) K as bfloat16 (K = k r_k), and gamma.
-  wg_map_rows(reinterpret_cast<__nv_bfloat16*>(p.k_tilde + rows * DimsT::dk), m.k,
-              [&](int r, float x) { return s.Kt[r] * (x * m.rn[r]); });
-  if (tid == 0) p.gamma[b.chunk * p.hv + b.h] = s.gamma;
-  __syncthreads();  // A is in
-  // 2. The diagonal blocks D_b = (I + A_bb)^-1, all four at once, a thread a column (prepare_planes'
-  // substitution of block b's rows with its other blocks' terms zero: the same bits).
-  if (tid < kRows) {
-    const int i0 = tid / 16 * 16, c = tid;
-    float x[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) x[r] = i0 + r == c ? 1.0f : 0.0f;
-    diagonal_solve(x, m.A, m.Ai, i0, c);
-  }
-  __syncthreads();
-  // 3. The 16-row pairs: Ai_10 = -D_1 (A_10 D_0), Ai_32 = -D_3 (A_32 D_2), the partial products in A's
-  // upper triangle (rows 0.. and 32.., columns 16.. and 48..).
-  wg_block_product<16, 16>(m.A, 0, 16, m.A, 16, 0, m.Ai, 0, 0, 1.0f);
-  wg_block_product<16, 16>(m.A, 32, 48, m.A, 48, 32, m.Ai, 32, 32, 1.0f);
-  __syncthreads();
-  wg_block_product<16, 16>(m.Ai, 16, 0, m.Ai, 16, 16, m.A, 0, 16, -1.0f);
-  wg_block_product<16, 16>(m.Ai, 48, 32, m.Ai, 48, 48, m.A, 32, 48, -1.0f);
-  __syncthreads();
-  // 4. The 32-row halves: Ai's lower left = -Ai_hh (A_h0 Ai_00) with the halves' inverses from 3, the
-  // partial product in A's upper right (rows 0..31, columns 32..63).
-  wg_block_product<32, 32>(m.A, 0, 32, m.A, 32, 0, m.Ai, 0, 0, 1.0f);
-  __syncthreads();
-  wg_block_product<32, 32>(m.Ai, 32, 0, m.Ai, 32, 32, m.A, 0, 32, -1.0f);
-  __syncthreads();  // Ai is in
-  if (p.ai != nullptr) {  // (the backward: for wy_grads, float32 [64, 64])
-#pragma unroll
-    for (int u = 0; u < kRows * kRows / 4 / kWgThreads; ++u) {
-      const int e = tid + u * kWgThreads, r = e / (kRows / 4), c = e % (kRows / 4) * 4;
-      *reinterpret_cast<float4*>(p.ai + (rows + r) * kRows + c) = *reinterpret_cast<const float4*>(m.Ai + r * kPitch64 + c);
-    }
-  }
-  // 5. M's planes from Ai in the accumulator's layout: column c scaled by beta_c (U's) and by
-  // beta_c E_c r_k,c (W's), as prepare_planes splits them.
-  float ai[kRows / 2];
-  wg_pairs<kRows / 2>([&](int r, int c, int i) {
-    const float2 x = *reinterpret_cast<const float2*>(m.Ai + r * kPitch64 + c);
-    ai[i] = x.x;
-    ai[i + 1] = x.y;
-  });
-  uint32_t wh[kRows / 16][4], wl[kRows / 16][4];
-  wg_planes(wh, wl, ai, [&](int, int c, float x) { return x * (s.beta[c] * s.E[c] * m.rn[c]); });
-  asm volatile("cp.async.wait_group 0;\n" ::);  // v
-  wgmma::fence_shared();
-  __syncthreads();  // and every read of A and Ai is done: the results are staged over them
-  // 6. U = M_U v (the forward) and W = M_W k, bfloat16, staged and written 16 bytes a copy.
-  const auto product = [&](const uint32_t (&hi)[kRows / 16][4], const uint32_t (&lo)[kRows / 16][4],
-                           const unsigned char* tile, float* staging, __nv_bfloat16* out) {
-    float acc[DimsT::dk / 2] = {};
-    wg_planes_times_waited(acc, hi, lo, tile);
-    wg_write(out, acc, reinterpret_cast<__nv_bfloat16*>(staging));
-  };
-  if (values) {
-    uint32_t uh[kRows / 16][4], ul[kRows / 16][4];
-    wg_planes(uh, ul, ai, [&](int, int c, float x) { return x * s.beta[c]; });
-    product(uh, ul, m.v, m.A, static_cast<__nv_bfloat16*>(p.u) + rows * DimsT::dv);
-  }
-  product(wh, wl, m.k, m.Ai, reinterpret_cast<__nv_bfloat16*>(p.w + rows * DimsT::dk));
-#else
-  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
-#endif
-}
-
 // output_planes_kernel on warpgroup products (the variant `output_wgmma`, on by default). At 32K tokens output_planes
 // took 0.941 ms against fla's chunk_fwd_o 0.677 (H100, thirty-sixth session), latency-bound (43% of
 // the issue slots busy, 1.2 eligible warps a scheduler): its 16 warps read each fragment from shared
@@ -2839,199 +2695,6 @@ __global__ void __launch_bounds__(kThreads, 1) dqkwg_planes_kernel(Args p) {  //
   __syncthreads();
   q_grad_and_g<DimsT::dk>(p, s, m.q, m.rq, m.DQ, kLdF, m.dG, m.t, rows, dgamma);
   sum_over_value_heads(m.DQ, kLdF, p.dq_keys, s, p, b.kh);
-}
-
-// dqkwg_planes_kernel on warpgroup products (the variant `dqkwg_wgmma`; opt-in until it is judged and
-// timed on a GPU). At 32K tokens dqkwg_planes took 2.69 ms against fla's chunk_bwd_dqkwg 2.36 (H100,
-// thirty-seventh session), latency-bound: 31% of the issue slots busy, 0.54 eligible warps a scheduler,
-// its 16 warps reading each product's fragments from shared memory by ldmatrix and passing its results
-// through float32 tiles. Here one warpgroup a chunk and head: the operands land by cp.async from the
-// block's start in three groups in the order of use (q and k; h, dv_new, d_o and d_state; v_new) and
-// the products keep their results in the accumulators, each product as dqkwg_planes takes it:
-//   dw = -(dv_new h^T) and dq = E (d_o h^T), one product each; dq staged in float32 over dv_new's and
-//   h's bytes (once read) until its last term;
-//   dk = Kt dk_tilde + (diag(r_q s) dPL)^T q, dk_tilde = v_new d_state^T one product, dPL^T from
-//   v_new d_o^T (value rows, query columns: as local_wgmma's P^T) as planes times q (MN-major);
-//   Z = dPL * (Q K^T scaled) staged over d_state's bytes for G's term through L;
-//   dq += (dPL diag(r_k)) k as planes times k (MN-major), q's norm backward from the accumulator, and
-//   the cluster's sum over value heads.
-// 152 KB: one block a multiprocessor. The sums' order differs from dqkwg_planes' (not bit-equal).
-struct WgDqkwgSmem {
-  static constexpr int kLdZ = kRows + 1;  // Z's pitch: antisymmetric_row_sum's column reads two-way conflicted
-  unsigned char *q, *k, *d_o, *vn, *dvn, *h, *S;  // [64, 128] tiles in 128-byte swizzle; h, S (d_state) [128, 128]
-  float* dq;                // q's gradient [64, kLdF] over dv_new's and h's bytes (adjacent), once read
-  float* Z;                 // [64, kLdZ] over d_state's bytes, once read
-  float *rn, *e, *scratch;  // r_q [64] then r_k [64]; G's term through E a row; block_sum's a warp
-  double *dG, *t;           // G's gradient a row, and its term through Kt
-  Info* info;
-  template <typename DimsT>
-  __host__ __device__ WgDqkwgSmem(Carve& c, const DimsT&) {
-    static_assert(kRows * DqkwgSmem::kLdF * sizeof(float) <= 3 * kWgTileBytes, "dq within dv_new's and h's bytes");
-    static_assert(kRows * kLdZ * sizeof(float) <= 2 * kWgTileBytes, "Z within d_state's bytes");
-    q = c.take<unsigned char>(kWgTileBytes);
-    k = c.take<unsigned char>(kWgTileBytes);
-    d_o = c.take<unsigned char>(kWgTileBytes);
-    vn = c.take<unsigned char>(kWgTileBytes);
-    dvn = c.take<unsigned char>(kWgTileBytes);
-    h = c.take<unsigned char>(2 * kWgTileBytes);
-    S = c.take<unsigned char>(2 * kWgTileBytes);
-    dq = reinterpret_cast<float*>(dvn);
-    Z = reinterpret_cast<float*>(S);
-    rn = c.take<float>(2 * kRows);
-    e = c.take<float>(kRows);
-    scratch = c.take<float>(kWgThreads / 32);
-    dG = c.take<double>(kRows);
-    t = c.take<double>(kRows);
-    info = c.take<Info>(1);
-    c.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
-  }
-};
-
-template <typename DimsT>
-__global__ void __launch_bounds__(kWgThreads, 1) dqkwg_wgmma_kernel(Args p) {
-#if defined(V4_HAS_WGMMA)
-  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kState = DimsT::dk * DimsT::dv, kLdF = DqkwgSmem::kLdF, kLdZ = WgDqkwgSmem::kLdZ;
-  const ChunkBlock<WgDqkwgSmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgDqkwgSmem& m, int64_t head) {
-    const int kh = blockIdx.y / (p.hv / p.hk);
-    wg_rows_by_slot(m.q, static_cast<const __nv_bfloat16*>(p.q), p.hk, kh, p);
-    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, kh, p);
-    commit_copies();
-    wg_rows<DimsT::dk>(m.h, static_cast<const __nv_bfloat16*>(p.h) + kState * head);
-    wg_rows<kRows>(m.dvn, static_cast<const __nv_bfloat16*>(p.dv_new) + head * kRows * DimsT::dv);
-    wg_rows_by_slot(m.d_o, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);
-    wg_rows<DimsT::dk>(m.S, static_cast<const __nv_bfloat16*>(p.d_state) + kState * head);
-    commit_copies();
-    wg_rows<kRows>(m.vn, static_cast<const __nv_bfloat16*>(p.v_new) + head * kRows * DimsT::dv);
-    commit_copies();
-  });
-  const auto& m = b.m;
-  const Info& s = b.s;
-  const int64_t rows = b.rows;
-  const int tid = threadIdx.x, lane = tid % 32, r0 = 16 * (tid / 32) + lane / 4;
-  constexpr int kN = DimsT::dk / 2;  // a [64, 128] accumulator's registers
-  // 1. q and k in: their rows' norms.
-  asm volatile("cp.async.wait_group 2;\n" ::);
-  __syncthreads();
-  wg_row_rnorms(m.rn, m.q, m.k);
-  // 2. h, dv_new, d_o and d_state in: dgamma = <h, d_state> while dw = -(dv_new h^T) runs, dw written
-  // from its accumulator; then dq = E (d_o h^T), and G's term through E (Q . dq) before dq is staged.
-  asm volatile("cp.async.wait_group 1;\n" ::);
-  wgmma::fence_shared();
-  __syncthreads();  // (and the norms)
-  float acc[kN] = {};
-  wg_gram(acc, m.dvn, m.h);
-  float dot = 0.0f;
-#pragma unroll
-  for (int u = 0; u < 2 * kWgTileBytes / (16 * kWgThreads); ++u) {  // (h's and d_state's tiles lie alike)
-    const int at = (u * kWgThreads + tid) * 16;
-    const uint4 x = *reinterpret_cast<const uint4*>(m.h + at), y = *reinterpret_cast<const uint4*>(m.S + at);
-    const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 a = widen(xs[i]), c = widen(ys[i]);
-      dot += a.x * c.x + a.y * c.y;
-    }
-  }
-  const float dgamma = block_sum<kWgThreads / 32>(dot, m.scratch);  // (synchronises)
-  wgmma::wait<0>();
-  wgmma::fence_operand(acc);
-  auto* dw = reinterpret_cast<__nv_bfloat16*>(p.dw + rows * DimsT::dk);
-  wg_pairs<kN>([&](int r, int c, int i) {
-    *reinterpret_cast<uint32_t*>(dw + r * DimsT::dk + c) = pack2<__nv_bfloat16>(-acc[i], -acc[i + 1]);
-    acc[i] = acc[i + 1] = 0.0f;
-  });
-  wg_gram(acc, m.d_o, m.h);
-  wgmma::wait<0>();
-  wgmma::fence_operand(acc);
-  float e[2] = {};  // rows r0 and r0 + 8
-  wg_pairs<kN>([&](int r, int c, int i) {
-    acc[i] *= s.E[r];
-    acc[i + 1] *= s.E[r];
-    const float2 x = wg_pair(m.q, r, c);
-    e[r / 8 % 2] += x.x * m.rn[r] * p.scale * acc[i] + x.y * m.rn[r] * p.scale * acc[i + 1];
-  });
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float x = quad_sum(e[half]);
-    if (lane % 4 == 0) m.e[r0 + 8 * half] = x;
-  }
-  __syncthreads();  // every warp's products are done with dv_new's and h's bytes
-  wg_pairs<kN>([&](int r, int c, int i) { store2(m.dq + r * kLdF + c, acc[i], acc[i + 1]); });
-  // 3. v_new in: dk_tilde = v_new d_state^T and dPL^T's dots v_new d_o^T; G's term through Kt
-  // (Kt K . dk_tilde), then dk = Kt dk_tilde + (diag(r_q s) dPL)^T's planes times q.
-  asm volatile("cp.async.wait_group 0;\n" ::);
-  wgmma::fence_shared();
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kN; ++i) acc[i] = 0.0f;
-  wg_gram(acc, m.vn, m.S);
-  float pt[kRows / 2] = {};
-  wg_gram(pt, m.vn, m.d_o);
-  wgmma::wait<0>();
-  wgmma::fence_operand(acc);
-  wgmma::fence_operand(pt);
-  float kt[2] = {};
-  wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = wg_pair(m.k, r, c);
-    kt[r / 8 % 2] += x.x * m.rn[kRows + r] * acc[i] + x.y * m.rn[kRows + r] * acc[i + 1];
-    acc[i] *= s.Kt[r];
-    acc[i + 1] *= s.Kt[r];
-  });
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float x = quad_sum(kt[half]);
-    if (lane % 4 == 0) m.t[r0 + 8 * half] = s.Kt[r0 + 8 * half] * x;
-  }
-  uint32_t th[kRows / 16][4], tl[kRows / 16][4];  // (diag(r_q s) dPL)^T's planes: value row c, query r
-  wg_planes(th, tl, pt,
-            [&](int c, int r, float x) { return c <= r ? x * decay(s, r, c) * (m.rn[r] * p.scale) : 0.0f; });
-  wg_planes_times_waited(acc, th, tl, m.q);
-  wg_pairs<kN>([&](int r, int c, int i) { store2(p.dk_part + (rows + r) * DimsT::dk + c, acc[i], acc[i + 1]); });
-  // 4. Q K^T (raw rows) and dPL = (d_o v_new^T) * L: Z = dPL * Q K^T scaled as build_qp_planes scales
-  // P (r_q, s, r_k), staged for G's term through L; dPL diag(r_k) as planes (split_dpl's pk).
-  float qk[kRows / 2] = {}, dpl[kRows / 2] = {};
-  wg_gram(qk, m.q, m.k);
-  wg_gram(dpl, m.d_o, m.vn);
-  wgmma::wait<0>();
-  wgmma::fence_operand(qk);
-  wgmma::fence_operand(dpl);
-  __syncthreads();  // every warp's products are done with d_state's bytes
-  wg_pairs<kRows / 2>([&](int r, int c, int i) {
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      dpl[i + n] = c + n <= r ? dpl[i + n] * decay(s, r, c + n) : 0.0f;
-      m.Z[r * kLdZ + c + n] = dpl[i + n] * (qk[i + n] * m.rn[r] * p.scale * m.rn[kRows + c + n]);
-    }
-  });
-  uint32_t ph[kRows / 16][4], pl[kRows / 16][4];  // dPL diag(r_k)'s planes: query row r, value c
-  wg_planes(ph, pl, dpl, [&](int, int c, float x) { return x * m.rn[kRows + c]; });
-  __syncthreads();  // Z is in
-  if (const double z = antisymmetric_row_sum<kLdZ, kWgThreads>(m.Z); tid % (kWgThreads / kRows) == 0) {
-    const int i = tid / (kWgThreads / kRows);
-    m.dG[i] = z + (static_cast<double>(m.e[i]) - m.t[i]);  // (L's term first, as dqkwg_planes sums)
-  }
-  // 5. dq += dPL diag(r_k)'s planes times k (MN-major), from its staged rows; then through q's norm.
-  wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = *reinterpret_cast<const float2*>(m.dq + r * kLdF + c);
-    acc[i] = x.x;
-    acc[i + 1] = x.y;
-  });
-  wg_planes_times_waited(acc, ph, pl, m.k);
-  wg_normalised_backward(m.dq, kLdF, acc, m.q, m.rn, p.scale);  // through q's norm (dy = s dq)
-  sum_over_value_heads<kWgThreads>(m.dq, kLdF, p.dq_keys, s, p, b.kh);  // (its cluster barriers order dq's rows and dG)
-  if (tid < kRows) {
-    double v = m.dG[tid];
-    if (tid == kRows - 1) {
-      for (int j = 0; j < kRows; ++j) v += m.t[j];
-      v += static_cast<double>(dgamma) * s.gamma;
-    }
-    p.dg_part[rows + tid] = v;
-  }
-#else
-  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
-#endif
 }
 
 struct WySmem {
@@ -3856,15 +3519,12 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned clu
 // `prepare3`, prepare_planes_kernel at three blocks a multiprocessor (at two without it), and
 // `output_wgmma` and `local_wgmma`, the output and local_grads on warpgroup products (output_wgmma_kernel,
 // local_wgmma_kernel: 0.597 and 0.513 ms at 32K against their planes kernels' 0.926 and 0.653, H100); and
-// `dqkwg_wgmma`, `prepare_wgmma` and `wy_grads_wgmma`, dqkwg, prepare and wy_grads on warpgroup products
-// (dqkwg_wgmma_kernel, prepare_wgmma_kernel, wy_grads_wgmma_kernel; opt-in until judged and timed on a GPU).
-enum Variant : unsigned {
-  kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8, kDqkwgWgmma = 16, kPrepareWgmma = 32,
-  kWyGradsWgmma = 64
-};
+// `wy_grads_wgmma`, wy_grads on warpgroup products (wy_grads_wgmma_kernel; opt-in until judged and timed on a
+// GPU). dqkwg and prepare on warpgroup products were timed and removed (docs/benchmarks.md, fortieth session).
+enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8, kWyGradsWgmma = 16 };
 inline unsigned variants() {
   return env_variants("V4TRAIN_GDR_VARIANTS",
-                      {"wgmma", "prepare3", "output_wgmma", "local_wgmma", "dqkwg_wgmma", "prepare_wgmma", "wy_grads_wgmma"},
+                      {"wgmma", "prepare3", "output_wgmma", "local_wgmma", "wy_grads_wgmma"},
                       kWgmma | kPrepare3 | kOutputWgmma | kLocalWgmma);
 }
 
@@ -3960,9 +3620,6 @@ void fused(Fused& f, bool backward) {
     const c10::cuda::CUDAStreamGuard on(prepare_stream.stream());
     if constexpr (!kPlanes<kMode, DimsT>) {
       launch<PrepareSmem, kPrepareThreads>(prepare_kernel<T, kMode, DimsT>, grid, d, a);
-    } else if ((variants() & kPrepareWgmma) && aligned16(a.k) && (backward || aligned16(a.v)) &&
-               wgmma::capable(f.q.get_device(), smem_bytes<WgPrepareSmem>(d))) {  // (16-byte copies of k and v)
-      launch<WgPrepareSmem, kWgThreads>(prepare_wgmma_kernel<DimsT>, grid, d, a, 0, true);  // (three blocks)
     } else if (variants() & kPrepare3) {  // (three blocks: 224 of the 228 KB)
       launch<PreparePlanesSmem, kPrepareThreads>(prepare_planes_kernel<DimsT, 3>, grid, d, a, 0, true);
     } else {
@@ -4052,12 +3709,7 @@ void fused(Fused& f, bool backward) {
   const auto cluster = static_cast<unsigned>(hv / hk);
   if constexpr (planes) {
     a.dq_keys = static_cast<__nv_bfloat16*>(dq.data_ptr());
-    // (its copies of q's, k's and d_o's rows are 16 bytes each, as local_wgmma's)
-    if ((variants() & kDqkwgWgmma) && aligned16(a.q) && aligned16(a.k) &&
-        wgmma::capable(f.q.get_device(), smem_bytes<WgDqkwgSmem>(d)))
-      launch<WgDqkwgSmem, kWgThreads>(dqkwg_wgmma_kernel<DimsT>, grid, d, a, cluster);
-    else
-      launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a, cluster);
+    launch<DqkwgSmem>(dqkwg_planes_kernel<DimsT>, grid, d, a, cluster);
   } else {
     a.dq = dq.data_ptr<float>();
     launch<IntraSmem>(intra_grads_kernel<T, kMode, DimsT>, grid, d, a);
