@@ -145,40 +145,15 @@ def test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_kernels(monkey
     _judge_paths(OP, "cuda", torch.bfloat16)
 
 
-# V4TRAIN_GDR_VARIANTS's default, to which the opt-in variant wy_grads_wgmma is added.
-DEFAULT_VARIANTS = "wgmma,prepare3,output_wgmma,local_wgmma"
-WITH_WY_GRADS_WGMMA = f"{DEFAULT_VARIANTS},wy_grads_wgmma"
-
-
-@pytest.mark.skipif(not HOPPER, reason="no Hopper GPU (the warpgroup kernels are sm_90a's alone)")
-def test_the_planes_kernels_pass_the_judge_on_cuda_with_wy_grads_on_wgmma(monkeypatch):
-    """V4TRAIN_GDR_VARIANTS with wy_grads_wgmma (opt-in) takes wy_grads (the UT transform's backward:
-    v's, beta's, k's and g's gradients) on warpgroup products in place of the planes kernel: judged as
-    the default is, every gradient against the float64 truth on the long documents, and along each
-    path."""
-    monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", WITH_WY_GRADS_WGMMA)
-    prof = _judged_on_cuda(long_documents(torch.bfloat16, "cuda", 11), seed=3)
-    assert _ran(prof, "wy_grads_wgmma_kernel") and not _ran(prof, "wy_grads_planes_kernel"), _ran(prof, "wy_grads_")
-    _judge_paths(OP, "cuda", torch.bfloat16)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
-@pytest.mark.parametrize("rep,variants", [(1, None), (3, None), (4, None), (9, None),
-                                          pytest.param(1, WITH_WY_GRADS_WGMMA, id="1-wy_grads_wgmma"),
-                                          pytest.param(3, WITH_WY_GRADS_WGMMA, id="3-wy_grads_wgmma")])
-def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(monkeypatch, rep, variants):
+@pytest.mark.parametrize("rep", [1, 3, 4, 9])
+def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(rep):
     """The plane kernels write q's and k's gradients summed over a key head's value heads, the blocks
     of one cluster (gated_delta_rule.cu sum_over_value_heads): 1 (Qwen3.5's small models), 3 (27B) and 4
     (397B-A17B) value heads a key head, at Qwen3.5's widths in bf16, every gradient against the
     reference and its float64 truth across chunk boundaries; past the cluster's 8 blocks the float32
-    kernels and their separate sum take it (the profile shows which ran). With wy_grads_wgmma (on
-    Hopper) its warpgroup's sum over 1 and 3 value heads."""
+    kernels and their separate sum take it (the profile shows which ran)."""
     from v4train.testing.samples import Sample
-
-    if variants is not None:
-        if not HOPPER:
-            pytest.skip("no Hopper GPU (the warpgroup kernels are sm_90a's alone)")
-        monkeypatch.setenv("V4TRAIN_GDR_VARIANTS", variants)
 
     lengths = [1, 63, 65, 200]
     leaves = leaves_for(lengths, 2, rep, 128, 128, torch.bfloat16, "cuda", 5, decay=0.01)
@@ -187,11 +162,9 @@ def test_a_key_heads_value_heads_sum_in_one_cluster_on_cuda(monkeypatch, rep, va
                     note=f"{rep} value heads a key head")
     prof = _judged_on_cuda(sample, seed=5)
     on_planes = rep <= 8
-    wy = "wy_grads_wgmma_kernel" if variants == WITH_WY_GRADS_WGMMA else "wy_grads_planes_kernel"
-    assert bool(_ran(prof, wy)) == on_planes, (_ran(prof, wy), _ran(prof, "wy_grads_kernel"))
+    assert bool(_ran(prof, "wy_grads_planes_kernel")) == on_planes, (_ran(prof, "wy_grads_planes_kernel"),
+                                                                    _ran(prof, "wy_grads_kernel"))
     assert bool(_ran(prof, "sum_value_heads_kernel")) != on_planes, _ran(prof, "sum_value_heads_kernel")
-    if variants == WITH_WY_GRADS_WGMMA:
-        assert not _ran(prof, "wy_grads_planes_kernel"), _ran(prof, "wy_grads_planes_kernel")
 
 
 PATHS = [(leaf, site) for leaf, sites in gated_delta_rule.PATH_SITES.items() for site in sites]

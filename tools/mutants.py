@@ -61,9 +61,6 @@ PLANES_CUDA = tuple(f"parity/test_gated_delta_rule.py::{test}" for test in (
     "test_each_path_of_the_output_and_gradients[cuda-bfloat16]", "test_the_planes_kernels_pass_the_judge_on_cuda",
     "test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_kernels"))
 
-# wy_grads on warpgroup products (V4TRAIN_GDR_VARIANTS=...,wy_grads_wgmma; opt-in): judged whole and along each
-# path on the long documents, then over 1 and 3 value heads a key head.
-WY_GRADS_WGMMA_CUDA = ("parity/test_gated_delta_rule.py", "-k", "wy_grads_wgmma")
 
 
 def parity(op: str, *extra: str) -> tuple[str, ...]:
@@ -428,26 +425,6 @@ MUTATIONS = (
              "wg_rows_by_slot(m.extra, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y, p);",
              "wg_rows_by_slot(m.extra, static_cast<const __nv_bfloat16*>(p.d_o), p.hv, blockIdx.y / (p.hv / p.hk), p);",
              PLANES_CUDA, cuda=True),
-    Mutation("delta_rule_wgmma_norm_dot_first_row", "wy_grads on wgmma (opt-in): k's norm "
-             "backward (wg_normalised_backward) takes the thread's first row's dot (r0's) for its second row "
-             "(r0 + 8) too", "cc/ops/gated_delta_rule.cu",
-             "const float rq = rn[r], d = dots[r / 8 % 2];", "const float rq = rn[r], d = dots[0];",
-             WY_GRADS_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_wy_grads_wgmma_c_upper_zero", "wy_grads on wgmma (opt-in): (C + C^T)'s upper half "
-             "(C's transposes) written as zeros, so k's gradient takes C alone", "cc/ops/gated_delta_rule.cu",
-             "(m.c + wgmma::sw128_offset<kRows>(j, r)) = __float2bfloat16_rn(cc * m.rk[r]);",
-             "(m.c + wgmma::sw128_offset<kRows>(j, r)) = __float2bfloat16_rn(0.0f);", WY_GRADS_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_wy_grads_wgmma_y_values_unscaled", "wy_grads on wgmma (opt-in): Y's value part without "
-             "beta (dv_new V^T for dv_new (beta V)^T)", "cc/ops/gated_delta_rule.cu",
-             "yv[i + n] = yv[i + n] * s.beta[c + n] + yk[i + n]", "yv[i + n] = yv[i + n] + yk[i + n]",
-             WY_GRADS_WGMMA_CUDA, cuda=True),
-    Mutation("delta_rule_wy_grads_wgmma_dm_upper_kept", "wy_grads on wgmma (opt-in): dM's upper triangle and "
-             "diagonal kept (not strictly lower) in beta's and G's terms and in C", "cc/ops/gated_delta_rule.cu",
-             "const float x = j < r ? -dm[i + n] : 0.0f;", "const float x = -dm[i + n];", WY_GRADS_WGMMA_CUDA,
-             cuda=True),
-    Mutation("delta_rule_wy_grads_wgmma_dbeta_without_kkl", "wy_grads on wgmma (opt-in): beta's gradient without "
-             "its term through A (KKL . dM)", "cc/ops/gated_delta_rule.cu",
-             "= v_dot + s.E[r] * k_dot + a;", "= v_dot + s.E[r] * k_dot;", WY_GRADS_WGMMA_CUDA, cuda=True),
     Mutation("delta_rule_wgmma_h_out_half", "the recurrence on wgmma: the state out's rows 64.. written over rows "
              "0.. (h's second half never written)", "cc/ops/gated_delta_rule.cu",
              "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * u)", "*reinterpret_cast<uint4*>(h_out + 32 * DimsT::dv * (u % 2))",

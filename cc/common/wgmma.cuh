@@ -250,7 +250,7 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[64], uint64_t a, uint64_t b,
                : "l"(a), "l"(b), "r"(int(accumulate)));
 }
 
-// d [64 x N] += a [64 x 16] . b [16 x N] (N 256, 128 or 64) with a from registers (bf16 or f16 pairs): thread
+// d [64 x N] += a [64 x 16] . b [16 x N] (N 256 or 128) with a from registers (bf16 or f16 pairs): thread
 // (warp w, lane l) holds a's rows 16w + l/4 (+8), columns 2(l%4) (+1) (+8) as a[0] (row, col),
 // a[1] (row + 8, col), a[2] (row, col + 8), a[3] (row + 8, col + 8). That is an accumulator
 // fragment's columns 16k.. packed in pairs, so a product's scores feed the next product as they lie.
@@ -262,13 +262,6 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[64], uint64_t a, uint64_t b,
                : V4_WGMMA_OUT128 \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1), "n"(TransB))
 
-#define V4_WGMMA_M64N64_RS(TY) \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {" V4_WGMMA_REGS32 \
-               "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n" \
-               : V4_WGMMA_OUT32 \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1), "n"(TransB))
-
 #define V4_WGMMA_M64N128_RS(TY) \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {" V4_WGMMA_REGS64 \
@@ -276,14 +269,11 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[64], uint64_t a, uint64_t b,
                : V4_WGMMA_OUT64 \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1), "n"(TransB))
 
-// N: 256, 128 or 64 (d of N / 2).
+// N: 256 or 128 (d of N / 2).
 template <typename T, int TransB = 1, int N = 256>
 __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t* a, uint64_t b) {
-  static_assert(N == 64 || N == 128 || N == 256, "v4::wgmma::mma_rs: N of 64, 128 or 256");
-  if constexpr (N == 64) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N64_RS("bf16");
-    else V4_WGMMA_M64N64_RS("f16");
-  } else if constexpr (N == 128) {
+  static_assert(N == 128 || N == 256, "v4::wgmma::mma_rs: N of 128 or 256");
+  if constexpr (N == 128) {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) V4_WGMMA_M64N128_RS("bf16");
     else V4_WGMMA_M64N128_RS("f16");
   } else {
@@ -293,7 +283,6 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t* a, uin
 }
 #undef V4_WGMMA_M64N256_RS
 #undef V4_WGMMA_M64N128_RS
-#undef V4_WGMMA_M64N64_RS
 #undef V4_WGMMA_REGS16
 #undef V4_WGMMA_REGS32
 #undef V4_WGMMA_REGS64

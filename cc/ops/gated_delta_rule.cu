@@ -569,21 +569,20 @@ __device__ __forceinline__ void forward_substitution(float (&x)[kRows], const fl
 // in every thread of the row. Every thread calls it. (One thread a row, 64 dependent float64
 // additions, took 8% of wy_grads.) At kLd = 68 a warp's column reads Z_ji (its rows j 8 apart, the
 // same bank) are 8-way bank conflicted; at 65 two-way, its row reads one float a load.
-template <int kLd = kPitch64, int kBlockThreads = kThreads>
+template <int kLd = kPitch64>
 __device__ __forceinline__ double antisymmetric_row_sum(const float* Z) {
-  constexpr int kRowT = kBlockThreads / kRows;  // (kRowThreads in a block of kThreads)
-  static_assert(kRowT >= 1 && kRowT <= 32 && kRows % kRowT == 0, "a row's threads in one warp");
-  constexpr int kSpan = kRows / kRowT;
-  const int i = threadIdx.x / kRowT, j0 = threadIdx.x % kRowT * kSpan;
+  static_assert(kRowThreads >= 1 && kRowThreads <= 32 && kRows % kRowThreads == 0, "a row's threads in one warp");
+  constexpr int kSpan = kRows / kRowThreads;
+  const int i = threadIdx.x / kRowThreads, j0 = threadIdx.x % kRowThreads * kSpan;
   double acc = 0.0;
 #pragma unroll
   for (int j = j0; j < j0 + kSpan; ++j) acc += static_cast<double>(Z[i * kLd + j]) - Z[j * kLd + i];
 #pragma unroll
-  for (int o = 1; o < kRowT; o *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  for (int o = 1; o < kRowThreads; o *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, o);
   return acc;
 }
 
-// The block's sum of one float a thread (every thread of the block calls it).
+// The block's sum of one float a thread (every thread calls it).
 __device__ float block_sum(float x, float* scratch) {
   x = warp_sum(x);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
@@ -603,13 +602,12 @@ __device__ float block_sum(float x, float* scratch) {
 // written and read again at 32K tokens, and a launch of their own (0.45 ms). Rank j sums rows j, j +
 // ranks, ..., reading the other blocks' shared memory (distributed shared memory); the second barrier
 // keeps every block's rows until the others have read them.
-template <int kBlockThreads = kThreads>
 __device__ __forceinline__ void sum_over_value_heads(const float* rows, int ld, __nv_bfloat16* out, const Info& s,
                                                      const Args& p, int kh) {
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
   const int ranks = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  constexpr int kQuads = 128 / 4, kPass = kBlockThreads / kQuads;  // a row's quads (128 wide: kPlanes); rows a pass
+  constexpr int kQuads = 128 / 4, kPass = kThreads / kQuads;  // a row's quads (128 wide: kPlanes); rows a pass
   const int c = threadIdx.x % kQuads * 4;
   cluster.sync();  // every block's rows are in
   for (int i = rank + threadIdx.x / kQuads * ranks; i < kRows; i += kPass * ranks) {
@@ -1927,12 +1925,6 @@ __device__ __forceinline__ void wg_pairs(F&& f) {
     for (int half = 0; half < 2; ++half) f(r0 + 8 * half, 8 * j + 2 * t, 4 * j + 2 * half);
 }
 
-// The sum over a row's four threads (a quad: the accumulator's lanes of one row) in each of them.
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 // Row r's pair of columns (c, c + 1) of a [64, 128] bfloat16 tile in 128-byte swizzle, as floats.
 __device__ __forceinline__ float2 wg_pair(const unsigned char* tile, int r, int c) {
   return widen(*reinterpret_cast<const uint32_t*>(tile + wgmma::sw128_offset<kRows>(r, c)));
@@ -1992,25 +1984,6 @@ __device__ __forceinline__ void wg_planes_times_waited(float (&acc)[64], const u
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::fence_operand(acc);
-}
-
-// normalised_backward's out = r (dy - y (y . dy)) from a [64, 128] accumulator: y the raw row of `tile`
-// normalised (times rn[r] scale / scale, as load_normalised stores it), dy = scale acc, each row's dot
-// summed over its quad; out [64, ld] float32 in shared memory, free of readers.
-__device__ __forceinline__ void wg_normalised_backward(float* out, int ld, const float (&acc)[64], const unsigned char* tile,
-                                                       const float* rn, float scale) {
-  float yd[2] = {};  // rows r0 and r0 + 8
-  wg_pairs<64>([&](int r, int c, int i) {
-    const float2 x = wg_pair(tile, r, c);
-    yd[r / 8 % 2] += x.x * rn[r] * scale / scale * (scale * acc[i]) + x.y * rn[r] * scale / scale * (scale * acc[i + 1]);
-  });
-  const float dots[2] = {quad_sum(yd[0]), quad_sum(yd[1])};
-  wg_pairs<64>([&](int r, int c, int i) {
-    const float2 x = wg_pair(tile, r, c);
-    const float rq = rn[r], d = dots[r / 8 % 2];
-    const float y0 = x.x * rq * scale / scale, y1 = x.y * rq * scale / scale;
-    store2(out + r * ld + c, rq * (scale * acc[i] - y0 * d), rq * (scale * acc[i + 1] - y1 * d));
-  });
 }
 
 // A [64, 128] accumulator (rows 16 warp + g (+8), columns 8 j + 2 t (+1)) rounded to bfloat16 into
@@ -3151,249 +3124,6 @@ __global__ void __launch_bounds__(kThreads, 2) wy_grads_planes_kernel(Args p) { 
   sum_over_value_heads(m.D, kLdD, p.dk_keys, s, p, b.kh);
 }
 
-// wy_grads_planes_kernel on warpgroup products (the variant `wy_grads_wgmma`; opt-in until it is judged
-// and timed on a GPU). At 32K tokens wy_grads_planes took 1.635 ms against fla's prepare_wy_repr_bwd
-// 1.089 (H100, thirty-seventh session), bound by shared memory (L1 78% busy: every fragment read by
-// ldmatrix, by several warps, and dR through float32 tiles). Here one warpgroup a chunk and head, its
-// products each as wy_grads_planes takes it, their results in the accumulators:
-//   Y = dv_new (beta V)^T + dw (beta E K)^T, one product each (bfloat16 values against k's and v's raw
-//   rows), the columns scaled after; dR_V = Ai^T dv_new and dR_K = Ai^T dw, Ai's planes (MN-major, as
-//   the A operand: Ai^T) times the values, two products each; v's gradient beta dR_V written from the
-//   accumulator;
-//   Ai^T Y (both as planes, three products), then dM = -(Ai^T Y) Ai^T strictly lower, Ai^T Y's planes
-//   from the accumulator times Ai's planes (K-major: Ai^T); beta's and G's terms from dM and KKL in
-//   the accumulator's layout, Z staged for G's term through L;
-//   (C + C^T) diag(r_k) in bfloat16 (each lower element written at its place and at its transpose's),
-//   times k's raw rows (MN-major) onto beta E dR_K; k_part added, the norm's backward from the
-//   accumulator, and the cluster's sum over value heads.
-// About 100 KB: two blocks a multiprocessor. The sums' order differs from wy_grads_planes' (not bit-equal).
-struct WgWySmem {
-  static constexpr int kLdZ = kRows + 1;         // antisymmetric_row_sum's column reads two-way conflicted
-  static constexpr int kPlaneBytes = kRows * 128;  // a [64, 64] bfloat16 tile; a lo plane this far after its hi
-  unsigned char *k, *v, *dvn, *dw;  // [64, 128] tiles in 128-byte swizzle (k's and v's rows by slot)
-  unsigned char *ai, *y;            // Ai's and Y's planes: [64, 64] tiles, hi then lo
-  unsigned char* c;                 // (C + C^T) diag(r_k) in bfloat16, [64, 64], over Y's hi plane once read
-  float* Z;                         // [64, kLdZ] over v's and dv_new's bytes once read
-  float* dk;                        // k's gradient [64, kLdF] over v's, dv_new's and dw's bytes at the end
-  float* rk;                        // r_k [64] (twice: wg_row_rnorms' second half)
-  double* dG;                       // G's gradient a row
-  Info* info;
-  template <typename DimsT>
-  __host__ __device__ WgWySmem(Carve& c_, const DimsT&) {
-    static_assert(kRows * kLdZ * sizeof(float) <= 2 * kWgTileBytes, "Z within v's and dv_new's bytes");
-    static_assert(kRows * DqkwgSmem::kLdF * sizeof(float) <= 3 * kWgTileBytes, "dk within v's, dv_new's and dw's");
-    k = c_.take<unsigned char>(kWgTileBytes);
-    v = c_.take<unsigned char>(kWgTileBytes);
-    dvn = c_.take<unsigned char>(kWgTileBytes);
-    dw = c_.take<unsigned char>(kWgTileBytes);
-    ai = c_.take<unsigned char>(2 * kPlaneBytes);
-    y = c_.take<unsigned char>(2 * kPlaneBytes);
-    c = y;
-    Z = reinterpret_cast<float*>(v);
-    dk = reinterpret_cast<float*>(v);
-    rk = c_.take<float>(2 * kRows);
-    dG = c_.take<double>(kRows);
-    info = c_.take<Info>(1);
-    c_.take<unsigned char>(1024);  // the slack of the kernel's alignment to 1,024 bytes
-  }
-};
-
-template <typename DimsT>
-__global__ void __launch_bounds__(kWgThreads, 2) wy_grads_wgmma_kernel(Args p) {
-#if defined(V4_HAS_WGMMA)
-  static_assert(DimsT::dk == 128 && DimsT::dv == 128, "Qwen3.5's widths");
-  extern __shared__ __align__(16) unsigned char smem[];
-  constexpr int kLdF = DqkwgSmem::kLdF, kLdZ = WgWySmem::kLdZ, kPlane = WgWySmem::kPlaneBytes;
-  constexpr int kN = DimsT::dk / 2;  // a [64, 128] accumulator's registers
-  // Ai's floats (a thread's quads: rows tid / 16 + 8 u, columns tid % 16 * 4) loaded before load_info,
-  // split into planes after it.
-  float4 ai[kRows * kRows / 4 / kWgThreads];
-  const ChunkBlock<WgWySmem, DimsT> b(p, wgmma::sw128_aligned(smem), [&](const WgWySmem& m, int64_t head) {
-    wg_rows_by_slot(m.k, static_cast<const __nv_bfloat16*>(p.k), p.hk, blockIdx.y / (p.hv / p.hk), p);
-    wg_rows_by_slot(m.v, static_cast<const __nv_bfloat16*>(p.v), p.hv, blockIdx.y, p);
-    wg_rows<kRows>(m.dvn, static_cast<const __nv_bfloat16*>(p.dv_new) + head * kRows * DimsT::dv);
-    wg_rows<kRows>(m.dw, reinterpret_cast<const __nv_bfloat16*>(p.dw + head * kRows * DimsT::dk));  // (as dqkwg wrote it)
-    commit_copies();
-#pragma unroll
-    for (int u = 0; u < kRows * kRows / 4 / kWgThreads; ++u)
-      ai[u] = *reinterpret_cast<const float4*>(p.ai + (head * kRows + threadIdx.x / 16 + 8 * u) * kRows + threadIdx.x % 16 * 4);
-  });
-  const auto& m = b.m;
-  const Info& s = b.s;
-  const int64_t rows = b.rows;
-  const int h = b.h, tid = threadIdx.x, lane = tid % 32, r0 = 16 * (tid / 32) + lane / 4;
-  // Descriptors: Ai's planes as A MN-major (Ai^T) and as B K-major (times Ai^T); Y's planes, dv_new, dw
-  // and k as B MN-major; the (C + C^T) tile as A K-major.
-  const uint64_t ai_mn = wgmma::desc128(wgmma::saddr(m.ai), kRows * 128, 1024),
-                 ai_k = wgmma::desc128(wgmma::saddr(m.ai), 16, 1024),
-                 y_mn = wgmma::desc128(wgmma::saddr(m.y), kRows * 128, 1024),
-                 dvn_mn = wgmma::desc128(wgmma::saddr(m.dvn), kRows * 128, 1024),
-                 dw_mn = wgmma::desc128(wgmma::saddr(m.dw), kRows * 128, 1024),
-                 k_mn = wgmma::desc128(wgmma::saddr(m.k), kRows * 128, 1024),
-                 c_k = wgmma::desc128(wgmma::saddr(m.c), 16, 1024);
-  // acc += Ai^T x (x [64 tokens, 128] MN-major): Ai's two planes, x exact. Issued and committed.
-  const auto ai_t_times = [&](float (&acc)[kN], uint64_t x) {
-    wgmma::fence_operand(acc);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) {
-      wgmma::mma<__nv_bfloat16, 128, 1, 1>(acc, wgmma::desc_add(ai_mn, kk * 2048), wgmma::desc_add(x, kk * 2048));
-      wgmma::mma<__nv_bfloat16, 128, 1, 1>(acc, wgmma::desc_add(ai_mn, kPlane + kk * 2048), wgmma::desc_add(x, kk * 2048));
-    }
-    wgmma::commit();
-  };
-  // 1. Every copy in: Ai's planes; Y's two products, dR_V = Ai^T dv_new, and the norms while they run.
-#pragma unroll
-  for (int u = 0; u < kRows * kRows / 4 / kWgThreads; ++u) {
-    const int at = wgmma::sw128_offset<kRows>(tid / 16 + 8 * u, tid % 16 * 4);
-    store_split4(reinterpret_cast<__nv_bfloat16*>(m.ai + at), kPlane / 2, ai[u]);
-  }
-  asm volatile("cp.async.wait_group 0;\n" ::);
-  wgmma::fence_shared();
-  __syncthreads();
-  float yv[kRows / 2] = {}, yk[kRows / 2] = {}, dr[kN] = {};
-  wg_gram(yv, m.dvn, m.v);
-  wg_gram(yk, m.dw, m.k);
-  ai_t_times(dr, dvn_mn);
-  wg_row_rnorms(m.rk, m.k, m.k);
-  __syncthreads();  // the norms
-  wgmma::wait<1>();
-  wgmma::fence_operand(yv);
-  wgmma::fence_operand(yk);
-  // Y's column j takes beta_j (V's) and beta_j E_j r_k,j (K's), as wy_grads_planes scales its quarters.
-  wg_pairs<kRows / 2>([&](int r, int c, int i) {
-#pragma unroll
-    for (int n = 0; n < 2; ++n) yv[i + n] = yv[i + n] * s.beta[c + n] + yk[i + n] * s.beta[c + n] * s.E[c + n] * m.rk[c + n];
-    store_split2(reinterpret_cast<__nv_bfloat16*>(m.y + wgmma::sw128_offset<kRows>(r, c)), kPlane / 2, yv[i], yv[i + 1]);
-  });
-  wgmma::wait<0>();
-  wgmma::fence_operand(dr);
-  // v's gradient beta dR_V, and V . dR_V a row (rows r0 and r0 + 8).
-  auto* dv = static_cast<__nv_bfloat16*>(p.dv_out);
-  float sv[2] = {};
-  wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = wg_pair(m.v, r, c);
-    sv[r / 8 % 2] += x.x * dr[i] + x.y * dr[i + 1];
-    const int64_t tok = s.slot[r];
-    if (tok < p.T)
-      *reinterpret_cast<uint32_t*>(dv + (tok * p.hv + h) * DimsT::dv + c) = pack2<__nv_bfloat16>(s.beta[r] * dr[i], s.beta[r] * dr[i + 1]);
-  });
-  wgmma::fence_shared();
-  __syncthreads();  // Y's planes are in; every product is done with v's and dv_new's bytes
-  // 2. Ai^T Y (three products); then dM = -(Ai^T Y) Ai^T, strictly lower.
-  float aty[kRows / 2] = {};
-  wgmma::fence_operand(aty);
-  wgmma::fence();
-#pragma unroll
-  for (int kk = 0; kk < kRows / 16; ++kk) {
-    const uint64_t a = wgmma::desc_add(ai_mn, kk * 2048), y = wgmma::desc_add(y_mn, kk * 2048);
-    wgmma::mma<__nv_bfloat16, 64, 1, 1>(aty, a, y);
-    wgmma::mma<__nv_bfloat16, 64, 1, 1>(aty, wgmma::desc_add(a, kPlane), y);
-    wgmma::mma<__nv_bfloat16, 64, 1, 1>(aty, a, wgmma::desc_add(y, kPlane));
-  }
-  wgmma::commit();
-  // KKL in the accumulator's layout, loaded while the products run.
-  float kl[kRows / 2];
-  wg_pairs<kRows / 2>([&](int r, int c, int i) {
-    const float2 x = *reinterpret_cast<const float2*>(p.kkl + (rows + r) * kRows + c);
-    kl[i] = x.x;
-    kl[i + 1] = x.y;
-  });
-  wgmma::wait<0>();
-  wgmma::fence_operand(aty);
-  uint32_t th[kRows / 16][4], tl[kRows / 16][4];
-  wg_planes(th, tl, aty, [](int, int, float x) { return x; });
-  float dm[kRows / 2] = {};
-  wgmma::fence_operand(dm);
-  wgmma::fence();
-#pragma unroll
-  for (int kk = 0; kk < kRows / 16; ++kk) {
-    const uint64_t a = wgmma::desc_add(ai_k, kk * 32);
-    wgmma::mma_rs<__nv_bfloat16, 0, 64>(dm, th[kk], a);
-    wgmma::mma_rs<__nv_bfloat16, 0, 64>(dm, tl[kk], a);
-    wgmma::mma_rs<__nv_bfloat16, 0, 64>(dm, th[kk], wgmma::desc_add(a, kPlane));
-  }
-  wgmma::commit();
-  wgmma::wait<0>();
-  wgmma::fence_operand(dm);
-  __syncthreads();  // every product is done with Y's planes (the C tile's bytes)
-  // dR_K = Ai^T dw, while dM's terms are formed (issued here, not beside Ai^T Y: the accumulators of both
-  // and dM's planes at once spilled).
-#pragma unroll
-  for (int i = 0; i < kN; ++i) dr[i] = 0.0f;
-  ai_t_times(dr, dw_mn);
-  // 3. From dM: beta's term KKL . dM a row; Z = beta KKL * dM (G's term through L); (C + C^T) diag(r_k)
-  // in bfloat16, C = beta L dM strictly lower: C's (r, c) at its place scaled by r_k,c and at its
-  // transpose's scaled by r_k,r, the diagonal zero. From dR_K: G's and beta's terms through k . dR_K.
-  float sa[2] = {}, sk[2] = {};
-  wg_pairs<kRows / 2>([&](int r, int c, int i) {
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int j = c + n;
-      const float x = j < r ? -dm[i + n] : 0.0f;
-      sa[r / 8 % 2] += kl[i + n] * x;
-      m.Z[r * kLdZ + j] = s.beta[r] * kl[i + n] * x;
-      if (j < r) {
-        const float cc = s.beta[r] * decay(s, r, j) * x;
-        *reinterpret_cast<__nv_bfloat16*>(m.c + wgmma::sw128_offset<kRows>(r, j)) = __float2bfloat16_rn(cc * m.rk[j]);
-        *reinterpret_cast<__nv_bfloat16*>(m.c + wgmma::sw128_offset<kRows>(j, r)) = __float2bfloat16_rn(cc * m.rk[r]);
-      } else if (j == r) {
-        *reinterpret_cast<__nv_bfloat16*>(m.c + wgmma::sw128_offset<kRows>(r, r)) = __float2bfloat16_rn(0.0f);
-      }
-    }
-  });
-  wgmma::wait<0>();
-  wgmma::fence_operand(dr);
-  wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 x = wg_pair(m.k, r, c);
-    sk[r / 8 % 2] += x.x * dr[i] + x.y * dr[i + 1];
-  });
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = r0 + 8 * half;
-    const float a = quad_sum(sa[half]), v_dot = quad_sum(sv[half]), k_dot = m.rk[r] * quad_sum(sk[half]);
-    if (lane % 4 == 0) {
-      const int64_t tok = s.slot[r];
-      if (tok < p.T) p.dbeta[tok * p.hv + h] = v_dot + s.E[r] * k_dot + a;
-      m.dG[r] = static_cast<double>(s.beta[r]) * s.E[r] * k_dot;
-    }
-  }
-  wgmma::fence_shared();
-  __syncthreads();  // Z, the C tile and dG's first terms are in
-  if (const double z = antisymmetric_row_sum<kLdZ, kWgThreads>(m.Z); tid % (kWgThreads / kRows) == 0) {
-    const int i = tid / (kWgThreads / kRows);
-    m.dG[i] += z + p.dg_part[rows + i];
-  }
-  // 4. k's gradient: dk_part + ((C + C^T) diag(r_k) k + beta E dR_K), then through the norm.
-  wg_pairs<kN>([&](int r, int c, int i) {
-    const float be = s.beta[r] * s.E[r];
-    dr[i] *= be;
-    dr[i + 1] *= be;
-  });
-  wgmma::fence_operand(dr);
-  wgmma::fence();
-#pragma unroll
-  for (int kk = 0; kk < kRows / 16; ++kk)
-    wgmma::mma<__nv_bfloat16, 128, 0, 1>(dr, wgmma::desc_add(c_k, kk * 32), wgmma::desc_add(k_mn, kk * 2048));
-  wgmma::commit();
-  wgmma::wait<0>();
-  wgmma::fence_operand(dr);
-  wg_pairs<kN>([&](int r, int c, int i) {
-    const float2 part = *reinterpret_cast<const float2*>(p.dk_part + (rows + r) * DimsT::dk + c);
-    dr[i] = part.x + dr[i];
-    dr[i + 1] = part.y + dr[i + 1];
-  });
-  __syncthreads();  // every read of Z is done: k's gradient is staged over it
-  wg_normalised_backward(m.dk, kLdF, dr, m.k, m.rk, 1.0f);  // through k's norm (dy = dk; a padding row's is summed by no one)
-  scan64(m.dG, true);  // g_s's gradient: the sum of G_i's over i >= s
-  __syncthreads();
-  if (tid < kRows && s.slot[tid] < p.T) p.dg[s.slot[tid] * p.hv + h] = m.dG[tid];
-  sum_over_value_heads<kWgThreads>(m.dk, kLdF, p.dk_keys, s, p, b.kh);
-#else
-  __trap();  // launched on compute capability 9.0 only, where the sm_90a build is loaded
-#endif
-}
-
 // A side stream forked from the current one (`use`; else the current one itself), joined back at
 // join() or, on an exception, when it leaves scope: declared after the tensors the side stream
 // writes, it joins before they go back to the main stream's cache.
@@ -3517,14 +3247,14 @@ void launch(Kernel kernel, dim3 grid, const Dims& d, const A& args, unsigned clu
 // none, the kernels devices after Hopper run, judged there by parity/test_gated_delta_rule.py):
 // `wgmma`, the recurrence on warpgroup products (recurrence_wgmma_kernel, where the sm_90a build runs),
 // `prepare3`, prepare_planes_kernel at three blocks a multiprocessor (at two without it), and
-// `output_wgmma` and `local_wgmma`, the output and local_grads on warpgroup products (output_wgmma_kernel,
-// local_wgmma_kernel: 0.597 and 0.513 ms at 32K against their planes kernels' 0.926 and 0.653, H100); and
-// `wy_grads_wgmma`, wy_grads on warpgroup products (wy_grads_wgmma_kernel; opt-in until judged and timed on a
-// GPU). dqkwg and prepare on warpgroup products were timed and removed (docs/benchmarks.md, fortieth session).
-enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8, kWyGradsWgmma = 16 };
+// and `output_wgmma` and `local_wgmma`, the output and local_grads on warpgroup products
+// (output_wgmma_kernel, local_wgmma_kernel: 0.597 and 0.513 ms at 32K against their planes kernels' 0.926
+// and 0.653, H100). dqkwg, prepare and wy_grads on warpgroup products (one warpgroup a block) were run and
+// removed in the fortieth session: no faster than their planes kernels, or wrong (docs/benchmarks.md).
+enum Variant : unsigned { kWgmma = 1, kPrepare3 = 2, kOutputWgmma = 4, kLocalWgmma = 8 };
 inline unsigned variants() {
   return env_variants("V4TRAIN_GDR_VARIANTS",
-                      {"wgmma", "prepare3", "output_wgmma", "local_wgmma", "wy_grads_wgmma"},
+                      {"wgmma", "prepare3", "output_wgmma", "local_wgmma"},
                       kWgmma | kPrepare3 | kOutputWgmma | kLocalWgmma);
 }
 
@@ -3724,11 +3454,7 @@ void fused(Fused& f, bool backward) {
   a.dg = f.dg.data_ptr<double>();
   if constexpr (planes) {
     a.dk_keys = static_cast<__nv_bfloat16*>(dk.data_ptr());
-    if ((variants() & kWyGradsWgmma) && aligned16(a.k) && aligned16(a.v) &&
-        wgmma::capable(f.q.get_device(), smem_bytes<WgWySmem>(d)))
-      launch<WgWySmem, kWgThreads>(wy_grads_wgmma_kernel<DimsT>, grid, d, a, cluster);
-    else
-      launch<WyPlanesSmem>(wy_grads_planes_kernel<DimsT>, grid, d, a, cluster);
+    launch<WyPlanesSmem>(wy_grads_planes_kernel<DimsT>, grid, d, a, cluster);
     f.dq = dq;
     f.dk = dk;
   } else {
