@@ -62,7 +62,6 @@ PLANES_CUDA = tuple(f"parity/test_gated_delta_rule.py::{test}" for test in (
     "test_the_planes_kernels_pass_the_judge_on_cuda_with_the_warps_kernels"))
 
 
-
 def parity(op: str, *extra: str) -> tuple[str, ...]:
     """The op's own parity target, as `tools/bazel test //parity:<op>` runs it."""
     special = os.path.join("parity", f"test_{op}.py")
