@@ -304,11 +304,11 @@ def test_15_11_usage_errors_exit_2_in_one_line(script, args, message, tmp_path):
 @pytest.mark.parametrize("to", ["process", "another_thread"])
 def test_15_10_an_interrupt_while_evaluating_is_one_line(to, tmp_path):
     """SIGINT inside evaluate's main (here while it waits for its --data, a FIFO): one line and
-    128 + SIGINT, no KeyboardInterrupt traceback. CPython acts on a signal in the main thread only;
-    one the kernel hands to another of the process's threads (torch's) ends no read the main thread
-    is blocked in, so it is acted on once that read returns (docs/reliability.md). The second case
-    sends it to such a thread (in CI one once came there by itself: a hang). Blank lines written to
-    the FIFO return each read to Python without ending the file."""
+    128 + SIGINT, no KeyboardInterrupt traceback. CPython acts on a signal at the main thread's next
+    step in Python, so a read that does not return delays it: a signal that comes in the instant
+    before the main thread blocks in the read (seen once in CI: a hang), or that the kernel hands to
+    another of the process's threads (torch's OpenMP workers: the second case sends it to one).
+    Blank lines written to the FIFO return each read to Python without ending the file."""
     import ctypes
     import errno
     import signal
@@ -318,7 +318,8 @@ def test_15_10_an_interrupt_while_evaluating_is_one_line(to, tmp_path):
 
     fifo = tmp_path / "data.jsonl"
     os.mkfifo(fifo)
-    proc = start_cli("evaluate.py", f"--model_dir={BASE}", f"--data={fifo}")
+    # (Two OpenMP threads, so that a worker is there to take the signal: Bazel's tests run at one.)
+    proc = start_cli("evaluate.py", f"--model_dir={BASE}", f"--data={fifo}", env={"OMP_NUM_THREADS": "2"})
     deadline, writer = time.time() + 300, None
     while writer is None:  # a writer can open the FIFO once evaluate has opened it to read: main is running
         try:
