@@ -61,6 +61,21 @@ def test_no_state_crosses_a_boundary(device):
     assert torch.equal(a[first_end:], b[first_end:]), "a later document's output depends on an earlier one"
 
 
+@pytest.mark.parametrize("device", devices())
+def test_a_growth_is_refused_with_its_largest_value(device):
+    """g > 0 anywhere is refused, naming g's largest value (on CUDA read after the kernels are
+    queued: the op must still raise, and return nothing); a NaN is no growth."""
+    (q, k, v, g, beta), cu = _inputs(device)
+    grown = g.clone()
+    grown[70, 1], grown[3, 0] = 0.75, 0.25
+    with pytest.raises(ValueError, match=r"^v4_gated_delta_rule: g is a log decay and must be <= 0 .* got a largest "
+                                         r"value of 0\.75$"):
+        OP(q, k, v, grown, beta, cu)
+    nan = g.clone()
+    nan[5, 0] = float("nan")
+    assert OP(q, k, v, nan, beta, cu)[5:].isnan().any()  # (not refused: computed, the NaN flowing on)
+
+
 @pytest.mark.parametrize("device,dtype", LONG)
 def test_qwen_widths_across_document_and_chunk_boundaries(device, dtype):
     """Qwen3.5's head widths (128; 2 key heads serving 4 value heads) over documents of 1, 63, 64,

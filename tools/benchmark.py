@@ -104,9 +104,13 @@ def fla_gated_delta_rule(unchecked: bool):
         chunk_o.v4train_refused, chunk_o.TRITON_ABOVE_3_7_1 = True, True
         name = "fla (times only: its gradients are wrong on this Triton)"
 
+    on_device = {}  # fla's kernels read cu_seqlens on the device: each case's copy made once, untimed
+
     def call(q, k, v, g, beta, cu_seqlens):
-        o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None], cu_seqlens=cu_seqlens,
-                                      use_qk_l2norm_in_kernel=True)
+        if id(cu_seqlens) not in on_device:
+            on_device[id(cu_seqlens)] = cu_seqlens.to(q.device)
+        o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None].float(), beta[None],
+                                      cu_seqlens=on_device[id(cu_seqlens)], use_qk_l2norm_in_kernel=True)
         return o[0]
 
     return name, call
