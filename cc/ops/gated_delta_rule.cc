@@ -252,8 +252,14 @@ at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::
       }
     }
   }
-  const at::Tensor gather_idx = v4::upload(gather, q.device());
-  const at::Tensor chunks_of_device = v4::upload(chunks_of, q.device()), offset_device = v4::upload(offset, q.device());
+  // The three index arrays in one upload, as views of it (an upload each was three of the forward's
+  // five host-to-device copies before its first kernel): gather's slots, chunks_of, offset.
+  const int64_t slots = gather.size();
+  gather.insert(gather.end(), chunks_of.begin(), chunks_of.end());
+  gather.insert(gather.end(), offset.begin(), offset.end());
+  const at::Tensor indices = v4::upload(gather, q.device());
+  const at::Tensor gather_idx = indices.narrow(0, 0, slots), chunks_of_device = indices.narrow(0, slots, N),
+                   offset_device = indices.narrow(0, slots + N, positions);
   const auto dtype = q.scalar_type();
   if (Backend<FusedKernel>::find(q.device().type()) != nullptr && k.scalar_type() == dtype &&
       v.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16) && Dk <= kFusedMaxDim &&
