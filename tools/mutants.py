@@ -203,6 +203,10 @@ MUTATIONS = (
     Mutation("delta_rule_gamma_gradient_dropped", "backward only: the chunk decay's gradient through the state "
              "(dgamma) left out of g's gradient (g's alone wrong, fla issue 640's kind)", "cc/ops/gated_delta_rule.cu",
              "      v += static_cast<double>(p.dgamma[head]) * s.gamma;\n", "", DELTA_RULE_CUDA, cuda=True),
+    Mutation("delta_rule_growth_unrefused_on_cuda", "a growth (g > 0) on CUDA goes unrefused: the check deferred "
+             "past the kernels is never read", "cc/ops/gated_delta_rule.cc",
+             "  if (growth.deferred()) refuse_growth();", "",
+             ("parity/test_gated_delta_rule.py", "-k", "growth and cuda"), cuda=True),
     Mutation("delta_rule_planes_chunk_decay_one_percent_off", "backward only: the bf16 kernels' chunk decay "
              "gradient (dqkwg's dot of h and d_state) 1% large: g's gradient some 0.6% off, inside judge's bf16 "
              "bound, caught along its path by judge_path", "cc/ops/gated_delta_rule.cu",
