@@ -154,8 +154,9 @@ struct FusedRule : public torch::autograd::Function<FusedRule> {
 class LargestGrowth {
  public:
   explicit LargestGrowth(const at::Tensor& g) {
-    const at::Tensor largest = g.numel() == 0 ? at::zeros({}, g.options().dtype(at::kDouble))
-                                              : at::where(g > 0, g, 0).amax().to(at::kDouble);
+    const at::Tensor d = g.detach();  // (no graph for a check)
+    const at::Tensor largest = d.numel() == 0 ? at::zeros({}, d.options().dtype(at::kDouble))
+                                              : at::where(d > 0, d, 0).amax().to(at::kDouble);
     if (!largest.is_cuda()) {
       host_ = largest;
       return;
