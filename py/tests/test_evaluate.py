@@ -51,6 +51,26 @@ def test_labels_are_used_as_given(tmp_path):
         "the model's own ops, not the other family's"
 
 
+def test_data_from_a_pipe(tmp_path):
+    """--data may be a pipe or FIFO (`--data=<(zcat d.jsonl.gz)`), which has no seek: the same
+    loss as from the file (its first bytes, checked for gzip's, were read and sought back)."""
+    import threading
+
+    model_dir, _, _ = golden("qwen3_5")
+    rows = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    _write_rows(tmp_path / "d.jsonl", rows)
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    feed = threading.Thread(target=lambda: (fifo.write_bytes((tmp_path / "d.jsonl").read_bytes())))
+    feed.start()
+    piped = _run(f"--model_dir={model_dir}", f"--data={fifo}")
+    feed.join()
+    from_file = _run(f"--model_dir={model_dir}", f"--data={tmp_path / 'd.jsonl'}")
+    assert piped.returncode == 0 and from_file.returncode == 0, piped.stderr + from_file.stderr
+    piped_out, file_out = (json.loads(r.stdout.splitlines()[-1]) for r in (piped, from_file))
+    assert piped_out["tokens"] == 6 and piped_out["loss"] == file_out["loss"]
+
+
 def test_flags_from_a_flagfile_with_comments(tmp_path):
     """The trainer's flagfiles (cli.Flagfiles): read from the user's folder, comments after values."""
     model_dir, _, _ = golden("qwen3_5")

@@ -128,9 +128,9 @@ def read_records(path: str, tokenizer=None, vocab_size: int | None = None, notes
     except OSError as e:
         raise DataError(f"{path}: cannot open ({e.strerror})") from None
     with f:
-        if f.read(2) == b"\x1f\x8b":
+        # (peeked, not read and sought back: a pipe or FIFO, `--data=<(zcat d.jsonl.gz)`, has no seek)
+        if f.peek(2)[:2] == b"\x1f\x8b":
             raise DataError(f"{path}: a gzip-compressed file; give the JSONL uncompressed (gunzip it first)")
-        f.seek(0)
         for n, raw in enumerate(f, 1):
             where = f"{path}:{n}"
             try:
