@@ -128,6 +128,39 @@ def start_cli(script: str, *args: str, env: dict | None = None, **kwargs):
 
 
 @contextlib.contextmanager
+def fifo_of(path, data: bytes):
+    """A FIFO at `path` that a thread fills with `data` once a reader opens it (what a
+    `--data=<(zcat d.jsonl.gz)` hands the trainer); on leaving, a writer whose reader never came or
+    stopped reading is let go, so that a failed run does not hang the test."""
+    import threading
+    import time
+
+    os.mkfifo(path)
+
+    def feed():
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except BrokenPipeError:  # the reader left before the end
+            pass
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    try:
+        yield path
+    finally:
+        if writer.is_alive():
+            reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (its open returns; its writes drain here)
+            while writer.is_alive():
+                try:
+                    os.read(reader, 1 << 16)
+                except BlockingIOError:
+                    time.sleep(0.01)
+            os.close(reader)
+        writer.join()
+
+
+@contextlib.contextmanager
 def gloo(rank: int, size: int, init: str):
     """This process as rank `rank` of a gloo group of `size` (mp.spawn's workers), rendezvous
     through the file `init`. A worker whose body passes exits at the block's end (os._exit(0)), so

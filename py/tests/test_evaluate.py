@@ -53,18 +53,13 @@ def test_labels_are_used_as_given(tmp_path):
 
 def test_data_from_a_pipe(tmp_path):
     """--data may be a pipe or FIFO (`--data=<(zcat d.jsonl.gz)`), which has no seek: the same
-    loss as from the file (its first bytes, checked for gzip's, were read and sought back)."""
-    import threading
+    loss as from the file (it was refused: the check of its first bytes for gzip's sought back)."""
+    from golden_cases import fifo_of
 
     model_dir, _, _ = golden("qwen3_5")
-    rows = [[1, 2, 3, 4, 5], [6, 7, 8]]
-    _write_rows(tmp_path / "d.jsonl", rows)
-    fifo = tmp_path / "fifo.jsonl"
-    os.mkfifo(fifo)
-    feed = threading.Thread(target=lambda: (fifo.write_bytes((tmp_path / "d.jsonl").read_bytes())))
-    feed.start()
-    piped = _run(f"--model_dir={model_dir}", f"--data={fifo}")
-    feed.join()
+    _write_rows(tmp_path / "d.jsonl", [[1, 2, 3, 4, 5], [6, 7, 8]])
+    with fifo_of(tmp_path / "fifo.jsonl", (tmp_path / "d.jsonl").read_bytes()) as fifo:
+        piped = _run(f"--model_dir={model_dir}", f"--data={fifo}")
     from_file = _run(f"--model_dir={model_dir}", f"--data={tmp_path / 'd.jsonl'}")
     assert piped.returncode == 0 and from_file.returncode == 0, piped.stderr + from_file.stderr
     piped_out, file_out = (json.loads(r.stdout.splitlines()[-1]) for r in (piped, from_file))

@@ -84,6 +84,19 @@ def test_lora_run_writes_metrics_plot_checkpoints_and_summary(tmp_path):
             "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out / "checkpoint-6"))
 
 
+def test_data_from_a_pipe_trains_as_from_the_file(tmp_path):
+    """--data may be a pipe or FIFO (`--data=<(zcat d.jsonl.gz)`), read once: the first step's loss
+    as from the file."""
+    from golden_cases import fifo_of, run_train
+
+    args = [a for a in SMALL if not a.startswith("--data=")] + ["--max_steps=1"]
+    with fifo_of(tmp_path / "chat.jsonl", open(CHAT, "rb").read()) as fifo:
+        piped = run_train(*args, f"--data={fifo}", f"--output_dir={tmp_path / 'piped'}")
+    from_file = run_train(*args, f"--data={CHAT}", f"--output_dir={tmp_path / 'file'}")
+    assert piped.returncode == 0 and from_file.returncode == 0, piped.stderr[-3000:] + from_file.stderr[-3000:]
+    assert last_json(piped.stdout)["first_loss"] == last_json(from_file.stdout)["first_loss"]
+
+
 def test_resumed_run_continues_the_same_loss_curve(tmp_path):
     # Dropout and several epochs' worth of shuffling make the RNG and data position matter.
     args = [*SMALL, "--max_steps=8", "--save_interval=4", "--lora_dropout=0.1", "--grad_accum=2"]
