@@ -345,6 +345,19 @@ def test_15_10_an_interrupt_while_evaluating_is_one_line(to, tmp_path):
     assert stderr.strip().splitlines()[-1] == "evaluate: interrupted before it finished; nothing was written", stderr
 
 
+@pytest.mark.parametrize("flag", ["data", "eval_data"])
+def test_15_11_a_pipe_for_several_processes_is_refused(flag, tmp_path):
+    """One process reads a pipe once (README: `--data=<(zcat d.jsonl.gz)`); with --nproc_per_node
+    each rank reads --data, so the second would wait on a FIFO no one writes: refused at start-up."""
+    fifo = tmp_path / "d.jsonl"
+    os.mkfifo(fifo)
+    args = [a for a in SMALL if not (flag == "data" and a.startswith("--data="))]
+    result = run_train(*args, f"--{flag}={fifo}", "--max_steps=1", "--nproc_per_node=2",
+                       f"--output_dir={tmp_path / 'out'}")
+    assert error_line(result) == (f"train: --{flag}={fifo} is not a file (a pipe?): one process reads it once, and "
+                                  f"each of the 2 processes reads --{flag}; give a file")
+
+
 def test_15_11_a_missing_shard_is_named_once(tmp_path):
     import shutil
 

@@ -101,11 +101,17 @@ class RunConfig:
         model_dir = path("model_dir", True) if f.model_dir else None
         config_path = None if model_dir else path("model_config")
         output_dir = cli.output_path(f.output_dir)
+        data, eval_data = path("data"), path("eval_data") if f.eval_data else None
+        processes = f.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
+        for flag, value in (("data", data), ("eval_data", eval_data)):
+            if value and processes > 1 and not os.path.isfile(value):  # (a FIFO: the second rank's open would wait)
+                raise FlagError(f"--{flag}={f[flag].value} is not a file (a pipe?): one process reads it once, and "
+                                f"each of the {processes} processes reads --{flag}; give a file")
         return RunConfig(
-            data=path("data"), output_dir=output_dir, model_dir=model_dir, model_config=config_path,
+            data=data, output_dir=output_dir, model_dir=model_dir, model_config=config_path,
             save_base_model=f.save_base_model,
             tokenizer_dir=path("tokenizer_dir", True) if f.tokenizer_dir else None,
-            eval_data=path("eval_data") if f.eval_data else None,
+            eval_data=eval_data,
             resume_from=resume_path(f.resume_from, output_dir), eval_interval=f.eval_interval, seq_len=f.seq_len,
             overlong=f.overlong, packing=f.packing, dtype=getattr(torch, f.dtype), device=cli.pick_device(f.device),
             cpp_ops=f.cpp_ops, self_check=f.self_check, gradient_checkpointing=f.gradient_checkpointing,
