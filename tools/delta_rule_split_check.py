@@ -34,10 +34,16 @@ to see a dot some percent off (--off: that variant too), the built op (--cpp, on
 kernels) should sit as close to its own rounding as the emulation's float32 order allows
 (docs/gpu.md, item 6 of the eleventh session).
 
+--flashqla adds FlashQLA's formulation (flashqla_chunked: Ar without the gate stored in bf16, every
+product bf16, the state read in bf16), and the same with Q K^T exact as this project's kernels form it
+from the raw rows: the forty-first session's 500 samples failed 4 (A_log's and dt_bias's gradients, as
+plain bf16 does) and 0 (A_log's worst error 7.52 times the reference's, the planes kernels' 7.46).
+
     python3 tools/delta_rule_split_check.py [--samples 500] [--ops v4_gated_deltanet,v4_gated_delta_rule]
     python3 tools/delta_rule_split_check.py --each --samples 200
     python3 tools/delta_rule_split_check.py --plain w_state,q_state,kt_v_new --stored h,d_state --long --samples 5
     python3 tools/delta_rule_split_check.py --plain w_state,q_state,kt_v_new --long --off 0.01 --cpp --device cuda
+    python3 tools/delta_rule_split_check.py --flashqla --samples 500
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ import torch
 
 from v4train.models.qwen3_5.deltanet import v4_gated_deltanet
 from v4train.ops import REFERENCE, resolve
-from v4train.reference.gated_delta_rule import PRODUCT_SITES, v4_gated_delta_rule
+from v4train.reference.gated_delta_rule import PRODUCT_SITES, _prepare, v4_gated_delta_rule
 from v4train.testing.cases import CASES
 from v4train.testing.cases.gated_delta_rule import ScaledGradient, long_documents
 from v4train.testing.check import (Spreads, _compare, forward_backward, in_float64, low_precision_bound,
@@ -161,6 +167,77 @@ class Ops:
         return getattr(REFERENCE, name)
 
 
+class UnitLowerInverse(torch.autograd.Function):
+    """(I + A)^-1 of a strictly lower A, in float32, as FlashQLA's kkt_solve forms it; its backward
+    -Ar^T dAr Ar^T (strictly lower) with bf16 operands, as its WY backward takes it."""
+
+    @staticmethod
+    def forward(ctx, a):
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device).expand_as(a)
+        ar = torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)
+        ctx.save_for_backward(ar)
+        return ar
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ar,) = ctx.saved_tensors
+        return -product(product(ar.transpose(-1, -2), grad, "bf16"), ar.transpose(-1, -2), "bf16").tril(-1)
+
+
+def flashqla_chunked(q, k, v, g, beta, chunk_size: int = 64, exact_qk: bool = False):
+    """The chunked rule as FlashQLA (QwenLM/FlashQLA, docs/gpu.md, forty-first session) computes it:
+    Ar = (I + strictly lower(diag(beta) K K^T))^-1 without the gate, stored in bf16, the gated matrix
+    formed as Gamma * (Ar diag(beta)); v_new = Ag (V - e^G * (K S)) from the state S (fp32, read as
+    bf16); every product of bf16 operands, the backward's too (autograd through Product). The cumulative
+    gate in float64, as the reference and this project's kernels keep it."""
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    B, H, L, Dk = k.shape
+    Dv = v.shape[-1]
+    pad = (chunk_size - L % chunk_size) % chunk_size
+    q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (torch.nn.functional.pad(x, (0, pad)) for x in (beta, g))
+    n = (L + pad) // chunk_size
+    chunks = lambda x: x.reshape(B, H, n, chunk_size, x.shape[-1])  # noqa: E731
+    q, k, v, beta = chunks(q), chunks(k), chunks(v), beta.reshape(B, H, n, chunk_size)
+    compute = q.dtype
+    G = g.reshape(B, H, n, chunk_size).double().cumsum(dim=-1)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    gamma = (G[..., :, None] - G[..., None, :]).masked_fill(upper, float("-inf")).exp().to(compute)  # Gamma
+    e_g, to_end = G.exp().to(compute)[..., None], (G[..., -1:] - G).exp().to(compute)[..., None]
+    mm = lambda a, b: Product.apply(a, b, "bf16")  # noqa: E731
+    kkt = mm(k, k.transpose(-1, -2))
+    ar = Rounded.apply(UnitLowerInverse.apply((beta[..., :, None] * kkt).tril(-1)))  # stored in bf16
+    ag = gamma * (ar * beta[..., None, :])
+    pg = gamma * (q @ k.transpose(-1, -2) if exact_qk else mm(q, k.transpose(-1, -2)))
+    state = torch.zeros(B, H, Dk, Dv, dtype=compute, device=q.device)
+    outs = []
+    for i in range(n):
+        vd = mm(ag[:, :, i], v[:, :, i] - e_g[:, :, i] * mm(k[:, :, i], state))
+        outs.append(e_g[:, :, i] * mm(q[:, :, i], state) + mm(pg[:, :, i], vd))
+        state = state * G[:, :, i, -1].exp().to(compute)[..., None, None] + mm(k[:, :, i].transpose(-1, -2),
+                                                                             to_end[:, :, i] * vd)
+    o = torch.stack(outs, dim=2).reshape(B, H, -1, Dv)[:, :, :L]
+    return o.transpose(1, 2).contiguous().to(out_dtype)
+
+
+def flashqla_rule(q, k, v, g, beta, cu_seqlens, exact_qk: bool = False):
+    """v4_gated_delta_rule's contract (packed documents, each from a zero state) on flashqla_chunked."""
+    bounds = cu_seqlens.tolist()
+    return torch.cat([flashqla_chunked(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e],
+                                       exact_qk=exact_qk)[0] for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
+
+
+class FlashQlaOps:
+    """The reference op table with flashqla_rule for the delta rule (v4_gated_deltanet's ops)."""
+
+    def __init__(self, exact_qk: bool):
+        self.v4_gated_delta_rule = functools.partial(flashqla_rule, exact_qk=exact_qk)
+
+    def __getattr__(self, name):
+        return getattr(REFERENCE, name)
+
+
 def candidate(op: str, split, stored=(), off=0.0):
     ops = Ops(split, stored, off)
     return ops.v4_gated_delta_rule if op == "v4_gated_delta_rule" else functools.partial(v4_gated_deltanet, ops=ops)
@@ -185,6 +262,8 @@ def main() -> None:
     parser.add_argument("--off", type=float, default=0.0, help="with --plain: also its variant with the chunk decay's "
                         "gradient (the dot) this far off, e.g. 0.01")
     parser.add_argument("--cpp", action="store_true", help="also the built C++ op (on --device: the CUDA kernels)")
+    parser.add_argument("--flashqla", action="store_true", help="also FlashQLA's formulation (flashqla_chunked: every "
+                        "product bf16, Ar stored and the state read in bf16; and with Q K^T exact)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -218,6 +297,12 @@ def main() -> None:
             variants[f"the same, the dot {args.off:g} off"] = lambda op: candidate(op, of_site, stored, args.off)
     if args.cpp:
         variants[f"the C++ op ({args.device})"] = lambda op: resolve(op)[op]
+    if args.flashqla:
+        for exact_qk in (False, True):
+            ops_ = FlashQlaOps(exact_qk)
+            name = "FlashQLA's formulation, bf16 products" + (" but Q K^T exact" if exact_qk else "")
+            variants[name] = lambda op, ops_=ops_: (ops_.v4_gated_delta_rule if op == "v4_gated_delta_rule"
+                                                    else functools.partial(v4_gated_deltanet, ops=ops_))
     grad_of_g = {"v4_gated_delta_rule": "g", "v4_gated_deltanet": "linear_attn.A_log"}
     print("| op | products | samples failed | tensors that failed first | A_log's error / the reference's (median, "
           "max; the largest over the judge's first exit's bound) | "

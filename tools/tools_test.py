@@ -369,3 +369,36 @@ def test_the_split_check_stores_u_and_v_new_rounded_where_the_reference_names_th
     y.backward(upstream)
     assert torch.equal(y, x.detach()) and torch.equal(x.grad, upstream.bfloat16().float())
     assert not torch.equal(x.grad, upstream)
+
+
+def test_the_split_check_s_flashqla_formulation_is_the_rule_without_its_rounding(monkeypatch):
+    """--flashqla: FlashQLA's formulation (Ar without the gate, Gamma * (Ar diag(beta)), v_new =
+    Ag (V - e^G * (K S))) is the chunked rule exactly: in float64, with bf16 rounding taken out, its
+    output and every gradient equal the reference's to float64 rounding, across documents of 1, 63,
+    64, 65 and 130 tokens; with the rounding, they differ (its products are bf16)."""
+    import torch
+
+    import delta_rule_split_check as check
+    from v4train.reference.gated_delta_rule import v4_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(2)
+    lengths, H, D = [1, 63, 64, 65, 130], 2, 8
+    T = sum(lengths)
+    leaves = [torch.randn(T, H, D, generator=gen, dtype=torch.float64) for _ in range(3)]
+    leaves += [-torch.rand(T, H, generator=gen, dtype=torch.float64) / 4, torch.rand(T, H, generator=gen, dtype=torch.float64)]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    upstream = torch.randn(T, H, D, generator=gen, dtype=torch.float64)
+
+    def run(rule, **kw):
+        xs = [x.clone().requires_grad_() for x in leaves]
+        out = rule(*xs, cu, **kw)
+        out.backward(upstream)
+        return [out.detach()] + [x.grad for x in xs]
+
+    want = run(v4_gated_delta_rule)
+    rounded = run(check.flashqla_rule)
+    monkeypatch.setattr(check, "bf16", lambda x: x)
+    for exact_qk in (False, True):
+        for name, got, ref in zip(["o", "q", "k", "v", "g", "beta"], run(check.flashqla_rule, exact_qk=exact_qk), want):
+            assert ((got - ref).norm() / ref.norm()).item() < 1e-12, (name, exact_qk)
+    assert ((rounded[0] - want[0]).norm() / want[0].norm()).item() > 1e-4
