@@ -89,6 +89,11 @@ def launched() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def launched_size() -> int:
+    """The processes of this run torch's launcher started (1 for a process it did not start)."""
+    return int(os.environ["WORLD_SIZE"]) if launched() else 1
+
+
 def check_divides(expert_parallel: int, processes: int, what: str) -> None:
     """--expert_parallel divides the processes (`what` names them), else a ValueError."""
     if processes % expert_parallel:
@@ -101,7 +106,7 @@ def join(device: str, timeout_s: float, expert_parallel: int = 1) -> World:
     on the CPU) with `timeout_s` for every collective, and on CUDA this rank's device made the
     current one (LOCAL_RANK). A process started without torchrun is a world of one.
     `expert_parallel` must divide the world size (ValueError naming both)."""
-    size = int(os.environ["WORLD_SIZE"]) if launched() else 1
+    size = launched_size()
     check_divides(expert_parallel, size, f"the {size} process(es) of this run (--nproc_per_node x nodes)")
     if size == 1:
         return World()

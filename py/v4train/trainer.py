@@ -102,7 +102,7 @@ class RunConfig:
         config_path = None if model_dir else path("model_config")
         output_dir = cli.output_path(f.output_dir)
         data, eval_data = path("data"), path("eval_data") if f.eval_data else None
-        processes = f.nproc_per_node or (int(os.environ["WORLD_SIZE"]) if distributed.launched() else 1)
+        processes = f.nproc_per_node or distributed.launched_size()
         for flag, value in (("data", data), ("eval_data", eval_data)):
             if value and processes > 1 and not os.path.isfile(value):  # (a FIFO: the second rank's open would wait)
                 raise FlagError(f"--{flag}={f[flag].value} is not a file (a pipe?): one process reads it once, and "
