@@ -150,7 +150,7 @@ struct FusedRule : public torch::autograd::Function<FusedRule> {
 // refusal of a growth. On CUDA it is copied to pinned memory behind an event, and read (deferred())
 // after the rule's kernels are queued: read first, the host waited on the device before planning
 // them (at 8K tokens the forward's wall time was 0.12 ms above its kernels' 0.57 on an H100, the
-// read back and the planning before the first kernel; docs/benchmarks.md, fortieth session).
+// read back and the planning before the first kernel; docs/gpu.md, forty-first entry).
 class LargestGrowth {
  public:
   explicit LargestGrowth(const at::Tensor& g) {
